@@ -1,0 +1,97 @@
+"""The GEMM spec and the hardware description."""
+
+import dataclasses
+
+import jax
+import pytest
+
+from wavetune_jax import MATMUL, MatmulProblem, get_hardware, get_spec
+from wavetune_jax.hardware import PRESETS, detect, device_key
+from wavetune_jax.matmul_spec import ACC_PER_THREAD
+
+H100 = get_hardware("h100")
+
+
+def test_device_key():
+  assert device_key("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+  assert device_key("NVIDIA H200") == "nvidia_h200"
+  assert PRESETS["h200"].device_key == "nvidia_h200"
+  assert get_hardware("nvidia_h200") is PRESETS["h200"]
+  with pytest.raises(ValueError, match="unknown hardware"):
+    get_hardware("tpu9000")
+
+
+def test_detect_refuses_cpu():
+  if jax.devices()[0].platform == "gpu":
+    pytest.skip("runs on a GPU")
+  with pytest.raises(RuntimeError, match="no GPU"):
+    detect()
+
+
+def test_registry():
+  assert get_spec("matmul") is MATMUL
+  with pytest.raises(ValueError, match="unknown kernel 'nope'"):
+    get_spec("nope")
+
+
+def test_problem_validation():
+  with pytest.raises(ValueError, match="m=0"):
+    MatmulProblem(m=0, n=1, k=1)
+  with pytest.raises(ValueError, match="dtype"):
+    MatmulProblem(m=1, n=1, k=1, dtype="int8")
+  p = MatmulProblem(m=3, n=4, k=5, dtype="bfloat16")
+  assert p.out_dtype == "bfloat16"
+  assert MATMUL.problem_from_dict(MATMUL.problem_to_dict(p)) == p
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 28672, 4096), (300, 1280, 8192),
+                                   (4096, 4096, 14336), (16384, 128256, 4096)])
+def test_space_rules(m, n, k):
+  p = MatmulProblem(m=m, n=n, k=k)
+  space = MATMUL.space(p, H100)
+  assert 10 < len(space) <= 1000
+  assert len(set(space)) == len(space)
+  for c in space:
+    MATMUL.validate(p, c, H100)  # every config of the space is valid
+    assert MATMUL.smem_bytes(p, c) <= H100.smem_per_block
+    assert c.block_m * c.block_n // (32 * c.num_warps) <= ACC_PER_THREAD[1]
+    tiles = -(-m // c.block_m) * -(-n // c.block_n)
+    if c.split_k > 1:
+      assert tiles < H100.num_sms
+  # The rule-of-thumb configs are members of the space.
+  assert MATMUL.heuristic(p, H100) in space
+
+
+def test_split_k_only_for_small_grids():
+  small = MATMUL.space(MatmulProblem(m=16, n=4096, k=4096), H100)
+  large = MATMUL.space(MatmulProblem(m=4096, n=4096, k=4096), H100)
+  assert any(c.split_k > 1 for c in small)
+  assert all(c.split_k == 1 for c in large)
+
+
+def test_unpruned_space_is_a_superset():
+  p = MatmulProblem(m=100, n=512, k=1024)
+  assert set(MATMUL.space(p, H100)) <= set(MATMUL.space(p, H100, prune=False))
+
+
+def test_coords():
+  p = MatmulProblem(m=1000, n=4096, k=4096)
+  g, l = MATMUL.coords(p, dict(block_m=128, block_n=256, block_k=64, split_k=1))
+  assert (g, l) == (8 * 16, 64)
+  g, l = MATMUL.coords(p, dict(block_m=16, block_n=64, block_k=64, split_k=4))
+  assert (g, l) == (63 * 64 * 4, 16)
+
+
+def test_heuristic_uses_split_k_for_small_m():
+  c = MATMUL.heuristic(MatmulProblem(m=16, n=4096, k=4096), H100)
+  assert c.block_m == 16 and c.split_k > 1
+  c = MATMUL.heuristic(MatmulProblem(m=4096, n=4096, k=4096), H100)
+  assert (c.block_m, c.block_n, c.split_k) == (128, 256, 1)
+
+
+def test_validate_smem():
+  p = MatmulProblem(m=512, n=512, k=512, dtype="float32")
+  c = dataclasses.replace(MATMUL.default(p), block_m=256, block_n=256, block_k=128,
+                          num_stages=4)
+  with pytest.raises(ValueError, match="shared memory"):
+    MATMUL.validate(p, c, H100)

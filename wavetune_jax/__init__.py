@@ -1,0 +1,23 @@
+"""wavetune-jax: near-optimal launch configs for Pallas GPU kernels at trace time."""
+
+from wavetune_jax.hardware import Hardware, detect, device_key, get_hardware
+from wavetune_jax.matmul_spec import MATMUL, MatmulConfig, MatmulProblem, MatmulSpec
+from wavetune_jax.ops import matmul
+from wavetune_jax.spec import KernelSpec, get_spec, register
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Hardware",
+    "KernelSpec",
+    "MATMUL",
+    "MatmulConfig",
+    "MatmulProblem",
+    "MatmulSpec",
+    "detect",
+    "device_key",
+    "get_hardware",
+    "get_spec",
+    "matmul",
+    "register",
+]

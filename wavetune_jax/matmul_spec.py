@@ -1,0 +1,236 @@
+"""The GEMM spec: ``y[M, N] = x[M, K] @ w[K, N]`` with the Pallas Triton kernel."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.matmul import MatmulConfig, matmul_reference
+from pallas_kernels.matmul import matmul as pallas_matmul
+from wavetune_jax.hardware import Hardware
+from wavetune_jax.spec import KernelSpec, register
+
+__all__ = ["MatmulProblem", "MatmulConfig", "MatmulSpec", "MATMUL"]
+
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MatmulProblem:
+  """Static facts of one GEMM call.
+
+  Attributes:
+    m, n, k: ``x`` is ``[m, k]``, ``w`` is ``[k, n]``.
+    dtype: input dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``).
+    out_dtype: output dtype name (default: ``dtype``).
+  """
+
+  m: int
+  n: int
+  k: int
+  dtype: str = "bfloat16"
+  out_dtype: str = ""
+
+  def __post_init__(self):
+    for name in ("m", "n", "k"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"MatmulProblem.{name}={v!r} must be an int >= 1")
+    dtype = jnp.dtype(self.dtype).name
+    if dtype not in _DTYPES:
+      raise ValueError(f"MatmulProblem.dtype={self.dtype!r} must be one of {_DTYPES}")
+    object.__setattr__(self, "dtype", dtype)
+    object.__setattr__(self, "out_dtype",
+                       jnp.dtype(self.out_dtype or dtype).name)
+
+  @property
+  def itemsize(self) -> int:
+    return jnp.dtype(self.dtype).itemsize
+
+  @property
+  def flops(self) -> int:
+    return 2 * self.m * self.n * self.k
+
+
+def _next_pow2(v: int) -> int:
+  return 1 << max(0, math.ceil(math.log2(max(1, v))))
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+# Candidate values. Blocks are powers of two >= 16 (tl.dot's minimum).
+BLOCK_M = (16, 32, 64, 128, 256)
+BLOCK_N = (32, 64, 128, 256)
+BLOCK_K = (32, 64, 128)
+SPLIT_K = (1, 2, 4, 8, 16)
+GROUP_M = (1, 8)
+NUM_WARPS = (4, 8)
+NUM_STAGES = (2, 3, 4)
+
+# Pruning rules of the space (see MatmulSpec.space). Each is a rule of the
+# hardware or of the tile grid, not of measured speed:
+#  R1 size:      no block larger than the next power of two of its dimension
+#                (floor 16 for M, 32 for N and K): larger blocks only mask.
+#  R2 smem:      num_stages * (bm*bk + bk*bn) * itemsize <= shared memory per
+#                block (the pipelined operand buffers must fit).
+#  R3 registers: fp32 accumulator elements per thread,
+#                bm*bn / (32*num_warps), at most 128 (above, the accumulator
+#                spills); more than 4 warps only with >= 16 per thread (below,
+#                the extra warps have no work).
+#  R4 split-K:   split_k > 1 only while the output tile grid fills less than
+#                one wave (tiles_m*tiles_n < num_SMs), with tiles*split_k <=
+#                2*num_SMs and at least 2 K steps per split: split-K exists
+#                to fill idle SMs; past a wave it only adds partial traffic.
+#  R5 group_m:   the L2 swizzle only changes anything when the grid has more
+#                than one tile row and more than one wave of tiles; otherwise
+#                only group_m=8 (identical to 1 there) is kept.
+ACC_PER_THREAD = (16, 128)
+
+
+class MatmulSpec(KernelSpec):
+  """GEMM kernel family (``pallas_kernels.matmul``)."""
+
+  name = "matmul"
+  problem_cls = MatmulProblem
+  config_cls = MatmulConfig
+  macro_fields = ("block_m", "block_n", "block_k", "split_k")
+  micro_fields = ("group_m", "num_warps", "num_stages")
+
+  # --- space -------------------------------------------------------------------
+  def smem_bytes(self, problem: MatmulProblem, c: MatmulConfig) -> int:
+    """Shared memory of the pipelined operand buffers."""
+    return c.num_stages * (c.block_m * c.block_k + c.block_k * c.block_n) * problem.itemsize
+
+  def space(self, problem: MatmulProblem, hw: Hardware, *,
+            prune: bool = True) -> tuple[MatmulConfig, ...]:
+    """Valid configs for ``problem`` on ``hw``, pruned by rules R1-R5.
+
+    With ``prune=False`` only validity (R2 and split-K <= K blocks) applies;
+    that wide space exists to check the pruning rules against measurements.
+    """
+    p = problem
+    k_blocks = {bk: _cdiv(p.k, bk) for bk in BLOCK_K}
+    out = []
+    for bm, bn, bk in itertools.product(BLOCK_M, BLOCK_N, BLOCK_K):
+      if prune and (bm > max(16, _next_pow2(p.m)) or bn > max(32, _next_pow2(p.n))
+                    or bk > max(32, _next_pow2(p.k))):
+        continue  # R1
+      tiles_m, tiles = _cdiv(p.m, bm), _cdiv(p.m, bm) * _cdiv(p.n, bn)
+      for sk in SPLIT_K:
+        if sk > k_blocks[bk]:
+          continue  # validity
+        if prune and sk > 1 and (tiles >= hw.num_sms or tiles * sk > 2 * hw.num_sms
+                                 or _cdiv(k_blocks[bk], sk) < 2):
+          continue  # R4
+        groups = GROUP_M
+        if prune and (tiles_m == 1 or tiles * sk <= hw.num_sms):
+          groups = (8,)  # R5
+        for gm, nw, ns in itertools.product(groups, NUM_WARPS, NUM_STAGES):
+          c = MatmulConfig(block_m=bm, block_n=bn, block_k=bk, split_k=sk,
+                           group_m=gm, num_warps=nw, num_stages=ns)
+          if self.smem_bytes(p, c) > hw.smem_per_block:
+            continue  # R2
+          acc = bm * bn // (32 * nw)
+          if prune and (acc > ACC_PER_THREAD[1]
+                        or (nw > 4 and acc < ACC_PER_THREAD[0])):
+            continue  # R3
+          out.append(c)
+    return tuple(out)
+
+  def validate(self, problem: MatmulProblem, config: MatmulConfig,
+               hw: Hardware | None = None) -> None:
+    if not isinstance(config, MatmulConfig):
+      raise ValueError(f"config must be a MatmulConfig; got {config!r}")
+    k_blocks = _cdiv(problem.k, config.block_k)
+    if config.split_k > k_blocks:
+      raise ValueError(
+          f"config.split_k={config.split_k} is larger than the number of K blocks "
+          f"ceil(K / block_k) = ceil({problem.k} / {config.block_k}) = {k_blocks}")
+    if hw is not None and self.smem_bytes(problem, config) > hw.smem_per_block:
+      raise ValueError(
+          f"config {config} needs {self.smem_bytes(problem, config)} bytes of shared "
+          f"memory; {hw.name} allows {hw.smem_per_block} per block")
+
+  # --- rules of thumb ------------------------------------------------------------
+  def default(self, problem: MatmulProblem) -> MatmulConfig:
+    """The fixed config an untuned library would use (Triton tutorial style)."""
+    bk = 64 if problem.k >= 64 else 32
+    return MatmulConfig(block_m=128, block_n=128, block_k=bk, split_k=1,
+                        group_m=8, num_warps=4, num_stages=3)
+
+  def heuristic(self, problem: MatmulProblem, hw: Hardware) -> MatmulConfig:
+    """Blocks from the next power of two of the dimensions, split-K for small M.
+
+    ``block_m`` follows M up to 128; small M gets narrow ``block_n`` tiles and
+    split-K until the grid fills the SMs; large M gets 128x256 tiles with 8 warps.
+    """
+    p = problem
+    bm = min(128, max(16, _next_pow2(p.m)))
+    bn = 64 if p.m <= 64 else (256 if bm == 128 else 128)
+    bn = min(bn, max(32, _next_pow2(p.n)))
+    bk = 64 if p.k >= 64 else 32
+    nw = 8 if bm * bn >= 128 * 256 else 4
+    ns = 3 if bm >= 128 else 4
+    tiles = _cdiv(p.m, bm) * _cdiv(p.n, bn)
+    k_blocks = _cdiv(p.k, bk)
+    sk = 1
+    while (tiles * sk * 2 <= hw.num_sms and sk * 2 <= SPLIT_K[-1]
+           and _cdiv(k_blocks, sk * 2) >= 4):
+      sk *= 2
+    c = MatmulConfig(block_m=bm, block_n=bn, block_k=bk, split_k=sk, group_m=8,
+                     num_warps=nw, num_stages=ns)
+    while self.smem_bytes(p, c) > hw.smem_per_block and c.num_stages > 1:
+      c = dataclasses.replace(c, num_stages=c.num_stages - 1)
+    return c
+
+  # --- mapping ---------------------------------------------------------------------
+  def coords(self, problem: MatmulProblem, macro: dict) -> tuple[int, int]:
+    """``G = ceil(M/bm)*ceil(N/bn)*split_k``, ``L = ceil(K/(bk*split_k))``."""
+    bm, bn, bk, sk = (macro["block_m"], macro["block_n"], macro["block_k"],
+                      macro["split_k"])
+    g = _cdiv(problem.m, bm) * _cdiv(problem.n, bn) * sk
+    return g, _cdiv(_cdiv(problem.k, bk), sk)
+
+  # --- running ------------------------------------------------------------------------
+  def build(self, problem: MatmulProblem, config: MatmulConfig, *,
+            interpret: bool = False):
+    self.validate(problem, config)
+    out_dtype = jnp.dtype(problem.out_dtype)
+
+    def f(x, w):
+      return pallas_matmul(x, w, config=config, out_dtype=out_dtype,
+                            interpret=interpret)
+    return f
+
+  def inputs(self, problem: MatmulProblem, key: jax.Array):
+    kx, kw = jax.random.split(key)
+    dt = jnp.dtype(problem.dtype)
+    x = jax.random.normal(kx, (problem.m, problem.k), jnp.float32).astype(dt)
+    w = (jax.random.normal(kw, (problem.k, problem.n), jnp.float32)
+         / math.sqrt(problem.k)).astype(dt)
+    return x, w
+
+  def reference(self, problem: MatmulProblem, x, w):
+    return matmul_reference(x, w, jnp.float32)
+
+  def baseline(self, problem: MatmulProblem):
+    out_dtype = jnp.dtype(problem.out_dtype)
+
+    def f(x, w):
+      return jnp.dot(x, w, preferred_element_type=out_dtype)
+    return f
+
+  def tolerance(self, problem: MatmulProblem) -> float:
+    return 1e-3 if problem.dtype == "float32" and problem.out_dtype == "float32" else 1e-2
+
+  def problem_key(self, problem: MatmulProblem) -> str:
+    return f"{problem.m}x{problem.n}x{problem.k}:{problem.dtype}:{problem.out_dtype}"
+
+
+MATMUL = register(MatmulSpec())

@@ -1,0 +1,76 @@
+"""Public tuned ops."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.matmul import MatmulConfig, check_operands
+from pallas_kernels.matmul import matmul as pallas_matmul
+from wavetune_jax.hardware import get_hardware
+from wavetune_jax.matmul_spec import MATMUL, MatmulProblem
+
+__all__ = ["matmul"]
+
+_log = logging.getLogger("wavetune_jax")
+
+
+@functools.lru_cache(maxsize=1)
+def _interpret() -> bool:
+  """Pallas Triton kernels need a GPU; elsewhere they run in interpret mode."""
+  on_gpu = jax.default_backend() == "gpu"
+  if not on_gpu:
+    _log.warning("wavetune_jax: no GPU backend (%s); Pallas kernels run in "
+                 "interpret mode, which is slow and meant for testing",
+                 jax.default_backend())
+  return not on_gpu
+
+
+@functools.lru_cache(maxsize=4096)
+def _default_config(problem: MatmulProblem) -> MatmulConfig:
+  return MATMUL.heuristic(problem, get_hardware())
+
+
+def matmul(x: jax.Array, w: jax.Array, *, config: MatmulConfig | dict | None = None,
+           out_dtype=None) -> jax.Array:
+  """``x @ w`` with the Pallas GEMM kernel and a chosen launch config.
+
+  Works inside ``jax.jit``: the config is chosen at trace time from the static
+  shapes and baked into the kernel.
+
+  Args:
+    x: ``[M, K]`` bfloat16, float16 or float32 array.
+    w: ``[K, N]`` array of the same dtype.
+    config: a :class:`MatmulConfig` (or a dict of its fields) to use as given.
+      ``None`` picks the rule-of-thumb config of ``MatmulSpec.heuristic`` for
+      the current GPU (blocks from the next power of two of the dimensions,
+      split-K for small M).
+    out_dtype: output dtype (default ``x.dtype``); accumulation is fp32.
+
+  Returns:
+    ``[M, N]`` array of ``out_dtype``.
+
+  Raises:
+    ValueError: rank != 2, mismatched inner dimensions or dtypes, unsupported
+      dtype, or a config that cannot run this problem (unknown field, block not
+      a power of two, split_k larger than the number of K blocks, ...).
+  """
+  x = jnp.asarray(x)
+  w = jnp.asarray(w)
+  check_operands(x, w)
+  m, k = x.shape
+  n = w.shape[1]
+  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  if m == 0 or n == 0 or k == 0:
+    return jnp.zeros((m, n), out_dtype)
+  problem = MatmulProblem(m=m, n=n, k=k, dtype=x.dtype.name, out_dtype=out_dtype.name)
+  if config is None:
+    config = _default_config(problem)
+  elif isinstance(config, dict):
+    config = MatmulConfig.from_dict(config)
+  MATMUL.validate(problem, config)
+  return pallas_matmul(x, w, config=config, out_dtype=out_dtype,
+                               interpret=_interpret())

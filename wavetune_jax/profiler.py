@@ -1,0 +1,257 @@
+"""Times any spec's (problem, config) on the GPU with CUPTI.
+
+Method (the same for every candidate and for the platform baseline):
+
+* Each timed call is preceded by an L2 flush: a small Pallas kernel named
+  ``wavetune_l2_flush`` reads a buffer of :data:`FLUSH_BYTES` (more than twice
+  the L2 of any Hopper GPU), so weights come from HBM as in a real model. The
+  flush runs in the same jitted function; its kernel is recognised by name in
+  CUPTI's per-kernel list and left out of the time.
+* ``jax.experimental.mosaic.gpu.profiler.measure`` sums every other kernel of a
+  call (the Pallas kernel, a split-K reduction, cuBLAS, XLA fusions).
+* Warm-up calls first, then the median over ``iterations`` calls, with the
+  interquartile range as spread.
+* Candidates are compiled in parallel threads and measured one at a time. A
+  config that fails to compile or to run, or computes a wrong result, is
+  recorded with its error and skipped.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import time
+import warnings
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Measurement", "Profiler", "FLUSH_BYTES", "rel_error"]
+
+FLUSH_BYTES = 256 * 1024 * 1024
+_FLUSH_NAME = "wavetune_l2_flush"
+_FLUSH_BLOCK = 8192
+_CUPTI_RETRIES = 4
+
+
+@dataclasses.dataclass
+class Measurement:
+  """One timed (problem, config) or baseline.
+
+  Attributes:
+    status: ``"ok"``, ``"compile_error"``, ``"run_error"`` or ``"wrong"``.
+    median_us: median time of one call, microseconds (None unless timed).
+    spread_us: interquartile range of the samples, microseconds.
+    samples: number of timed calls.
+    compile_s: seconds to lower and compile.
+    rel_error: ``|out - ref| / |ref|`` when checked.
+    error: the error message of a failure.
+  """
+
+  status: str
+  median_us: float | None = None
+  spread_us: float | None = None
+  samples: int = 0
+  compile_s: float | None = None
+  rel_error: float | None = None
+  error: str = ""
+
+
+def rel_error(out, ref) -> float:
+  """``|out - ref| / |ref|`` in float32 norms; NaN anywhere gives inf."""
+  out = jnp.asarray(out, jnp.float32)
+  ref = jnp.asarray(ref, jnp.float32)
+  num = float(jnp.linalg.norm(out - ref))
+  den = float(jnp.linalg.norm(ref))
+  if not np.isfinite(num):
+    return float("inf")
+  return num / den if den > 0 else num
+
+
+def _flush_kernel(x_ref, o_ref):
+  o_ref[...] = jnp.sum(x_ref[...], keepdims=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _flush_fn():
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  n_blocks = FLUSH_BYTES // 4 // _FLUSH_BLOCK
+
+  def flush(buf):
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", category=DeprecationWarning)
+      return pl.pallas_call(
+          _flush_kernel,
+          out_shape=jax.ShapeDtypeStruct((n_blocks,), jnp.float32),
+          grid=(n_blocks,),
+          in_specs=[pl.BlockSpec((_FLUSH_BLOCK,), lambda i: (i,))],
+          out_specs=pl.BlockSpec((1,), lambda i: (i,)),
+          compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+          name=_FLUSH_NAME,
+      )(buf)
+  return flush
+
+
+def _short(e: BaseException, limit: int = 400) -> str:
+  msg = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
+  return msg if len(msg) <= limit else msg[:limit] + "..."
+
+
+class Profiler:
+  """CUPTI timer for kernel candidates.
+
+  Args:
+    iterations: timed calls per candidate (median over them); >= 20 advised.
+    warmup: untimed calls before timing.
+    threads: parallel compile threads.
+    max_live_bytes: bound on the outputs kept alive during one timing batch
+      (CUPTI's ``measure`` keeps every iteration's result until it returns).
+  """
+
+  def __init__(self, *, iterations: int = 25, warmup: int = 2, threads: int = 16,
+               max_live_bytes: int = 8 << 30):
+    if iterations < 1:
+      raise ValueError(f"{iterations=} must be >= 1")
+    self.iterations = iterations
+    self.warmup = warmup
+    self.threads = threads
+    self.max_live_bytes = max_live_bytes
+    self._flush_buf = None
+
+  # --- building blocks --------------------------------------------------------------
+  def _buf(self):
+    if self._flush_buf is None:
+      self._flush_buf = jnp.ones((FLUSH_BYTES // 4,), jnp.float32)
+    return self._flush_buf
+
+  @staticmethod
+  def timed_fn(fn: Callable) -> Callable:
+    """``fn`` with an L2 flush in front, as one jittable function."""
+    flush = _flush_fn()
+
+    def f(buf, *args):
+      return flush(buf), fn(*args)
+    return f
+
+  def compile(self, fn: Callable, args: Sequence) -> tuple[object, float]:
+    """Lowers and compiles ``timed_fn(fn)``; returns (executable, seconds)."""
+    t0 = time.perf_counter()
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    buf = jax.ShapeDtypeStruct((FLUSH_BYTES // 4,), jnp.float32)
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", category=DeprecationWarning)
+      exe = jax.jit(self.timed_fn(fn)).lower(buf, *shapes).compile()
+    return exe, time.perf_counter() - t0
+
+  def compile_many(self, fns: Sequence[Callable], args: Sequence,
+                   on_done: Callable[[int], None] | None = None):
+    """Compiles in parallel threads; yields (index, executable | exception, s)."""
+    def job(i):
+      t0 = time.perf_counter()
+      try:
+        exe, s = self.compile(fns[i], args)
+        return i, exe, s
+      except Exception as e:  # noqa: BLE001 - any failure is recorded
+        return i, e, time.perf_counter() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
+      futures = [pool.submit(job, i) for i in range(len(fns))]
+      for fut in concurrent.futures.as_completed(futures):
+        yield fut.result()
+
+  def time_compiled(self, exe, args: Sequence, out_bytes: int) -> list[float]:
+    """Per-call microseconds of ``exe`` (flush kernels excluded)."""
+    from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
+    buf = self._buf()
+    for _ in range(self.warmup):
+      jax.block_until_ready(exe(buf, *args))
+    chunk = max(1, min(self.iterations, self.max_live_bytes // max(1, out_bytes)))
+    samples: list[float] = []
+    while len(samples) < self.iterations:
+      n = min(chunk, self.iterations - len(samples))
+      for attempt in range(_CUPTI_RETRIES):
+        try:
+          _, timings = mgpu_profiler.measure(exe, aggregate=False, iterations=n)(buf, *args)
+          break
+        except RuntimeError as e:
+          # CUPTI now and then loses a kernel record ("number of kernel
+          # launches is not divisible by the number of iterations"): retry.
+          if "kernel launches" not in str(e) or attempt == _CUPTI_RETRIES - 1:
+            raise
+      if timings is None:
+        raise RuntimeError("CUPTI recorded no kernels")
+      if n == 1:
+        timings = [timings]
+      for kernels in timings:
+        samples.append(1e3 * sum(ms for name, ms in kernels if _FLUSH_NAME not in name))
+    return samples
+
+  def kernel_names(self, exe, args: Sequence) -> list[str]:
+    """Names CUPTI reports for one call (flush included); for diagnostics."""
+    from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
+    _, timings = mgpu_profiler.measure(exe, aggregate=False)(self._buf(), *args)
+    return [name for name, _ in (timings or [])]
+
+  @staticmethod
+  def summarize(samples: Sequence[float]) -> tuple[float, float]:
+    a = np.asarray(samples, np.float64)
+    q25, q50, q75 = np.percentile(a, [25, 50, 75])
+    return float(q50), float(q75 - q25)
+
+  # --- the main entry ------------------------------------------------------------------
+  def measure_many(self, fns: Sequence[Callable], args: Sequence, *,
+                   reference=None, tolerance: float | None = None,
+                   out_bytes: int = 0, progress: Callable[[int, Measurement], None] | None = None,
+                   ) -> list[Measurement]:
+    """Compiles ``fns`` in parallel, then checks and times each one.
+
+    Args:
+      fns: callables ``f(*args)`` (candidates and baselines alike).
+      args: device arrays passed to every callable.
+      reference: expected output; with ``tolerance``, a candidate whose
+        relative error exceeds it is marked ``"wrong"`` and not timed.
+      out_bytes: size of one output (bounds the live results while timing).
+      progress: called as ``progress(index, measurement)`` after each one.
+
+    Returns:
+      One :class:`Measurement` per callable, in order.
+    """
+    results: list[Measurement | None] = [None] * len(fns)
+    for i, exe, compile_s in self.compile_many(fns, args):
+      if isinstance(exe, BaseException):
+        m = Measurement(status="compile_error", compile_s=compile_s, error=_short(exe))
+      else:
+        m = self._check_and_time(exe, args, reference, tolerance, out_bytes)
+        m.compile_s = compile_s
+        del exe
+      results[i] = m
+      if progress is not None:
+        progress(i, m)
+    return results  # type: ignore[return-value]
+
+  def _check_and_time(self, exe, args, reference, tolerance, out_bytes) -> Measurement:
+    try:
+      if reference is not None:
+        # Poison: fill freed memory the output is likely to reuse with NaN.
+        poison = jnp.full((max(1, out_bytes // 4),), jnp.nan, jnp.float32)
+        poison.block_until_ready()
+        del poison
+        _, out = exe(self._buf(), *args)
+        err = rel_error(out, reference)
+        del out
+        if tolerance is not None and not err <= tolerance:
+          return Measurement(status="wrong", rel_error=err,
+                             error=f"relative error {err:.3g} > {tolerance:.3g}")
+      else:
+        err = None
+      samples = self.time_compiled(exe, args, out_bytes)
+    except Exception as e:  # noqa: BLE001 - any failure is recorded
+      return Measurement(status="run_error", error=_short(e))
+    med, spread = self.summarize(samples)
+    return Measurement(status="ok", median_us=med, spread_us=spread,
+                       samples=len(samples), rel_error=err)
+

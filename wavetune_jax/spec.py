@@ -1,0 +1,140 @@
+"""The kernel-spec abstraction: the one place that knows a kernel family.
+
+The tuner (profiler, model, tables, selector, evaluation) sees kernels only
+through a :class:`KernelSpec`. Adding a kernel family means one kernel file in
+``pallas_kernels`` and one spec registered here; nothing else branches on the
+kernel's name.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar, Sequence
+
+import jax
+
+from wavetune_jax.hardware import Hardware
+
+__all__ = ["KernelSpec", "register", "get_spec", "registered", "split_config"]
+
+
+class KernelSpec(abc.ABC):
+  """Everything the tuner knows about one kernel family.
+
+  Subclasses set the class attributes and implement the methods. Problems and
+  configs are frozen (hashable) dataclasses.
+  """
+
+  #: Name used on the command line and in table file names.
+  name: ClassVar[str]
+  #: Frozen dataclass of the static facts of one call.
+  problem_cls: ClassVar[type]
+  #: Frozen dataclass of launch parameters.
+  config_cls: ClassVar[type]
+  #: Config fields that change the grid or the inner-loop length.
+  macro_fields: ClassVar[tuple[str, ...]]
+  #: Config fields that change per-tile efficiency only.
+  micro_fields: ClassVar[tuple[str, ...]]
+
+  # --- the space -------------------------------------------------------------
+  @abc.abstractmethod
+  def space(self, problem, hw: Hardware) -> tuple:
+    """Every config worth measuring for ``problem`` on ``hw`` (pruned)."""
+
+  @abc.abstractmethod
+  def validate(self, problem, config, hw: Hardware | None = None) -> None:
+    """Raises ``ValueError`` if ``config`` cannot run ``problem``."""
+
+  @abc.abstractmethod
+  def heuristic(self, problem, hw: Hardware):
+    """A sensible config from a rule of thumb (no measurements)."""
+
+  @abc.abstractmethod
+  def default(self, problem) -> Any:
+    """The one fixed config that an untuned library would use."""
+
+  # --- the WaveTune mapping --------------------------------------------------
+  @abc.abstractmethod
+  def coords(self, problem, macro: dict) -> tuple[int, int]:
+    """``(G, L)``: CTAs launched and inner-loop trips of one CTA."""
+
+  # --- running ---------------------------------------------------------------
+  @abc.abstractmethod
+  def build(self, problem, config, *, interpret: bool = False) -> Callable:
+    """A jittable callable ``f(*inputs)`` running the kernel with ``config``."""
+
+  @abc.abstractmethod
+  def inputs(self, problem, key: jax.Array) -> tuple[jax.Array, ...]:
+    """Random inputs (never zeros) for ``problem``."""
+
+  @abc.abstractmethod
+  def reference(self, problem, *inputs) -> jax.Array:
+    """High-precision reference output."""
+
+  @abc.abstractmethod
+  def baseline(self, problem) -> Callable:
+    """The platform's own implementation (XLA, cuDNN) for comparison."""
+
+  @abc.abstractmethod
+  def tolerance(self, problem) -> float:
+    """Largest acceptable ``|out - ref| / |ref|``."""
+
+  # --- keys and (de)serialisation ---------------------------------------------
+  @abc.abstractmethod
+  def problem_key(self, problem) -> str:
+    """A stable string naming ``problem`` in tables and sweep files."""
+
+  def problem_to_dict(self, problem) -> dict:
+    return dataclasses.asdict(problem)
+
+  def problem_from_dict(self, d: dict):
+    return self.problem_cls(**d)
+
+  def config_to_dict(self, config) -> dict:
+    return dataclasses.asdict(config)
+
+  def config_from_dict(self, d: dict):
+    names = {f.name for f in dataclasses.fields(self.config_cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"unknown {self.config_cls.__name__} field(s) {unknown}; "
+                       f"valid fields are {sorted(names)}")
+    return self.config_cls(**d)
+
+  def macro(self, config) -> dict:
+    return {f: getattr(config, f) for f in self.macro_fields}
+
+  def micro(self, config) -> dict:
+    return {f: getattr(config, f) for f in self.micro_fields}
+
+
+def split_config(spec: KernelSpec, config) -> tuple[tuple, tuple]:
+  """``(macro values, micro values)`` of ``config`` as hashable tuples."""
+  return (tuple(getattr(config, f) for f in spec.macro_fields),
+          tuple(getattr(config, f) for f in spec.micro_fields))
+
+
+_REGISTRY: dict[str, KernelSpec] = {}
+
+
+def register(spec: KernelSpec) -> KernelSpec:
+  """Registers a spec instance under ``spec.name``."""
+  if spec.name in _REGISTRY and type(_REGISTRY[spec.name]) is not type(spec):
+    raise ValueError(f"a different spec is already registered as {spec.name!r}")
+  _REGISTRY[spec.name] = spec
+  return spec
+
+
+def get_spec(name: str) -> KernelSpec:
+  """The registered spec called ``name``."""
+  try:
+    return _REGISTRY[name]
+  except KeyError:
+    raise ValueError(
+        f"unknown kernel {name!r}; registered kernels: {sorted(_REGISTRY)}"
+    ) from None
+
+
+def registered() -> Sequence[str]:
+  return sorted(_REGISTRY)
