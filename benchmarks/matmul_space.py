@@ -44,8 +44,11 @@ def run_shape(prof: profiler.Profiler, problem: MatmulProblem, hw, *, wide: bool
       print(f"  {done[0]}/{len(fns)} measured ({time.perf_counter() - t0:.0f} s)",
             flush=True)
 
-  ms = prof.measure_many(fns, args, reference=ref, tolerance=spec.tolerance(problem),
-                         out_bytes=out_bytes, progress=progress)
+  ms: list = [None] * len(fns)
+  for i, m in prof.measure_iter(fns, args, reference=ref,
+                                tolerance=spec.tolerance(problem), out_bytes=out_bytes):
+    ms[i] = m
+    progress(i, m)
   gpu_s = time.perf_counter() - t0
   rows = []
   for c, m in zip(configs, ms[:-1]):

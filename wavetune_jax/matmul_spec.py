@@ -64,7 +64,8 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-# Candidate values. Blocks are powers of two >= 16 (tl.dot's minimum).
+# Candidate values. Blocks are powers of two >= 16 (tl.dot's minimum). The
+# pruned space uses the PRUNED_* subsets; ``prune=False`` uses all values.
 BLOCK_M = (16, 32, 64, 128, 256)
 BLOCK_N = (32, 64, 128, 256)
 BLOCK_K = (32, 64, 128)
@@ -72,9 +73,13 @@ SPLIT_K = (1, 2, 4, 8, 16)
 GROUP_M = (1, 8)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3, 4)
+PRUNED_GROUP_M = (8,)
+PRUNED_NUM_STAGES = (3, 4)
 
-# Pruning rules of the space (see MatmulSpec.space). Each is a rule of the
-# hardware or of the tile grid, not of measured speed:
+# Pruning rules of the space (see MatmulSpec.space). The measurements behind
+# R5-R7 are in data/probes/ (every config of the unpruned space checked and
+# timed for llama3_8b.gate_up at M = 16, 1000, 4096 on an H200; the number is
+# best config with that value / best config overall):
 #  R1 size:      no block larger than the next power of two of its dimension
 #                (floor 16 for M, 32 for N and K): larger blocks only mask.
 #  R2 smem:      num_stages * (bm*bk + bk*bn) * itemsize <= shared memory per
@@ -87,9 +92,12 @@ NUM_STAGES = (2, 3, 4)
 #                one wave (tiles_m*tiles_n < num_SMs), with tiles*split_k <=
 #                2*num_SMs and at least 2 K steps per split: split-K exists
 #                to fill idle SMs; past a wave it only adds partial traffic.
-#  R5 group_m:   the L2 swizzle only changes anything when the grid has more
-#                than one tile row and more than one wave of tiles; otherwise
-#                only group_m=8 (identical to 1 there) is kept.
+#  R5 group_m:   8 only. group_m=1 was 0.88x and 0.94x of the best at
+#                M = 1000 and 4096, and identical where the grid has one tile row.
+#  R6 stages:    3 and 4 only. The best 2-stage config was 0.94x, 0.81x, 0.91x
+#                of the best at M = 16, 1000, 4096.
+#  R7 tiny bm:   block_m >= min(64, next_pow2(M) / 16). bm = 16 and 32 reached 0.24x and
+#                0.44x of the best at M = 1000 and 4096 (too little reuse of w).
 ACC_PER_THREAD = (16, 128)
 
 
@@ -109,7 +117,7 @@ class MatmulSpec(KernelSpec):
 
   def space(self, problem: MatmulProblem, hw: Hardware, *,
             prune: bool = True) -> tuple[MatmulConfig, ...]:
-    """Valid configs for ``problem`` on ``hw``, pruned by rules R1-R5.
+    """Valid configs for ``problem`` on ``hw``, pruned by rules R1-R7.
 
     With ``prune=False`` only validity (R2 and split-K <= K blocks) applies;
     that wide space exists to check the pruning rules against measurements.
@@ -117,21 +125,22 @@ class MatmulSpec(KernelSpec):
     p = problem
     k_blocks = {bk: _cdiv(p.k, bk) for bk in BLOCK_K}
     out = []
+    groups = PRUNED_GROUP_M if prune else GROUP_M  # R5
+    stages = PRUNED_NUM_STAGES if prune else NUM_STAGES  # R6
     for bm, bn, bk in itertools.product(BLOCK_M, BLOCK_N, BLOCK_K):
       if prune and (bm > max(16, _next_pow2(p.m)) or bn > max(32, _next_pow2(p.n))
                     or bk > max(32, _next_pow2(p.k))):
         continue  # R1
-      tiles_m, tiles = _cdiv(p.m, bm), _cdiv(p.m, bm) * _cdiv(p.n, bn)
+      if prune and bm < min(64, _next_pow2(p.m) // 16):
+        continue  # R7
+      tiles = _cdiv(p.m, bm) * _cdiv(p.n, bn)
       for sk in SPLIT_K:
         if sk > k_blocks[bk]:
           continue  # validity
         if prune and sk > 1 and (tiles >= hw.num_sms or tiles * sk > 2 * hw.num_sms
                                  or _cdiv(k_blocks[bk], sk) < 2):
           continue  # R4
-        groups = GROUP_M
-        if prune and (tiles_m == 1 or tiles * sk <= hw.num_sms):
-          groups = (8,)  # R5
-        for gm, nw, ns in itertools.product(groups, NUM_WARPS, NUM_STAGES):
+        for gm, nw, ns in itertools.product(groups, NUM_WARPS, stages):
           c = MatmulConfig(block_m=bm, block_n=bn, block_k=bk, split_k=sk,
                            group_m=gm, num_warps=nw, num_stages=ns)
           if self.smem_bytes(p, c) > hw.smem_per_block:

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import time
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -203,10 +203,9 @@ class Profiler:
     return float(q50), float(q75 - q25)
 
   # --- the main entry ------------------------------------------------------------------
-  def measure_many(self, fns: Sequence[Callable], args: Sequence, *,
+  def measure_iter(self, fns: Sequence[Callable], args: Sequence, *,
                    reference=None, tolerance: float | None = None,
-                   out_bytes: int = 0, progress: Callable[[int, Measurement], None] | None = None,
-                   ) -> list[Measurement]:
+                   out_bytes: int = 0) -> Iterator[tuple[int, Measurement]]:
     """Compiles ``fns`` in parallel, then checks and times each one.
 
     Args:
@@ -215,12 +214,10 @@ class Profiler:
       reference: expected output; with ``tolerance``, a candidate whose
         relative error exceeds it is marked ``"wrong"`` and not timed.
       out_bytes: size of one output (bounds the live results while timing).
-      progress: called as ``progress(index, measurement)`` after each one.
 
-    Returns:
-      One :class:`Measurement` per callable, in order.
+    Yields:
+      ``(index into fns, Measurement)`` in the order the measurements finish.
     """
-    results: list[Measurement | None] = [None] * len(fns)
     for i, exe, compile_s in self.compile_many(fns, args):
       if isinstance(exe, BaseException):
         m = Measurement(status="compile_error", compile_s=compile_s, error=_short(exe))
@@ -228,9 +225,13 @@ class Profiler:
         m = self._check_and_time(exe, args, reference, tolerance, out_bytes)
         m.compile_s = compile_s
         del exe
+      yield i, m
+
+  def measure_many(self, fns: Sequence[Callable], args: Sequence, **kw) -> list[Measurement]:
+    """:meth:`measure_iter`, collected in the order of ``fns``."""
+    results: list[Measurement | None] = [None] * len(fns)
+    for i, m in self.measure_iter(fns, args, **kw):
       results[i] = m
-      if progress is not None:
-        progress(i, m)
     return results  # type: ignore[return-value]
 
   def _check_and_time(self, exe, args, reference, tolerance, out_bytes) -> Measurement:

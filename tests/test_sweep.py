@@ -1,0 +1,126 @@
+"""Sweep logic with a fake timer: resume after a kill, failures, header, report."""
+
+import gzip
+import json
+import os
+
+import pytest
+
+from wavetune_jax import MATMUL, MatmulProblem, get_hardware, report, sweep
+from wavetune_jax.profiler import Measurement
+
+HW = get_hardware("h100")
+PROBLEMS = [MatmulProblem(m=m, n=256, k=512) for m in (1, 100, 1000)]
+
+
+def fake_us(p, c):
+  """A deterministic latency with a known best config."""
+  g, l = MATMUL.coords(p, MATMUL.macro(c))
+  waves = -(-g // HW.num_sms)
+  return 2.0 + waves * l * 0.1 * (c.block_m * c.block_n) / 4096 + c.num_stages * 0.01
+
+
+class FakeMeasure:
+  """Fails one config in seven; optionally 'crashes' after n measurements."""
+
+  def __init__(self, crash_after=None):
+    self.calls = []
+    self.crash_after = crash_after
+
+  def __call__(self, problem, configs, with_baseline):
+    for c in configs:
+      if self.crash_after is not None and len(self.calls) >= self.crash_after:
+        raise KeyboardInterrupt
+      self.calls.append((problem, c))
+      if hash((problem, c)) % 7 == 0:
+        yield "pallas", c, Measurement(status="compile_error", error="OutOfResources: smem")
+      else:
+        t = fake_us(problem, c)
+        yield "pallas", c, Measurement(status="ok", median_us=t, spread_us=0.01 * t,
+                                       samples=20, compile_s=0.1, rel_error=1e-3)
+    if with_baseline:
+      yield "baseline", None, Measurement(status="ok", median_us=5.0, spread_us=0.1, samples=20)
+
+
+def _header():
+  return sweep.make_header(MATMUL, HW, jax_version="0.0", command="wavetune sweep (test)")
+
+
+def test_resume_after_kill_measures_nothing_twice(tmp_path):
+  path = str(tmp_path / "s.jsonl.gz")
+  total = sum(len(MATMUL.space(p, HW)) for p in PROBLEMS)
+  first = FakeMeasure(crash_after=total // 2)
+  with pytest.raises(KeyboardInterrupt):
+    sweep.run_sweep(MATMUL, PROBLEMS, HW, sweep.SweepFile(path, _header()), first)
+  header, rows = sweep.read_sweep(path)
+  kept = [r for r in rows if r["impl"] == "pallas"]
+  assert len(kept) == total // 2  # everything measured before the kill is on file
+  second = FakeMeasure()
+  counts = sweep.run_sweep(MATMUL, PROBLEMS, HW, sweep.SweepFile(path, _header()), second)
+  assert counts["skipped"] >= total // 2
+  measured_twice = set(map(repr, first.calls)) & set(map(repr, second.calls))
+  assert not measured_twice
+  _, rows = sweep.read_sweep(path)
+  keys = [r["key"] for r in rows if r["impl"] in ("pallas", "baseline")]
+  assert len(keys) == len(set(keys)) == total + len(PROBLEMS)
+  # A third run finds nothing to do.
+  third = FakeMeasure()
+  sweep.run_sweep(MATMUL, PROBLEMS, HW, sweep.SweepFile(path, _header()), third)
+  assert third.calls == []
+
+
+def test_truncated_file_is_repaired(tmp_path):
+  path = str(tmp_path / "s.jsonl.gz")
+  sweep.run_sweep(MATMUL, PROBLEMS[:1], HW, sweep.SweepFile(path, _header()), FakeMeasure())
+  _, rows = sweep.read_sweep(path)
+  # Simulate a kill in the middle of writing a batch: a cut gzip member.
+  with open(path, "ab") as f:
+    f.write(gzip.compress(b'{"type": "row", "key": "x"}\n' * 50)[:40])
+  f2 = sweep.SweepFile(path, _header())
+  _, rows2 = sweep.read_sweep(path)
+  assert rows2[:len(rows)] == rows  # complete lines survive, the cut one is gone
+  assert f2.n_rows == len(rows2)
+  # The repaired file takes appends and reads back whole.
+  f2.append([{"type": "row", "key": "after"}])
+  assert sweep._read_lines(path)[1] is True
+  assert sweep.read_sweep(path)[1][-1]["key"] == "after"
+
+
+def test_header_and_failures_recorded(tmp_path):
+  path = str(tmp_path / "s.jsonl.gz")
+  sweep.run_sweep(MATMUL, PROBLEMS, HW, sweep.SweepFile(path, _header()), FakeMeasure())
+  header, rows = sweep.read_sweep(path)
+  assert header["kernel"] == "matmul" and header["device_key"] == HW.device_key
+  assert header["num_sms"] == 132 and header["schema"] == sweep.SCHEMA
+  assert header["command"] == "wavetune sweep (test)" and header["date"]
+  fails = [r for r in rows if r["status"] == "compile_error"]
+  assert fails and all(r["error"].startswith("OutOfResources") and r["median_us"] is None
+                       for r in fails)
+
+
+def test_foreign_file_is_refused(tmp_path):
+  path = str(tmp_path / "s.jsonl.gz")
+  sweep.SweepFile(path, _header())
+  other = dict(_header(), device_key="nvidia_h200")
+  with pytest.raises(ValueError, match="device_key='nvidia_h100_80gb_hbm3'"):
+    sweep.SweepFile(path, other)
+  bad = str(tmp_path / "bad.jsonl.gz")
+  with open(bad, "wb") as f:
+    f.write(b"not gzip")
+  with pytest.raises(ValueError, match="not a sweep file"):
+    sweep.read_sweep(bad)
+
+
+def test_report_finds_known_oracle(tmp_path):
+  path = str(tmp_path / "s.jsonl.gz")
+  sweep.run_sweep(MATMUL, PROBLEMS, HW, sweep.SweepFile(path, _header()), FakeMeasure())
+  header, rows = sweep.read_sweep(path)
+  summaries, facts = report.summarize(header, rows)
+  for s in summaries:
+    ok = [c for c in MATMUL.space(s.problem, HW) if hash((s.problem, c)) % 7 != 0]
+    best = min(ok, key=lambda c: fake_us(s.problem, c))
+    assert s.oracle_us == pytest.approx(fake_us(s.problem, best))
+    assert s.baseline_us == 5.0
+    assert s.worst_us >= s.oracle_us
+  text = report.render(path)
+  assert "geomean speedup of the oracle" in text and "compile_error" in text

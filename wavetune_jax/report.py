@@ -1,0 +1,193 @@
+"""Summaries of a sweep file: per-problem oracle, baselines, spread, failures."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import statistics
+
+from wavetune_jax import hardware, sweep
+from wavetune_jax.spec import get_spec
+
+__all__ = ["ProblemSummary", "summarize", "render", "hardware_of", "plot_waves"]
+
+
+@dataclasses.dataclass
+class ProblemSummary:
+  problem: object
+  n_configs: int
+  n_failed: int
+  oracle_config: object | None
+  oracle_us: float | None
+  baseline_us: float | None
+  default_us: float | None
+  heuristic_us: float | None
+  worst_us: float | None
+  rel_spread: float | None  # median over configs of IQR / median
+  wall_s: float | None
+
+
+def hardware_of(header: dict) -> hardware.Hardware:
+  """The hardware a sweep was recorded on (preset limits, recorded SM count)."""
+  try:
+    hw = hardware.get_hardware(header["device_key"])
+  except ValueError:
+    hw = hardware.PRESETS["h100"]
+  return dataclasses.replace(hw, num_sms=int(header.get("num_sms", hw.num_sms)))
+
+
+def summarize(header: dict, rows: list[dict]) -> tuple[list[ProblemSummary], dict]:
+  """Per-problem summaries and run-level facts (failures, repeatability)."""
+  spec = get_spec(header["kernel"])
+  hw = hardware_of(header)
+  by_problem: dict[str, list[dict]] = collections.defaultdict(list)
+  problems = {}
+  for r in rows:
+    p = spec.problem_from_dict(r["problem"])
+    key = spec.problem_key(p)
+    problems[key] = p
+    by_problem[key].append(r)
+  out = []
+  repeat_diffs = []
+  failures = collections.Counter()
+  errors: dict[str, str] = {}
+  for key, rs in by_problem.items():
+    p = problems[key]
+    pallas = [r for r in rs if r["impl"] == "pallas"]
+    ok = [r for r in pallas if r["status"] == "ok"]
+    for r in pallas:
+      if r["status"] != "ok":
+        failures[r["status"]] += 1
+        errors.setdefault(r["status"], r["error"][:200])
+    times = {spec.config_from_dict(r["config"]): r["median_us"] for r in ok}
+    base = [r["median_us"] for r in rs if r["impl"] == "baseline" and r["status"] == "ok"]
+    oracle = min(times, key=times.get) if times else None
+    for r in rs:
+      if r["impl"] == "repeat" and r["status"] == "ok":
+        c = spec.config_from_dict(r["config"])
+        if c in times:
+          repeat_diffs.append(abs(r["median_us"] - times[c]) / times[c])
+    walls = [r["wall_s"] for r in rs if r["impl"] == "timing"]
+    out.append(ProblemSummary(
+        problem=p, n_configs=len(pallas), n_failed=len(pallas) - len(ok),
+        oracle_config=oracle, oracle_us=times.get(oracle),
+        baseline_us=base[0] if base else None,
+        default_us=times.get(spec.default(p)),
+        heuristic_us=times.get(spec.heuristic(p, hw)),
+        worst_us=max(times.values()) if times else None,
+        rel_spread=statistics.median(r["spread_us"] / r["median_us"] for r in ok)
+        if ok else None,
+        wall_s=sum(walls) if walls else None))
+  facts = {"failures": dict(failures), "first_errors": errors,
+           "repeat_median_rel_diff": statistics.median(repeat_diffs) if repeat_diffs else None,
+           "repeat_pairs": len(repeat_diffs)}
+  return out, facts
+
+
+def _geomean(xs):
+  xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
+  return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def _cfg_str(c) -> str:
+  if c is None:
+    return "-"
+  d = dataclasses.asdict(c)
+  return "/".join(str(v) for v in d.values())
+
+
+def render(path: str, *, plot: str | None = None) -> str:
+  """The report of a sweep file as text (and a PNG when ``plot`` is given)."""
+  header, rows = sweep.read_sweep(path)
+  spec = get_spec(header["kernel"])
+  summaries, facts = summarize(header, rows)
+  fields = "/".join(f.name for f in dataclasses.fields(spec.config_cls))
+  lines = [f"{path}: {header['kernel']} on {header['device_kind']} ({header['num_sms']} SMs), "
+           f"jax {header['jax_version']}, {header['date']}",
+           f"{len(summaries)} problems, {sum(s.n_configs for s in summaries)} config "
+           f"measurements; config = {fields}", ""]
+  lines.append(f"{'problem':<28} {'cfgs':>5} {'fail':>4} {'oracle config':<26} {'oracle':>9} "
+               f"{'XLA':>9} {'default':>9} {'heur':>9} {'worst':>10} {'spread':>7} {'gpu s':>6}")
+
+  def f(v, w=9, d=1):
+    return f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}"
+
+  for s in sorted(summaries, key=lambda s: spec.problem_key(s.problem)):
+    lines.append(f"{spec.problem_key(s.problem):<28} {s.n_configs:>5} {s.n_failed:>4} "
+                 f"{_cfg_str(s.oracle_config):<26} {f(s.oracle_us)} {f(s.baseline_us)} "
+                 f"{f(s.default_us)} {f(s.heuristic_us)} {f(s.worst_us, 10)} "
+                 f"{f(100 * s.rel_spread if s.rel_spread is not None else None, 6)}% "
+                 f"{f(s.wall_s, 6, 0)}")
+  lines.append("")
+  lines.append("times in microseconds (CUPTI median); spread = median over configs of IQR/median")
+  vs_xla = _geomean([s.baseline_us / s.oracle_us for s in summaries
+                     if s.oracle_us and s.baseline_us])
+  vs_default = _geomean([s.default_us / s.oracle_us for s in summaries
+                         if s.oracle_us and s.default_us])
+  vs_heur = _geomean([s.heuristic_us / s.oracle_us for s in summaries
+                      if s.oracle_us and s.heuristic_us])
+  walls = [s.wall_s for s in summaries if s.wall_s is not None]
+  lines.append(f"geomean speedup of the oracle: vs XLA {vs_xla:.3f}x, vs default "
+               f"{vs_default:.3f}x, vs heuristic {vs_heur:.3f}x")
+  if walls:
+    lines.append(f"GPU seconds: {sum(walls):.0f} total, {statistics.median(walls):.1f} "
+                 f"median per problem")
+  if facts["repeat_median_rel_diff"] is not None:
+    lines.append(f"repeatability: fastest config timed twice, median |diff| = "
+                 f"{100 * facts['repeat_median_rel_diff']:.2f}% over "
+                 f"{facts['repeat_pairs']} problems")
+  lines.append(f"failed configs: {facts['failures'] or 'none'}")
+  for status, err in facts["first_errors"].items():
+    lines.append(f"  first {status}: {err}")
+  if plot:
+    plot_waves(header, summaries, rows, plot)
+    lines.append(f"plot: {plot}")
+  return "\n".join(lines)
+
+
+def plot_waves(header: dict, summaries: list[ProblemSummary], rows: list[dict],
+               path: str, max_configs: int = 4) -> None:
+  """Latency vs M for a few configs of the weight with the most M values."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    raise SystemExit("the plot needs matplotlib: pip install 'wavetune-jax[report]'") from None
+  spec = get_spec(header["kernel"])
+  groups = collections.defaultdict(list)
+  for s in summaries:
+    groups[(s.problem.n, s.problem.k)].append(s)
+  (n, k), ss = max(groups.items(), key=lambda kv: len(kv[1]))
+  ss.sort(key=lambda s: s.problem.m)
+  picks = [spec.default(ss[0].problem)]
+  for s in ss[len(ss) // 3::max(1, len(ss) // 3)]:
+    if s.oracle_config is not None and s.oracle_config not in picks:
+      picks.append(s.oracle_config)
+  picks = picks[:max_configs]
+  times = collections.defaultdict(dict)
+  for r in rows:
+    p = r["problem"]
+    if r["impl"] == "pallas" and r["status"] == "ok" and (p["n"], p["k"]) == (n, k):
+      times[spec.config_from_dict(r["config"])][p["m"]] = r["median_us"]
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for c in picks:
+    pts = sorted(times[c].items())
+    if pts:
+      ax.plot([m for m, _ in pts], [t for _, t in pts], "o-", label=_cfg_str(c))
+  base = sorted((r["problem"]["m"], r["median_us"]) for r in rows
+                if r["impl"] == "baseline" and r["status"] == "ok"
+                and (r["problem"]["n"], r["problem"]["k"]) == (n, k))
+  if base:
+    ax.plot(*zip(*base), "k--", label="XLA")
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("M (tokens)")
+  ax.set_ylabel("us (CUPTI median)")
+  ax.set_title(f"{header['kernel']} N={n} K={k} on {header['device_kind']}")
+  ax.legend(fontsize=7, title="/".join(f.name[:6] for f in dataclasses.fields(spec.config_cls)),
+            title_fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)

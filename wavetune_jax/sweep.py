@@ -1,0 +1,216 @@
+"""Exhaustive sweeps: every config of a spec's space, per problem, on file.
+
+File format (``.jsonl.gz``): gzip-compressed JSON lines. The first line is the
+header ``{"type": "header", "schema": 1, "kernel": ..., "device_kind": ...,
+"device_key": ..., "num_sms": ..., "jax_version": ..., "clocks": ..., "date": ...,
+"command": ...}``. Every other line is a row ``{"type": "row", "problem": {...},
+"impl": "pallas" | "baseline", "config": {...} | null, "median_us", "spread_us",
+"samples", "compile_s", "status", "error", "rel_error"}``.
+
+Rows are appended in small gzip members, each closed (flushed) once written, so a
+killed run loses at most the batch in flight. On resume, a truncated last member
+is cut off (the file is rewritten atomically with the rows that survived) and
+every (problem, config) already on file is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zlib
+from typing import Callable, Iterable, Iterator, Sequence
+
+__all__ = ["SCHEMA", "SweepFile", "read_sweep", "run_sweep", "row_key", "read_clocks"]
+
+SCHEMA = 1
+_BATCH = 16
+
+
+def row_key(problem_key: str, impl: str, config: dict | None) -> str:
+  """The identity of a row: problem, implementation and config."""
+  cfg = "" if config is None else json.dumps(config, sort_keys=True)
+  return f"{problem_key}|{impl}|{cfg}"
+
+
+def _read_lines(path: str) -> tuple[list[dict], bool]:
+  """Rows of a (possibly truncated) gzip JSONL file; (rows, intact)."""
+  out: list[dict] = []
+  intact = True
+  try:
+    with gzip.open(path, "rt") as f:
+      for line in f:
+        if not line.endswith("\n"):
+          intact = False  # the last line was cut
+          break
+        out.append(json.loads(line))
+  except (EOFError, gzip.BadGzipFile, zlib.error, json.JSONDecodeError):
+    intact = False
+  return out, intact
+
+
+def read_sweep(path: str) -> tuple[dict, list[dict]]:
+  """``(header, rows)`` of a sweep file.
+
+  Raises:
+    ValueError: the file has no header, or another schema.
+  """
+  lines, _ = _read_lines(path)
+  if not lines or lines[0].get("type") != "header":
+    raise ValueError(f"{path} is not a sweep file (no header line)")
+  header = lines[0]
+  if header.get("schema") != SCHEMA:
+    raise ValueError(f"{path} has schema {header.get('schema')!r}; "
+                     f"this version reads schema {SCHEMA}")
+  return header, [r for r in lines[1:] if r.get("type") == "row"]
+
+
+class SweepFile:
+  """Append-only sweep file with crash-safe batches."""
+
+  def __init__(self, path: str, header: dict):
+    self.path = path
+    self.done: set[str] = set()
+    self.n_rows = 0
+    if os.path.exists(path):
+      lines, intact = _read_lines(path)
+      if not lines or lines[0].get("type") != "header":
+        raise ValueError(f"{path} exists but is not a sweep file; move it away")
+      old = lines[0]
+      for field in ("kernel", "device_key", "schema"):
+        if old.get(field) != header.get(field):
+          raise ValueError(
+              f"{path} was recorded with {field}={old.get(field)!r}; this run has "
+              f"{field}={header.get(field)!r}. Use another --out file.")
+      if not intact:
+        self._rewrite(lines)
+      self.header = old
+      for r in lines[1:]:
+        if r.get("type") == "row":
+          self.done.add(r["key"])
+          self.n_rows += 1
+    else:
+      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+      self.header = header
+      self._rewrite([header])
+
+  def _rewrite(self, lines: Sequence[dict]) -> None:
+    tmp = self.path + ".tmp"
+    with gzip.open(tmp, "wt") as f:
+      for line in lines:
+        f.write(json.dumps(line) + "\n")
+    os.replace(tmp, self.path)
+
+  def append(self, rows: Sequence[dict]) -> None:
+    if not rows:
+      return
+    with open(self.path, "ab") as raw, gzip.GzipFile(fileobj=raw, mode="wb") as f:
+      f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+    for r in rows:
+      self.done.add(r["key"])
+    self.n_rows += len(rows)
+
+
+def read_clocks() -> dict:
+  """Clocks as ``nvidia-smi`` reads them now (empty when it is not there)."""
+  if shutil.which("nvidia-smi") is None:
+    return {}
+  fields = ["clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",
+            "power.limit", "temperature.gpu"]
+  try:
+    out = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+        capture_output=True, text=True, timeout=10, check=True).stdout
+  except (OSError, subprocess.SubprocessError):
+    return {}
+  values = [v.strip() for v in out.splitlines()[0].split(",")] if out else []
+  return dict(zip(fields, values))
+
+
+def make_header(spec, hw, *, jax_version: str, command: str | None = None,
+                space: str = "pruned") -> dict:
+  return {
+      "type": "header", "schema": SCHEMA, "kernel": spec.name,
+      "device_kind": hw.name, "device_key": hw.device_key, "num_sms": hw.num_sms,
+      "jax_version": jax_version, "clocks": read_clocks(),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "command": command if command is not None else " ".join(sys.argv),
+      "space": space,
+  }
+
+
+# measure(problem, configs, with_baseline) -> iterator of (impl, config, Measurement)
+# with impl "pallas" (a config of the space), "baseline" (config None: XLA,
+# cuDNN) or "repeat" (a config timed a second time, for repeatability). The
+# real one uses the profiler; tests pass fakes.
+MeasureFn = Callable[[object, Sequence, bool], Iterator[tuple[str, object, object]]]
+
+
+def run_sweep(spec, problems: Iterable, hw, out: SweepFile, measure: MeasureFn, *,
+              prune: bool = True, progress=None) -> dict:
+  """Measures every config of every problem not yet on file.
+
+  Args:
+    spec: the kernel spec.
+    problems: problems to sweep.
+    hw: hardware (for the space).
+    out: the sweep file (resume state included).
+    measure: the measuring function (see ``MeasureFn``).
+    prune: use the pruned space.
+    progress: optional object with ``start(total)``, ``advance(status)`` and
+      ``stop()``.
+
+  Returns:
+    Counts: ``{"measured": n, "skipped": n, "failed": n}``.
+  """
+  todo = []
+  skipped = 0
+  for p in problems:
+    pk = spec.problem_key(p)
+    cfgs = [c for c in spec.space(p, hw, prune=prune)
+            if row_key(pk, "pallas", spec.config_to_dict(c)) not in out.done]
+    skipped += len(spec.space(p, hw, prune=prune)) - len(cfgs)
+    with_base = row_key(pk, "baseline", None) not in out.done
+    skipped += 0 if with_base else 1
+    if cfgs or with_base:
+      todo.append((p, cfgs, with_base))
+  total = sum(len(c) + b for _, c, b in todo)
+  counts = {"measured": 0, "skipped": skipped, "failed": 0}
+  if progress is not None:
+    progress.start(total)
+  try:
+    for p, cfgs, with_base in todo:
+      pk = spec.problem_key(p)
+      batch: list[dict] = []
+      t0 = time.perf_counter()
+      try:
+        for impl, config, m in measure(p, cfgs, with_base):
+          cfg = None if config is None else spec.config_to_dict(config)
+          batch.append({"type": "row", "key": row_key(pk, impl, cfg),
+                        "problem": spec.problem_to_dict(p), "impl": impl,
+                        "config": cfg, **dataclasses.asdict(m)})
+          counts["measured"] += 1
+          counts["failed"] += m.status != "ok"
+          if progress is not None and impl != "repeat":
+            progress.advance(m.status)
+          if len(batch) >= _BATCH:
+            out.append(batch)
+            batch = []
+      finally:
+        # What was measured is kept, also on an interrupt; a timing row records
+        # the wall seconds this part of the problem took.
+        batch.append({"type": "row", "key": f"{pk}|timing|{len(out.done)}",
+                      "problem": spec.problem_to_dict(p), "impl": "timing",
+                      "config": None, "status": "ok",
+                      "wall_s": time.perf_counter() - t0})
+        out.append(batch)
+  finally:
+    if progress is not None:
+      progress.stop()
+  return counts
