@@ -48,7 +48,7 @@ def _header():
 
 def test_resume_after_kill_measures_nothing_twice(tmp_path):
   path = str(tmp_path / "s.jsonl.gz")
-  total = sum(len(MATMUL.space(p, HW)) for p in PROBLEMS)
+  total = sum(len(sweep.sweep_configs(MATMUL, p, HW)) for p in PROBLEMS)
   first = FakeMeasure(crash_after=total // 2)
   with pytest.raises(KeyboardInterrupt):
     sweep.run_sweep(MATMUL, PROBLEMS, HW, sweep.SweepFile(path, _header()), first)
@@ -117,10 +117,14 @@ def test_report_finds_known_oracle(tmp_path):
   header, rows = sweep.read_sweep(path)
   summaries, facts = report.summarize(header, rows)
   for s in summaries:
-    ok = [c for c in MATMUL.space(s.problem, HW) if hash((s.problem, c)) % 7 != 0]
+    ok = [c for c in sweep.sweep_configs(MATMUL, s.problem, HW)
+          if hash((s.problem, c)) % 7 != 0]
     best = min(ok, key=lambda c: fake_us(s.problem, c))
     assert s.oracle_us == pytest.approx(fake_us(s.problem, best))
     assert s.baseline_us == 5.0
     assert s.worst_us >= s.oracle_us
+    # The default config is measured on every problem, in the space or not.
+    if hash((s.problem, MATMUL.default(s.problem))) % 7:
+      assert s.default_us == pytest.approx(fake_us(s.problem, MATMUL.default(s.problem)))
   text = report.render(path)
   assert "geomean speedup of the oracle" in text and "compile_error" in text

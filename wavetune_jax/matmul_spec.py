@@ -77,9 +77,10 @@ PRUNED_GROUP_M = (8,)
 PRUNED_NUM_STAGES = (3, 4)
 
 # Pruning rules of the space (see MatmulSpec.space). The measurements behind
-# R5-R7 are in data/probes/ (every config of the unpruned space checked and
-# timed for llama3_8b.gate_up at M = 16, 1000, 4096 on an H200; the number is
-# best config with that value / best config overall):
+# R5-R7 are in data/probes/space_gate_up_h200_r1r4.json: every config allowed
+# by R1-R4 alone (stages 2-4, group_m 1 and 8, all block_m) checked and timed
+# for llama3_8b.gate_up at M = 16, 1000, 4096 on an H200; the numbers below are
+# (best config with that value) / (best config overall) in speed:
 #  R1 size:      no block larger than the next power of two of its dimension
 #                (floor 16 for M, 32 for N and K): larger blocks only mask.
 #  R2 smem:      num_stages * (bm*bk + bk*bn) * itemsize <= shared memory per

@@ -11,7 +11,8 @@ Method (the same for every candidate and for the platform baseline):
   call (the Pallas kernel, a split-K reduction, cuBLAS, XLA fusions).
 * Warm-up calls first, then the median over ``iterations`` calls, with the
   interquartile range as spread.
-* Candidates are compiled in parallel threads and measured one at a time. A
+* Candidates are compiled in parallel threads, all before the first
+  measurement, then measured one at a time. A
   config that fails to compile or to run, or computes a wrong result, is
   recorded with its error and skipped.
 """
@@ -218,7 +219,11 @@ class Profiler:
     Yields:
       ``(index into fns, Measurement)`` in the order the measurements finish.
     """
-    for i, exe, compile_s in self.compile_many(fns, args):
+    # Every compile finishes before the first measurement: XLA's autotuner
+    # (compiling a baseline) launches kernels of its own, which CUPTI would
+    # otherwise record inside a candidate's timing window.
+    compiled = list(self.compile_many(fns, args))
+    for i, exe, compile_s in compiled:
       if isinstance(exe, BaseException):
         m = Measurement(status="compile_error", compile_s=compile_s, error=_short(exe))
       else:

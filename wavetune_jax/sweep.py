@@ -27,7 +27,8 @@ import time
 import zlib
 from typing import Callable, Iterable, Iterator, Sequence
 
-__all__ = ["SCHEMA", "SweepFile", "read_sweep", "run_sweep", "row_key", "read_clocks"]
+__all__ = ["SCHEMA", "SweepFile", "read_sweep", "run_sweep", "row_key", "read_clocks",
+           "sweep_configs"]
 
 SCHEMA = 1
 _BATCH = 16
@@ -152,6 +153,20 @@ def make_header(spec, hw, *, jax_version: str, command: str | None = None,
 MeasureFn = Callable[[object, Sequence, bool], Iterator[tuple[str, object, object]]]
 
 
+def sweep_configs(spec, problem, hw, *, prune: bool = True) -> list:
+  """The space, plus the default and heuristic configs where pruning dropped
+  them (policies that use them are evaluated on every problem)."""
+  configs = list(spec.space(problem, hw, prune=prune))
+  for extra in (spec.default(problem), spec.heuristic(problem, hw)):
+    if extra not in configs:
+      try:
+        spec.validate(problem, extra, hw)
+      except ValueError:
+        continue
+      configs.append(extra)
+  return configs
+
+
 def run_sweep(spec, problems: Iterable, hw, out: SweepFile, measure: MeasureFn, *,
               prune: bool = True, progress=None) -> dict:
   """Measures every config of every problem not yet on file.
@@ -173,9 +188,10 @@ def run_sweep(spec, problems: Iterable, hw, out: SweepFile, measure: MeasureFn, 
   skipped = 0
   for p in problems:
     pk = spec.problem_key(p)
-    cfgs = [c for c in spec.space(p, hw, prune=prune)
+    every = sweep_configs(spec, p, hw, prune=prune)
+    cfgs = [c for c in every
             if row_key(pk, "pallas", spec.config_to_dict(c)) not in out.done]
-    skipped += len(spec.space(p, hw, prune=prune)) - len(cfgs)
+    skipped += len(every) - len(cfgs)
     with_base = row_key(pk, "baseline", None) not in out.done
     skipped += 0 if with_base else 1
     if cfgs or with_base:
