@@ -171,23 +171,39 @@ def plot_waves(header: dict, summaries: list[ProblemSummary], rows: list[dict],
     p = r["problem"]
     if r["impl"] == "pallas" and r["status"] == "ok" and (p["n"], p["k"]) == (n, k):
       times[spec.config_from_dict(r["config"])][p["m"]] = r["median_us"]
-  fig, ax = plt.subplots(figsize=(8, 5))
-  for c in picks:
-    pts = sorted(times[c].items())
-    if pts:
-      ax.plot([m for m, _ in pts], [t for _, t in pts], "o-", label=_cfg_str(c))
+  hw = hardware_of(header)
+  fig, ax = plt.subplots(figsize=(9, 5))
+  m_max = max(s.problem.m for s in ss)
+  m_cap = min(m_max, 4096)  # linear axes: the steps are visible up to a few waves
+  for idx, c in enumerate(picks):
+    pts = sorted((m, t) for m, t in times[c].items() if m <= m_cap)
+    if not pts:
+      continue
+    line, = ax.plot([m for m, _ in pts], [t for _, t in pts], "o-", label=_cfg_str(c))
+    if idx == 0:
+      # Wave boundaries of this config: G = k * num_SMs (one CTA per SM).
+      g1, _ = spec.coords(ss[0].problem.__class__(**{**dataclasses.asdict(ss[0].problem),
+                                                      "m": 1}), spec.macro(c))
+      bm = spec.macro(c).get("block_m", 1)
+      k_wave = 1
+      while True:
+        m_edge = k_wave * hw.num_sms / max(1, g1) * bm
+        if m_edge > m_cap:
+          break
+        ax.axvline(m_edge, color=line.get_color(), ls=":", lw=0.8)
+        k_wave += 1
   base = sorted((r["problem"]["m"], r["median_us"]) for r in rows
                 if r["impl"] == "baseline" and r["status"] == "ok"
-                and (r["problem"]["n"], r["problem"]["k"]) == (n, k))
+                and (r["problem"]["n"], r["problem"]["k"]) == (n, k)
+                and r["problem"]["m"] <= m_cap)
   if base:
     ax.plot(*zip(*base), "k--", label="XLA")
-  ax.set_xscale("log", base=2)
-  ax.set_yscale("log")
-  ax.set_xlabel("M (tokens)")
+  ax.set_xlabel("M (tokens); dotted: wave boundaries of the first config")
   ax.set_ylabel("us (CUPTI median)")
-  ax.set_title(f"{header['kernel']} N={n} K={k} on {header['device_kind']}")
-  ax.legend(fontsize=7, title="/".join(f.name[:6] for f in dataclasses.fields(spec.config_cls)),
-            title_fontsize=6)
+  ax.set_title(f"{header['kernel']} N={n} K={k} on {header['device_kind']} "
+               f"({hw.num_sms} SMs)")
+  ax.legend(fontsize=7, title="bm/bn/bk/split/group/warps/stages"
+            if spec.name == "matmul" else None, title_fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
