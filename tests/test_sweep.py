@@ -6,44 +6,12 @@ import os
 
 import pytest
 
-from wavetune_jax import MATMUL, MatmulProblem, get_hardware, report, sweep
-from wavetune_jax.profiler import Measurement
+from synthetic import HW, FakeMeasure, header, wave_us
+from wavetune_jax import MATMUL, MatmulProblem, report, sweep
 
-HW = get_hardware("h100")
 PROBLEMS = [MatmulProblem(m=m, n=256, k=512) for m in (1, 100, 1000)]
-
-
-def fake_us(p, c):
-  """A deterministic latency with a known best config."""
-  g, l = MATMUL.coords(p, MATMUL.macro(c))
-  waves = -(-g // HW.num_sms)
-  return 2.0 + waves * l * 0.1 * (c.block_m * c.block_n) / 4096 + c.num_stages * 0.01
-
-
-class FakeMeasure:
-  """Fails one config in seven; optionally 'crashes' after n measurements."""
-
-  def __init__(self, crash_after=None):
-    self.calls = []
-    self.crash_after = crash_after
-
-  def __call__(self, problem, configs, with_baseline):
-    for c in configs:
-      if self.crash_after is not None and len(self.calls) >= self.crash_after:
-        raise KeyboardInterrupt
-      self.calls.append((problem, c))
-      if hash((problem, c)) % 7 == 0:
-        yield "pallas", c, Measurement(status="compile_error", error="OutOfResources: smem")
-      else:
-        t = fake_us(problem, c)
-        yield "pallas", c, Measurement(status="ok", median_us=t, spread_us=0.01 * t,
-                                       samples=20, compile_s=0.1, rel_error=1e-3)
-    if with_baseline:
-      yield "baseline", None, Measurement(status="ok", median_us=5.0, spread_us=0.1, samples=20)
-
-
-def _header():
-  return sweep.make_header(MATMUL, HW, jax_version="0.0", command="wavetune sweep (test)")
+_header = header
+fake_us = wave_us
 
 
 def test_resume_after_kill_measures_nothing_twice(tmp_path):

@@ -1,0 +1,86 @@
+"""``wavetune eval``: score config-selection policies against a sweep."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+__all__ = ["add_commands", "format_table"]
+
+
+def format_table(results, facts) -> str:
+  lines = [f"{facts['device_kind']}: {facts['train_problems']} training / "
+           f"{facts['test_problems']} held-out problems (seed {facts['seed']}); "
+           f"profiling budget {facts['budget']} measurements "
+           f"({100 * facts['budget'] / max(1, facts['train_points']):.1f}% of the "
+           f"training split's {facts['train_points']})", ""]
+  lines.append(f"{'policy':<10} {'geomean':>8} {'min':>6} {'p10':>6} {'<=5%':>6} "
+               f"{'miss':>4} {'meas.':>7} {'GPU s':>7} {'cold us':>9} {'memo us':>8} "
+               f"{'vs XLA':>7}")
+  for r in results:
+    xla = f"{r.vs_xla_geomean:>7.3f}" if r.vs_xla_geomean else f"{'-':>7}"
+    lines.append(f"{r.policy:<10} {r.geomean:>8.3f} {r.minimum:>6.3f} {r.p10:>6.3f} "
+                 f"{100 * r.within_5pct:>5.0f}% {r.misses:>4} {r.measurements:>7} "
+                 f"{r.gpu_seconds:>7.0f} {r.decision_us_cold:>9.1f} "
+                 f"{r.decision_us_memo:>8.2f} {xla}")
+  lines.append("")
+  lines.append("efficiency = t_oracle / t_policy on held-out shapes; <=5%: share within 5% "
+               "of the oracle; meas./GPU s: profiling the policy needed; cold/memo: median "
+               "decision time; vs XLA: geomean speed of the chosen configs over XLA")
+  return "\n".join(lines)
+
+
+def _plot(results, path: str) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    raise SystemExit("the plot needs matplotlib: pip install 'wavetune-jax[report]'") from None
+  keys = sorted(results[0].efficiency)
+  fig, ax = plt.subplots(figsize=(max(8, 0.18 * len(keys)), 4.5))
+  width = 0.8 / len(results)
+  for i, r in enumerate(results):
+    ax.bar([j + i * width for j in range(len(keys))], [r.efficiency[k] for k in keys],
+           width, label=f"{r.policy} ({r.geomean:.3f})")
+  ax.set_xticks([j + 0.4 for j in range(len(keys))])
+  ax.set_xticklabels([k.split(":")[0] for k in keys], rotation=90, fontsize=6)
+  ax.set_ylabel("t_oracle / t_policy")
+  ax.set_ylim(0, 1.05)
+  ax.legend(fontsize=7, ncol=len(results))
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _eval(args) -> int:
+  from wavetune_jax import evaluate
+  ds = evaluate.load_dataset(args.sweep)
+  if ds.spec.name != args.kernel:
+    raise SystemExit(f"{args.sweep} holds kernel {ds.spec.name!r}, not {args.kernel!r}")
+  results, facts = evaluate.evaluate(ds, args.policy.split(","), seed=args.seed,
+                                     budget=args.budget)
+  if args.json:
+    print(json.dumps({"facts": facts, "results": [r.to_json() for r in results]}, indent=1))
+  else:
+    print(format_table(results, facts))
+  if args.plot:
+    _plot(results, args.plot)
+  return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+  ev = sub.add_parser(
+      "eval", help="score config-selection policies on held-out shapes of a sweep",
+      description="Replays policies against an exhaustive sweep: efficiency vs the "
+      "oracle on held-out shapes, profiling cost, decision time, speed vs XLA.")
+  ev.add_argument("--kernel", default="matmul")
+  ev.add_argument("--sweep", required=True)
+  ev.add_argument("--policy", default="default,heuristic,nearest,tree,gbdt,oracle",
+                  help="comma-separated policy names")
+  ev.add_argument("--seed", type=int, default=0)
+  ev.add_argument("--budget", type=int, default=None,
+                  help="profiling budget in measurements (default: 3%% of training)")
+  ev.add_argument("--json", action="store_true")
+  ev.add_argument("--plot", help="PNG of efficiency per held-out shape")
+  ev.set_defaults(func=_eval)
