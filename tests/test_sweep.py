@@ -94,5 +94,7 @@ def test_report_finds_known_oracle(tmp_path):
     # The default config is measured on every problem, in the space or not.
     if hash((s.problem, MATMUL.default(s.problem))) % 7:
       assert s.default_us == pytest.approx(fake_us(s.problem, MATMUL.default(s.problem)))
-  text = report.render(path)
+  png = str(tmp_path / "waves.png")
+  text = report.render(path, plot=png)
   assert "geomean speedup of the oracle" in text and "compile_error" in text
+  assert os.path.getsize(png) > 1000

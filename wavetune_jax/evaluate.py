@@ -3,7 +3,7 @@
 Protocol (held out by shape, fixed seed):
 
 * The sweep's problems are grouped by *weight* (every problem field except the
-  token count ``m``) and by ``m``. A seeded draw holds out ``test_weights``
+  spec's ``size_field``, the token count) and by size. A seeded draw holds out ``test_weights``
   (a fraction) of the weights and ``test_ms`` (a fraction) of the M values.
 * Test set = every problem of a held-out weight, plus every problem at a
   held-out M. Training set = the rest (kept weights at kept M values). No policy
@@ -85,23 +85,19 @@ def load_dataset(path: str) -> Dataset:
                  seconds_per_point=spp, failed=dict(failed))
 
 
-def _weight_of(spec: KernelSpec, problem) -> tuple:
-  d = spec.problem_to_dict(problem)
-  return tuple(sorted((k, v) for k, v in d.items() if k != "m"))
-
-
 def split(ds: Dataset, *, seed: int = 0, test_weights: float = 0.34,
           test_ms: float = 0.25) -> tuple[list, list]:
   """``(train, test)`` problems, held out by weight and by M (see module doc)."""
   problems = ds.problems
-  weights = sorted({_weight_of(ds.spec, p) for p in problems})
-  ms = sorted({p.m for p in problems})
+  weights = sorted({ds.spec.weight_of(p) for p in problems})
+  ms = sorted({ds.spec.size_of(p) for p in problems})
   rng = random.Random(seed)
   n_w = min(len(weights) - 1, max(1, round(test_weights * len(weights))))
   n_m = min(len(ms) - 1, max(1, round(test_ms * len(ms))))
   held_w = set(rng.sample(weights, n_w)) if len(weights) > 1 else set()
   held_m = set(rng.sample(ms, n_m)) if len(ms) > 1 else set()
-  test = [p for p in problems if _weight_of(ds.spec, p) in held_w or p.m in held_m]
+  test = [p for p in problems if ds.spec.weight_of(p) in held_w
+          or ds.spec.size_of(p) in held_m]
   train = [p for p in problems if p not in set(test)]
   return train, test
 
@@ -188,7 +184,8 @@ class NearestPolicy(Policy):
 
   def select(self, problem):
     f = _log_fields(self.spec, problem)
-    best = min(self._feats, key=lambda p: _dist(self._feats[p], f))
+    size = self.spec.size_field
+    best = min(self._feats, key=lambda p: _dist(self._feats[p], f, size))
     ranking = self.tuned[best]
     space = set(self.spec.space(problem, self.hw))
     return next((c for c in ranking if c in space), ranking[0])
@@ -199,9 +196,9 @@ def _log_fields(spec, problem) -> dict:
           if isinstance(v, int) and not isinstance(v, bool) and v > 0}
 
 
-def _dist(a: dict, b: dict) -> float:
+def _dist(a: dict, b: dict, size_field: str) -> float:
   # Other fields (the weight) dominate: a shape of the same weight always wins.
-  return sum((a[k] - b.get(k, 0.0)) ** 2 * (1.0 if k == "m" else 1e3) for k in a)
+  return sum((a[k] - b.get(k, 0.0)) ** 2 * (1.0 if k == size_field else 1e3) for k in a)
 
 
 class _RegressorPolicy(Policy):

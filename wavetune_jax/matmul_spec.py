@@ -110,6 +110,14 @@ class MatmulSpec(KernelSpec):
   config_cls = MatmulConfig
   macro_fields = ("block_m", "block_n", "block_k", "split_k")
   micro_fields = ("group_m", "num_warps", "num_stages")
+  size_field = "m"
+
+  def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):
+    """``suite["gemm"]``: every weight (N, K) at every token count M."""
+    from wavetune_jax import shapes
+    ws = shapes.gemm_weights(suite, weights)
+    ms = suite["gemm"]["M"] if sizes is None else sizes
+    return [MatmulProblem(m=m, n=n, k=k, dtype=dtype) for n, k in ws.values() for m in ms]
 
   # --- space -------------------------------------------------------------------
   def smem_bytes(self, problem: MatmulProblem, c: MatmulConfig) -> int:

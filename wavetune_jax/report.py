@@ -156,24 +156,30 @@ def plot_waves(header: dict, summaries: list[ProblemSummary], rows: list[dict],
   except ImportError:
     raise SystemExit("the plot needs matplotlib: pip install 'wavetune-jax[report]'") from None
   spec = get_spec(header["kernel"])
+  size = spec.size_field
   groups = collections.defaultdict(list)
   for s in summaries:
-    groups[(s.problem.n, s.problem.k)].append(s)
-  (n, k), ss = max(groups.items(), key=lambda kv: len(kv[1]))
-  ss.sort(key=lambda s: s.problem.m)
+    groups[spec.weight_of(s.problem)].append(s)
+  weight, ss = max(groups.items(), key=lambda kv: len(kv[1]))
+  ss.sort(key=lambda s: spec.size_of(s.problem))
   picks = [spec.default(ss[0].problem)]
   for s in ss[len(ss) // 3::max(1, len(ss) // 3)]:
     if s.oracle_config is not None and s.oracle_config not in picks:
       picks.append(s.oracle_config)
   picks = picks[:max_configs]
   times = collections.defaultdict(dict)
+  base = []
   for r in rows:
-    p = r["problem"]
-    if r["impl"] == "pallas" and r["status"] == "ok" and (p["n"], p["k"]) == (n, k):
-      times[spec.config_from_dict(r["config"])][p["m"]] = r["median_us"]
+    p = spec.problem_from_dict(r["problem"])
+    if spec.weight_of(p) != weight or r["status"] != "ok":
+      continue
+    if r["impl"] == "pallas":
+      times[spec.config_from_dict(r["config"])][spec.size_of(p)] = r["median_us"]
+    elif r["impl"] == "baseline":
+      base.append((spec.size_of(p), r["median_us"]))
   hw = hardware_of(header)
   fig, ax = plt.subplots(figsize=(9, 5))
-  m_max = max(s.problem.m for s in ss)
+  m_max = max(spec.size_of(s) for s in (x.problem for x in ss))
   m_cap = min(m_max, 4096)  # linear axes: the steps are visible up to a few waves
   for idx, c in enumerate(picks):
     pts = sorted((m, t) for m, t in times[c].items() if m <= m_cap)
@@ -182,28 +188,25 @@ def plot_waves(header: dict, summaries: list[ProblemSummary], rows: list[dict],
     line, = ax.plot([m for m, _ in pts], [t for _, t in pts], "o-", label=_cfg_str(c))
     if idx == 0:
       # Wave boundaries of this config: G = k * num_SMs (one CTA per SM).
-      g1, _ = spec.coords(ss[0].problem.__class__(**{**dataclasses.asdict(ss[0].problem),
-                                                      "m": 1}), spec.macro(c))
-      bm = spec.macro(c).get("block_m", 1)
-      k_wave = 1
-      while True:
-        m_edge = k_wave * hw.num_sms / max(1, g1) * bm
-        if m_edge > m_cap:
-          break
-        ax.axvline(m_edge, color=line.get_color(), ls=":", lw=0.8)
-        k_wave += 1
-  base = sorted((r["problem"]["m"], r["median_us"]) for r in rows
-                if r["impl"] == "baseline" and r["status"] == "ok"
-                and (r["problem"]["n"], r["problem"]["k"]) == (n, k)
-                and r["problem"]["m"] <= m_cap)
+      # Wave boundaries of this config: sizes where G crosses k * num_SMs.
+      proto = spec.problem_to_dict(ss[0].problem)
+      waves_prev = None
+      for m in range(1, m_cap + 1):
+        g, _ = spec.coords(spec.problem_from_dict({**proto, size: m}), spec.macro(c))
+        w = -(-g // hw.num_sms)
+        if waves_prev is not None and w != waves_prev:
+          ax.axvline(m - 0.5, color=line.get_color(), ls=":", lw=0.8)
+        waves_prev = w
+  base = sorted(b for b in base if b[0] <= m_cap)
   if base:
     ax.plot(*zip(*base), "k--", label="XLA")
-  ax.set_xlabel("M (tokens); dotted: wave boundaries of the first config")
+  ax.set_xlabel(f"{size} (tokens); dotted: wave boundaries of the first config")
   ax.set_ylabel("us (CUPTI median)")
-  ax.set_title(f"{header['kernel']} N={n} K={k} on {header['device_kind']} "
+  label = " ".join(f"{k}={v}" for k, v in weight if not isinstance(v, str))
+  ax.set_title(f"{header['kernel']} {label} on {header['device_kind']} "
                f"({hw.num_sms} SMs)")
-  ax.legend(fontsize=7, title="bm/bn/bk/split/group/warps/stages"
-            if spec.name == "matmul" else None, title_fontsize=7)
+  ax.legend(fontsize=7, title="/".join(f.name for f in dataclasses.fields(spec.config_cls)),
+            title_fontsize=6)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)

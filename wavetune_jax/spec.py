@@ -36,6 +36,9 @@ class KernelSpec(abc.ABC):
   macro_fields: ClassVar[tuple[str, ...]]
   #: Config fields that change per-tile efficiency only.
   micro_fields: ClassVar[tuple[str, ...]]
+  #: The problem field that grows with the tokens of a call (GEMM: ``m``).
+  #: Evaluation holds out its values; plots put it on the x axis.
+  size_field: ClassVar[str]
 
   # --- the space -------------------------------------------------------------
   @abc.abstractmethod
@@ -79,6 +82,19 @@ class KernelSpec(abc.ABC):
   @abc.abstractmethod
   def tolerance(self, problem) -> float:
     """Largest acceptable ``|out - ref| / |ref|``."""
+
+  @abc.abstractmethod
+  def problems_from_suite(self, suite: dict, *, weights: Sequence[str] | None = None,
+                          sizes: Sequence[int] | None = None, dtype: str) -> list:
+    """The problems of a shape suite (``shapes/train.json`` format)."""
+
+  def weight_of(self, problem) -> tuple:
+    """Every problem field except ``size_field``: what stays fixed per weight."""
+    d = self.problem_to_dict(problem)
+    return tuple(sorted((k, v) for k, v in d.items() if k != self.size_field))
+
+  def size_of(self, problem) -> int:
+    return getattr(problem, self.size_field)
 
   # --- keys and (de)serialisation ---------------------------------------------
   @abc.abstractmethod

@@ -52,13 +52,13 @@ class _Progress:
 def _problems(spec, args):
   from wavetune_jax import shapes
   suite = shapes.load_suite(args.shapes)
-  weights = shapes.gemm_weights(suite, args.weights.split(",") if args.weights else None)
-  ms = args.m or suite["gemm"]["M"]
+  problems = spec.problems_from_suite(
+      suite, weights=args.weights.split(",") if args.weights else None,
+      sizes=args.m, dtype=args.dtype)
   if args.m_range:
     lo, hi = args.m_range
-    ms = [m for m in ms if lo <= m <= hi]
-  return [spec.problem_cls(m=m, n=n, k=k, dtype=args.dtype)
-          for n, k in weights.values() for m in ms]
+    problems = [p for p in problems if lo <= spec.size_of(p) <= hi]
+  return problems
 
 
 def _gpu_measure(spec, prof):
@@ -128,7 +128,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   sw.add_argument("--kernel", default="matmul")
   sw.add_argument("--shapes", default="train", help="built-in suite name or JSON path")
   sw.add_argument("--weights", help="comma-separated weight names (default: all)")
-  sw.add_argument("--m", type=int, nargs="+", help="token counts (default: the suite's)")
+  sw.add_argument("--m", type=int, nargs="+",
+                  help="token counts, the spec's size_field (default: the suite's)")
   sw.add_argument("--m-range", type=int, nargs=2, metavar=("LO", "HI"))
   sw.add_argument("--dtype", default="bfloat16")
   sw.add_argument("--out", help="default data/sweeps/<device_key>/<kernel>_<dtype>.jsonl.gz")
