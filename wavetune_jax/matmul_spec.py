@@ -207,6 +207,14 @@ class MatmulSpec(KernelSpec):
       c = dataclasses.replace(c, num_stages=c.num_stages - 1)
     return c
 
+  def occupancy_bound(self, problem: MatmulProblem, config: MatmulConfig,
+                      hw: Hardware) -> int:
+    """Analytic bound on CTAs per SM (shared memory, threads, registers)."""
+    from wavetune_jax import wave_model
+    return wave_model.occupancy_bound(
+        smem_bytes=self.smem_bytes(problem, config), threads=32 * config.num_warps,
+        acc_per_thread=config.block_m * config.block_n // (32 * config.num_warps), hw=hw)
+
   # --- mapping ---------------------------------------------------------------------
   def coords(self, problem: MatmulProblem, macro: dict) -> tuple[int, int]:
     """``G = ceil(M/bm)*ceil(N/bn)*split_k``, ``L = ceil(K/(bk*split_k))``."""

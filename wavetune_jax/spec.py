@@ -62,6 +62,10 @@ class KernelSpec(abc.ABC):
   def coords(self, problem, macro: dict) -> tuple[int, int]:
     """``(G, L)``: CTAs launched and inner-loop trips of one CTA."""
 
+  @abc.abstractmethod
+  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
+    """Analytic upper bound on CTAs resident per SM (prior of the wave model)."""
+
   # --- running ---------------------------------------------------------------
   @abc.abstractmethod
   def build(self, problem, config, *, interpret: bool = False) -> Callable:

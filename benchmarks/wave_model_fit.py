@@ -1,0 +1,66 @@
+"""Fit error of the wave model forms on a recorded exhaustive sweep (CPU).
+
+For every config with enough points in the sweep: the occupancy is chosen from
+the data (1 .. the analytic bound), then each model form is fitted
+(a) on all the config's points (in-sample) and (b) on the training split of
+the held-out protocol of ``wavetune eval``, scored on the held-out problems.
+Prints median and p90 |relative error| of predicted vs measured latency.
+
+  python3 benchmarks/wave_model_fit.py data/sweeps/nvidia_h200/matmul_bfloat16.jsonl.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import numpy as np
+
+from wavetune_jax import evaluate, wave_model
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("sweep")
+  ap.add_argument("--min-points", type=int, default=20)
+  ap.add_argument("--seed", type=int, default=0)
+  a = ap.parse_args(argv)
+  ds = evaluate.load_dataset(a.sweep)
+  spec, hw = ds.spec, ds.hw
+  train, test = evaluate.split(ds, seed=a.seed)
+  train = set(train)
+  pts = collections.defaultdict(list)
+  for p, ts in ds.times.items():
+    for c, t in ts.items():
+      g, l = spec.coords(p, spec.macro(c))
+      pts[c].append((p, g, l, t))
+  configs = [c for c, v in pts.items() if len(v) >= a.min_points]
+  print(f"{ds.header['device_kind']}: {len(configs)} configs with >= {a.min_points} "
+        f"points ({sum(len(pts[c]) for c in configs)} points)")
+  print(f"{'form':<10} {'in-sample med':>14} {'p90':>7} {'held-out med':>13} {'p90':>7} "
+        f"{'occupancy found (count)':>26}")
+  for form in wave_model.FORMS:
+    ins, outs, occs = [], [], collections.Counter()
+    for c in configs:
+      p0 = pts[c][0][0]
+      bound = spec.occupancy_bound(p0, c, hw)
+      _, g, l, t = map(np.array, zip(*pts[c]))
+      occ, res = wave_model.fit_occupancy(g, l, t, num_sms=hw.num_sms, bound=bound,
+                                          form=form)
+      occs[occ] += 1
+      ins.extend(wave_model.rel_errors(
+          wave_model.predict(res.coef, g, l, occ * hw.num_sms, form), t))
+      tr = np.array([q in train for q, *_ in pts[c]])
+      n_coef = wave_model.N_COEF[form]
+      if tr.sum() >= n_coef + 2 and (~tr).any():
+        occ_tr, res_tr = wave_model.fit_occupancy(g[tr], l[tr], t[tr], num_sms=hw.num_sms,
+                                                  bound=bound, form=form)
+        outs.extend(wave_model.rel_errors(wave_model.predict(
+            res_tr.coef, g[~tr], l[~tr], occ_tr * hw.num_sms, form), t[~tr]))
+    print(f"{form:<10} {100 * np.median(ins):>13.1f}% {100 * np.percentile(ins, 90):>6.1f}% "
+          f"{100 * np.median(outs):>12.1f}% {100 * np.percentile(outs, 90):>6.1f}% "
+          f"{str(dict(sorted(occs.items()))):>26}")
+
+
+if __name__ == "__main__":
+  main()
