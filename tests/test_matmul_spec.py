@@ -74,6 +74,21 @@ def test_unpruned_space_is_a_superset():
   assert set(MATMUL.space(p, H100)) <= set(MATMUL.space(p, H100, prune=False))
 
 
+def test_macro_micro_split_covers_every_field():
+  c = MATMUL.default(MatmulProblem(m=5, n=6, k=7))
+  macro, micro = MATMUL.macro(c), MATMUL.micro(c)
+  assert set(macro).isdisjoint(micro)
+  assert {**macro, **micro} == MATMUL.config_to_dict(c)
+  # Macro fields are exactly those that move (G, L).
+  p = MatmulProblem(m=1000, n=4096, k=4096)
+  for field in MATMUL.micro_fields:
+    other = dataclasses.replace(c, **{field: 2 * getattr(c, field)})
+    assert MATMUL.coords(p, MATMUL.macro(other)) == MATMUL.coords(p, MATMUL.macro(c))
+  for field in MATMUL.macro_fields:
+    other = dataclasses.replace(c, **{field: 2 * getattr(c, field)})
+    assert MATMUL.coords(p, MATMUL.macro(other)) != MATMUL.coords(p, MATMUL.macro(c))
+
+
 def test_coords():
   p = MatmulProblem(m=1000, n=4096, k=4096)
   g, l = MATMUL.coords(p, dict(block_m=128, block_n=256, block_k=64, split_k=1))

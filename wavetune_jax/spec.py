@@ -16,7 +16,7 @@ import jax
 
 from wavetune_jax.hardware import Hardware
 
-__all__ = ["KernelSpec", "register", "get_spec", "registered", "split_config"]
+__all__ = ["KernelSpec", "register", "get_spec", "registered"]
 
 
 class KernelSpec(abc.ABC):
@@ -129,12 +129,6 @@ class KernelSpec(abc.ABC):
     return {f: getattr(config, f) for f in self.micro_fields}
 
 
-def split_config(spec: KernelSpec, config) -> tuple[tuple, tuple]:
-  """``(macro values, micro values)`` of ``config`` as hashable tuples."""
-  return (tuple(getattr(config, f) for f in spec.macro_fields),
-          tuple(getattr(config, f) for f in spec.micro_fields))
-
-
 _REGISTRY: dict[str, KernelSpec] = {}
 
 
@@ -152,7 +146,7 @@ def get_spec(name: str) -> KernelSpec:
     return _REGISTRY[name]
   except KeyError:
     raise ValueError(
-        f"unknown kernel {name!r}; registered kernels: {sorted(_REGISTRY)}"
+        f"unknown kernel {name!r}; registered kernels: {registered()}"
     ) from None
 
 
