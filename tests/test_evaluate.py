@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from synthetic import (HW, MS, PROBLEMS, WEIGHTS, FakeMeasure, config_only_us, fails,
+from synthetic import (HW, MS, PROBLEMS, FakeMeasure, config_only_us,
                        wave_us, write_sweep)
 from wavetune_jax import MATMUL, evaluate
 from wavetune_jax.cli import main as cli_main

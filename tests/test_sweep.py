@@ -1,7 +1,6 @@
 """Sweep logic with a fake timer: resume after a kill, failures, header, report."""
 
 import gzip
-import json
 import os
 
 import pytest

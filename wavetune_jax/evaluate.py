@@ -299,7 +299,7 @@ def _geomean(xs) -> float:
   return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def _time_decisions(policy: Policy, problems: Sequence, spec) -> tuple[float, float]:
+def _time_decisions(policy: Policy, problems: Sequence) -> tuple[float, float]:
   """Median microseconds of one decision: cold (no memo) and memoized."""
   cold = []
   for p in problems:
@@ -348,7 +348,7 @@ def evaluate(ds: Dataset, policy_names: Sequence[str], *, seed: int = 0,
       eff[ds.spec.problem_key(p)] = ds.times[p][ds.oracle(p)] / t
       if p in ds.baseline:
         vs_xla.append(ds.baseline[p] / t)
-    cold, memo = _time_decisions(policy, test, ds.spec)
+    cold, memo = _time_decisions(policy, test)
     e = sorted(eff.values())
     results.append(PolicyResult(
         policy=name, efficiency=eff, geomean=_geomean(e), minimum=e[0],

@@ -80,7 +80,8 @@ PRUNED_NUM_STAGES = (3, 4)
 # R5-R7 are in data/probes/space_gate_up_h200_r1r4.json: every config allowed
 # by R1-R4 alone (stages 2-4, group_m 1 and 8, all block_m) checked and timed
 # for llama3_8b.gate_up at M = 16, 1000, 4096 on an H200; the numbers below are
-# (best config with that value) / (best config overall) in speed:
+# (best config with that value) / (best config overall) in speed, as printed by
+# `python3 benchmarks/pruning_evidence.py data/probes/space_gate_up_h200_r1r4.json`:
 #  R1 size:      no block larger than the next power of two of its dimension
 #                (floor 16 for M, 32 for N and K): larger blocks only mask.
 #  R2 smem:      num_stages * (bm*bk + bk*bn) * itemsize <= shared memory per
@@ -98,7 +99,7 @@ PRUNED_NUM_STAGES = (3, 4)
 #  R6 stages:    3 and 4 only. The best 2-stage config was 0.94x, 0.81x, 0.91x
 #                of the best at M = 16, 1000, 4096.
 #  R7 tiny bm:   block_m >= min(64, next_pow2(M) / 16). bm = 16 and 32 reached 0.24x and
-#                0.44x of the best at M = 1000 and 4096 (too little reuse of w).
+#                0.41-0.44x of the best at M = 1000 and 4096 (too little reuse of w).
 ACC_PER_THREAD = (16, 128)
 
 
