@@ -3,6 +3,7 @@
 from wavetune_jax.hardware import Hardware, detect, device_key, get_hardware
 from wavetune_jax.matmul_spec import MATMUL, MatmulConfig, MatmulProblem, MatmulSpec
 from wavetune_jax.ops import matmul
+from wavetune_jax.selector import load_tables, policy, select, set_policy, use_config, use_tables
 from wavetune_jax.spec import KernelSpec, get_spec, register
 
 __version__ = "0.1.0"
@@ -18,6 +19,12 @@ __all__ = [
     "device_key",
     "get_hardware",
     "get_spec",
+    "load_tables",
     "matmul",
+    "policy",
     "register",
+    "select",
+    "set_policy",
+    "use_config",
+    "use_tables",
 ]

@@ -84,9 +84,10 @@ def main(argv=None) -> int:
   demo.add_argument("--m", type=int, nargs="+", help="token counts (M)")
   demo.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
   demo.set_defaults(func=_demo)
-  from wavetune_jax import eval_cli, sweep_cli
+  from wavetune_jax import eval_cli, sweep_cli, tune_cli
   sweep_cli.add_commands(sub)
   eval_cli.add_commands(sub)
+  tune_cli.add_commands(sub)
   args = ap.parse_args(argv)
   return args.func(args)
 

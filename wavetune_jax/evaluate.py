@@ -260,9 +260,28 @@ class GBDTPolicy(_RegressorPolicy):
     return GradientBoostingRegressor(random_state=0, n_estimators=200, max_depth=4)
 
 
+class WaveTunePolicy(Policy):
+  """The WaveTune tuner in replay mode on the training problems, within the
+  budget; selection as in ``wavetune_jax.matmul``: exact -> model -> heuristic."""
+  name = "wavetune"
+
+  def fit(self, ds, train, budget, rng):
+    from wavetune_jax import selector, tuning
+    self.spec, self.hw = ds.spec, ds.hw
+    res = tuning.tune(ds.spec, ds.hw, train, tuning.ReplayBackend(ds, train),
+                      budget=budget, seed=rng.randrange(1 << 30))
+    self.table = res.table
+    self.decider = selector.Decider(res.table, ds.hw)
+    return res.measurements, res.seconds
+
+  def select(self, problem):
+    sel = self.decider.decide(problem)
+    return self.spec.heuristic(problem, self.hw) if sel is None else sel.config
+
+
 POLICIES: dict[str, Callable[[], Policy]] = {
     cls.name: cls for cls in (DefaultPolicy, HeuristicPolicy, NearestPolicy, TreePolicy,
-                              GBDTPolicy, OraclePolicy)}
+                              GBDTPolicy, WaveTunePolicy, OraclePolicy)}
 
 
 def make_policy(name: str) -> Policy:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.matmul import MatmulConfig, matmul_reference
 from pallas_kernels.matmul import matmul as pallas_matmul
@@ -64,6 +66,21 @@ def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def _gl(m, n, k, bm, bn, bk, sk):
+  """``(G, L)`` of the GEMM mapping; works on ints and on NumPy arrays."""
+  return _cdiv(m, bm) * _cdiv(n, bn) * sk, _cdiv(_cdiv(k, bk), sk)
+
+
+def _aux(m, n, sk):
+  """Split-K columns of the wave model: ``[sk > 1, MB of fp32 partials]``
+  (the partials are written by the kernel and summed by one XLA reduction).
+  Works on ints and on NumPy arrays; returns ``[..., 2]``."""
+  multi = np.asarray(sk > 1, np.float32)
+  mb = multi * np.asarray(sk * m * n * 4, np.float64) / 1e6
+  multi, mb = np.broadcast_arrays(multi, mb)
+  return np.stack([multi, mb.astype(np.float32)], axis=-1)
+
+
 # Candidate values. Blocks are powers of two >= 16 (tl.dot's minimum). The
 # pruned space uses the PRUNED_* subsets; ``prune=False`` uses all values.
 BLOCK_M = (16, 32, 64, 128, 256)
@@ -112,6 +129,11 @@ class MatmulSpec(KernelSpec):
   macro_fields = ("block_m", "block_n", "block_k", "split_k")
   micro_fields = ("group_m", "num_warps", "num_stages")
   size_field = "m"
+  # split_k only changes (G, L) and adds the reduction (aux), so one wave
+  # model serves every split of a tile: 160 models instead of 676 on the H200
+  # sweep, and each gets the anchors of all its splits.
+  folded_fields = ("split_k",)
+  aux_names = ("split_k_launch", "split_k_partial_mb")
 
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):
     """``suite["gemm"]``: every weight (N, K) at every token count M."""
@@ -132,24 +154,28 @@ class MatmulSpec(KernelSpec):
     With ``prune=False`` only validity (R2 and split-K <= K blocks) applies;
     that wide space exists to check the pruning rules against measurements.
     """
-    p = problem
-    k_blocks = {bk: _cdiv(p.k, bk) for bk in BLOCK_K}
+    cands, arr = self._weight_candidates(problem.n, problem.k, problem.dtype, hw, prune)
+    mask = self._size_mask(np.array([[problem.m]]), problem.n, arr, hw, prune)[0]
+    return tuple(c for c, ok in zip(cands, mask) if ok)
+
+  @functools.lru_cache(maxsize=256)
+  def _weight_candidates(self, n: int, k: int, dtype: str, hw: Hardware,
+                         prune: bool) -> tuple[tuple[MatmulConfig, ...], dict]:
+    """Configs allowed by every rule that does not depend on M, and their
+    fields as arrays (for the rules that do: ``_size_mask``)."""
+    p = MatmulProblem(m=1, n=n, k=k, dtype=dtype)
+    k_blocks = {bk: _cdiv(k, bk) for bk in BLOCK_K}
     out = []
     groups = PRUNED_GROUP_M if prune else GROUP_M  # R5
     stages = PRUNED_NUM_STAGES if prune else NUM_STAGES  # R6
     for bm, bn, bk in itertools.product(BLOCK_M, BLOCK_N, BLOCK_K):
-      if prune and (bm > max(16, _next_pow2(p.m)) or bn > max(32, _next_pow2(p.n))
-                    or bk > max(32, _next_pow2(p.k))):
-        continue  # R1
-      if prune and bm < min(64, _next_pow2(p.m) // 16):
-        continue  # R7
-      tiles = _cdiv(p.m, bm) * _cdiv(p.n, bn)
+      if prune and (bn > max(32, _next_pow2(n)) or bk > max(32, _next_pow2(k))):
+        continue  # R1 (N and K; M in _size_mask)
       for sk in SPLIT_K:
         if sk > k_blocks[bk]:
           continue  # validity
-        if prune and sk > 1 and (tiles >= hw.num_sms or tiles * sk > 2 * hw.num_sms
-                                 or _cdiv(k_blocks[bk], sk) < 2):
-          continue  # R4
+        if prune and sk > 1 and _cdiv(k_blocks[bk], sk) < 2:
+          continue  # R4 (K part; the tile-grid part in _size_mask)
         for gm, nw, ns in itertools.product(groups, NUM_WARPS, stages):
           c = MatmulConfig(block_m=bm, block_n=bn, block_k=bk, split_k=sk,
                            group_m=gm, num_warps=nw, num_stages=ns)
@@ -160,7 +186,38 @@ class MatmulSpec(KernelSpec):
                         or (nw > 4 and acc < ACC_PER_THREAD[0])):
             continue  # R3
           out.append(c)
-    return tuple(out)
+    arr = {f: np.array([getattr(c, f) for c in out], np.int64)
+           for f in ("block_m", "block_n", "block_k", "split_k")}
+    return tuple(out), arr
+
+  @staticmethod
+  def _size_mask(m: np.ndarray, n: int, arr: dict, hw: Hardware, prune: bool) -> np.ndarray:
+    """``[S, n_cands]``: which candidates the M-dependent rules keep, per M."""
+    bm, bn, sk = arr["block_m"], arr["block_n"], arr["split_k"]
+    ok = np.ones(np.broadcast_shapes(m.shape, bm.shape), bool)
+    if not prune:
+      return ok
+    np2 = 1 << np.ceil(np.log2(np.maximum(m, 1))).astype(np.int64)
+    ok &= bm <= np.maximum(16, np2)  # R1 (M)
+    ok &= bm >= np.minimum(64, np2 // 16)  # R7
+    tiles = -(-m // bm) * -(-n // bn)
+    ok &= (sk == 1) | ((tiles < hw.num_sms) & (tiles * sk <= 2 * hw.num_sms))  # R4
+    return ok
+
+  # --- vectorised view for the selector -------------------------------------------
+  def size_quantum(self, problem: MatmulProblem) -> int:
+    """Every block_m is a multiple of 16, so ceil(M / block_m), and with it
+    (G, L) and the space, is the same for all M in (16(j-1), 16j]."""
+    return BLOCK_M[0]
+
+  def decision_arrays(self, problem: MatmulProblem, sizes: np.ndarray, hw: Hardware):
+    cands, arr = self._weight_candidates(problem.n, problem.k, problem.dtype, hw, True)
+    m = np.asarray(sizes, np.int64).reshape(-1, 1)
+    valid = self._size_mask(m, problem.n, arr, hw, True)
+    g, l = _gl(m, problem.n, problem.k, arr["block_m"], arr["block_n"], arr["block_k"],
+               arr["split_k"])
+    aux = _aux(m, problem.n, arr["split_k"])
+    return cands, valid, g, l, aux
 
   def validate(self, problem: MatmulProblem, config: MatmulConfig,
                hw: Hardware | None = None) -> None:
@@ -219,10 +276,12 @@ class MatmulSpec(KernelSpec):
   # --- mapping ---------------------------------------------------------------------
   def coords(self, problem: MatmulProblem, macro: dict) -> tuple[int, int]:
     """``G = ceil(M/bm)*ceil(N/bn)*split_k``, ``L = ceil(K/(bk*split_k))``."""
-    bm, bn, bk, sk = (macro["block_m"], macro["block_n"], macro["block_k"],
-                      macro["split_k"])
-    g = _cdiv(problem.m, bm) * _cdiv(problem.n, bn) * sk
-    return g, _cdiv(_cdiv(problem.k, bk), sk)
+    return _gl(problem.m, problem.n, problem.k, macro["block_m"], macro["block_n"],
+               macro["block_k"], macro["split_k"])
+
+  def aux(self, problem: MatmulProblem, config: MatmulConfig) -> tuple[float, ...]:
+    """Split-K's extra cost outside the tile grid (``AUX_NAMES``)."""
+    return tuple(float(v) for v in _aux(problem.m, problem.n, config.split_k))
 
   # --- running ------------------------------------------------------------------------
   def build(self, problem: MatmulProblem, config: MatmulConfig, *,

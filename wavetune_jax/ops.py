@@ -10,12 +10,18 @@ import jax.numpy as jnp
 
 from pallas_kernels.matmul import MatmulConfig, check_operands
 from pallas_kernels.matmul import matmul as pallas_matmul
+from wavetune_jax import selector
 from wavetune_jax.hardware import get_hardware
 from wavetune_jax.matmul_spec import MATMUL, MatmulProblem
 
 __all__ = ["matmul"]
 
 _log = logging.getLogger("wavetune_jax")
+
+
+@functools.lru_cache(maxsize=1)
+def _hardware():
+  return get_hardware()
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,11 +35,6 @@ def _interpret() -> bool:
   return not on_gpu
 
 
-@functools.lru_cache(maxsize=4096)
-def _default_config(problem: MatmulProblem) -> MatmulConfig:
-  return MATMUL.heuristic(problem, get_hardware())
-
-
 def matmul(x: jax.Array, w: jax.Array, *, config: MatmulConfig | dict | None = None,
            out_dtype=None) -> jax.Array:
   """``x @ w`` with the Pallas GEMM kernel and a chosen launch config.
@@ -45,9 +46,11 @@ def matmul(x: jax.Array, w: jax.Array, *, config: MatmulConfig | dict | None = N
     x: ``[M, K]`` bfloat16, float16 or float32 array.
     w: ``[K, N]`` array of the same dtype.
     config: a :class:`MatmulConfig` (or a dict of its fields) to use as given.
-      ``None`` picks the rule-of-thumb config of ``MatmulSpec.heuristic`` for
-      the current GPU (blocks from the next power of two of the dimensions,
-      split-K for small M).
+      ``None`` lets the selector choose at trace time
+      (``wavetune_jax.selector``): a config pinned with ``use_config``, else
+      the active policy; by default the shipped table of this GPU (exact
+      entry, then the wave model), and the rule-of-thumb heuristic where the
+      table has no answer.
     out_dtype: output dtype (default ``x.dtype``); accumulation is fp32.
 
   Returns:
@@ -68,7 +71,7 @@ def matmul(x: jax.Array, w: jax.Array, *, config: MatmulConfig | dict | None = N
     return jnp.zeros((m, n), out_dtype)
   problem = MatmulProblem(m=m, n=n, k=k, dtype=x.dtype.name, out_dtype=out_dtype.name)
   if config is None:
-    config = _default_config(problem)
+    config = selector.select(MATMUL, problem, _hardware()).config
   elif isinstance(config, dict):
     config = MatmulConfig.from_dict(config)
   MATMUL.validate(problem, config)

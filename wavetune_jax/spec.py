@@ -39,6 +39,14 @@ class KernelSpec(abc.ABC):
   #: The problem field that grows with the tokens of a call (GEMM: ``m``).
   #: Evaluation holds out its values; plots put it on the x axis.
   size_field: ClassVar[str]
+  #: Config fields that the (G, L) mapping absorbs completely (GEMM:
+  #: ``split_k``): configs that differ only in them share one wave model.
+  folded_fields: ClassVar[tuple[str, ...]] = ()
+  #: Names of the auxiliary model columns returned by :meth:`aux`.
+  aux_names: ClassVar[tuple[str, ...]] = ()
+  #: Bumped whenever the kernel's code changes its performance: tables tuned
+  #: for another revision are not used.
+  revision: ClassVar[int] = 1
 
   # --- the space -------------------------------------------------------------
   @abc.abstractmethod
@@ -65,6 +73,57 @@ class KernelSpec(abc.ABC):
   @abc.abstractmethod
   def occupancy_bound(self, problem, config, hw: Hardware) -> int:
     """Analytic upper bound on CTAs resident per SM (prior of the wave model)."""
+
+  def aux(self, problem, config) -> tuple[float, ...]:
+    """Costs outside the wave structure, one value per ``aux_names``."""
+    return ()
+
+  def variant(self, config) -> tuple:
+    """The wave model a config belongs to: its fields minus ``folded_fields``."""
+    d = self.config_to_dict(config)
+    return tuple((k, v) for k, v in d.items() if k not in self.folded_fields)
+
+  # --- vectorised view for the selector -----------------------------------------
+  def size_quantum(self, problem) -> int:
+    """Sizes in ``(q*(j-1), q*j]`` get the same decision (same space, G, L).
+
+    The selector decides once per bucket. 1 (the default) is always safe.
+    """
+    return 1
+
+  def with_size(self, problem, size: int):
+    return dataclasses.replace(problem, **{self.size_field: int(size)})
+
+  def decision_arrays(self, problem, sizes, hw: Hardware):
+    """Everything the selector needs to score configs at many sizes at once.
+
+    Args:
+      problem: any problem of the weight (its size is ignored).
+      sizes: ``[S]`` values of ``size_field``.
+
+    Returns:
+      ``(configs, valid [S, n], G [S, n], L [S, n], aux [S, n, n_aux])``:
+      the candidate configs and, per size, which are in the space and their
+      coordinates. This generic version calls the scalar methods; specs
+      override it with array code.
+    """
+    import numpy as np
+    probs = [self.with_size(problem, s) for s in sizes]
+    spaces = [self.space(p, hw) for p in probs]
+    configs = tuple(dict.fromkeys(c for sp in spaces for c in sp))
+    idx = {c: i for i, c in enumerate(configs)}
+    shape = (len(probs), len(configs))
+    valid = np.zeros(shape, bool)
+    g = np.ones(shape, np.int64)
+    l = np.ones(shape, np.int64)
+    aux = np.zeros(shape + (len(self.aux_names),), np.float32)
+    for i, (p, sp) in enumerate(zip(probs, spaces)):
+      for c in sp:
+        j = idx[c]
+        valid[i, j] = True
+        g[i, j], l[i, j] = self.coords(p, self.macro(c))
+        aux[i, j] = self.aux(p, c)
+    return configs, valid, g, l, aux
 
   # --- running ---------------------------------------------------------------
   @abc.abstractmethod

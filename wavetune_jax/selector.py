@@ -1,0 +1,312 @@
+"""Trace-time config selection.
+
+Selection order (the one place it is written): an explicit config (argument,
+or pinned with :func:`use_config`) -> the policy. Policy ``"tables"`` (the
+default): exact table -> model table -> heuristic. ``"heuristic"``: the spec's
+rule of thumb. ``"fixed"``: the spec's fixed default. ``"exhaustive"``: time
+the whole space on the GPU now, like an autotuner, and cache the answer.
+
+Decisions are memoized per (kernel, problem, state). The state (policy,
+tables, pinned configs) is part of JAX's jit cache key through
+``jax.make_user_context``, so a jitted function traced under one policy or
+table is traced again under another instead of reusing a stale config.
+
+The model table answers from a per-weight *decision vector*: the first time a
+weight (every problem field but the size) is seen, the model is evaluated for
+a block of size buckets at once in NumPy (``spec.size_quantum``: sizes in one
+bucket share space and coordinates); later sizes in that block are one
+array lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import warnings
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+from wavetune_jax import tables as tables_lib
+from wavetune_jax.hardware import Hardware, get_hardware
+from wavetune_jax.spec import KernelSpec
+
+__all__ = ["POLICIES", "Selection", "select", "set_policy", "policy", "use_config",
+           "load_tables", "use_tables", "active_table", "clear", "Decider"]
+
+POLICIES = ("tables", "heuristic", "fixed", "exhaustive")
+_BLOCK = 64  # size buckets evaluated together for a new weight
+
+_log = logging.getLogger("wavetune_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """A decision: the config and where it came from."""
+
+  config: Any
+  source: str                   # explicit | exact | model | heuristic | fixed | exhaustive
+  predicted_us: float | None = None
+  waves: int | None = None
+  note: str = ""
+
+
+class Decider:
+  """Exact -> model decisions of one table (no heuristic, no memo per problem)."""
+
+  def __init__(self, table: tables_lib.Table, hw: Hardware):
+    self.table = table
+    self.hw = hw
+    self.spec = table.spec
+    self._weights: dict = {}
+
+  def decide(self, problem) -> Selection | None:
+    hit = self.table.exact.get(problem)
+    if hit is not None:
+      return Selection(hit[0], "exact", hit[1])
+    spec = self.spec
+    q = spec.size_quantum(problem)
+    bucket = -(-spec.size_of(problem) // q)  # 1-based
+    block = (bucket - 1) // _BLOCK
+    key = (spec.weight_of(problem), block)
+    vec = self._weights.get(key)
+    if vec is None:
+      vec = self._weights[key] = self._block(problem, block, q)
+    configs, idx, pred = vec
+    i = idx[(bucket - 1) % _BLOCK]
+    if i < 0:
+      return None
+    return Selection(configs[i], "model", float(pred[(bucket - 1) % _BLOCK]))
+
+  def _block(self, problem, block: int, q: int):
+    spec = self.spec
+    sizes = (np.arange(block * _BLOCK, (block + 1) * _BLOCK) + 1) * q
+    configs, valid, g, l, aux = spec.decision_arrays(problem, sizes, self.hw)
+    pred = self.table.predict_arrays(configs, g, l, aux)
+    pred = np.where(valid, pred, np.inf)
+    idx = np.argmin(pred, axis=1)
+    best = pred[np.arange(len(sizes)), idx]
+    idx = np.where(np.isfinite(best), idx, -1)
+    return configs, idx.tolist(), best
+
+
+# --- state -------------------------------------------------------------------------------
+
+
+class _State(threading.local):
+  def __init__(self):
+    self.policy: str | None = None    # context override
+    self.pinned: dict = {}            # kernel -> config (context)
+    self.tables: dict = {}            # kernel -> Table | None (context)
+
+
+_global = {"policy": "tables", "pinned": {}, "tables": {}, "generation": 0}
+_local = _State()
+_lock = threading.Lock()
+_memo: dict = {}
+_shipped: dict = {}   # (kernel, device_key) -> Decider | None
+_warned: set = set()
+
+_ctx = jax.make_user_context(default_value=0) if hasattr(jax, "make_user_context") else None
+
+
+def _token():
+  """Hashable description of the state that decisions depend on."""
+  return (_global["generation"], _local.policy,
+          tuple(sorted((k, repr(v)) for k, v in _local.pinned.items())),
+          tuple(sorted((k, id(v)) for k, v in _local.tables.items())))
+
+
+def _changed():
+  """Global state changed: new generation, and jit caches keyed on it."""
+  _global["generation"] += 1
+  _memo.clear()
+  if _ctx is not None:
+    _ctx.set_global(_token())
+  else:  # pragma: no cover - JAX without user contexts
+    jax.clear_caches()
+
+
+@contextlib.contextmanager
+def _scoped() -> Iterator[None]:
+  if _ctx is None:  # pragma: no cover
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+    return
+  with _ctx(_token()):
+    yield
+
+
+def _check_policy(name: str) -> str:
+  if name not in POLICIES:
+    raise ValueError(f"unknown policy {name!r}; policies are {POLICIES}")
+  return name
+
+
+def set_policy(name: str) -> None:
+  """Sets the global selection policy (``POLICIES``)."""
+  _global["policy"] = _check_policy(name)
+  _changed()
+
+
+@contextlib.contextmanager
+def policy(name: str) -> Iterator[None]:
+  """Selection policy inside a ``with`` block (this thread)."""
+  old = _local.policy
+  _local.policy = _check_policy(name)
+  try:
+    with _scoped():
+      yield
+  finally:
+    _local.policy = old
+
+
+@contextlib.contextmanager
+def use_config(kernel: str, config) -> Iterator[None]:
+  """Pins ``config`` for every call of ``kernel`` inside the block."""
+  from wavetune_jax.spec import get_spec
+  spec = get_spec(kernel)
+  if isinstance(config, dict):
+    config = spec.config_from_dict(config)
+  if not isinstance(config, spec.config_cls):
+    raise ValueError(f"config must be a {spec.config_cls.__name__} or a dict; got {config!r}")
+  old = dict(_local.pinned)
+  _local.pinned[kernel] = config
+  try:
+    with _scoped():
+      yield
+  finally:
+    _local.pinned = old
+
+
+def load_tables(path: str, kernel: str = "matmul", *, hw: Hardware | str | None = None):
+  """Loads a table file and makes it the active table of ``kernel`` (globally).
+
+  Raises:
+    tables.TableError: the file is missing, corrupt, or for another GPU.
+  """
+  from wavetune_jax.spec import get_spec
+  table = tables_lib.load(path, get_spec(kernel), get_hardware(hw))
+  _global["tables"][kernel] = table
+  _changed()
+  return table
+
+
+@contextlib.contextmanager
+def use_tables(table: tables_lib.Table | None, kernel: str = "matmul") -> Iterator[None]:
+  """Uses ``table`` (None: no table, i.e. the heuristic) inside the block."""
+  old = dict(_local.tables)
+  _local.tables[kernel] = table
+  try:
+    with _scoped():
+      yield
+  finally:
+    _local.tables = old
+
+
+def clear() -> None:
+  """Forgets memoized decisions, loaded tables and settings (tests, reloads)."""
+  _global.update(policy="tables", pinned={}, tables={})
+  _shipped.clear()
+  _warned.clear()
+  _changed()
+
+
+def _warn_once(key, msg: str) -> None:
+  if key not in _warned:
+    _warned.add(key)
+    warnings.warn(msg, stacklevel=4)
+
+
+def _decider(spec: KernelSpec, hw: Hardware) -> Decider | None:
+  if spec.name in _local.tables:
+    t = _local.tables[spec.name]
+    return None if t is None else _cached_decider(t, hw)
+  if spec.name in _global["tables"]:
+    return _cached_decider(_global["tables"][spec.name], hw)
+  key = (spec.name, hw.device_key)
+  if key not in _shipped:
+    path = tables_lib.default_path(spec.name, hw.device_key)
+    try:
+      _shipped[key] = Decider(tables_lib.load(path, spec, hw), hw)
+    except tables_lib.TableError as e:
+      _shipped[key] = None
+      _warn_once(key, f"wavetune_jax: no usable {spec.name} table for {hw.device_key} "
+                      f"({e}); using the heuristic config")
+  return _shipped[key]
+
+
+_deciders: dict = {}
+
+
+def _cached_decider(table, hw) -> Decider:
+  d = _deciders.get((id(table), hw.device_key))
+  if d is None or d.table is not table:
+    d = _deciders[(id(table), hw.device_key)] = Decider(table, hw)
+  return d
+
+
+def active_table(kernel: str = "matmul", hw: Hardware | str | None = None):
+  """The table the ``tables`` policy would use now (None: none usable)."""
+  from wavetune_jax.spec import get_spec
+  d = _decider(get_spec(kernel), get_hardware(hw))
+  return None if d is None else d.table
+
+
+def select(spec: KernelSpec, problem, hw: Hardware | str | None = None) -> Selection:
+  """The config for ``problem`` under the current state (memoized)."""
+  hw = get_hardware(hw)
+  key = (spec.name, problem, hw.device_key, _token())
+  hit = _memo.get(key)
+  if hit is not None:
+    return hit
+  with _lock:
+    sel = _select(spec, problem, hw)
+    _memo[key] = sel
+  return sel
+
+
+def _select(spec: KernelSpec, problem, hw: Hardware) -> Selection:
+  pinned = _local.pinned.get(spec.name, _global["pinned"].get(spec.name))
+  if pinned is not None:
+    return Selection(pinned, "explicit")
+  pol = _local.policy or _global["policy"]
+  if pol == "fixed":
+    return Selection(spec.default(problem), "fixed")
+  if pol == "heuristic":
+    return Selection(spec.heuristic(problem, hw), "heuristic")
+  if pol == "exhaustive":
+    return _exhaustive(spec, problem, hw)
+  d = _decider(spec, hw)
+  sel = None if d is None else d.decide(problem)
+  if sel is None:
+    return Selection(spec.heuristic(problem, hw), "heuristic",
+                     note="no table" if d is None else "outside the model's trust region")
+  g, _ = spec.coords(problem, spec.macro(sel.config))
+  e = d.table.entries.get(spec.variant(sel.config))
+  waves = -(-g // (e.occupancy * hw.num_sms)) if e is not None else None
+  return dataclasses.replace(sel, waves=waves)
+
+
+def _exhaustive(spec: KernelSpec, problem, hw: Hardware) -> Selection:
+  """Times the whole space now (GPU only) and keeps the fastest."""
+  if jax.default_backend() != "gpu":
+    _warn_once(("exhaustive", spec.name), "wavetune_jax: policy 'exhaustive' needs a GPU; "
+                                          "using the heuristic config")
+    return Selection(spec.heuristic(problem, hw), "heuristic", note="no GPU to time on")
+  from wavetune_jax import profiler
+  configs = spec.space(problem, hw)
+  # Trace time may be inside a jit: measure on concrete arrays outside it.
+  with jax.ensure_compile_time_eval():
+    args = spec.inputs(problem, jax.random.PRNGKey(0))
+    ms = profiler.Profiler(iterations=10).measure_many(
+        [spec.build(problem, c) for c in configs], args)
+  ok = [(m.median_us, i) for i, m in enumerate(ms) if m.status == "ok"]
+  if not ok:
+    return Selection(spec.heuristic(problem, hw), "heuristic", note="every config failed")
+  us, i = min(ok)
+  return Selection(configs[i], "exhaustive", us)

@@ -1,0 +1,177 @@
+"""``wavetune tune``, ``wavetune select`` and ``wavetune plot``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+
+__all__ = ["add_commands"]
+
+
+def _tune(args) -> int:
+  import jax
+
+  from wavetune_jax import evaluate, tables, tuning
+  from wavetune_jax.spec import get_spec
+  from wavetune_jax.sweep_cli import _Progress, _problems
+
+  command = "wavetune " + shlex.join(sys.argv[1:])
+  spec = get_spec(args.kernel)
+  prov = {"command": command, "jax_version": jax.__version__}
+  if args.replay:
+    ds = evaluate.load_dataset(args.replay)
+    if ds.spec is not spec:
+      raise SystemExit(f"{args.replay} is a {ds.spec.name} sweep, not {spec.name}")
+    hw = ds.hw
+    pool = [p for p in ds.problems
+            if not args.m_range or args.m_range[0] <= spec.size_of(p) <= args.m_range[1]]
+    backend = tuning.ReplayBackend(ds, pool)
+    prov["source"] = args.replay
+    progress = None
+  else:
+    from wavetune_jax import hardware, profiler, sweep
+    hw = hardware.detect()
+    pool = _problems(spec, args)
+    log_path = args.anchors or f"data/anchors/{hw.device_key}/{spec.name}_{args.dtype}.jsonl.gz"
+    header = sweep.make_header(spec, hw, jax_version=jax.__version__, command=command,
+                               space="anchors")
+    log = sweep.SweepFile(log_path, header)
+    progress = _Progress(f"tune {spec.name}")
+    backend = tuning.GpuBackend(spec, profiler.Profiler(iterations=args.iterations,
+                                                        threads=args.threads),
+                                log=log, progress=progress)
+    prov["source"] = log_path
+    print(f"{hw.name}: {len(pool)} problems; anchors logged to {log_path} "
+          f"({len(backend._known)} already there)", flush=True)
+  out = args.out or tables.default_path(spec.name, hw.device_key)
+  budget = args.budget
+  if budget is None and args.budget_fraction is not None:
+    budget = max(1, round(args.budget_fraction * sum(len(spec.space(p, hw)) for p in pool)))
+  if progress is not None:
+    progress.start(budget or round(tuning.DEFAULT_BUDGET_FRACTION *
+                                   sum(len(spec.space(p, hw)) for p in pool)))
+  t0 = time.perf_counter()
+  try:
+    res = tuning.tune(spec, hw, pool, backend, budget=budget, seed=args.seed,
+                      provenance=prov, log=lambda s: print(s, flush=True))
+  finally:
+    if progress is not None:
+      progress.stop()
+  tables.save(res.table, out)
+  print(f"{res.measurements} anchors ({res.table.provenance['failed_anchors']} failed), "
+        f"{res.seconds:.0f} s measuring, {time.perf_counter() - t0:.0f} s in all -> {out}")
+  return 0
+
+
+def _select(args) -> int:
+  from wavetune_jax import selector, tables
+  from wavetune_jax.hardware import get_hardware
+  from wavetune_jax.spec import get_spec
+  spec = get_spec(args.kernel)
+  hw = get_hardware(args.device)
+  fields = {spec.size_field: args.m, "n": args.n, "k": args.k, "dtype": args.dtype}
+  problem = spec.problem_from_dict(fields)
+  if args.table:
+    ctx = selector.use_tables(tables.load(args.table, spec, hw), spec.name)
+  else:
+    ctx = selector.policy(args.policy)
+  with ctx:
+    sel = selector.select(spec, problem, hw)
+    table = selector.active_table(spec.name, hw) if args.policy == "tables" else None
+  g, l = spec.coords(problem, spec.macro(sel.config))
+  print(f"problem     {spec.problem_key(problem)} on {hw.name}")
+  print(f"config      {spec.config_to_dict(sel.config)}")
+  print(f"answered by {sel.source}" + (f" ({sel.note})" if sel.note else "")
+        + (f" from {table.provenance.get('source', '?')}" if table is not None else ""))
+  pred = "-" if sel.predicted_us is None else f"{sel.predicted_us:.1f} us"
+  print(f"predicted   {pred}")
+  print(f"grid        G={g} CTAs, L={l} trips" +
+        (f", {sel.waves} wave(s)" if sel.waves is not None else ""))
+  return 0
+
+
+def _plot(args) -> int:
+  import collections
+
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  from wavetune_jax import evaluate, tables
+  ds = evaluate.load_dataset(args.sweep)
+  spec = ds.spec
+  table = tables.load(args.table or tables.default_path(spec.name, ds.hw.device_key),
+                      spec, ds.hw)
+  probs = sorted((p for p in ds.times if p.n == args.n and p.k == args.k),
+                 key=spec.size_of)
+  if not probs:
+    raise SystemExit(f"no problem with n={args.n} k={args.k} in {args.sweep}")
+  wins = collections.Counter(ds.oracle(p) for p in probs)
+  configs = [c for c, _ in wins.most_common(args.configs)]
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for i, c in enumerate(configs):
+    color = f"C{i}"
+    xs = [p for p in probs if c in ds.times[p]]
+    ax.plot([spec.size_of(p) for p in xs], [ds.times[p][c] for p in xs], "o", color=color,
+            label=f"{spec.config_to_dict(c)} measured")
+    ms = np.unique(np.geomspace(1, spec.size_of(probs[-1]), 400).astype(int))
+    pred = [table.predict(spec.with_size(probs[0], m), [c], trusted=False)[0] for m in ms]
+    ax.plot(ms, pred, "-", color=color, alpha=0.7)
+  ax.set_xscale("log"); ax.set_yscale("log")
+  ax.set_xlabel(spec.size_field); ax.set_ylabel("latency (us)")
+  ax.set_title(f"{spec.name} n={args.n} k={args.k} on {ds.hw.name}: "
+               "measured (dots) vs wave model (lines)")
+  ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(args.out, dpi=120)
+  print(f"wrote {args.out}")
+  return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+  tu = sub.add_parser(
+      "tune", help="sparse wave-aware profiling -> tables/<device_key>/<kernel>.json",
+      description="Measures anchors placed on the wave structure (GPU), or reads them "
+      "from a recorded sweep (--replay, no GPU), fits the wave model per variant and "
+      "writes the dual table. On a GPU every anchor is logged to a resumable file; a "
+      "rerun reads what is there instead of timing it again.")
+  tu.add_argument("--kernel", default="matmul")
+  tu.add_argument("--replay", help="sweep file to read anchors from instead of a GPU")
+  tu.add_argument("--shapes", default="train", help="built-in suite name or JSON path")
+  tu.add_argument("--weights", help="comma-separated weight names (default: all)")
+  tu.add_argument("--m", type=int, nargs="+", help="sizes (default: the suite's)")
+  tu.add_argument("--m-range", type=int, nargs=2, metavar=("LO", "HI"))
+  tu.add_argument("--dtype", default="bfloat16")
+  tu.add_argument("--budget", type=int, help="measurements (default: 3%% of the pool's space)")
+  tu.add_argument("--budget-fraction", type=float)
+  tu.add_argument("--seed", type=int, default=0)
+  tu.add_argument("--out", help="default tables/<device_key>/<kernel>.json")
+  tu.add_argument("--anchors", help="anchor log (GPU mode); default data/anchors/...")
+  tu.add_argument("--iterations", type=int, default=20)
+  tu.add_argument("--threads", type=int, default=16)
+  tu.set_defaults(func=_tune)
+
+  se = sub.add_parser("select", help="the config the selector picks for one problem")
+  se.add_argument("kernel")
+  se.add_argument("--m", type=int, required=True)
+  se.add_argument("--n", type=int, required=True)
+  se.add_argument("--k", type=int, required=True)
+  se.add_argument("--dtype", default="bfloat16")
+  se.add_argument("--device", help="hardware preset (h100, h200, ...); default: this GPU")
+  se.add_argument("--table", help="table file (default: the shipped one)")
+  se.add_argument("--policy", default="tables", choices=("tables", "heuristic", "fixed"))
+  se.set_defaults(func=_select)
+
+  pl = sub.add_parser("plot", help="wave model vs measured latency for one weight (PNG)")
+  pl.add_argument("kernel")
+  pl.add_argument("--sweep", required=True)
+  pl.add_argument("--table", help="default: the shipped table of the sweep's GPU")
+  pl.add_argument("--n", type=int, required=True)
+  pl.add_argument("--k", type=int, required=True)
+  pl.add_argument("--configs", type=int, default=4, help="how many configs to draw")
+  pl.add_argument("--out", required=True)
+  pl.set_defaults(func=_plot)

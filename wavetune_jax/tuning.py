@@ -1,0 +1,352 @@
+"""Sparse structural profiling: anchors -> wave models -> a table.
+
+The tuner never sweeps. Given a *pool* of problems (the shape suite on a GPU;
+the training problems of a recorded sweep in replay mode) and a *budget* of
+measurements, it:
+
+1. **Structural anchors.** For every variant (a config minus the fields the
+   (G, L) mapping absorbs, e.g. a GEMM tile with its warps and stages, all its
+   split-K values together) it places ``k`` anchors on the wave structure:
+   first the point nearest one full wave (``G = C`` at the analytic occupancy)
+   at a middle ``L``, then each next point as far as possible from those
+   chosen, in ``(log2 G, log2 L, split-K used)``; so the anchors reach the
+   most waves, the extreme ``L`` values and split-K. ``k`` takes half the
+   budget (at least 2 per variant).
+2. **Fit.** Per variant: occupancy from the data within the analytic bound,
+   non-negative relative least squares of the wave model (``wave_model``).
+3. **Targeted anchors.** The rest of the budget is spent in rounds: for every
+   pool problem, the config the current models rank first and has not been
+   measured is measured (where the best so far is measured, the next one
+   predicted to beat it). A variant whose model is too optimistic gets
+   measured exactly where that would mislead the selector, and is corrected.
+   Rounds stop when the budget is spent or no pool problem has a candidate.
+
+The result is a :class:`tables.Table`: the model entries, the exact table (a
+pool problem's best measured config, kept only where the model predicts no
+unmeasured config beats it) and every anchor measured.
+
+Measuring goes through a backend: :class:`ReplayBackend` reads a recorded
+sweep (CPU tests, ``wavetune eval``); :class:`GpuBackend` times on the GPU with
+the profiler and logs every anchor to a resumable sweep-format file.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import math
+import random
+from typing import Callable, Sequence
+
+import numpy as np
+
+from wavetune_jax import tables, wave_model
+from wavetune_jax.hardware import Hardware
+from wavetune_jax.spec import KernelSpec
+
+__all__ = ["ReplayBackend", "GpuBackend", "tune", "fit_entries", "TuneResult",
+           "DEFAULT_BUDGET_FRACTION"]
+
+#: Default budget: this fraction of the exhaustive sweep of the pool.
+DEFAULT_BUDGET_FRACTION = 0.03
+_MIN_POINTS = 2
+
+
+class ReplayBackend:
+  """Measurements from a recorded sweep, restricted to ``problems``."""
+
+  mode = "replay"
+
+  def __init__(self, ds, problems: Sequence):
+    self.ds = ds
+    self.allowed = set(problems)
+    self.seconds = 0.0
+
+  def measure(self, points: Sequence[tuple]) -> list[float | None]:
+    out = []
+    for p, c in points:
+      if p not in self.allowed:
+        raise ValueError(f"replay: {self.ds.spec.problem_key(p)} is not in the pool")
+      self.seconds += self.ds.seconds_per_point.get(p, 0.0)
+      out.append(self.ds.times[p].get(c))  # None: failed or not in the sweep
+    return out
+
+
+class GpuBackend:
+  """Times anchors on the GPU; every measurement is appended to ``log`` (a
+  :class:`sweep.SweepFile`), and anchors already in it are read, not re-timed."""
+
+  mode = "gpu"
+
+  def __init__(self, spec: KernelSpec, profiler, log=None, progress=None):
+    self.spec = spec
+    self.prof = profiler
+    self.log = log
+    self.progress = progress
+    self.seconds = 0.0
+    self._known: dict = {}
+    if log is not None:
+      from wavetune_jax import sweep
+      _, rows = sweep.read_sweep(log.path)
+      for r in rows:
+        if r["impl"] == "pallas":
+          key = (spec.problem_from_dict(r["problem"]), spec.config_from_dict(r["config"]))
+          self._known[key] = r["median_us"] if r["status"] == "ok" else None
+
+  def measure(self, points: Sequence[tuple]) -> list[float | None]:
+    import time
+
+    import jax
+
+    from wavetune_jax import sweep
+    spec, prof = self.spec, self.prof
+    todo = [pc for pc in dict.fromkeys(points) if pc not in self._known]
+    by_problem = collections.defaultdict(list)
+    for p, c in todo:
+      by_problem[p].append(c)
+    t0 = time.perf_counter()
+    # Compile everything of this round in parallel first (shapes only), then
+    # check and time one problem at a time.
+    shapes = {p: [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                  for a in jax.eval_shape(lambda p=p: spec.inputs(p, jax.random.PRNGKey(0)))]
+              for p in by_problem}
+    flat = [(p, c) for p, cs in by_problem.items() for c in cs]
+    fns = [spec.build(p, c) for p, c in flat]
+    compiled: dict = {}
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(prof.threads) as pool:
+      futs = {pool.submit(self._compile, fns[i], shapes[flat[i][0]]): flat[i]
+              for i in range(len(flat))}
+      for fut in concurrent.futures.as_completed(futs):
+        compiled[futs[fut]] = fut.result()
+    for p, cs in by_problem.items():
+      args = spec.inputs(p, jax.random.PRNGKey(0))
+      ref = spec.reference(p, *args)
+      out_bytes = math.prod(ref.shape) * 4
+      rows = []
+      for c in cs:
+        exe, compile_s = compiled.pop((p, c))
+        if isinstance(exe, BaseException):
+          from wavetune_jax.profiler import Measurement, _short
+          m = Measurement(status="compile_error", compile_s=compile_s, error=_short(exe))
+        else:
+          m = prof._check_and_time(exe, args, ref, spec.tolerance(p), out_bytes)
+          m.compile_s = compile_s
+        del exe
+        self._known[(p, c)] = m.median_us if m.status == "ok" else None
+        cfg = spec.config_to_dict(c)
+        rows.append({"type": "row",
+                     "key": sweep.row_key(spec.problem_key(p), "pallas", cfg),
+                     "problem": spec.problem_to_dict(p), "impl": "pallas", "config": cfg,
+                     **dataclasses.asdict(m)})
+        if self.progress is not None:
+          self.progress.advance(m.status)
+      if self.log is not None:
+        self.log.append(rows)
+      del args, ref
+    self.seconds += time.perf_counter() - t0
+    return [self._known[pc] for pc in points]
+
+  def _compile(self, fn, shapes):
+    import time
+    t0 = time.perf_counter()
+    try:
+      return self.prof.compile(fn, shapes)
+    except Exception as e:  # noqa: BLE001 - a failed config is recorded, not fatal
+      return e, time.perf_counter() - t0
+
+
+@dataclasses.dataclass
+class _Cand:
+  problem: object
+  config: object
+  g: int
+  l: int
+  aux: tuple
+
+
+def _candidates(spec: KernelSpec, hw: Hardware, pool: Sequence) -> dict:
+  """variant -> every (problem, config) point of the pool's spaces."""
+  out = collections.defaultdict(list)
+  for p in pool:
+    for c in spec.space(p, hw):
+      g, l = spec.coords(p, spec.macro(c))
+      out[spec.variant(c)].append(_Cand(p, c, g, l, spec.aux(p, c)))
+  return out
+
+
+def _structural(spec, hw, cands: list, k: int) -> list:
+  """``k`` anchors of one variant spread over the wave structure."""
+  c0 = cands[0]
+  cap = spec.occupancy_bound(c0.problem, c0.config, hw) * hw.num_sms
+  x = np.array([[math.log2(c.g), math.log2(c.l), 2.0 * any(c.aux)] for c in cands])
+  span = np.maximum(x.max(axis=0) - x.min(axis=0), 1e-9)
+  span[2] = 1.0
+  x = x / span
+  med_l = np.median(x[:, 1])
+  first = int(np.argmin(np.abs(np.log2(np.array([c.g for c in cands]) / cap))
+                        + 0.25 * np.abs(x[:, 1] - med_l)))
+  chosen = [first]
+  dist = np.linalg.norm(x - x[first], axis=1)
+  while len(chosen) < min(k, len(cands)):
+    nxt = int(np.argmax(dist))
+    if dist[nxt] <= 0:
+      break
+    chosen.append(nxt)
+    dist = np.minimum(dist, np.linalg.norm(x - x[nxt], axis=1))
+  return [cands[i] for i in chosen]
+
+
+def fit_entries(spec: KernelSpec, hw: Hardware, points: Sequence[tuple], *,
+                form: str = "bilinear") -> dict:
+  """Fits one wave model per variant from measured ``(problem, config, us)``.
+
+  Variants with fewer than 2 points get no entry.
+  """
+  groups = collections.defaultdict(list)
+  for p, c, us in points:
+    if us is not None and us > 0:
+      groups[spec.variant(c)].append((p, c, us))
+  groups = {v: pts for v, pts in groups.items() if len(pts) >= _MIN_POINTS}
+  if not groups:
+    return {}
+  variants = sorted(groups)
+  n = max(len(groups[v]) for v in variants)
+  n_aux = len(spec.aux_names)
+  b = len(variants)
+  g = np.ones((b, n)); l = np.ones((b, n)); t = np.ones((b, n))
+  mask = np.zeros((b, n), bool)
+  aux = np.zeros((b, n, n_aux), np.float32)
+  bounds = np.zeros(b, np.int64)
+  for i, v in enumerate(variants):
+    pts = groups[v]
+    bounds[i] = spec.occupancy_bound(pts[0][0], pts[0][1], hw)
+    for j, (p, c, us) in enumerate(pts):
+      g[i, j], l[i, j] = spec.coords(p, spec.macro(c))
+      t[i, j] = us
+      aux[i, j] = spec.aux(p, c)
+      mask[i, j] = True
+  occ, res = wave_model.fit_occupancy_batch(
+      g, l, t, num_sms=hw.num_sms, bounds=bounds, mask=mask,
+      aux=aux if n_aux else None, form=form)
+  out = {}
+  for i, v in enumerate(variants):
+    m = mask[i]
+    out[v] = tables.ModelEntry(
+        variant=v, occupancy=int(occ[i]), coef=tuple(float(x) for x in res.coef[i]),
+        points=int(m.sum()), min_g=int(g[i, m].min()), max_g=int(g[i, m].max()), min_l=int(l[i, m].min()),
+        max_l=int(l[i, m].max()),
+        aux_seen=tuple(bool(x) for x in np.any(aux[i, m] != 0, axis=0)),
+        fit_med_err=float(res.med_err[i]))
+  return out
+
+
+@dataclasses.dataclass
+class TuneResult:
+  table: tables.Table
+  measurements: int
+  seconds: float
+  rounds: int
+
+
+def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int | None = None,
+         seed: int = 0, form: str = "bilinear", provenance: dict | None = None,
+         log: Callable[[str], None] | None = None) -> TuneResult:
+  """Builds a table from at most ``budget`` measurements of ``pool`` problems.
+
+  Args:
+    spec, hw: kernel and GPU.
+    pool: problems the tuner may measure.
+    backend: :class:`ReplayBackend` or :class:`GpuBackend`.
+    budget: measurements allowed (default: 3% of the pool's exhaustive sweep).
+    seed: tie-breaking among equally useful targeted anchors.
+    form: wave model form.
+    provenance: extra facts recorded in the table.
+    log: called with one line per phase (progress output).
+  """
+  say = log or (lambda s: None)
+  rng = random.Random(seed)
+  cands = _candidates(spec, hw, pool)
+  space_size = sum(len(v) for v in cands.values())
+  if budget is None:
+    budget = max(1, round(DEFAULT_BUDGET_FRACTION * space_size))
+  measured: dict = {}  # (problem, config) -> us | None
+
+  def run(points):
+    points = [pc for pc in dict.fromkeys(points) if pc not in measured]
+    points = points[:budget - len(measured)]
+    if points:
+      for pc, us in zip(points, backend.measure(points)):
+        measured[pc] = us
+    return len(points)
+
+  # 1. Structural anchors.
+  k = max(_MIN_POINTS, (budget // 2) // max(1, len(cands)))
+  structural = []
+  for v in sorted(cands):
+    structural += [(c.problem, c.config) for c in _structural(spec, hw, cands[v], k)]
+  say(f"{len(cands)} variants, {space_size} points in the pool's space; budget {budget}; "
+      f"structural anchors: {min(len(structural), budget)} ({k} per variant)")
+  run(structural)
+
+  # 2-3. Fit, then targeted anchors where the models would decide.
+  by_problem = collections.defaultdict(list)
+  for v, cs in cands.items():
+    for c in cs:
+      by_problem[c.problem].append(c.config)
+  rounds = 0
+  while len(measured) < budget:
+    entries = fit_entries(spec, hw, [(p, c, us) for (p, c), us in measured.items()],
+                          form=form)
+    table = _table(spec, hw, entries, {}, [], form, {})
+    wanted = []
+    for p, configs in by_problem.items():
+      pred = table.predict(p, configs, trusted=False)
+      best_meas = min((measured[(p, c)] for c in configs
+                       if measured.get((p, c)) is not None), default=math.inf)
+      for i in np.argsort(pred, kind="stable"):
+        if not np.isfinite(pred[i]) or pred[i] >= best_meas:
+          break
+        if (p, configs[i]) not in measured:
+          wanted.append((p, configs[i]))
+          break
+    if not wanted:
+      break
+    rng.shuffle(wanted)
+    got = run(wanted)
+    rounds += 1
+    say(f"round {rounds}: {got} targeted anchors ({len(measured)}/{budget} measured)")
+    if got == 0:
+      break
+
+  points = [(p, c, us) for (p, c), us in measured.items()]
+  entries = fit_entries(spec, hw, points, form=form)
+  table = _table(spec, hw, entries, {}, points, form, {})
+  exact = {}
+  for p, configs in by_problem.items():
+    meas = {c: measured[(p, c)] for c in configs if measured.get((p, c)) is not None}
+    if not meas:
+      continue
+    best = min(meas, key=meas.get)
+    rest = [c for c in configs if c not in meas]
+    if not rest or np.min(table.predict(p, rest)) >= meas[best]:
+      exact[p] = (best, meas[best])
+  prov = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "mode": backend.mode, "budget": budget, "anchors": len(measured),
+          "failed_anchors": sum(us is None for us in measured.values()),
+          "gpu_seconds": round(backend.seconds, 2), "pool_problems": len(by_problem),
+          "pool_points": space_size, "rounds": rounds, "seed": seed}
+  prov.update(provenance or {})
+  table = _table(spec, hw, entries, exact, points, form, prov)
+  say(f"fitted {len(entries)} variant models from {len(measured)} anchors; "
+      f"{len(exact)} exact entries")
+  return TuneResult(table=table, measurements=len(measured), seconds=backend.seconds,
+                    rounds=rounds)
+
+
+def _table(spec, hw, entries, exact, points, form, prov) -> tables.Table:
+  return tables.Table(spec=spec, device_kind=hw.name, device_key=hw.device_key,
+                      num_sms=hw.num_sms, form=form, entries=entries, exact=exact,
+                      anchors=[(p, c, us) for p, c, us in points if us is not None],
+                      provenance=prov)
