@@ -252,7 +252,7 @@ class TuneResult:
 
 def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int | None = None,
          seed: int = 0, form: str = "bilinear", provenance: dict | None = None,
-         log: Callable[[str], None] | None = None) -> TuneResult:
+         per_round: int = 2, log: Callable[[str], None] | None = None) -> TuneResult:
   """Builds a table from at most ``budget`` measurements of ``pool`` problems.
 
   Args:
@@ -263,6 +263,8 @@ def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int
     seed: tie-breaking among equally useful targeted anchors.
     form: wave model form.
     provenance: extra facts recorded in the table.
+    per_round: targeted anchors per pool problem and round (on a GPU every
+      problem visited costs inputs and a reference, so a few at once).
     log: called with one line per phase (progress output).
   """
   say = log or (lambda s: None)
@@ -305,15 +307,20 @@ def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int
       pred = table.predict(p, configs, trusted=False)
       best_meas = min((measured[(p, c)] for c in configs
                        if measured.get((p, c)) is not None), default=math.inf)
+      picked = 0
       for i in np.argsort(pred, kind="stable"):
-        if not np.isfinite(pred[i]) or pred[i] >= best_meas:
+        if not np.isfinite(pred[i]) or pred[i] >= best_meas or picked == per_round:
           break
         if (p, configs[i]) not in measured:
           wanted.append((p, configs[i]))
-          break
+          picked += 1
     if not wanted:
       break
-    rng.shuffle(wanted)
+    # Over budget: keep whole problems (a GPU pays per problem visited).
+    order = list(dict.fromkeys(p for p, _ in wanted))
+    rng.shuffle(order)
+    rank = {p: i for i, p in enumerate(order)}
+    wanted.sort(key=lambda pc: rank[pc[0]])
     got = run(wanted)
     rounds += 1
     say(f"round {rounds}: {got} targeted anchors ({len(measured)}/{budget} measured)")
