@@ -205,6 +205,11 @@ class MatmulSpec(KernelSpec):
     return ok
 
   # --- vectorised view for the selector -------------------------------------------
+  def weight_of(self, problem: MatmulProblem) -> tuple:
+    """Every field but M (a fast path of the generic version: trace-time cost)."""
+    return (("dtype", problem.dtype), ("k", problem.k), ("n", problem.n),
+            ("out_dtype", problem.out_dtype))
+
   def size_quantum(self, problem: MatmulProblem) -> int:
     """Every block_m is a multiple of 16, so ceil(M / block_m), and with it
     (G, L) and the space, is the same for all M in (16(j-1), 16j]."""

@@ -114,10 +114,21 @@ _ctx = jax.make_user_context(default_value=0) if hasattr(jax, "make_user_context
 
 
 def _token():
-  """Hashable description of the state that decisions depend on."""
-  return (_global["generation"], _local.policy,
-          tuple(sorted((k, repr(v)) for k, v in _local.pinned.items())),
-          tuple(sorted((k, id(v)) for k, v in _local.tables.items())))
+  """Hashable description of the state that decisions depend on (cached per
+  thread until the global generation or this thread's context changes)."""
+  gen = _global["generation"]
+  cached = _local.__dict__.get("token")
+  if cached is not None and cached[0] == gen:
+    return cached
+  tok = (gen, _local.policy,
+         tuple(sorted((k, repr(v)) for k, v in _local.pinned.items())),
+         tuple(sorted((k, id(v)) for k, v in _local.tables.items())))
+  _local.token = tok
+  return tok
+
+
+def _context_changed():
+  _local.token = None
 
 
 def _changed():
@@ -158,11 +169,13 @@ def policy(name: str) -> Iterator[None]:
   """Selection policy inside a ``with`` block (this thread)."""
   old = _local.policy
   _local.policy = _check_policy(name)
+  _context_changed()
   try:
     with _scoped():
       yield
   finally:
     _local.policy = old
+    _context_changed()
 
 
 @contextlib.contextmanager
@@ -176,11 +189,13 @@ def use_config(kernel: str, config) -> Iterator[None]:
     raise ValueError(f"config must be a {spec.config_cls.__name__} or a dict; got {config!r}")
   old = dict(_local.pinned)
   _local.pinned[kernel] = config
+  _context_changed()
   try:
     with _scoped():
       yield
   finally:
     _local.pinned = old
+    _context_changed()
 
 
 def load_tables(path: str, kernel: str = "matmul", *, hw: Hardware | str | None = None):
@@ -201,11 +216,13 @@ def use_tables(table: tables_lib.Table | None, kernel: str = "matmul") -> Iterat
   """Uses ``table`` (None: no table, i.e. the heuristic) inside the block."""
   old = dict(_local.tables)
   _local.tables[kernel] = table
+  _context_changed()
   try:
     with _scoped():
       yield
   finally:
     _local.tables = old
+    _context_changed()
 
 
 def clear() -> None:
@@ -259,7 +276,8 @@ def active_table(kernel: str = "matmul", hw: Hardware | str | None = None):
 
 def select(spec: KernelSpec, problem, hw: Hardware | str | None = None) -> Selection:
   """The config for ``problem`` under the current state (memoized)."""
-  hw = get_hardware(hw)
+  if not isinstance(hw, Hardware):
+    hw = get_hardware(hw)
   key = (spec.name, problem, hw.device_key, _token())
   hit = _memo.get(key)
   if hit is not None:

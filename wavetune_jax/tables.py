@@ -199,6 +199,7 @@ def save(table: Table, path: str) -> None:
     with os.fdopen(fd, "w") as f:
       json.dump(table.to_json(), f, indent=1)
       f.write("\n")
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):

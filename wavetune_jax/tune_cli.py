@@ -21,6 +21,8 @@ def _tune(args) -> int:
   command = "wavetune " + shlex.join(sys.argv[1:])
   spec = get_spec(args.kernel)
   prov = {"command": command, "jax_version": jax.__version__}
+  if args.fit_only:
+    return _fit_only(args, spec, prov)
   if args.replay:
     ds = evaluate.load_dataset(args.replay)
     if ds.spec is not spec:
@@ -63,6 +65,27 @@ def _tune(args) -> int:
   tables.save(res.table, out)
   print(f"{res.measurements} anchors ({res.table.provenance['failed_anchors']} failed), "
         f"{res.seconds:.0f} s measuring, {time.perf_counter() - t0:.0f} s in all -> {out}")
+  return 0
+
+
+def _fit_only(args, spec, prov) -> int:
+  """Fits the table from a logged anchor file, measuring nothing."""
+  from wavetune_jax import report, sweep, tables, tuning
+  from wavetune_jax.sweep_cli import _problems
+  if not args.anchors:
+    raise SystemExit("--fit-only needs --anchors FILE")
+  header, rows = sweep.read_sweep(args.anchors)
+  hw = report.hardware_of(header)
+  points = [(spec.problem_from_dict(r["problem"]), spec.config_from_dict(r["config"]),
+             r["median_us"] if r["status"] == "ok" else None)
+            for r in rows if r["impl"] == "pallas"]
+  prov.update(mode="gpu", source=args.anchors, anchors_jax_version=header.get("jax_version"),
+              note="fitted from the anchor log")
+  table = tuning.build_table(spec, hw, _problems(spec, args), points, provenance=prov)
+  out = args.out or tables.default_path(spec.name, hw.device_key)
+  tables.save(table, out)
+  print(f"{hw.name}: {len(table.entries)} variant models and {len(table.exact)} exact "
+        f"entries from {len(points)} anchors -> {out}")
   return 0
 
 
@@ -151,6 +174,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   tu.add_argument("--seed", type=int, default=0)
   tu.add_argument("--out", help="default tables/<device_key>/<kernel>.json")
   tu.add_argument("--anchors", help="anchor log (GPU mode); default data/anchors/...")
+  tu.add_argument("--fit-only", action="store_true",
+                  help="fit the table from the --anchors log without measuring")
   tu.add_argument("--iterations", type=int, default=20)
   tu.add_argument("--threads", type=int, default=16)
   tu.set_defaults(func=_tune)

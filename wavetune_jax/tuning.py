@@ -45,7 +45,7 @@ from wavetune_jax import tables, wave_model
 from wavetune_jax.hardware import Hardware
 from wavetune_jax.spec import KernelSpec
 
-__all__ = ["ReplayBackend", "GpuBackend", "tune", "fit_entries", "TuneResult",
+__all__ = ["ReplayBackend", "GpuBackend", "tune", "fit_entries", "build_table", "TuneResult",
            "DEFAULT_BUDGET_FRACTION"]
 
 #: Default budget: this fraction of the exhaustive sweep of the pool.
@@ -327,29 +327,45 @@ def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int
     if got == 0:
       break
 
-  points = [(p, c, us) for (p, c), us in measured.items()]
+  prov = {"mode": backend.mode, "budget": budget, "gpu_seconds": round(backend.seconds, 2),
+          "rounds": rounds, "seed": seed}
+  prov.update(provenance or {})
+  table = build_table(spec, hw, pool, [(p, c, us) for (p, c), us in measured.items()],
+                      form=form, provenance=prov)
+  say(f"fitted {len(table.entries)} variant models from {len(measured)} anchors; "
+      f"{len(table.exact)} exact entries")
+  return TuneResult(table=table, measurements=len(measured), seconds=backend.seconds,
+                    rounds=rounds)
+
+
+def build_table(spec: KernelSpec, hw: Hardware, pool: Sequence, points: Sequence[tuple], *,
+                form: str = "bilinear", provenance: dict | None = None) -> tables.Table:
+  """The dual table from measured ``(problem, config, us | None)`` points.
+
+  Model entries per variant; an exact entry for a pool problem where the best
+  measured config is predicted to beat every unmeasured one.
+  """
   entries = fit_entries(spec, hw, points, form=form)
   table = _table(spec, hw, entries, {}, points, form, {})
+  measured = collections.defaultdict(dict)
+  for p, c, us in points:
+    if us is not None:
+      measured[p][c] = us
   exact = {}
-  for p, configs in by_problem.items():
-    meas = {c: measured[(p, c)] for c in configs if measured.get((p, c)) is not None}
+  for p in pool:
+    meas = measured.get(p)
     if not meas:
       continue
     best = min(meas, key=meas.get)
-    rest = [c for c in configs if c not in meas]
+    rest = [c for c in spec.space(p, hw) if c not in meas]
     if not rest or np.min(table.predict(p, rest)) >= meas[best]:
       exact[p] = (best, meas[best])
   prov = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-          "mode": backend.mode, "budget": budget, "anchors": len(measured),
-          "failed_anchors": sum(us is None for us in measured.values()),
-          "gpu_seconds": round(backend.seconds, 2), "pool_problems": len(by_problem),
-          "pool_points": space_size, "rounds": rounds, "seed": seed}
+          "anchors": len(points), "failed_anchors": sum(us is None for *_, us in points),
+          "pool_problems": len(pool),
+          "pool_points": sum(len(spec.space(p, hw)) for p in pool)}
   prov.update(provenance or {})
-  table = _table(spec, hw, entries, exact, points, form, prov)
-  say(f"fitted {len(entries)} variant models from {len(measured)} anchors; "
-      f"{len(exact)} exact entries")
-  return TuneResult(table=table, measurements=len(measured), seconds=backend.seconds,
-                    rounds=rounds)
+  return _table(spec, hw, entries, exact, points, form, prov)
 
 
 def _table(spec, hw, entries, exact, points, form, prov) -> tables.Table:

@@ -1,0 +1,67 @@
+"""Decision time of the selector on this CPU, in microseconds.
+
+Three numbers, medians over many problems:
+  * new weight: the first decision for a weight (N, K) it has not seen; the
+    model is evaluated for a block of 64 M buckets at once (NumPy);
+  * cold: a new M of a weight already seen, no per-problem memo (what
+    ``wavetune eval`` reports as cold);
+  * memoized: ``wavetune_jax.select`` for a problem decided before.
+
+  python3 benchmarks/decision_time.py [--table tables/nvidia_h200/matmul.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from wavetune_jax import MATMUL, MatmulProblem, get_hardware, selector, shapes, tables
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--table", default="tables/nvidia_h200/matmul.json")
+  ap.add_argument("--device", default="h200")
+  ap.add_argument("--n", type=int, default=2000, help="problems per measurement")
+  a = ap.parse_args(argv)
+  hw = get_hardware(a.device)
+  table = tables.load(a.table, MATMUL, hw)
+  weights = list(shapes.gemm_weights(shapes.load_suite("train")).values())
+  rng = random.Random(0)
+  ns = lambda: time.perf_counter_ns()  # noqa: E731
+
+  new_w = []
+  for i in range(40):  # unseen weights: perturbed suite weights
+    n, k = weights[i % len(weights)]
+    d = selector.Decider(table, hw)
+    p = MatmulProblem(m=rng.randint(1, 1024), n=n + 64 * (i + 1), k=k)
+    t0 = ns(); d.decide(p); new_w.append((ns() - t0) / 1e3)
+
+  d = selector.Decider(table, hw)
+  for n, k in weights:  # warm the blocks of M <= 1024 (16 x 64)
+    d.decide(MatmulProblem(m=1, n=n, k=k))
+  probs = [MatmulProblem(m=rng.randint(1, 1024), n=n, k=k)
+           for n, k in (rng.choice(weights) for _ in range(a.n))]
+  cold = []
+  for p in probs:
+    t0 = ns(); d.decide(p); cold.append((ns() - t0) / 1e3)
+
+  selector.clear()
+  with selector.use_tables(table):
+    for p in probs:
+      selector.select(MATMUL, p, hw)
+    memo = []
+    for p in probs:
+      t0 = ns(); selector.select(MATMUL, p, hw); memo.append((ns() - t0) / 1e3)
+  print(f"table {a.table} ({hw.name}), {len(table.entries)} variant models")
+  print(f"{'decision':<34} {'median us':>10} {'p90 us':>8}")
+  for name, xs in (("new weight (block of 64 buckets)", new_w),
+                   ("cold (new M, weight seen)", cold), ("memoized select()", memo)):
+    xs = sorted(xs)
+    print(f"{name:<34} {statistics.median(xs):>10.2f} {xs[int(0.9 * len(xs))]:>8.2f}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,59 @@
+"""How good are a table's choices on the problems of an exhaustive sweep? (CPU)
+
+For every problem of the sweep: the config the selector picks with the table
+(exact -> model -> heuristic), its measured time, the oracle's, XLA's.
+Prints geomean and minimum efficiency (t_oracle / t_chosen), the share within
+5%, where the answers came from, and the speed vs XLA and vs the fixed default.
+Unlike ``wavetune eval`` this is not held out: the table's anchors may come
+from these very problems (the shipped table is tuned on the whole suite).
+
+  python3 benchmarks/table_vs_sweep.py data/sweeps/nvidia_h200/matmul_bfloat16.jsonl.gz \
+      tables/nvidia_h200/matmul.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+
+from wavetune_jax import evaluate, selector, tables
+
+
+def _geo(xs):
+  return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("sweep")
+  ap.add_argument("table")
+  a = ap.parse_args(argv)
+  ds = evaluate.load_dataset(a.sweep)
+  spec, hw = ds.spec, ds.hw
+  d = selector.Decider(tables.load(a.table, spec, hw), hw)
+  eff, xla, dflt, src, missing = [], [], [], collections.Counter(), 0
+  for p in ds.problems:
+    ts = ds.times[p]
+    sel = d.decide(p)
+    c = spec.heuristic(p, hw) if sel is None else sel.config
+    src["heuristic" if sel is None else sel.source] += 1
+    t = ts.get(c)
+    if t is None:
+      missing += 1
+      t = max(ts.values())
+    eff.append(min(ts.values()) / t)
+    if p in ds.baseline:
+      xla.append(ds.baseline[p] / t)
+    if spec.default(p) in ts:
+      dflt.append(ts[spec.default(p)] / t)
+  n = len(eff)
+  print(f"{ds.header['device_kind']}: {n} problems, table {a.table}")
+  print(f"efficiency vs oracle: geomean {_geo(eff):.3f}, min {min(eff):.3f}, "
+        f"within 5% {sum(e >= 1 / 1.05 for e in eff) / n:.2f}; not measured: {missing}")
+  print(f"speed vs XLA {_geo(xla):.3f}x, vs fixed default {_geo(dflt):.3f}x")
+  print(f"answered by: {dict(src)}")
+
+
+if __name__ == "__main__":
+  main()
