@@ -119,19 +119,24 @@ def _report(args) -> int:
   return 0
 
 
+def add_problem_args(ap: argparse.ArgumentParser) -> None:
+  """The options that choose a kernel and the problems of a suite (``_problems``)."""
+  ap.add_argument("--kernel", default="matmul")
+  ap.add_argument("--shapes", default="train", help="built-in suite name or JSON path")
+  ap.add_argument("--weights", help="comma-separated weight names (default: all)")
+  ap.add_argument("--m", type=int, nargs="+",
+                  help="token counts, the spec's size_field (default: the suite's)")
+  ap.add_argument("--m-range", type=int, nargs=2, metavar=("LO", "HI"))
+  ap.add_argument("--dtype", default="bfloat16")
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
   sw = sub.add_parser(
       "sweep", help="exhaustive, resumable sweep of a kernel's config space (GPU)",
       description="Checks and times every config of the space for every problem "
       "(and the platform baseline) with CUPTI. Resumable: rerun the same command to "
       "fill what is missing; nothing on file is measured twice.")
-  sw.add_argument("--kernel", default="matmul")
-  sw.add_argument("--shapes", default="train", help="built-in suite name or JSON path")
-  sw.add_argument("--weights", help="comma-separated weight names (default: all)")
-  sw.add_argument("--m", type=int, nargs="+",
-                  help="token counts, the spec's size_field (default: the suite's)")
-  sw.add_argument("--m-range", type=int, nargs=2, metavar=("LO", "HI"))
-  sw.add_argument("--dtype", default="bfloat16")
+  add_problem_args(sw)
   sw.add_argument("--out", help="default data/sweeps/<device_key>/<kernel>_<dtype>.jsonl.gz")
   sw.add_argument("--iterations", type=int, default=20)
   sw.add_argument("--threads", type=int, default=16, help="parallel compile threads")

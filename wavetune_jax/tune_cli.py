@@ -50,11 +50,11 @@ def _tune(args) -> int:
           f"({len(backend._known)} already there)", flush=True)
   out = args.out or tables.default_path(spec.name, hw.device_key)
   budget = args.budget
-  if budget is None and args.budget_fraction is not None:
-    budget = max(1, round(args.budget_fraction * sum(len(spec.space(p, hw)) for p in pool)))
+  if budget is None:
+    fraction = args.budget_fraction or tuning.DEFAULT_BUDGET_FRACTION
+    budget = max(1, round(fraction * sum(len(spec.space(p, hw)) for p in pool)))
   if progress is not None:
-    progress.start(budget or round(tuning.DEFAULT_BUDGET_FRACTION *
-                                   sum(len(spec.space(p, hw)) for p in pool)))
+    progress.start(budget)
   t0 = time.perf_counter()
   try:
     res = tuning.tune(spec, hw, pool, backend, budget=budget, seed=args.seed,
@@ -156,19 +156,15 @@ def _plot(args) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
+  from wavetune_jax.sweep_cli import add_problem_args
   tu = sub.add_parser(
       "tune", help="sparse wave-aware profiling -> tables/<device_key>/<kernel>.json",
       description="Measures anchors placed on the wave structure (GPU), or reads them "
       "from a recorded sweep (--replay, no GPU), fits the wave model per variant and "
       "writes the dual table. On a GPU every anchor is logged to a resumable file; a "
       "rerun reads what is there instead of timing it again.")
-  tu.add_argument("--kernel", default="matmul")
+  add_problem_args(tu)
   tu.add_argument("--replay", help="sweep file to read anchors from instead of a GPU")
-  tu.add_argument("--shapes", default="train", help="built-in suite name or JSON path")
-  tu.add_argument("--weights", help="comma-separated weight names (default: all)")
-  tu.add_argument("--m", type=int, nargs="+", help="sizes (default: the suite's)")
-  tu.add_argument("--m-range", type=int, nargs=2, metavar=("LO", "HI"))
-  tu.add_argument("--dtype", default="bfloat16")
   tu.add_argument("--budget", type=int, help="measurements (default: 3%% of the pool's space)")
   tu.add_argument("--budget-fraction", type=float)
   tu.add_argument("--seed", type=int, default=0)
