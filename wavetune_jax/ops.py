@@ -8,13 +8,16 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention import AttentionConfig, check_qkv
+from pallas_kernels.attention import attention as pallas_attention
 from pallas_kernels.matmul import MatmulConfig, check_operands
 from pallas_kernels.matmul import matmul as pallas_matmul
 from wavetune_jax import selector
+from wavetune_jax.attention_spec import ATTENTION, AttentionProblem
 from wavetune_jax.hardware import get_hardware
 from wavetune_jax.matmul_spec import MATMUL, MatmulProblem
 
-__all__ = ["matmul"]
+__all__ = ["matmul", "attention"]
 
 _log = logging.getLogger("wavetune_jax")
 
@@ -77,3 +80,50 @@ def matmul(x: jax.Array, w: jax.Array, *, config: MatmulConfig | dict | None = N
   MATMUL.validate(problem, config)
   return pallas_matmul(x, w, config=config, out_dtype=out_dtype,
                                interpret=_interpret())
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
+              scale: float | None = None,
+              config: AttentionConfig | dict | None = None) -> jax.Array:
+  """Flash attention forward with the Pallas kernel and a chosen launch config.
+
+  Works inside ``jax.jit``: the config is chosen at trace time from the static
+  shapes, like :func:`matmul`.
+
+  Args:
+    q: ``[batch, q_len, q_heads, head_dim]``, bfloat16 or float16.
+    k, v: ``[batch, kv_len, kv_heads, head_dim]`` of the same dtype;
+      ``kv_heads`` divides ``q_heads`` (grouped-query attention reads the
+      shared K/V in place).
+    causal: mask keys after the query, top-left aligned (query ``i`` sees keys
+      ``j <= i``), as ``jax.nn.dot_product_attention(is_causal=True)``.
+    scale: softmax scale (default ``1 / sqrt(head_dim)``).
+    config: an :class:`AttentionConfig` (or a dict of its fields) to use as
+      given; ``None`` lets the selector choose (pinned config, else the active
+      policy: the shipped table of this GPU, then the heuristic).
+
+  Returns:
+    ``[batch, q_len, q_heads, head_dim]`` of ``q.dtype``.
+
+  Raises:
+    ValueError: wrong ranks; batch, head_dim or dtype mismatches; ``kv_heads``
+      not dividing ``q_heads``; an unsupported dtype or head_dim (> 256); an
+      empty KV sequence; or an invalid config.
+  """
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  check_qkv(q, k, v)
+  batch, q_len, q_heads, head_dim = q.shape
+  if batch == 0 or q_len == 0 or q_heads == 0:
+    return jnp.zeros(q.shape, q.dtype)
+  if k.shape[1] == 0:
+    raise ValueError("kv_len is 0: softmax over no keys is undefined")
+  problem = AttentionProblem(batch=batch, q_heads=q_heads, kv_heads=k.shape[2],
+                             q_len=q_len, kv_len=k.shape[1], head_dim=head_dim,
+                             causal=bool(causal), dtype=q.dtype.name)
+  if config is None:
+    config = selector.select(ATTENTION, problem, _hardware()).config
+  elif isinstance(config, dict):
+    config = AttentionConfig.from_dict(config)
+  ATTENTION.validate(problem, config)
+  return pallas_attention(q, k, v, config=config, causal=causal, scale=scale,
+                          interpret=_interpret())

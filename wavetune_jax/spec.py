@@ -142,6 +142,11 @@ class KernelSpec(abc.ABC):
   def baseline(self, problem) -> Callable:
     """The platform's own implementation (XLA, cuDNN) for comparison."""
 
+  def extra_baselines(self, problem) -> dict[str, Callable]:
+    """Other platform implementations to time in sweeps, by name (e.g. XLA's
+    unfused attention next to cuDNN's)."""
+    return {}
+
   @abc.abstractmethod
   def tolerance(self, problem) -> float:
     """Largest acceptable ``|out - ref| / |ref|``."""

@@ -4,8 +4,9 @@ File format (``.jsonl.gz``): gzip-compressed JSON lines. The first line is the
 header ``{"type": "header", "schema": 1, "kernel": ..., "device_kind": ...,
 "device_key": ..., "num_sms": ..., "jax_version": ..., "clocks": ..., "date": ...,
 "command": ...}``. Every other line is a row ``{"type": "row", "problem": {...},
-"impl": "pallas" | "baseline", "config": {...} | null, "median_us", "spread_us",
-"samples", "compile_s", "status", "error", "rel_error"}``.
+"impl": "pallas" | "baseline" | "baseline_<name>" | "repeat" | "timing",
+"config": {...} | null, "median_us", "spread_us", "samples", "compile_s", "status",
+"error", "rel_error"}``.
 
 Rows are appended in small gzip members, each closed (flushed) once written, so a
 killed run loses at most the batch in flight. On resume, a truncated last member
@@ -148,7 +149,7 @@ def make_header(spec, hw, *, jax_version: str, command: str | None = None,
 
 # measure(problem, configs, with_baseline) -> iterator of (impl, config, Measurement)
 # with impl "pallas" (a config of the space), "baseline" (config None: XLA,
-# cuDNN) or "repeat" (a config timed a second time, for repeatability). The
+# cuDNN), "baseline_<name>" (the spec's extra_baselines) or "repeat" (a config timed a second time, for repeatability). The
 # real one uses the profiler; tests pass fakes.
 MeasureFn = Callable[[object, Sequence, bool], Iterator[tuple[str, object, object]]]
 
@@ -196,7 +197,7 @@ def run_sweep(spec, problems: Iterable, hw, out: SweepFile, measure: MeasureFn, 
     skipped += 0 if with_base else 1
     if cfgs or with_base:
       todo.append((p, cfgs, with_base))
-  total = sum(len(c) + b for _, c, b in todo)
+  total = sum(len(c) + b * (1 + len(spec.extra_baselines(p))) for p, c, b in todo)
   counts = {"measured": 0, "skipped": skipped, "failed": 0}
   if progress is not None:
     progress.start(total)

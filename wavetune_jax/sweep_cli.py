@@ -70,15 +70,20 @@ def _gpu_measure(spec, prof):
     ref = spec.reference(problem, *args)
     out_bytes = math.prod(ref.shape) * 4
     fns = [spec.build(problem, c) for c in configs]
+    impls = ["pallas"] * len(fns)
     if with_baseline:
       fns.append(spec.baseline(problem))
+      impls.append("baseline")
+      for name, fn in spec.extra_baselines(problem).items():
+        fns.append(fn)
+        impls.append(f"baseline_{name}")
     best = (None, math.inf)
     for i, m in prof.measure_iter(fns, args, reference=ref,
                                   tolerance=spec.tolerance(problem), out_bytes=out_bytes):
       config = configs[i] if i < len(configs) else None
       if config is not None and m.status == "ok" and m.median_us < best[1]:
         best = (config, m.median_us)
-      yield ("pallas" if config is not None else "baseline"), config, m
+      yield impls[i], config, m
     if best[0] is not None:
       # Repeatability: the fastest config timed a second time in the same run.
       (_, m), = prof.measure_iter([spec.build(problem, best[0])], args,

@@ -6,7 +6,7 @@ import json
 import os
 from importlib import resources
 
-__all__ = ["load_suite", "gemm_weights"]
+__all__ = ["load_suite", "gemm_weights", "attention_models"]
 
 
 def load_suite(name_or_path: str = "train") -> dict:
@@ -31,3 +31,16 @@ def gemm_weights(suite: dict, names=None) -> dict[str, tuple[int, int]]:
       raise ValueError(f"unknown weight(s) {unknown}; the suite has {sorted(weights)}")
     weights = {k: weights[k] for k in names}
   return {k: (v["N"], v["K"]) for k, v in weights.items()}
+
+
+def attention_models(suite: dict, names=None) -> dict[str, dict]:
+  """``{model name: {"q_heads", "kv_heads", "head_dim"}}`` of a suite's attention
+  section, optionally filtered."""
+  models = suite["attention"]["models"]
+  if names:
+    unknown = sorted(set(names) - set(models))
+    if unknown:
+      raise ValueError(f"unknown attention model(s) {unknown}; the suite has "
+                       f"{sorted(models)}")
+    models = {k: models[k] for k in names}
+  return dict(models)
