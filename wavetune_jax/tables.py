@@ -63,8 +63,8 @@ class ModelEntry:
   points: int
   min_g: int
   max_g: int
-  min_l: int
-  max_l: int
+  min_l: float
+  max_l: float
   aux_seen: tuple[bool, ...]
   fit_med_err: float
 
@@ -82,8 +82,8 @@ class ModelEntry:
       raise TableError(f"model entry variant {variant} does not have the fields {fields}")
     return cls(variant=tuple((f, int(variant[f])) for f in fields),
                occupancy=int(d["occupancy"]), coef=tuple(float(x) for x in d["coef"]),
-               points=int(d["points"]), min_g=int(d["min_g"]), max_g=int(d["max_g"]), min_l=int(d["min_l"]),
-               max_l=int(d["max_l"]), aux_seen=tuple(bool(x) for x in d["aux_seen"]),
+               points=int(d["points"]), min_g=int(d["min_g"]), max_g=int(d["max_g"]), min_l=float(d["min_l"]),
+               max_l=float(d["max_l"]), aux_seen=tuple(bool(x) for x in d["aux_seen"]),
                fit_med_err=float(d["fit_med_err"]))
 
 
@@ -153,7 +153,7 @@ class Table:
     """Predicted us of each config at one problem (``inf``: no answer)."""
     spec = self.spec
     g = np.empty(len(configs), np.int64)
-    l = np.empty(len(configs), np.int64)
+    l = np.empty(len(configs), np.float64)
     aux = np.zeros((len(configs), len(spec.aux_names)), np.float32)
     for i, c in enumerate(configs):
       g[i], l[i] = spec.coords(problem, spec.macro(c))

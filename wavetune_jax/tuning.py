@@ -235,8 +235,8 @@ def fit_entries(spec: KernelSpec, hw: Hardware, points: Sequence[tuple], *,
     m = mask[i]
     out[v] = tables.ModelEntry(
         variant=v, occupancy=int(occ[i]), coef=tuple(float(x) for x in res.coef[i]),
-        points=int(m.sum()), min_g=int(g[i, m].min()), max_g=int(g[i, m].max()), min_l=int(l[i, m].min()),
-        max_l=int(l[i, m].max()),
+        points=int(m.sum()), min_g=int(g[i, m].min()), max_g=int(g[i, m].max()), min_l=float(l[i, m].min()),
+        max_l=float(l[i, m].max()),
         aux_seen=tuple(bool(x) for x in np.any(aux[i, m] != 0, axis=0)),
         fit_med_err=float(res.med_err[i]))
   return out
