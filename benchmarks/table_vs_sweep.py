@@ -51,7 +51,7 @@ def main(argv=None):
   print(f"{ds.header['device_kind']}: {n} problems, table {a.table}")
   print(f"efficiency vs oracle: geomean {_geo(eff):.3f}, min {min(eff):.3f}, "
         f"within 5% {sum(e >= 1 / 1.05 for e in eff) / n:.2f}; not measured: {missing}")
-  print(f"speed vs XLA {_geo(xla):.3f}x, vs fixed default {_geo(dflt):.3f}x")
+  print(f"speed vs {spec.baseline_name} {_geo(xla):.3f}x, vs fixed default {_geo(dflt):.3f}x")
   print(f"answered by: {dict(src)}")
 
 

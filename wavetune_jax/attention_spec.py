@@ -116,6 +116,14 @@ class AttentionSpec(KernelSpec):
   macro_fields = ("block_q", "block_k")
   micro_fields = ("num_warps", "num_stages")
   size_field = "q_len"
+  # The heuristic (from the probe grid) reaches 0.96 of the oracle held out;
+  # a model fitted on 1-3 anchors per variant does not (0.896 at the 3%
+  # budget, seed 0). With this guard the wavetune policy scores 0.952 and the
+  # shipped table 0.956 on all 90 swept problems. On GEMM the same guard
+  # lowered the shipped table from 0.915 to 0.877, so GEMM does not use it.
+  heuristic_margin = 0.1
+  baseline_name = "cuDNN"
+  revision = 2  # the shifted ragged query block
 
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):
     """``suite["attention"]``: every model at every batch and sequence length

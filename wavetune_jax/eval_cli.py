@@ -14,11 +14,12 @@ def format_table(results, facts) -> str:
            f"profiling budget {facts['budget']} measurements "
            f"({100 * facts['budget'] / max(1, facts['train_points']):.1f}% of the "
            f"training split's {facts['train_points']})", ""]
+  base = facts.get("baseline_name", "XLA")
   lines.append(f"{'policy':<10} {'geomean':>8} {'min':>6} {'p10':>6} {'<=5%':>6} "
                f"{'miss':>4} {'meas.':>7} {'GPU s':>7} {'cold us':>9} {'memo us':>8} "
-               f"{'vs XLA':>7}")
+               f"{'vs ' + base:>9}")
   for r in results:
-    xla = f"{r.vs_xla_geomean:>7.3f}" if r.vs_xla_geomean else f"{'-':>7}"
+    xla = f"{r.vs_xla_geomean:>9.3f}" if r.vs_xla_geomean else f"{'-':>9}"
     lines.append(f"{r.policy:<10} {r.geomean:>8.3f} {r.minimum:>6.3f} {r.p10:>6.3f} "
                  f"{100 * r.within_5pct:>5.0f}% {r.misses:>4} {r.measurements:>7} "
                  f"{r.gpu_seconds:>7.0f} {r.decision_us_cold:>9.1f} "
@@ -26,7 +27,7 @@ def format_table(results, facts) -> str:
   lines.append("")
   lines.append("efficiency = t_oracle / t_policy on held-out shapes; <=5%: share within 5% "
                "of the oracle; meas./GPU s: profiling the policy needed; cold/memo: median "
-               "decision time; vs XLA: geomean speed of the chosen configs over XLA")
+               f"decision time; vs {base}: geomean speed of the chosen configs over {base}")
   return "\n".join(lines)
 
 

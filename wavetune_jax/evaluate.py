@@ -376,6 +376,6 @@ def evaluate(ds: Dataset, policy_names: Sequence[str], *, seed: int = 0,
         decision_us_memo=memo, vs_xla_geomean=_geomean(vs_xla) if vs_xla else None))
   facts = {"train_problems": len(train), "test_problems": len(test),
            "train_points": train_points, "budget": budget, "seed": seed,
-           "device_kind": ds.header["device_kind"],
+           "device_kind": ds.header["device_kind"], "baseline_name": ds.spec.baseline_name,
            "test": [ds.spec.problem_key(p) for p in test]}
   return results, facts

@@ -108,7 +108,7 @@ def render(path: str, *, plot: str | None = None) -> str:
            f"{len(summaries)} problems, {sum(s.n_configs for s in summaries)} config "
            f"measurements; config = {fields}", ""]
   lines.append(f"{'problem':<28} {'cfgs':>5} {'fail':>4} {'oracle config':<26} {'oracle':>9} "
-               f"{'XLA':>9} {'default':>9} {'heur':>9} {'worst':>10} {'spread':>7} {'gpu s':>6}")
+               f"{spec.baseline_name:>9} {'default':>9} {'heur':>9} {'worst':>10} {'spread':>7} {'gpu s':>6}")
 
   def f(v, w=9, d=1):
     return f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}"
@@ -128,7 +128,8 @@ def render(path: str, *, plot: str | None = None) -> str:
   vs_heur = _geomean([s.heuristic_us / s.oracle_us for s in summaries
                       if s.oracle_us and s.heuristic_us])
   walls = [s.wall_s for s in summaries if s.wall_s is not None]
-  lines.append(f"geomean speedup of the oracle: vs XLA {vs_xla:.3f}x, vs default "
+  lines.append(f"geomean speedup of the oracle: vs {spec.baseline_name} {vs_xla:.3f}x, "
+               f"vs default "
                f"{vs_default:.3f}x, vs heuristic {vs_heur:.3f}x")
   if walls:
     lines.append(f"GPU seconds: {sum(walls):.0f} total, {statistics.median(walls):.1f} "
@@ -199,7 +200,7 @@ def plot_waves(header: dict, summaries: list[ProblemSummary], rows: list[dict],
         waves_prev = w
   base = sorted(b for b in base if b[0] <= m_cap)
   if base:
-    ax.plot(*zip(*base), "k--", label="XLA")
+    ax.plot(*zip(*base), "k--", label=spec.baseline_name)
   ax.set_xlabel(f"{size} (tokens); dotted: wave boundaries of the first config")
   ax.set_ylabel("us (CUPTI median)")
   label = " ".join(f"{k}={v}" for k, v in weight if not isinstance(v, str))

@@ -90,7 +90,28 @@ class Decider:
     idx = np.argmin(pred, axis=1)
     best = pred[np.arange(len(sizes)), idx]
     idx = np.where(np.isfinite(best), idx, -1)
-    return configs, idx.tolist(), best
+    margin = spec.heuristic_margin
+    if margin is None:
+      return configs, idx.tolist(), best
+    configs = list(configs)
+    index = {c: j for j, c in enumerate(configs)}
+    # The heuristic's config stays unless the model predicts a gain over it
+    # larger than the spec's margin, with a trusted prediction for both: a
+    # sparse model is most wrong where it is most optimistic.
+    for r, s in enumerate(sizes):
+      if idx[r] < 0:
+        continue
+      p = spec.with_size(problem, int(s))
+      h = spec.heuristic(p, self.hw)
+      j = index.get(h)
+      t_h = pred[r, j] if j is not None else self.table.predict(p, [h])[0]
+      model_wins = np.isfinite(t_h) and best[r] * (1.0 + margin) < t_h
+      if not model_wins:
+        if j is None:
+          j = index[h] = len(configs)
+          configs.append(h)
+        idx[r], best[r] = j, t_h
+    return tuple(configs), idx.tolist(), best
 
 
 # --- state -------------------------------------------------------------------------------

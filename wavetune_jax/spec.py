@@ -44,6 +44,13 @@ class KernelSpec(abc.ABC):
   folded_fields: ClassVar[tuple[str, ...]] = ()
   #: Names of the auxiliary model columns returned by :meth:`aux`.
   aux_names: ClassVar[tuple[str, ...]] = ()
+  #: ``None``: the model's argmin stands. A fraction: the model replaces the
+  #: heuristic's config only when it predicts a gain larger than this, with a
+  #: trusted prediction for the heuristic's config too (for kernels whose
+  #: heuristic is strong next to a sparse model).
+  heuristic_margin: ClassVar[float | None] = None
+  #: What :meth:`baseline` runs, for tables and reports.
+  baseline_name: ClassVar[str] = "XLA"
   #: Bumped whenever the kernel's code changes its performance: tables tuned
   #: for another revision are not used.
   revision: ClassVar[int] = 1
