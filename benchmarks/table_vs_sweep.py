@@ -17,7 +17,7 @@ import argparse
 import collections
 import math
 
-from wavetune_jax import evaluate, selector, tables
+from wavetune_jax import evaluate, selector, sweep, tables
 
 
 def _geo(xs):
@@ -33,6 +33,7 @@ def main(argv=None):
   spec, hw = ds.spec, ds.hw
   d = selector.Decider(tables.load(a.table, spec, hw), hw)
   eff, xla, dflt, src, missing = [], [], [], collections.Counter(), 0
+  chosen_us = []
   for p in ds.problems:
     ts = ds.times[p]
     sel = d.decide(p)
@@ -43,6 +44,7 @@ def main(argv=None):
       missing += 1
       t = max(ts.values())
     eff.append(min(ts.values()) / t)
+    chosen_us.append(t)
     if p in ds.baseline:
       xla.append(ds.baseline[p] / t)
     if spec.default(p) in ts:
@@ -53,6 +55,26 @@ def main(argv=None):
         f"within 5% {sum(e >= 1 / 1.05 for e in eff) / n:.2f}; not measured: {missing}")
   print(f"speed vs {spec.baseline_name} {_geo(xla):.3f}x, vs fixed default {_geo(dflt):.3f}x")
   print(f"answered by: {dict(src)}")
+  by_size = collections.defaultdict(list)
+  for p, t in zip(ds.problems, chosen_us):
+    if p in ds.baseline:
+      by_size[spec.size_of(p)].append((ds.baseline[p] / t,
+                                       ds.baseline[p] / min(ds.times[p].values())))
+  print(f"speed vs {spec.baseline_name} per {spec.size_field} (table / oracle): " + ", ".join(
+      f"{s}: {_geo([a for a, _ in v]):.2f}/{_geo([b for _, b in v]):.2f}"
+      for s, v in sorted(by_size.items())))
+  # Extra baselines of the sweep (e.g. XLA next to cuDNN), where they ran.
+  chosen = dict(zip(ds.problems, chosen_us))
+  extra = collections.defaultdict(list)
+  for r in sweep.read_sweep(a.sweep)[1]:
+    if r["impl"].startswith("baseline_") and r["status"] == "ok":
+      p = spec.problem_from_dict(r["problem"])
+      if p in chosen:
+        extra[r["impl"][len("baseline_"):]].append((r["median_us"] / chosen[p],
+                                                    r["median_us"] / min(ds.times[p].values())))
+  for name, v in sorted(extra.items()):
+    print(f"speed vs {name} ({len(v)} problems where it ran): table {_geo([a for a, _ in v]):.2f}x, "
+          f"oracle {_geo([b for _, b in v]):.2f}x")
 
 
 if __name__ == "__main__":
