@@ -168,3 +168,13 @@ def test_replay_on_the_recorded_h200_attention_sweep():
   assert wt_res.measurements <= facts["budget"]
   assert wt_res.misses == 0
   assert wt_res.geomean > default_res.geomean
+
+
+def test_cli_select_attention(capsys):
+  from wavetune_jax.cli import main as cli_main
+  assert cli_main(["select", "attention", "--m", "3000", "--set", "batch=2",
+                   "--set", "q_heads=32", "--set", "kv_heads=8", "--device", "h200"]) == 0
+  text = capsys.readouterr().out
+  assert "block_q" in text and "answered by" in text and "G=1536" in text
+  with pytest.raises(SystemExit, match="not a attention problem"):
+    cli_main(["select", "attention", "--m", "3000", "--device", "h200"])

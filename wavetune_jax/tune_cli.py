@@ -95,8 +95,21 @@ def _select(args) -> int:
   from wavetune_jax.spec import get_spec
   spec = get_spec(args.kernel)
   hw = get_hardware(args.device)
-  fields = {spec.size_field: args.m, "n": args.n, "k": args.k, "dtype": args.dtype}
-  problem = spec.problem_from_dict(fields)
+  fields = {"dtype": args.dtype}
+  for name, value in (("m", args.m), ("n", args.n), ("k", args.k)):
+    if value is not None:
+      fields[spec.size_field if name == "m" else name] = value
+  for item in args.set or ():
+    name, sep, value = item.partition("=")
+    if not sep:
+      raise SystemExit(f"--set {item!r}: expected FIELD=VALUE")
+    fields[name] = {"true": True, "false": False}.get(value.lower(), value)
+    if isinstance(fields[name], str) and fields[name].lstrip("-").isdigit():
+      fields[name] = int(fields[name])
+  try:
+    problem = spec.problem_from_dict(fields)
+  except (TypeError, ValueError) as e:
+    raise SystemExit(f"not a {spec.name} problem: {fields} ({e})") from None
   if args.table:
     ctx = selector.use_tables(tables.load(args.table, spec, hw), spec.name)
   else:
@@ -111,7 +124,7 @@ def _select(args) -> int:
         + (f" from {table.provenance.get('source', '?')}" if table is not None else ""))
   pred = "-" if sel.predicted_us is None else f"{sel.predicted_us:.1f} us"
   print(f"predicted   {pred}")
-  print(f"grid        G={g} CTAs, L={l} trips" +
+  print(f"grid        G={g} CTAs, L={l:.4g} trips" +
         (f", {sel.waves} wave(s)" if sel.waves is not None else ""))
   return 0
 
@@ -178,9 +191,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
   se = sub.add_parser("select", help="the config the selector picks for one problem")
   se.add_argument("kernel")
-  se.add_argument("--m", type=int, required=True)
-  se.add_argument("--n", type=int, required=True)
-  se.add_argument("--k", type=int, required=True)
+  se.add_argument("--m", type=int, help="the size field (GEMM: M; attention: q_len)")
+  se.add_argument("--n", type=int)
+  se.add_argument("--k", type=int)
+  se.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                  help="any other problem field, e.g. --set batch=2 --set q_heads=32")
   se.add_argument("--dtype", default="bfloat16")
   se.add_argument("--device", help="hardware preset (h100, h200, ...); default: this GPU")
   se.add_argument("--table", help="table file (default: the shipped one)")
