@@ -175,6 +175,9 @@ def test_replay_on_the_recorded_h200_sweep(tmp_path):
   assert wt_res.measurements <= facts["budget"]
   assert wt_res.misses <= 2
   assert wt_res.geomean > default_res.geomean
+  # Where the default is far off, the table's choices are much faster.
+  assert wt_res.vs_default_where_differ > 1.3
+  assert default_res.vs_default_where_differ == pytest.approx(1.0)
 
 
 def test_cli_tune_replay_select_and_plot(tmp_path, capsys, wave_ds):

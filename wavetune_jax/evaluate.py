@@ -308,6 +308,9 @@ class PolicyResult:
   decision_us_cold: float
   decision_us_memo: float
   vs_xla_geomean: float | None
+  #: Geomean speedup over the fixed default on the test problems where the
+  #: default is more than 10% slower than the oracle (None: no such problem).
+  vs_default_where_differ: float | None = None
 
   def to_json(self) -> dict:
     return dataclasses.asdict(self)
@@ -357,7 +360,7 @@ def evaluate(ds: Dataset, policy_names: Sequence[str], *, seed: int = 0,
       used = sum(len(ds.times[p]) + len(ds.failed.get(p, ())) for p in test)
       secs = sum((len(ds.times[p]) + len(ds.failed.get(p, ()))) * ds.seconds_per_point[p]
                  for p in test)
-    eff, vs_xla, misses = {}, [], 0
+    eff, vs_xla, vs_dflt, misses = {}, [], [], 0
     for p in test:
       c = policy.select(p)
       t = ds.times[p].get(c)
@@ -367,13 +370,17 @@ def evaluate(ds: Dataset, policy_names: Sequence[str], *, seed: int = 0,
       eff[ds.spec.problem_key(p)] = ds.times[p][ds.oracle(p)] / t
       if p in ds.baseline:
         vs_xla.append(ds.baseline[p] / t)
+      t_dflt = ds.times[p].get(ds.spec.default(p))
+      if t_dflt is not None and t_dflt > 1.1 * ds.times[p][ds.oracle(p)]:
+        vs_dflt.append(t_dflt / t)
     cold, memo = _time_decisions(policy, test)
     e = sorted(eff.values())
     results.append(PolicyResult(
         policy=name, efficiency=eff, geomean=_geomean(e), minimum=e[0],
         p10=float(np.percentile(e, 10)), within_5pct=sum(x >= 1 / 1.05 for x in e) / len(e),
         misses=misses, measurements=used, gpu_seconds=secs, decision_us_cold=cold,
-        decision_us_memo=memo, vs_xla_geomean=_geomean(vs_xla) if vs_xla else None))
+        decision_us_memo=memo, vs_xla_geomean=_geomean(vs_xla) if vs_xla else None,
+        vs_default_where_differ=_geomean(vs_dflt) if vs_dflt else None))
   facts = {"train_problems": len(train), "test_problems": len(test),
            "train_points": train_points, "budget": budget, "seed": seed,
            "device_kind": ds.header["device_kind"], "baseline_name": ds.spec.baseline_name,
