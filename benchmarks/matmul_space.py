@@ -6,7 +6,7 @@ checked against a float32 reference on random inputs and timed with CUPTI; XLA's
 row to ``--out`` (JSON).
 
   python3 benchmarks/matmul_space.py --weight llama3_8b.gate_up --m 16 1000 4096 \
-      --out $OUT/space_gate_up.json
+      --out data/probes/space_gate_up.json
 """
 
 from __future__ import annotations
