@@ -44,6 +44,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._launch import MIN_BLOCK as _MIN_BLOCK
+from pallas_kernels._launch import check_launch, config_from_dict
+
 __all__ = [
     "AttentionConfig",
     "attention",
@@ -60,15 +63,10 @@ MAX_HEAD_DIM = 256
 #: Triton addresses operands with 32-bit offsets.
 MAX_ELEMENTS = 2**31 - 1
 
-_MIN_BLOCK = 16  # tl.dot needs every block dimension >= 16.
 # A finite "minus infinity": exp2(mask - m) is exactly 0, and a row never sees
 # (-inf) - (-inf).
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
-
-
-def _is_pow2(v: int) -> bool:
-  return v >= 1 and (v & (v - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -88,31 +86,12 @@ class AttentionConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"AttentionConfig.{f.name}={v!r} must be an int")
-    for name in ("block_q", "block_k"):
-      v = getattr(self, name)
-      if not _is_pow2(v) or v < _MIN_BLOCK:
-        raise ValueError(
-            f"AttentionConfig.{name}={v} must be a power of two >= {_MIN_BLOCK}")
-    if not _is_pow2(self.num_warps) or self.num_warps > 16:
-      raise ValueError(
-          f"AttentionConfig.num_warps={self.num_warps} must be a power of two <= 16")
-    if not 1 <= self.num_stages <= 8:
-      raise ValueError(
-          f"AttentionConfig.num_stages={self.num_stages} must be in [1, 8]")
+    check_launch(self, ("block_q", "block_k"))
 
   @classmethod
   def from_dict(cls, d: dict) -> "AttentionConfig":
     """Builds a config from a mapping; unknown keys raise ``ValueError``."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-      raise ValueError(f"unknown AttentionConfig field(s) {unknown}; "
-                       f"valid fields are {sorted(names)}")
-    return cls(**d)
+    return config_from_dict(cls, d)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels._launch import check_launch, config_from_dict
+
 __all__ = [
     "MatmulConfig",
     "matmul",
@@ -37,13 +39,6 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 #: Triton addresses operands with 32-bit offsets: no operand (nor the split-K
 #: partial buffer) may hold more elements than this.
 MAX_ELEMENTS = 2**31 - 1
-
-_MIN_BLOCK = 16  # tl.dot needs every block dimension >= 16.
-
-
-def _is_pow2(v: int) -> bool:
-  return v >= 1 and (v & (v - 1)) == 0
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class MatmulConfig:
@@ -68,35 +63,16 @@ class MatmulConfig:
   num_stages: int = 3
 
   def __post_init__(self):
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"MatmulConfig.{f.name}={v!r} must be an int")
-    for name in ("block_m", "block_n", "block_k"):
-      v = getattr(self, name)
-      if not _is_pow2(v) or v < _MIN_BLOCK:
-        raise ValueError(
-            f"MatmulConfig.{name}={v} must be a power of two >= {_MIN_BLOCK}")
+    check_launch(self, ("block_m", "block_n", "block_k"))
     if self.split_k < 1:
       raise ValueError(f"MatmulConfig.split_k={self.split_k} must be >= 1")
     if self.group_m < 1:
       raise ValueError(f"MatmulConfig.group_m={self.group_m} must be >= 1")
-    if not _is_pow2(self.num_warps) or self.num_warps > 16:
-      raise ValueError(
-          f"MatmulConfig.num_warps={self.num_warps} must be a power of two <= 16")
-    if not 1 <= self.num_stages <= 8:
-      raise ValueError(
-          f"MatmulConfig.num_stages={self.num_stages} must be in [1, 8]")
 
   @classmethod
   def from_dict(cls, d: dict) -> "MatmulConfig":
     """Builds a config from a mapping; unknown keys raise ``ValueError``."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-      raise ValueError(f"unknown MatmulConfig field(s) {unknown}; "
-                       f"valid fields are {sorted(names)}")
-    return cls(**d)
+    return config_from_dict(cls, d)
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)

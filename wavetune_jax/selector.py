@@ -200,6 +200,20 @@ def policy(name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _override(field: str, kernel: str, value) -> Iterator[None]:
+  """Sets ``_local.<field>[kernel]`` inside the block (this thread)."""
+  old = dict(getattr(_local, field))
+  getattr(_local, field)[kernel] = value
+  _context_changed()
+  try:
+    with _scoped():
+      yield
+  finally:
+    setattr(_local, field, old)
+    _context_changed()
+
+
+@contextlib.contextmanager
 def use_config(kernel: str, config) -> Iterator[None]:
   """Pins ``config`` for every call of ``kernel`` inside the block."""
   from wavetune_jax.spec import get_spec
@@ -208,15 +222,8 @@ def use_config(kernel: str, config) -> Iterator[None]:
     config = spec.config_from_dict(config)
   if not isinstance(config, spec.config_cls):
     raise ValueError(f"config must be a {spec.config_cls.__name__} or a dict; got {config!r}")
-  old = dict(_local.pinned)
-  _local.pinned[kernel] = config
-  _context_changed()
-  try:
-    with _scoped():
-      yield
-  finally:
-    _local.pinned = old
-    _context_changed()
+  with _override("pinned", kernel, config):
+    yield
 
 
 def load_tables(path: str, kernel: str = "matmul", *, hw: Hardware | str | None = None):
@@ -235,15 +242,8 @@ def load_tables(path: str, kernel: str = "matmul", *, hw: Hardware | str | None 
 @contextlib.contextmanager
 def use_tables(table: tables_lib.Table | None, kernel: str = "matmul") -> Iterator[None]:
   """Uses ``table`` (None: no table, i.e. the heuristic) inside the block."""
-  old = dict(_local.tables)
-  _local.tables[kernel] = table
-  _context_changed()
-  try:
-    with _scoped():
-      yield
-  finally:
-    _local.tables = old
-    _context_changed()
+  with _override("tables", kernel, table):
+    yield
 
 
 def clear() -> None:

@@ -1,0 +1,41 @@
+"""Checks shared by the kernels' launch-config dataclasses."""
+
+from __future__ import annotations
+
+import dataclasses
+
+#: tl.dot needs every block dimension >= 16.
+MIN_BLOCK = 16
+
+
+def is_pow2(v: int) -> bool:
+  return v >= 1 and (v & (v - 1)) == 0
+
+
+def check_launch(config, block_fields: tuple[str, ...]) -> None:
+  """Raises ``ValueError`` unless every field is an int, the blocks are powers
+  of two >= ``MIN_BLOCK``, ``num_warps`` a power of two <= 16 and
+  ``num_stages`` in [1, 8]."""
+  name = type(config).__name__
+  for f in dataclasses.fields(config):
+    v = getattr(config, f.name)
+    if isinstance(v, bool) or not isinstance(v, int):
+      raise ValueError(f"{name}.{f.name}={v!r} must be an int")
+  for b in block_fields:
+    v = getattr(config, b)
+    if not is_pow2(v) or v < MIN_BLOCK:
+      raise ValueError(f"{name}.{b}={v} must be a power of two >= {MIN_BLOCK}")
+  if not is_pow2(config.num_warps) or config.num_warps > 16:
+    raise ValueError(f"{name}.num_warps={config.num_warps} must be a power of two <= 16")
+  if not 1 <= config.num_stages <= 8:
+    raise ValueError(f"{name}.num_stages={config.num_stages} must be in [1, 8]")
+
+
+def config_from_dict(cls, d: dict):
+  """``cls(**d)``; unknown keys raise ``ValueError`` naming the valid fields."""
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(d) - names)
+  if unknown:
+    raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; "
+                     f"valid fields are {sorted(names)}")
+  return cls(**d)
