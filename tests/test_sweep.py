@@ -97,3 +97,19 @@ def test_report_finds_known_oracle(tmp_path):
   text = report.render(path, plot=png)
   assert "geomean speedup of the oracle" in text and "compile_error" in text
   assert os.path.getsize(png) > 1000
+
+
+def test_problem_cut_short_is_left_out_of_dataset_and_geomeans(tmp_path):
+  from wavetune_jax import evaluate
+  path = str(tmp_path / "s.jsonl.gz")
+  n0 = len(sweep.sweep_configs(MATMUL, PROBLEMS[0], HW))
+  with pytest.raises(KeyboardInterrupt):
+    sweep.run_sweep(MATMUL, PROBLEMS, HW, sweep.SweepFile(path, _header()),
+                    FakeMeasure(crash_after=n0 + 5))
+  with pytest.warns(UserWarning, match=r"1 problem\(s\) swept only in part"):
+    ds = evaluate.load_dataset(path)
+  assert ds.problems == [PROBLEMS[0]]
+  text = report.render(path)
+  assert "1 problem(s) swept in part" in text
+  partial_line, = [l for l in text.splitlines() if l.startswith(MATMUL.problem_key(PROBLEMS[1]))]
+  assert "5*" in partial_line.split()[1]

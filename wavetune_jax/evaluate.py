@@ -24,6 +24,7 @@ import math
 import random
 import statistics
 import time
+import warnings
 from typing import Callable, Sequence
 
 import numpy as np
@@ -60,7 +61,12 @@ class Dataset:
 
 
 def load_dataset(path: str) -> Dataset:
-  """Reads a sweep file; problems without a single ok config are dropped."""
+  """Reads a sweep file.
+
+  Problems without a single ok config are dropped, and so are problems whose
+  sweep was cut short (a config of the spec's space has no row): their oracle
+  would be the best of a part of the space. One warning names them.
+  """
   header, rows = sweep.read_sweep(path)
   spec = get_spec(header["kernel"])
   hw = report.hardware_of(header)
@@ -80,6 +86,18 @@ def load_dataset(path: str) -> Dataset:
       baseline[p] = r["median_us"]
     elif r["impl"] == "timing":
       walls[p] += r["wall_s"]
+  partial = {p: n for p in list(times)
+             if (n := sum(c not in times[p] and c not in failed[p]
+                          for c in spec.space(p, hw)))}
+  if partial:
+    warnings.warn(
+        f"{path}: {len(partial)} problem(s) swept only in part are left out ("
+        + ", ".join(f"{spec.problem_key(p)}: {n} configs missing"
+                    for p, n in list(partial.items())[:4])
+        + (", ..." if len(partial) > 4 else "")
+        + "); rerun the sweep command to complete them", stacklevel=2)
+    for p in partial:
+      del times[p]
   spp = {p: (walls[p] / counts[p] if counts[p] and walls[p] else 0.0) for p in times}
   return Dataset(spec=spec, hw=hw, header=header, times=dict(times), baseline=baseline,
                  seconds_per_point=spp, failed=dict(failed))

@@ -15,6 +15,12 @@ Method (the same for every candidate and for the platform baseline):
   measurement, then measured one at a time. A
   config that fails to compile or to run, or computes a wrong result, is
   recorded with its error and skipped.
+* Each problem's inputs, reference, NaN poison and error check are compiled
+  ahead of time as one :class:`ProblemKit` (in the same thread pool as the
+  candidates where the caller can), not op by op on first use: a tuner visits
+  hundreds of distinct problems, and compiling eager random, reference and
+  norm ops for each new shape on the timing thread cost seconds per problem.
+  The float32 reference is compiled without XLA's autotuner (it only checks).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import time
 import warnings
 from typing import Callable, Iterator, Sequence
@@ -30,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Measurement", "Profiler", "FLUSH_BYTES", "rel_error"]
+__all__ = ["Measurement", "Profiler", "ProblemKit", "FLUSH_BYTES", "rel_error"]
 
 FLUSH_BYTES = 256 * 1024 * 1024
 _FLUSH_NAME = "wavetune_l2_flush"
@@ -70,6 +77,62 @@ def rel_error(out, ref) -> float:
   if not np.isfinite(num):
     return float("inf")
   return num / den if den > 0 else num
+
+
+def _err_parts(out, ref):
+  out = out.astype(jnp.float32)
+  ref = ref.astype(jnp.float32)
+  return jnp.linalg.norm(out - ref), jnp.linalg.norm(ref)
+
+
+# The reference only checks results: XLA's autotuner would spend seconds per new
+# shape choosing its float32 GEMM algorithm.
+_NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
+
+
+def _compile_quiet(fn, *shapes, options=None):
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    lowered = jax.jit(fn).lower(*shapes)
+    if options and jax.default_backend() == "gpu":
+      try:
+        return lowered.compile(options)
+      except Exception:  # noqa: BLE001 - an XLA without the option: compile plainly
+        pass
+    return lowered.compile()
+
+
+@dataclasses.dataclass
+class ProblemKit:
+  """One problem's helpers, compiled ahead of time (see :meth:`Profiler.compile_kit`).
+
+  Attributes:
+    setup: ``setup(key) -> (inputs, reference)``.
+    check: ``check(out, reference) -> (|out - ref|, |ref|)``.
+    poison: ``poison() -> NaN buffer`` of the output's size.
+    out_bytes: bytes of one float32 output.
+    compile_s: seconds spent compiling the three.
+  """
+
+  setup: Callable
+  check: Callable
+  poison: Callable
+  out_bytes: int
+  compile_s: float
+
+  def materialize(self, seed: int = 0):
+    """``(inputs, reference)`` on the device."""
+    return self.setup(jax.random.PRNGKey(seed))
+
+  def error(self, out, ref) -> float:
+    """:func:`rel_error` with the compiled check (eager for another output type)."""
+    try:
+      num, den = (float(v) for v in self.check(out, ref))
+    except TypeError:  # e.g. a baseline whose output dtype differs from the kernel's
+      return rel_error(out, ref)
+    if not np.isfinite(num):
+      return float("inf")
+    return num / den if den > 0 else num
 
 
 def _flush_kernel(x_ref, o_ref):
@@ -148,6 +211,33 @@ class Profiler:
       exe = jax.jit(self.timed_fn(fn)).lower(buf, *shapes).compile()
     return exe, time.perf_counter() - t0
 
+  @staticmethod
+  def compile_kit(spec, problem, candidate: Callable | None = None) -> ProblemKit:
+    """Compiles ``problem``'s inputs + reference, poison and check.
+
+    Args:
+      spec: the kernel spec (``inputs``, ``reference``).
+      problem: the problem.
+      candidate: any ``f(*inputs)`` of the problem, whose output shape and
+        dtype the check is compiled for (default: the reference's).
+    """
+    t0 = time.perf_counter()
+
+    def setup(key):
+      args = spec.inputs(problem, key)
+      return args, spec.reference(problem, *args)
+
+    key = jax.eval_shape(lambda: jax.random.PRNGKey(0))
+    args_s, ref_s = jax.eval_shape(setup, key)
+    out_s = ref_s if candidate is None else jax.eval_shape(candidate, *args_s)
+    out_bytes = 4 * math.prod(ref_s.shape)
+    n = max(1, out_bytes // 4)
+    return ProblemKit(
+        setup=_compile_quiet(setup, key, options=_NO_AUTOTUNE),
+        check=_compile_quiet(_err_parts, out_s, ref_s),
+        poison=_compile_quiet(lambda: jnp.full((n,), jnp.nan, jnp.float32)),
+        out_bytes=out_bytes, compile_s=time.perf_counter() - t0)
+
   def compile_many(self, fns: Sequence[Callable], args: Sequence,
                    on_done: Callable[[int], None] | None = None):
     """Compiles in parallel threads; yields (index, executable | exception, s)."""
@@ -206,7 +296,8 @@ class Profiler:
   # --- the main entry ------------------------------------------------------------------
   def measure_iter(self, fns: Sequence[Callable], args: Sequence, *,
                    reference=None, tolerance: float | None = None,
-                   out_bytes: int = 0) -> Iterator[tuple[int, Measurement]]:
+                   out_bytes: int = 0, kit: ProblemKit | None = None
+                   ) -> Iterator[tuple[int, Measurement]]:
     """Compiles ``fns`` in parallel, then checks and times each one.
 
     Args:
@@ -215,6 +306,7 @@ class Profiler:
       reference: expected output; with ``tolerance``, a candidate whose
         relative error exceeds it is marked ``"wrong"`` and not timed.
       out_bytes: size of one output (bounds the live results while timing).
+      kit: the problem's compiled poison and check (else eager ops).
 
     Yields:
       ``(index into fns, Measurement)`` in the order the measurements finish.
@@ -227,7 +319,7 @@ class Profiler:
       if isinstance(exe, BaseException):
         m = Measurement(status="compile_error", compile_s=compile_s, error=_short(exe))
       else:
-        m = self._check_and_time(exe, args, reference, tolerance, out_bytes)
+        m = self._check_and_time(exe, args, reference, tolerance, out_bytes, kit)
         m.compile_s = compile_s
         del exe
       yield i, m
@@ -239,15 +331,19 @@ class Profiler:
       results[i] = m
     return results  # type: ignore[return-value]
 
-  def _check_and_time(self, exe, args, reference, tolerance, out_bytes) -> Measurement:
+  def _check_and_time(self, exe, args, reference, tolerance, out_bytes,
+                      kit: ProblemKit | None = None) -> Measurement:
     try:
       if reference is not None:
         # Poison: fill freed memory the output is likely to reuse with NaN.
-        poison = jnp.full((max(1, out_bytes // 4),), jnp.nan, jnp.float32)
+        if kit is not None:
+          poison = kit.poison()
+        else:
+          poison = jnp.full((max(1, out_bytes // 4),), jnp.nan, jnp.float32)
         poison.block_until_ready()
         del poison
         _, out = exe(self._buf(), *args)
-        err = rel_error(out, reference)
+        err = rel_error(out, reference) if kit is None else kit.error(out, reference)
         del out
         if tolerance is not None and not err <= tolerance:
           return Measurement(status="wrong", rel_error=err,

@@ -26,6 +26,7 @@ class ProblemSummary:
   worst_us: float | None
   rel_spread: float | None  # median over configs of IQR / median
   wall_s: float | None
+  n_missing: int = 0  # configs of the spec's space with no row (sweep cut short)
 
 
 def hardware_of(header: dict) -> hardware.Hardware:
@@ -69,6 +70,7 @@ def summarize(header: dict, rows: list[dict]) -> tuple[list[ProblemSummary], dic
         if c in times:
           repeat_diffs.append(abs(r["median_us"] - times[c]) / times[c])
     walls = [r["wall_s"] for r in rs if r["impl"] == "timing"]
+    seen = {spec.config_from_dict(r["config"]) for r in pallas}
     out.append(ProblemSummary(
         problem=p, n_configs=len(pallas), n_failed=len(pallas) - len(ok),
         oracle_config=oracle, oracle_us=times.get(oracle),
@@ -78,7 +80,8 @@ def summarize(header: dict, rows: list[dict]) -> tuple[list[ProblemSummary], dic
         worst_us=max(times.values()) if times else None,
         rel_spread=statistics.median(r["spread_us"] / r["median_us"] for r in ok)
         if ok else None,
-        wall_s=sum(walls) if walls else None))
+        wall_s=sum(walls) if walls else None,
+        n_missing=sum(c not in seen for c in spec.space(p, hw))))
   facts = {"failures": dict(failures), "first_errors": errors,
            "repeat_median_rel_diff": statistics.median(repeat_diffs) if repeat_diffs else None,
            "repeat_pairs": len(repeat_diffs)}
@@ -114,13 +117,19 @@ def render(path: str, *, plot: str | None = None) -> str:
     return f"{v:>{w}.{d}f}" if v is not None else f"{'-':>{w}}"
 
   for s in sorted(summaries, key=lambda s: spec.problem_key(s.problem)):
-    lines.append(f"{spec.problem_key(s.problem):<28} {s.n_configs:>5} {s.n_failed:>4} "
+    n = f"{s.n_configs}*" if s.n_missing else str(s.n_configs)
+    lines.append(f"{spec.problem_key(s.problem):<28} {n:>5} {s.n_failed:>4} "
                  f"{_cfg_str(s.oracle_config):<26} {f(s.oracle_us)} {f(s.baseline_us)} "
                  f"{f(s.default_us)} {f(s.heuristic_us)} {f(s.worst_us, 10)} "
                  f"{f(100 * s.rel_spread if s.rel_spread is not None else None, 6)}% "
                  f"{f(s.wall_s, 6, 0)}")
   lines.append("")
   lines.append("times in microseconds (CUPTI median); spread = median over configs of IQR/median")
+  partial = [s for s in summaries if s.n_missing]
+  if partial:
+    lines.append(f"* {len(partial)} problem(s) swept in part ({sum(s.n_missing for s in partial)} "
+                 "configs missing) are left out of the geomeans; rerun the sweep to complete them")
+  summaries = [s for s in summaries if not s.n_missing]
   vs_xla = _geomean([s.baseline_us / s.oracle_us for s in summaries
                      if s.oracle_us and s.baseline_us])
   vs_default = _geomean([s.default_us / s.oracle_us for s in summaries

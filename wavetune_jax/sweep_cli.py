@@ -66,10 +66,10 @@ def _gpu_measure(spec, prof):
   import jax
 
   def measure(problem, configs, with_baseline):
-    args = spec.inputs(problem, jax.random.PRNGKey(0))
-    ref = spec.reference(problem, *args)
-    out_bytes = math.prod(ref.shape) * 4
     fns = [spec.build(problem, c) for c in configs]
+    kit = prof.compile_kit(spec, problem, fns[0] if fns else None)
+    args, ref = kit.materialize()
+    out_bytes = kit.out_bytes
     impls = ["pallas"] * len(fns)
     if with_baseline:
       fns.append(spec.baseline(problem))
@@ -78,7 +78,7 @@ def _gpu_measure(spec, prof):
         fns.append(fn)
         impls.append(f"baseline_{name}")
     best = (None, math.inf)
-    for i, m in prof.measure_iter(fns, args, reference=ref,
+    for i, m in prof.measure_iter(fns, args, reference=ref, kit=kit,
                                   tolerance=spec.tolerance(problem), out_bytes=out_bytes):
       config = configs[i] if i < len(configs) else None
       if config is not None and m.status == "ok" and m.median_us < best[1]:

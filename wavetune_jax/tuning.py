@@ -39,6 +39,7 @@ import math
 import random
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from wavetune_jax import tables, wave_model
@@ -85,6 +86,9 @@ class GpuBackend:
     self.log = log
     self.progress = progress
     self.seconds = 0.0
+    # Wall seconds per phase: parallel compiles (candidates and problem kits),
+    # inputs + reference on the device, checks and timing.
+    self.phase_seconds = collections.Counter()
     self._known: dict = {}
     if log is not None:
       from wavetune_jax import sweep
@@ -95,44 +99,55 @@ class GpuBackend:
           self._known[key] = r["median_us"] if r["status"] == "ok" else None
 
   def measure(self, points: Sequence[tuple]) -> list[float | None]:
+    import concurrent.futures
     import time
 
     import jax
 
     from wavetune_jax import sweep
+    from wavetune_jax.profiler import Measurement, _short
     spec, prof = self.spec, self.prof
     todo = [pc for pc in dict.fromkeys(points) if pc not in self._known]
     by_problem = collections.defaultdict(list)
     for p, c in todo:
       by_problem[p].append(c)
     t0 = time.perf_counter()
-    # Compile everything of this round in parallel first (shapes only), then
+    # Compile everything of this round in parallel first (shapes only): every
+    # candidate, and each problem's inputs, reference and check. Then set up,
     # check and time one problem at a time.
     shapes = {p: [jax.ShapeDtypeStruct(a.shape, a.dtype)
                   for a in jax.eval_shape(lambda p=p: spec.inputs(p, jax.random.PRNGKey(0)))]
               for p in by_problem}
     flat = [(p, c) for p, cs in by_problem.items() for c in cs]
-    fns = [spec.build(p, c) for p, c in flat]
+    fns = {pc: spec.build(*pc) for pc in flat}
     compiled: dict = {}
-    import concurrent.futures
+    kits: dict = {}
     with concurrent.futures.ThreadPoolExecutor(prof.threads) as pool:
-      futs = {pool.submit(self._compile, fns[i], shapes[flat[i][0]]): flat[i]
-              for i in range(len(flat))}
+      kit_futs = {pool.submit(prof.compile_kit, spec, p, fns[(p, cs[0])]): p
+                  for p, cs in by_problem.items()}
+      futs = {pool.submit(self._compile, fns[pc], shapes[pc[0]]): pc for pc in flat}
       for fut in concurrent.futures.as_completed(futs):
         compiled[futs[fut]] = fut.result()
+      for fut in concurrent.futures.as_completed(kit_futs):
+        kits[kit_futs[fut]] = fut.result()
+    t1 = time.perf_counter()
+    self.phase_seconds["compile"] += t1 - t0
     for p, cs in by_problem.items():
-      args = spec.inputs(p, jax.random.PRNGKey(0))
-      ref = spec.reference(p, *args)
-      out_bytes = math.prod(ref.shape) * 4
+      t2 = time.perf_counter()
+      kit = kits.pop(p)
+      args, ref = kit.materialize()
+      jax.block_until_ready(ref)
+      self.phase_seconds["setup"] += time.perf_counter() - t2
       rows = []
       for c in cs:
         exe, compile_s = compiled.pop((p, c))
         if isinstance(exe, BaseException):
-          from wavetune_jax.profiler import Measurement, _short
           m = Measurement(status="compile_error", compile_s=compile_s, error=_short(exe))
         else:
-          m = prof._check_and_time(exe, args, ref, spec.tolerance(p), out_bytes)
+          t3 = time.perf_counter()
+          m = prof._check_and_time(exe, args, ref, spec.tolerance(p), kit.out_bytes, kit)
           m.compile_s = compile_s
+          self.phase_seconds["check_and_time"] += time.perf_counter() - t3
         del exe
         self._known[(p, c)] = m.median_us if m.status == "ok" else None
         cfg = spec.config_to_dict(c)
@@ -144,7 +159,7 @@ class GpuBackend:
           self.progress.advance(m.status)
       if self.log is not None:
         self.log.append(rows)
-      del args, ref
+      del args, ref, kit
     self.seconds += time.perf_counter() - t0
     return [self._known[pc] for pc in points]
 
@@ -227,9 +242,13 @@ def fit_entries(spec: KernelSpec, hw: Hardware, points: Sequence[tuple], *,
       t[i, j] = us
       aux[i, j] = spec.aux(p, c)
       mask[i, j] = True
-  occ, res = wave_model.fit_occupancy_batch(
-      g, l, t, num_sms=hw.num_sms, bounds=bounds, mask=mask,
-      aux=aux if n_aux else None, form=form)
+  # The fits are thousands of tiny least-squares solves: on the host CPU they
+  # take seconds; as GPU SVDs (compiled per shape) they took minutes of a tune.
+  with jax.default_device(jax.local_devices(backend="cpu")[0]):
+    occ, res = wave_model.fit_occupancy_batch(
+        g, l, t, num_sms=hw.num_sms, bounds=bounds, mask=mask,
+        aux=aux if n_aux else None, form=form)
+    occ, res = np.asarray(occ), jax.tree.map(np.asarray, res)
   out = {}
   for i, v in enumerate(variants):
     m = mask[i]
@@ -329,6 +348,11 @@ def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int
 
   prov = {"mode": backend.mode, "budget": budget, "gpu_seconds": round(backend.seconds, 2),
           "rounds": rounds, "seed": seed}
+  phases = getattr(backend, "phase_seconds", None)
+  if phases:
+    prov["phase_seconds"] = {k: round(v, 1) for k, v in phases.items()}
+    say("GPU tune wall seconds by phase: "
+        + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
   prov.update(provenance or {})
   table = build_table(spec, hw, pool, [(p, c, us) for (p, c), us in measured.items()],
                       form=form, provenance=prov)

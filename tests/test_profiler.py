@@ -1,0 +1,108 @@
+"""The profiler's ahead-of-time problem kit (CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from wavetune_jax import profiler
+from wavetune_jax.attention_spec import ATTENTION, AttentionProblem
+from wavetune_jax.matmul_spec import MATMUL, MatmulProblem
+
+
+@pytest.mark.parametrize("spec,problem", [
+    (MATMUL, MatmulProblem(m=5, n=48, k=40)),
+    (ATTENTION, AttentionProblem(batch=1, q_heads=4, kv_heads=2, q_len=9, head_dim=64)),
+])
+def test_kit_matches_eager_setup(spec, problem):
+  kit = profiler.Profiler.compile_kit(spec, problem)
+  args, ref = kit.materialize()
+  eager_args = spec.inputs(problem, jax.random.PRNGKey(0))
+  for a, b in zip(args, eager_args):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=1e-2, atol=1e-2)
+  np.testing.assert_allclose(ref, spec.reference(problem, *args), rtol=1e-5, atol=1e-5)
+  assert kit.out_bytes == 4 * ref.size
+  poison = np.asarray(kit.poison())
+  assert poison.size == ref.size and np.isnan(poison).all()
+
+
+def test_kit_error_matches_rel_error_and_flags_nan():
+  problem = MatmulProblem(m=8, n=32, k=16)
+  fn = MATMUL.build(problem, MATMUL.default(problem), interpret=True)
+  kit = profiler.Profiler.compile_kit(MATMUL, problem, fn)
+  args, ref = kit.materialize()
+  out = fn(*args)
+  assert kit.error(out, ref) == pytest.approx(profiler.rel_error(out, ref), rel=1e-5)
+  assert kit.error(out, ref) < MATMUL.tolerance(problem)
+  bad = out.at[0, 0].set(jnp.nan)
+  assert kit.error(bad, ref) == float("inf")
+  # Another output dtype than the one compiled for: the eager path answers.
+  assert kit.error(out.astype(jnp.float32), ref) == pytest.approx(
+      profiler.rel_error(out, ref), rel=1e-2)
+
+
+class _CpuProfiler(profiler.Profiler):
+  """The real check/time path on CPU: candidates run in interpret mode, the
+  CUPTI timer is replaced by a known latency, the flush buffer is tiny."""
+
+  def __init__(self, wrong=()):
+    super().__init__(iterations=3, threads=4)
+    self.wrong = set(wrong)
+    self.timed = []
+
+  def _buf(self):
+    return jnp.zeros((8,), jnp.float32)
+
+  def compile(self, fn, args):
+    problem, config = fn.problem_config
+    interp = MATMUL.build(problem, config, interpret=True)
+    if config in self.wrong:
+      def run(buf, *a):
+        return buf, interp(*a) * 2
+    else:
+      def run(buf, *a):
+        return buf, interp(*a)
+    run.key = (problem, config)
+    return run, 0.01
+
+  def time_compiled(self, exe, args, out_bytes):
+    self.timed.append(exe.key)
+    p, c = exe.key
+    return [synthetic_us(p, c)] * self.iterations
+
+
+def synthetic_us(p, c):
+  return 1.0 + p.m * 0.01 + c.block_m / 64
+
+
+def test_gpu_backend_logs_checks_and_resumes(tmp_path, monkeypatch):
+  from wavetune_jax import sweep, tuning
+  from synthetic import HW
+  build = MATMUL.build
+
+  def tagged_build(problem, config, **kw):
+    fn = build(problem, config, **kw)
+    fn.problem_config = (problem, config)
+    return fn
+  monkeypatch.setattr(MATMUL, "build", tagged_build)
+  problems = [MatmulProblem(m=m, n=64, k=32) for m in (3, 40)]
+  points = [(p, c) for p in problems for c in MATMUL.space(p, HW)[:3]]
+  bad = points[1][1]
+  log_path = str(tmp_path / "anchors.jsonl.gz")
+  header = sweep.make_header(MATMUL, HW, jax_version="0", command="t", space="anchors")
+  prof = _CpuProfiler(wrong={bad})
+  backend = tuning.GpuBackend(MATMUL, prof, log=sweep.SweepFile(log_path, header))
+  got = backend.measure(points)
+  for (p, c), us in zip(points, got):
+    assert us == (None if c == bad else pytest.approx(synthetic_us(p, c)))
+  assert set(backend.phase_seconds) == {"compile", "setup", "check_and_time"}
+  _, rows = sweep.read_sweep(log_path)
+  assert len(rows) == len(points)
+  assert {r["status"] for r in rows} == {"ok", "wrong"}
+  assert all(r["rel_error"] < 1e-2 for r in rows if r["status"] == "ok")
+  # A new backend on the same log re-times nothing.
+  prof2 = _CpuProfiler()
+  again = tuning.GpuBackend(MATMUL, prof2, log=sweep.SweepFile(log_path, header))
+  assert again.measure(points) == got and prof2.timed == []
