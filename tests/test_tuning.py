@@ -195,3 +195,27 @@ def test_cli_tune_replay_select_and_plot(tmp_path, capsys, wave_ds):
   assert cli_main(["plot", "matmul", "--sweep", sweep_path, "--table", out, "--n", "384",
                    "--k", "640", "--out", png]) == 0
   assert os.path.getsize(png) > 1000
+
+
+@pytest.mark.parametrize("device_key,kernel,floor", [
+    ("nvidia_h200", "matmul", 0.90),
+    ("nvidia_h200", "attention", 0.93),
+    ("nvidia_h100_80gb_hbm3", "matmul", 0.87),
+    ("nvidia_h100_80gb_hbm3", "attention", 0.93),
+])
+def test_shipped_tables_validate_and_choose_well_on_recorded_sweeps(device_key, kernel, floor):
+  """Every shipped table loads for its GPU and, on that GPU's recorded sweep,
+  picks configs within ``floor`` (geomean) of the exhaustive best."""
+  root = os.path.join(os.path.dirname(__file__), "..")
+  ds = evaluate.load_dataset(os.path.join(root, "data", "sweeps", device_key,
+                                          f"{kernel}_bfloat16.jsonl.gz"))
+  assert ds.hw.device_key == device_key
+  table = tables.load(tables.default_path(kernel, device_key), ds.spec, ds.hw)
+  d = selector.Decider(table, ds.hw)
+  eff = []
+  for p in ds.problems:
+    sel = d.decide(p)
+    c = ds.spec.heuristic(p, ds.hw) if sel is None else sel.config
+    assert c in ds.times[p], (p, c)  # every choice lies in the swept space
+    eff.append(min(ds.times[p].values()) / ds.times[p][c])
+  assert math.exp(np.mean(np.log(eff))) >= floor

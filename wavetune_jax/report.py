@@ -146,7 +146,7 @@ def render(path: str, *, plot: str | None = None) -> str:
   if facts["repeat_median_rel_diff"] is not None:
     lines.append(f"repeatability: fastest config timed twice, median |diff| = "
                  f"{100 * facts['repeat_median_rel_diff']:.2f}% over "
-                 f"{facts['repeat_pairs']} problems")
+                 f"{facts['repeat_pairs']} repeat pairs")
   lines.append(f"failed configs: {facts['failures'] or 'none'}")
   for status, err in facts["first_errors"].items():
     lines.append(f"  first {status}: {err}")
