@@ -81,3 +81,17 @@ def test_occupancy_bound():
                                     acc_per_thread=128, hw=hw) == 1
   assert wave_model.occupancy_bound(smem_bytes=3 * (64 * 64 + 64 * 64) * 2, threads=128,
                                     acc_per_thread=32, hw=hw) >= 3
+
+
+def test_tied_form_full_last_wave_costs_a_full_wave():
+  # T = a + b*L*(1 - r/C) + (W - 1 + r/C)*(c + d*L): a full last wave adds what
+  # every full wave adds, and the first wave's L-slope runs from b (one CTA) to d.
+  a, b, c, d = 2.0, 0.05, 1.0, 0.3
+  coef = np.array([d, a, c, b], np.float32)
+  cap = 4 * SMS
+  t = lambda g, l: float(wave_model.predict(coef, g, l, cap, "tied", xp=np))  # noqa: E731
+  for l in (8.0, 64.0):
+    full = t(2 * cap, l) - t(cap, l)
+    assert full == pytest.approx(c + d * l, rel=1e-5)
+    assert t(cap, l) == pytest.approx(a + c + d * l, rel=1e-5)
+    assert t(1, l) == pytest.approx(a + b * l * (1 - 1 / cap) + (c + d * l) / cap, rel=1e-5)

@@ -50,8 +50,8 @@ import numpy as np
 __all__ = ["FORMS", "n_coef", "waves", "features", "fit", "predict", "FitResult",
            "occupancy_bound", "fit_occupancy", "fit_occupancy_batch", "rel_errors"]
 
-FORMS = ("bilinear", "step")
-N_COEF = {"bilinear": 6, "step": 4}
+FORMS = ("bilinear", "step", "tied")
+N_COEF = {"bilinear": 6, "step": 4, "tied": 4}
 
 
 def waves(g, c, xp=jnp):
@@ -82,6 +82,12 @@ def features(g, l, c, form: str = "bilinear", aux=None, xp=jnp):
     # Waves done, counting the last one by its fill: W - 1 + r/C.
     we = w - 1.0 + r / xp.asarray(c, xp.float32)
     cols = [we * l, one, we, l, (w - 1.0) * l, w - 1.0]
+  elif form == "tied":
+    # The bilinear form with a full last wave costing what any full wave
+    # costs (e = c, f = d - b): T = a + b*L*(1 - r/C) + (W - 1 + r/C)*(c + d*L).
+    frac = r / xp.asarray(c, xp.float32)
+    we = w - 1.0 + frac
+    cols = [we * l, one, we, l * (1.0 - frac)]
   else:
     cols = [w * l, one, w, l]
   out = xp.stack(cols, axis=-1)
