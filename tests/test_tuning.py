@@ -90,7 +90,12 @@ def test_table_round_trip_and_validation(tmp_path, wave_table):
   t2 = tables.load(path, MATMUL, HW)
   assert t2.entries == wave_table.table.entries
   assert t2.exact == wave_table.table.exact
+  assert t2.distance_penalty == wave_table.table.distance_penalty == tables.DEFAULT_DISTANCE_PENALTY
   d = json.load(open(path))
+  # A table written before the distance penalty existed predicts without it.
+  old = {**d, "model": {k: v for k, v in d["model"].items() if k != "distance_penalty"}}
+  json.dump(old, open(path, "w"))
+  assert tables.load(path, MATMUL, HW).distance_penalty == 0.0
   cases = {
       "not readable JSON": lambda: open(path, "w").write("{not json"),
       "schema 99": lambda: json.dump({**d, "schema": 99}, open(path, "w")),
@@ -108,6 +113,31 @@ def test_table_round_trip_and_validation(tmp_path, wave_table):
       tables.load(path, MATMUL, HW)
   with pytest.raises(tables.TableError, match="no table at"):
     tables.load(str(tmp_path / "missing.json"), MATMUL, HW)
+
+
+def test_distance_penalty_grows_away_from_the_anchors():
+  c = MATMUL.space(MatmulProblem(m=64, n=4096, k=4096), HW)[0]
+  anchors = [(MatmulProblem(m=m, n=4096, k=4096), c, 10.0) for m in (64, 4096)]
+  xy = [MATMUL.coords(p, MATMUL.macro(c)) for p, _, _ in anchors]
+  v = MATMUL.variant(c)
+  entry = tables.ModelEntry(variant=v, occupancy=1, coef=(1.0,) + (0.0,) * 7, points=2,
+                            min_g=1, max_g=10**9, min_l=0.01, max_l=1e9,
+                            aux_seen=(True, True), fit_med_err=0.0)
+  table = tables.Table(spec=MATMUL, device_kind=HW.name, device_key=HW.device_key,
+                       num_sms=HW.num_sms, form="bilinear", entries={v: entry}, exact={},
+                       anchors=anchors, provenance={})
+  (g0, l0), (g1, l1) = xy
+  g = np.array([g0, g1, g0 * 4, g0], float)
+  l = np.array([l0, l1, l0, l0 * 2], float)
+  aux = np.zeros((4, len(MATMUL.aux_names)), np.float32)
+  raw = table.predict_arrays([c] * 4, g, l, aux, trusted=False)
+  pen = table.predict_arrays([c] * 4, g, l, aux)
+  k = table.distance_penalty
+  assert k > 0
+  # At an anchor: no penalty; elsewhere 1 + k * (L1 distance in log G, log L to
+  # the nearest anchor).
+  np.testing.assert_allclose(pen, raw * (1 + k * np.array([0, 0, np.log(4), np.log(2)])),
+                             rtol=1e-5)
 
 
 def test_selection_order_and_policies(wave_table):

@@ -8,6 +8,7 @@
    "provenance": {"command", "date", "jax_version", "mode": "gpu" | "replay",
                   "source", "budget", "anchors", "gpu_seconds", "pool_problems"},
    "model": {"form": "bilinear", "aux_names": [...], "trust": 1.5,
+             "distance_penalty": 0.3,
              "entries": [{"variant": {...}, "occupancy", "coef": [...], "points",
                           "min_g", "max_g", "min_l", "max_l", "aux_seen": [...],
                           "fit_med_err"}]},
@@ -25,6 +26,13 @@ split-K does not know what the reduction costs). Without that, the argmin over
 ~140 configs finds the one whose extrapolation is most optimistic: on the H200
 sweep, held-out selection picked a 32x256 tile at M = 512 whose model, fitted
 on small M only, predicted 135 us for a 411 us kernel.
+
+Inside the trust region a prediction is still scaled by ``1 + distance_penalty
+* d``, ``d`` the L1 distance in ``(log G, log L)`` from the query to the nearest
+anchor of the entry's variant: the further a prediction extrapolates, the less it
+is believed, so the argmin prefers configs measured near the query. A table
+without the field (written before it existed) uses 0. Held-out numbers for the
+values tried are in docs/design.md.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ __all__ = ["FORMAT", "SCHEMA", "TableError", "ModelEntry", "Table", "load", "sav
 FORMAT = "wavetune-table"
 SCHEMA = 1
 DEFAULT_TRUST = 1.5
+DEFAULT_DISTANCE_PENALTY = 0.3
 
 
 class TableError(ValueError):
@@ -101,6 +110,7 @@ class Table:
   anchors: list             # [(problem, config, us)]
   provenance: dict
   trust: float = DEFAULT_TRUST
+  distance_penalty: float = DEFAULT_DISTANCE_PENALTY
 
   # --- the model -------------------------------------------------------------------
   def predict_arrays(self, configs: Sequence, g: np.ndarray, l: np.ndarray,
@@ -110,9 +120,21 @@ class Table:
     Configs without a model, or (``trusted=True``) outside their trust region,
     get ``inf``.
     """
-    coef, cap, lim = self._entry_arrays(tuple(configs))
+    coef, cap, lim, near = self._entry_arrays(tuple(configs))
     with np.errstate(invalid="ignore", divide="ignore"):
       t = wave_model.predict(coef, g, l, cap, self.form, aux, xp=np).astype(np.float64)
+      if trusted and self.distance_penalty:
+        lg = np.log(np.maximum(g, 1.0)).astype(np.float32)
+        ll = np.log(np.maximum(l, 1e-3)).astype(np.float32)
+        d = np.full(lg.shape, np.inf, np.float32)
+        step = np.empty_like(d)
+        for j in range(near.shape[1]):  # nearest anchor, one anchor slot at a time
+          np.subtract(lg, near[:, j, 0], out=step)
+          np.abs(step, out=step)
+          d2 = np.abs(ll - near[:, j, 1])
+          np.add(step, d2, out=step)
+          np.minimum(d, step, out=d)
+        t = t * (1.0 + self.distance_penalty * np.where(np.isfinite(d), d, 0.0))
     min_g, max_g, min_l, max_l, aux_ok = lim
     bad = ~np.isfinite(cap)
     if trusted:
@@ -135,19 +157,39 @@ class Table:
     min_l = np.zeros(len(configs))
     max_l = np.zeros(len(configs))
     aux_ok = np.zeros((len(configs), len(self.spec.aux_names)), bool)
+    pts = self._anchor_coords()
+    k = max((len(v) for v in pts.values()), default=1)
+    near = np.full((len(configs), k, 2), np.inf, np.float32)  # (log G, log L) of anchors
     for i, c in enumerate(configs):
       e = self.entries.get(self.spec.variant(c))
       if e is None:
         continue
+      a = pts.get(e.variant)
+      if a is not None:
+        near[i, :len(a)] = a
       coef[i] = e.coef
       cap[i] = e.occupancy * self.num_sms
       min_g[i], max_g[i], min_l[i], max_l[i] = e.min_g, e.max_g, e.min_l, e.max_l
       aux_ok[i] = e.aux_seen
-    out = (coef, cap, (min_g, max_g, min_l, max_l, aux_ok))
+    out = (coef, cap, (min_g, max_g, min_l, max_l, aux_ok), near)
     if len(cache) > 1024:
       cache.clear()
     cache[configs] = out
     return out
+
+  def _anchor_coords(self) -> dict:
+    """variant -> ``[n, 2]`` (log G, log L) of its measured anchors."""
+    hit = self.__dict__.get("_anchor_xy")
+    if hit is None:
+      spec = self.spec
+      pts: dict = {}
+      for p, c, us in self.anchors:
+        if us is not None:
+          g, l = spec.coords(p, spec.macro(c))
+          pts.setdefault(spec.variant(c), []).append((np.log(max(g, 1.0)),
+                                                      np.log(max(l, 1e-3))))
+      hit = self.__dict__["_anchor_xy"] = {v: np.asarray(x) for v, x in pts.items()}
+    return hit
 
   def predict(self, problem, configs: Sequence, *, trusted: bool = True) -> np.ndarray:
     """Predicted us of each config at one problem (``inf``: no answer)."""
@@ -169,6 +211,7 @@ class Table:
         "device_key": self.device_key, "num_sms": self.num_sms,
         "provenance": self.provenance,
         "model": {"form": self.form, "aux_names": list(spec.aux_names), "trust": self.trust,
+                  "distance_penalty": self.distance_penalty,
                   "entries": [e.to_json() for e in
                               sorted(self.entries.values(), key=lambda e: e.variant)]},
         "exact": [{"problem": spec.problem_to_dict(p), "config": spec.config_to_dict(c),
@@ -263,7 +306,8 @@ def from_json(d, spec: KernelSpec, hw: Hardware | None, where: str = "table") ->
   return Table(spec=spec, device_kind=str(d.get("device_kind", device_key)),
                device_key=device_key, num_sms=num_sms, form=form, entries=entries,
                exact=exact, anchors=anchors, provenance=dict(d.get("provenance", {})),
-               trust=float(model.get("trust", DEFAULT_TRUST)))
+               trust=float(model.get("trust", DEFAULT_TRUST)),
+               distance_penalty=float(model.get("distance_penalty", 0.0)))
 
 
 def load(path: str, spec: KernelSpec, hw: Hardware | None = None) -> Table:
