@@ -223,11 +223,17 @@ class Table:
 
 
 def tables_dir() -> str:
-  """Where shipped tables live: ``$WAVETUNE_TABLES`` or the repository's ``tables/``."""
+  """Where shipped tables live: ``$WAVETUNE_TABLES``, else the repository's
+  ``tables/`` in a source checkout, else the installed copy (the data package
+  ``wavetune_jax.shipped_tables`` that a wheel carries)."""
   env = os.environ.get("WAVETUNE_TABLES")
   if env:
     return env
-  return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tables")
+  here = os.path.dirname(os.path.abspath(__file__))
+  repo = os.path.join(os.path.dirname(here), "tables")
+  if os.path.isdir(repo):
+    return repo
+  return os.path.join(here, "shipped_tables")
 
 
 def default_path(kernel: str, device_key: str) -> str:
