@@ -249,3 +249,15 @@ def test_shipped_tables_validate_and_choose_well_on_recorded_sweeps(device_key, 
     assert c in ds.times[p], (p, c)  # every choice lies in the swept space
     eff.append(min(ds.times[p].values()) / ds.times[p][c])
   assert math.exp(np.mean(np.log(eff))) >= floor
+
+
+def test_wavetune_policy_passes_form_and_penalty_to_its_table(wave_ds):
+  import random as _random
+  train = wave_ds.problems[::2]
+  policy = evaluate.make_policy("wavetune", {"form": "tied", "distance_penalty": 0.0})
+  policy.fit(wave_ds, train, 200, _random.Random(0))
+  assert policy.table.form == "tied" and policy.table.distance_penalty == 0.0
+  default = evaluate.make_policy("wavetune")
+  default.fit(wave_ds, train, 200, _random.Random(0))
+  assert default.table.form == "bilinear"
+  assert default.table.distance_penalty == tables.DEFAULT_DISTANCE_PENALTY

@@ -63,8 +63,9 @@ def _eval(args) -> int:
   ds = evaluate.load_dataset(args.sweep)
   if ds.spec.name != args.kernel:
     raise SystemExit(f"{args.sweep} holds kernel {ds.spec.name!r}, not {args.kernel!r}")
-  results, facts = evaluate.evaluate(ds, args.policy.split(","), seed=args.seed,
-                                     budget=args.budget)
+  results, facts = evaluate.evaluate(
+      ds, args.policy.split(","), seed=args.seed, budget=args.budget,
+      wavetune={"form": args.form, "distance_penalty": args.distance_penalty})
   if args.json:
     print(json.dumps({"facts": facts, "results": [r.to_json() for r in results]}, indent=1))
   else:
@@ -72,6 +73,15 @@ def _eval(args) -> int:
   if args.plot:
     _plot(results, args.plot)
   return 0
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+  """Options of the tables the wavetune tuner builds (``tune`` and ``eval``)."""
+  from wavetune_jax import tables, wave_model
+  ap.add_argument("--form", default="bilinear", choices=wave_model.FORMS,
+                  help="wave model form (wavetune_jax/wave_model.py)")
+  ap.add_argument("--distance-penalty", type=float, default=tables.DEFAULT_DISTANCE_PENALTY,
+                  help="penalty on predictions far from the anchors (0 turns it off)")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -86,6 +96,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   ev.add_argument("--seed", type=int, default=0)
   ev.add_argument("--budget", type=int, default=None,
                   help="profiling budget in measurements (default: 3%% of training)")
+  add_model_args(ev)
   ev.add_argument("--json", action="store_true")
   ev.add_argument("--plot", help="PNG of efficiency per held-out shape")
   ev.set_defaults(func=_eval)

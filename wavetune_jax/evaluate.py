@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from wavetune_jax import report, sweep
+from wavetune_jax import report, sweep, tables
 from wavetune_jax.hardware import Hardware
 from wavetune_jax.spec import KernelSpec, get_spec
 
@@ -283,11 +283,17 @@ class WaveTunePolicy(Policy):
   budget; selection as in ``wavetune_jax.matmul``: exact -> model -> heuristic."""
   name = "wavetune"
 
+  def __init__(self, form: str = "bilinear",
+               distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY):
+    self.form = form
+    self.distance_penalty = distance_penalty
+
   def fit(self, ds, train, budget, rng):
     from wavetune_jax import selector, tuning
     self.spec, self.hw = ds.spec, ds.hw
     res = tuning.tune(ds.spec, ds.hw, train, tuning.ReplayBackend(ds, train),
-                      budget=budget, seed=rng.randrange(1 << 30))
+                      budget=budget, seed=rng.randrange(1 << 30), form=self.form,
+                      distance_penalty=self.distance_penalty)
     self.table = res.table
     self.decider = selector.Decider(res.table, ds.hw)
     return res.measurements, res.seconds
@@ -302,11 +308,14 @@ POLICIES: dict[str, Callable[[], Policy]] = {
                               GBDTPolicy, WaveTunePolicy, OraclePolicy)}
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, wavetune: dict | None = None) -> Policy:
+  """A policy by name; ``wavetune`` holds options of the wavetune policy
+  (``form``, ``distance_penalty``)."""
   try:
-    return POLICIES[name]()
+    cls = POLICIES[name]
   except KeyError:
     raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}") from None
+  return cls(**(wavetune or {})) if cls is WaveTunePolicy else cls()
 
 
 # --- evaluation ----------------------------------------------------------------------
@@ -357,8 +366,11 @@ def _time_decisions(policy: Policy, problems: Sequence) -> tuple[float, float]:
 
 def evaluate(ds: Dataset, policy_names: Sequence[str], *, seed: int = 0,
              budget: int | None = None, test_weights: float = 0.34,
-             test_ms: float = 0.25) -> tuple[list[PolicyResult], dict]:
+             test_ms: float = 0.25, wavetune: dict | None = None
+             ) -> tuple[list[PolicyResult], dict]:
   """Fits every policy on the training split and scores it on the test split.
+
+  ``wavetune`` passes options to the wavetune policy (:func:`make_policy`).
 
   Returns:
     (results per policy, facts about the split and the budget).
@@ -372,7 +384,7 @@ def evaluate(ds: Dataset, policy_names: Sequence[str], *, seed: int = 0,
     budget = max(1, round(DEFAULT_BUDGET_FRACTION * train_points))
   results = []
   for name in policy_names:
-    policy = make_policy(name)
+    policy = make_policy(name, wavetune)
     used, secs = policy.fit(ds, train, budget, random.Random(seed))
     if name == "oracle":  # exhaustive search profiles every evaluated shape
       used = sum(len(ds.times[p]) + len(ds.failed.get(p, ())) for p in test)

@@ -206,9 +206,7 @@ class Profiler:
     t0 = time.perf_counter()
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
     buf = jax.ShapeDtypeStruct((FLUSH_BYTES // 4,), jnp.float32)
-    with warnings.catch_warnings():
-      warnings.filterwarnings("ignore", category=DeprecationWarning)
-      exe = jax.jit(self.timed_fn(fn)).lower(buf, *shapes).compile()
+    exe = _compile_quiet(self.timed_fn(fn), buf, *shapes)
     return exe, time.perf_counter() - t0
 
   @staticmethod

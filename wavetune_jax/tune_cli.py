@@ -8,6 +8,8 @@ import shlex
 import sys
 import time
 
+from wavetune_jax.eval_cli import add_model_args
+
 __all__ = ["add_commands"]
 
 
@@ -58,7 +60,8 @@ def _tune(args) -> int:
   t0 = time.perf_counter()
   try:
     res = tuning.tune(spec, hw, pool, backend, budget=budget, seed=args.seed,
-                      form=args.form, provenance=prov, log=lambda s: print(s, flush=True))
+                      form=args.form, distance_penalty=args.distance_penalty, provenance=prov,
+                      log=lambda s: print(s, flush=True))
   finally:
     if progress is not None:
       progress.stop()
@@ -82,7 +85,7 @@ def _fit_only(args, spec, prov) -> int:
   prov.update(mode="gpu", source=args.anchors, anchors_jax_version=header.get("jax_version"),
               note="fitted from the anchor log")
   table = tuning.build_table(spec, hw, _problems(spec, args), points, form=args.form,
-                             provenance=prov)
+                             distance_penalty=args.distance_penalty, provenance=prov)
   out = args.out or tables.default_path(spec.name, hw.device_key)
   tables.save(table, out)
   print(f"{hw.name}: {len(table.entries)} variant models and {len(table.exact)} exact "
@@ -182,8 +185,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   tu.add_argument("--budget", type=int, help="measurements (default: 3%% of the pool's space)")
   tu.add_argument("--budget-fraction", type=float)
   tu.add_argument("--seed", type=int, default=0)
-  tu.add_argument("--form", default="bilinear", choices=("bilinear", "step", "tied"),
-                  help="wave model form (wavetune_jax/wave_model.py)")
+  add_model_args(tu)
   tu.add_argument("--out", help="default tables/<device_key>/<kernel>.json")
   tu.add_argument("--anchors", help="anchor log (GPU mode); default data/anchors/...")
   tu.add_argument("--fit-only", action="store_true",

@@ -270,8 +270,10 @@ class TuneResult:
 
 
 def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int | None = None,
-         seed: int = 0, form: str = "bilinear", provenance: dict | None = None,
-         per_round: int = 2, log: Callable[[str], None] | None = None) -> TuneResult:
+         seed: int = 0, form: str = "bilinear",
+         distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY,
+         provenance: dict | None = None, per_round: int = 2,
+         log: Callable[[str], None] | None = None) -> TuneResult:
   """Builds a table from at most ``budget`` measurements of ``pool`` problems.
 
   Args:
@@ -281,6 +283,8 @@ def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int
     budget: measurements allowed (default: 3% of the pool's exhaustive sweep).
     seed: tie-breaking among equally useful targeted anchors.
     form: wave model form.
+    distance_penalty: the table's penalty on predictions far from anchors
+      (:class:`tables.Table`).
     provenance: extra facts recorded in the table.
     per_round: targeted anchors per pool problem and round (on a GPU every
       problem visited costs inputs and a reference, so a few at once).
@@ -355,7 +359,7 @@ def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int
         + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
   prov.update(provenance or {})
   table = build_table(spec, hw, pool, [(p, c, us) for (p, c), us in measured.items()],
-                      form=form, provenance=prov)
+                      form=form, distance_penalty=distance_penalty, provenance=prov)
   say(f"fitted {len(table.entries)} variant models from {len(measured)} anchors; "
       f"{len(table.exact)} exact entries")
   return TuneResult(table=table, measurements=len(measured), seconds=backend.seconds,
@@ -363,14 +367,16 @@ def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int
 
 
 def build_table(spec: KernelSpec, hw: Hardware, pool: Sequence, points: Sequence[tuple], *,
-                form: str = "bilinear", provenance: dict | None = None) -> tables.Table:
+                form: str = "bilinear",
+                distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY,
+                provenance: dict | None = None) -> tables.Table:
   """The dual table from measured ``(problem, config, us | None)`` points.
 
   Model entries per variant; an exact entry for a pool problem where the best
   measured config is predicted to beat every unmeasured one.
   """
   entries = fit_entries(spec, hw, points, form=form)
-  table = _table(spec, hw, entries, {}, points, form, {})
+  table = _table(spec, hw, entries, {}, points, form, {}, distance_penalty)
   measured = collections.defaultdict(dict)
   for p, c, us in points:
     if us is not None:
@@ -389,11 +395,12 @@ def build_table(spec: KernelSpec, hw: Hardware, pool: Sequence, points: Sequence
           "pool_problems": len(pool),
           "pool_points": sum(len(spec.space(p, hw)) for p in pool)}
   prov.update(provenance or {})
-  return _table(spec, hw, entries, exact, points, form, prov)
+  return _table(spec, hw, entries, exact, points, form, prov, distance_penalty)
 
 
-def _table(spec, hw, entries, exact, points, form, prov) -> tables.Table:
+def _table(spec, hw, entries, exact, points, form, prov,
+           distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY) -> tables.Table:
   return tables.Table(spec=spec, device_kind=hw.name, device_key=hw.device_key,
                       num_sms=hw.num_sms, form=form, entries=entries, exact=exact,
                       anchors=[(p, c, us) for p, c, us in points if us is not None],
-                      provenance=prov)
+                      provenance=prov, distance_penalty=distance_penalty)
