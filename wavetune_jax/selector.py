@@ -127,7 +127,7 @@ class _State(threading.local):
 _global = {"policy": "tables", "pinned": {}, "tables": {}, "generation": 0}
 _local = _State()
 _lock = threading.Lock()
-_memo: dict = {}
+_memo: dict = {}   # state token -> {(problem, kernel, device key): Selection}
 _shipped: dict = {}   # (kernel, device_key) -> Decider | None
 _warned: set = set()
 
@@ -150,6 +150,17 @@ def _token():
 
 def _context_changed():
   _local.token = None
+  _local.memo = None
+
+
+def _state_memo() -> dict:
+  """The memo of decisions under the current state (this thread's view)."""
+  tok = _token()
+  memo = _memo.get(tok)
+  if memo is None:
+    memo = _memo[tok] = {}
+  _local.memo = (tok[0], memo)
+  return memo
 
 
 def _changed():
@@ -297,15 +308,16 @@ def active_table(kernel: str = "matmul", hw: Hardware | str | None = None):
 
 def select(spec: KernelSpec, problem, hw: Hardware | str | None = None) -> Selection:
   """The config for ``problem`` under the current state (memoized)."""
-  if not isinstance(hw, Hardware):
+  if hw.__class__ is not Hardware:
     hw = get_hardware(hw)
-  key = (spec.name, problem, hw.device_key, _token())
-  hit = _memo.get(key)
+  cached = _local.__dict__.get("memo")
+  memo = cached[1] if cached is not None and cached[0] == _global["generation"] else _state_memo()
+  key = (problem, spec.name, hw.device_key)
+  hit = memo.get(key)
   if hit is not None:
     return hit
   with _lock:
-    sel = _select(spec, problem, hw)
-    _memo[key] = sel
+    sel = memo[key] = _select(spec, problem, hw)
   return sel
 
 

@@ -177,7 +177,7 @@ class KernelSpec(abc.ABC):
     """A stable string naming ``problem`` in tables and sweep files."""
 
   def problem_to_dict(self, problem) -> dict:
-    return dataclasses.asdict(problem)
+    return {f.name: getattr(problem, f.name) for f in dataclasses.fields(problem) if f.init}
 
   def problem_from_dict(self, d: dict):
     return self.problem_cls(**d)
