@@ -6,6 +6,13 @@ the data (1 .. the analytic bound), then each model form is fitted
 the held-out protocol of ``wavetune eval``, scored on the held-out problems.
 Prints median and p90 |relative error| of predicted vs measured latency.
 
+Then the ceiling of each form as a selector: the table's variant models
+(``tuning.fit_entries``, split-K folded in) fitted on every point of the
+sweep, the argmin of their predictions taken for every problem (no exact
+entries, no distance penalty), scored against the oracle. This is what
+WaveTune would reach if every point were an anchor; the gap to the held-out
+numbers of ``wavetune eval`` is the price of sparse anchors.
+
   python3 benchmarks/wave_model_fit.py data/sweeps/nvidia_h200/matmul_bfloat16.jsonl.gz
 """
 
@@ -16,7 +23,7 @@ import collections
 
 import numpy as np
 
-from wavetune_jax import evaluate, wave_model
+from wavetune_jax import evaluate, tables, tuning, wave_model
 
 
 def main(argv=None):
@@ -60,6 +67,24 @@ def main(argv=None):
     print(f"{form:<10} {100 * np.median(ins):>13.1f}% {100 * np.percentile(ins, 90):>6.1f}% "
           f"{100 * np.median(outs):>12.1f}% {100 * np.percentile(outs, 90):>6.1f}% "
           f"{str(dict(sorted(occs.items()))):>26}")
+
+  print(f"\nselector ceiling: variant models fitted on all {len(ds.times)} problems' points, "
+        "argmin per problem")
+  print(f"{'form':<10} {'geomean':>8} {'min':>6} {'p10':>6} {'<=5% miss':>10}")
+  points = [(p, c, t) for p, ts in ds.times.items() for c, t in ts.items()]
+  for form in wave_model.FORMS:
+    table = tables.Table(spec=spec, device_kind=hw.name, device_key=hw.device_key,
+                         num_sms=hw.num_sms, form=form,
+                         entries=tuning.fit_entries(spec, hw, points, form=form), exact={},
+                         anchors=[], provenance={}, distance_penalty=0.0)
+    eff = []
+    for p, ts in ds.times.items():
+      configs = list(ts)
+      pick = configs[int(np.argmin(table.predict(p, configs, trusted=False)))]
+      eff.append(min(ts.values()) / ts[pick])
+    eff = np.array(eff)
+    print(f"{form:<10} {np.exp(np.mean(np.log(eff))):>8.3f} {eff.min():>6.3f} "
+          f"{np.percentile(eff, 10):>6.3f} {100 * np.mean(eff >= 0.95):>9.0f}%")
 
 
 if __name__ == "__main__":

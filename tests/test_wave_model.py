@@ -95,3 +95,16 @@ def test_tied_form_full_last_wave_costs_a_full_wave():
     assert full == pytest.approx(c + d * l, rel=1e-5)
     assert t(cap, l) == pytest.approx(a + c + d * l, rel=1e-5)
     assert t(1, l) == pytest.approx(a + b * l * (1 - 1 / cap) + (c + d * l) / cap, rel=1e-5)
+
+
+def test_point_weights_act_like_repeated_points():
+  rng = np.random.default_rng(5)
+  g, l = _points(rng, 12)
+  t = np.asarray(wave_model.predict(np.array([2.0, 0.1, 1.0, 0.2, 0.5, 0.05]), g, l, SMS))
+  t = t * rng.uniform(0.8, 1.2, size=t.shape)  # noise, so that weights matter
+  w = np.ones(12); w[3] = 3.0
+  weighted = wave_model.fit(g[None], l[None], t[None], [SMS], mask=w[None], nonneg=False)
+  rep = np.r_[np.arange(12), 3, 3]
+  repeated = wave_model.fit(g[rep][None], l[rep][None], t[rep][None], [SMS], nonneg=False)
+  np.testing.assert_allclose(np.asarray(weighted.coef), np.asarray(repeated.coef),
+                             rtol=1e-3, atol=1e-4)

@@ -65,7 +65,7 @@ def _eval(args) -> int:
     raise SystemExit(f"{args.sweep} holds kernel {ds.spec.name!r}, not {args.kernel!r}")
   results, facts = evaluate.evaluate(
       ds, args.policy.split(","), seed=args.seed, budget=args.budget,
-      wavetune={"form": args.form, "distance_penalty": args.distance_penalty})
+      wavetune=model_options(args))
   if args.json:
     print(json.dumps({"facts": facts, "results": [r.to_json() for r in results]}, indent=1))
   else:
@@ -75,13 +75,34 @@ def _eval(args) -> int:
   return 0
 
 
+def _at_least(lo: float):
+  def parse(s: str) -> float:
+    v = float(s)
+    if not v >= lo:
+      raise argparse.ArgumentTypeError(f"{s} is not a number >= {lo}")
+    return v
+  return parse
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
   """Options of the tables the wavetune tuner builds (``tune`` and ``eval``)."""
   from wavetune_jax import tables, wave_model
   ap.add_argument("--form", default="bilinear", choices=wave_model.FORMS,
                   help="wave model form (wavetune_jax/wave_model.py)")
-  ap.add_argument("--distance-penalty", type=float, default=tables.DEFAULT_DISTANCE_PENALTY,
+  ap.add_argument("--distance-penalty", type=_at_least(0.0), default=tables.DEFAULT_DISTANCE_PENALTY,
                   help="penalty on predictions far from the anchors (0 turns it off)")
+  ap.add_argument("--trust", type=_at_least(1.0), default=tables.DEFAULT_TRUST,
+                  help="trust region: a model answers within this factor of its "
+                       "anchors' G and L range (inf: everywhere)")
+  ap.add_argument("--family-weight", type=_at_least(0.0), default=0.0,
+                  help="weight of the points of a variant's family (same macro tile) "
+                       "in its fit (0: each variant alone)")
+
+
+def model_options(args) -> dict:
+  """The :func:`add_model_args` options as keyword arguments of the tuner."""
+  return {"form": args.form, "distance_penalty": args.distance_penalty,
+          "trust": args.trust, "family_weight": args.family_weight}
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

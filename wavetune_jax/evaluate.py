@@ -284,16 +284,20 @@ class WaveTunePolicy(Policy):
   name = "wavetune"
 
   def __init__(self, form: str = "bilinear",
-               distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY):
+               distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY,
+               trust: float = tables.DEFAULT_TRUST, family_weight: float = 0.0):
     self.form = form
     self.distance_penalty = distance_penalty
+    self.trust = trust
+    self.family_weight = family_weight
 
   def fit(self, ds, train, budget, rng):
     from wavetune_jax import selector, tuning
     self.spec, self.hw = ds.spec, ds.hw
     res = tuning.tune(ds.spec, ds.hw, train, tuning.ReplayBackend(ds, train),
                       budget=budget, seed=rng.randrange(1 << 30), form=self.form,
-                      distance_penalty=self.distance_penalty)
+                      distance_penalty=self.distance_penalty, trust=self.trust,
+                      family_weight=self.family_weight)
     self.table = res.table
     self.decider = selector.Decider(res.table, ds.hw)
     return res.measurements, res.seconds
@@ -310,7 +314,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 
 def make_policy(name: str, wavetune: dict | None = None) -> Policy:
   """A policy by name; ``wavetune`` holds options of the wavetune policy
-  (``form``, ``distance_penalty``)."""
+  (``form``, ``distance_penalty``, ``trust``, ``family_weight``)."""
   try:
     cls = POLICIES[name]
   except KeyError:

@@ -22,7 +22,8 @@ warning and the heuristic.
 A model entry answers only inside its *trust region*: ``min_g / trust <= G <= trust * max_g``,
 ``min_l / trust <= L <= trust * max_l``, and an auxiliary column may be
 non-zero only if one of its anchors had it non-zero (a tile never anchored with
-split-K does not know what the reduction costs). Without that, the argmin over
+split-K does not know what the reduction costs). ``trust`` null in the file
+means no box (the models answer everywhere). Without that, the argmin over
 ~140 configs finds the one whose extrapolation is most optimistic: on the H200
 sweep, held-out selection picked a 32x256 tile at M = 512 whose model, fitted
 on small M only, predicted 135 us for a 411 us kernel.
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
 from typing import Sequence
@@ -124,16 +126,7 @@ class Table:
     with np.errstate(invalid="ignore", divide="ignore"):
       t = wave_model.predict(coef, g, l, cap, self.form, aux, xp=np).astype(np.float64)
       if trusted and self.distance_penalty:
-        lg = np.log(np.maximum(g, 1.0)).astype(np.float32)
-        ll = np.log(np.maximum(l, 1e-3)).astype(np.float32)
-        d = np.full(lg.shape, np.inf, np.float32)
-        step = np.empty_like(d)
-        for j in range(near.shape[1]):  # nearest anchor, one anchor slot at a time
-          np.subtract(lg, near[:, j, 0], out=step)
-          np.abs(step, out=step)
-          d2 = np.abs(ll - near[:, j, 1])
-          np.add(step, d2, out=step)
-          np.minimum(d, step, out=d)
+        d = self.anchor_distance(configs, g, l)
         t = t * (1.0 + self.distance_penalty * np.where(np.isfinite(d), d, 0.0))
     min_g, max_g, min_l, max_l, aux_ok = lim
     bad = ~np.isfinite(cap)
@@ -144,6 +137,22 @@ class Table:
       if aux.shape[-1]:
         bad = bad | np.any((aux != 0) & ~aux_ok, axis=-1)
     return np.where(bad, np.inf, t)
+
+  def anchor_distance(self, configs: Sequence, g: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """L1 distance in ``(log G, log L)`` from each point ``[S, n]`` to the
+    nearest anchor of its config's variant (``inf``: the variant has none)."""
+    near = self._entry_arrays(tuple(configs))[3]
+    lg = np.log(np.maximum(g, 1.0)).astype(np.float32)
+    ll = np.log(np.maximum(l, 1e-3)).astype(np.float32)
+    d = np.full(lg.shape, np.inf, np.float32)
+    step = np.empty_like(d)
+    for j in range(near.shape[1]):  # nearest anchor, one anchor slot at a time
+      np.subtract(lg, near[:, j, 0], out=step)
+      np.abs(step, out=step)
+      d2 = np.abs(ll - near[:, j, 1])
+      np.add(step, d2, out=step)
+      np.minimum(d, step, out=d)
+    return d
 
   def _entry_arrays(self, configs: tuple):
     cache = self.__dict__.setdefault("_arrays", {})
@@ -210,7 +219,7 @@ class Table:
         "kernel_revision": spec.revision, "device_kind": self.device_kind,
         "device_key": self.device_key, "num_sms": self.num_sms,
         "provenance": self.provenance,
-        "model": {"form": self.form, "aux_names": list(spec.aux_names), "trust": self.trust,
+        "model": {"form": self.form, "aux_names": list(spec.aux_names), "trust": None if math.isinf(self.trust) else self.trust,
                   "distance_penalty": self.distance_penalty,
                   "entries": [e.to_json() for e in
                               sorted(self.entries.values(), key=lambda e: e.variant)]},
@@ -309,11 +318,18 @@ def from_json(d, spec: KernelSpec, hw: Hardware | None, where: str = "table") ->
     raise
   except (KeyError, TypeError, ValueError) as e:
     raise TableError(f"{where}: invalid entry ({type(e).__name__}: {e})") from None
+  trust = model.get("trust", DEFAULT_TRUST)
+  trust = math.inf if trust is None else trust  # null: the models answer everywhere
+  penalty = model.get("distance_penalty", 0.0)
+  if (isinstance(trust, bool) or not isinstance(trust, (int, float)) or not trust >= 1
+      or isinstance(penalty, bool) or not isinstance(penalty, (int, float))
+      or not 0 <= penalty < math.inf):
+    raise TableError(f"{where}: trust {trust!r} must be >= 1 and distance_penalty "
+                     f"{penalty!r} a finite number >= 0")
   return Table(spec=spec, device_kind=str(d.get("device_kind", device_key)),
                device_key=device_key, num_sms=num_sms, form=form, entries=entries,
                exact=exact, anchors=anchors, provenance=dict(d.get("provenance", {})),
-               trust=float(model.get("trust", DEFAULT_TRUST)),
-               distance_penalty=float(model.get("distance_penalty", 0.0)))
+               trust=float(trust), distance_penalty=float(penalty))
 
 
 def load(path: str, spec: KernelSpec, hw: Hardware | None = None) -> Table:

@@ -8,7 +8,7 @@ import shlex
 import sys
 import time
 
-from wavetune_jax.eval_cli import add_model_args
+from wavetune_jax.eval_cli import add_model_args, model_options
 
 __all__ = ["add_commands"]
 
@@ -60,7 +60,7 @@ def _tune(args) -> int:
   t0 = time.perf_counter()
   try:
     res = tuning.tune(spec, hw, pool, backend, budget=budget, seed=args.seed,
-                      form=args.form, distance_penalty=args.distance_penalty, provenance=prov,
+                      **model_options(args), provenance=prov,
                       log=lambda s: print(s, flush=True))
   finally:
     if progress is not None:
@@ -84,8 +84,8 @@ def _fit_only(args, spec, prov) -> int:
             for r in rows if r["impl"] == "pallas"]
   prov.update(mode="gpu", source=args.anchors, anchors_jax_version=header.get("jax_version"),
               note="fitted from the anchor log")
-  table = tuning.build_table(spec, hw, _problems(spec, args), points, form=args.form,
-                             distance_penalty=args.distance_penalty, provenance=prov)
+  table = tuning.build_table(spec, hw, _problems(spec, args), points,
+                             **model_options(args), provenance=prov)
   out = args.out or tables.default_path(spec.name, hw.device_key)
   tables.save(table, out)
   print(f"{hw.name}: {len(table.entries)} variant models and {len(table.exact)} exact "

@@ -213,11 +213,18 @@ def _structural(spec, hw, cands: list, k: int) -> list:
   return [cands[i] for i in chosen]
 
 
+def _family(spec: KernelSpec, variant: tuple) -> tuple:
+  """Variants of one family share the macro tile and differ in micro fields."""
+  return tuple((k, v) for k, v in variant if k not in spec.micro_fields)
+
+
 def fit_entries(spec: KernelSpec, hw: Hardware, points: Sequence[tuple], *,
-                form: str = "bilinear") -> dict:
+                form: str = "bilinear", family_weight: float = 0.0) -> dict:
   """Fits one wave model per variant from measured ``(problem, config, us)``.
 
-  Variants with fewer than 2 points get no entry.
+  Variants with fewer than 2 points get no entry. With ``family_weight > 0``
+  a variant's fit also sees the points of its family (same macro tile, other
+  micro fields) at that weight: sparse anchors borrow the family's curve.
   """
   groups = collections.defaultdict(list)
   for p, c, us in points:
@@ -227,11 +234,22 @@ def fit_entries(spec: KernelSpec, hw: Hardware, points: Sequence[tuple], *,
   if not groups:
     return {}
   variants = sorted(groups)
+  weights = {v: [1.0] * len(groups[v]) for v in variants}
+  if family_weight > 0:
+    fam = collections.defaultdict(list)
+    for v in variants:
+      fam[_family(spec, v)].append(v)
+    own = {v: list(groups[v]) for v in variants}
+    for v in variants:
+      for u in fam[_family(spec, v)]:
+        if u != v:
+          groups[v] = groups[v] + own[u]
+          weights[v] = weights[v] + [family_weight] * len(own[u])
   n = max(len(groups[v]) for v in variants)
   n_aux = len(spec.aux_names)
   b = len(variants)
   g = np.ones((b, n)); l = np.ones((b, n)); t = np.ones((b, n))
-  mask = np.zeros((b, n), bool)
+  mask = np.zeros((b, n), np.float32)
   aux = np.zeros((b, n, n_aux), np.float32)
   bounds = np.zeros(b, np.int64)
   for i, v in enumerate(variants):
@@ -241,7 +259,7 @@ def fit_entries(spec: KernelSpec, hw: Hardware, points: Sequence[tuple], *,
       g[i, j], l[i, j] = spec.coords(p, spec.macro(c))
       t[i, j] = us
       aux[i, j] = spec.aux(p, c)
-      mask[i, j] = True
+      mask[i, j] = weights[v][j]
   # The fits are thousands of tiny least-squares solves: on the host CPU they
   # take seconds; as GPU SVDs (compiled per shape) they took minutes of a tune.
   with jax.default_device(jax.local_devices(backend="cpu")[0]):
@@ -251,7 +269,7 @@ def fit_entries(spec: KernelSpec, hw: Hardware, points: Sequence[tuple], *,
     occ, res = np.asarray(occ), jax.tree.map(np.asarray, res)
   out = {}
   for i, v in enumerate(variants):
-    m = mask[i]
+    m = mask[i] >= 1.0  # the variant's own points
     out[v] = tables.ModelEntry(
         variant=v, occupancy=int(occ[i]), coef=tuple(float(x) for x in res.coef[i]),
         points=int(m.sum()), min_g=int(g[i, m].min()), max_g=int(g[i, m].max()), min_l=float(l[i, m].min()),
@@ -272,6 +290,7 @@ class TuneResult:
 def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int | None = None,
          seed: int = 0, form: str = "bilinear",
          distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY,
+         trust: float = tables.DEFAULT_TRUST, family_weight: float = 0.0,
          provenance: dict | None = None, per_round: int = 2,
          log: Callable[[str], None] | None = None) -> TuneResult:
   """Builds a table from at most ``budget`` measurements of ``pool`` problems.
@@ -285,6 +304,9 @@ def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int
     form: wave model form.
     distance_penalty: the table's penalty on predictions far from anchors
       (:class:`tables.Table`).
+    trust: the table's trust-region factor (:class:`tables.Table`).
+    family_weight: weight of a variant's family points in its fit
+      (:func:`fit_entries`; 0: each variant alone).
     provenance: extra facts recorded in the table.
     per_round: targeted anchors per pool problem and round (on a GPU every
       problem visited costs inputs and a reference, so a few at once).
@@ -323,7 +345,7 @@ def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int
   rounds = 0
   while len(measured) < budget:
     entries = fit_entries(spec, hw, [(p, c, us) for (p, c), us in measured.items()],
-                          form=form)
+                          form=form, family_weight=family_weight)
     table = _table(spec, hw, entries, {}, [], form, {})
     wanted = []
     for p, configs in by_problem.items():
@@ -359,7 +381,8 @@ def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int
         + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
   prov.update(provenance or {})
   table = build_table(spec, hw, pool, [(p, c, us) for (p, c), us in measured.items()],
-                      form=form, distance_penalty=distance_penalty, provenance=prov)
+                      form=form, distance_penalty=distance_penalty, trust=trust,
+                      family_weight=family_weight, provenance=prov)
   say(f"fitted {len(table.entries)} variant models from {len(measured)} anchors; "
       f"{len(table.exact)} exact entries")
   return TuneResult(table=table, measurements=len(measured), seconds=backend.seconds,
@@ -369,14 +392,15 @@ def tune(spec: KernelSpec, hw: Hardware, pool: Sequence, backend, *, budget: int
 def build_table(spec: KernelSpec, hw: Hardware, pool: Sequence, points: Sequence[tuple], *,
                 form: str = "bilinear",
                 distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY,
+                trust: float = tables.DEFAULT_TRUST, family_weight: float = 0.0,
                 provenance: dict | None = None) -> tables.Table:
   """The dual table from measured ``(problem, config, us | None)`` points.
 
   Model entries per variant; an exact entry for a pool problem where the best
   measured config is predicted to beat every unmeasured one.
   """
-  entries = fit_entries(spec, hw, points, form=form)
-  table = _table(spec, hw, entries, {}, points, form, {}, distance_penalty)
+  entries = fit_entries(spec, hw, points, form=form, family_weight=family_weight)
+  table = _table(spec, hw, entries, {}, points, form, {}, distance_penalty, trust)
   measured = collections.defaultdict(dict)
   for p, c, us in points:
     if us is not None:
@@ -394,13 +418,16 @@ def build_table(spec: KernelSpec, hw: Hardware, pool: Sequence, points: Sequence
           "anchors": len(points), "failed_anchors": sum(us is None for *_, us in points),
           "pool_problems": len(pool),
           "pool_points": sum(len(spec.space(p, hw)) for p in pool)}
+  if family_weight:
+    prov["family_weight"] = family_weight
   prov.update(provenance or {})
-  return _table(spec, hw, entries, exact, points, form, prov, distance_penalty)
+  return _table(spec, hw, entries, exact, points, form, prov, distance_penalty, trust)
 
 
 def _table(spec, hw, entries, exact, points, form, prov,
-           distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY) -> tables.Table:
+           distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY,
+           trust: float = tables.DEFAULT_TRUST) -> tables.Table:
   return tables.Table(spec=spec, device_kind=hw.name, device_key=hw.device_key,
                       num_sms=hw.num_sms, form=form, entries=entries, exact=exact,
                       anchors=[(p, c, us) for p, c, us in points if us is not None],
-                      provenance=prov, distance_penalty=distance_penalty)
+                      provenance=prov, distance_penalty=distance_penalty, trust=trust)

@@ -137,11 +137,15 @@ def _nnls(a, y):
 
 def _fit_one(x, t, mask, nonneg):
   """Relative least squares of one config: rows ``x [n, p]``, targets ``t [n]``."""
-  scale = jnp.where(mask, 1.0 / jnp.where(mask, t, 1.0), 0.0)
-  a, y = x * scale[:, None], mask.astype(x.dtype)
+  # ``mask`` may carry weights (0 = padding): rows scaled by sqrt(weight).
+  wt = jnp.sqrt(jnp.maximum(mask.astype(x.dtype), 0.0))
+  own = mask >= 1.0  # errors are reported on full-weight points
+  mask = mask > 0
+  scale = jnp.where(mask, wt / jnp.where(mask, t, 1.0), 0.0)
+  a, y = x * scale[:, None], wt
   coef = _nnls(a, y) if nonneg else _lstsq(a, y)
   pred = x @ coef
-  err = jnp.where(mask, jnp.abs(pred / jnp.where(mask, t, 1.0) - 1.0), jnp.nan)
+  err = jnp.where(own, jnp.abs(pred / jnp.where(mask, t, 1.0) - 1.0), jnp.nan)
   return coef, jnp.nanmedian(err), jnp.nanmax(err)
 
 
@@ -162,7 +166,7 @@ def fit(g, l, t, c, *, mask=None, aux=None, form: str = "bilinear",
   Args:
     g, l, t: ``[B, n]`` CTAs, inner trips and measured latency (us) per point.
     c: ``[B]`` or ``[B, 1]`` wave capacity per config.
-    mask: ``[B, n]`` bool, False for padding (default: all True).
+    mask: ``[B, n]`` point weights, 0 (False) for padding (default: all 1).
     aux: ``[B, n, n_aux]`` auxiliary columns (default: none).
     form: model form (``FORMS``).
     nonneg: constrain every coefficient to be >= 0.
@@ -171,7 +175,7 @@ def fit(g, l, t, c, *, mask=None, aux=None, form: str = "bilinear",
     :class:`FitResult` with ``coef [B, n_coef]`` and in-sample errors.
   """
   t = jnp.asarray(t, jnp.float32)
-  mask = jnp.ones(t.shape, bool) if mask is None else jnp.asarray(mask, bool)
+  mask = jnp.ones(t.shape, jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32)
   c = jnp.asarray(c, jnp.float32).reshape(t.shape[0], 1)
   x = features(g, l, c, form, aux)
   return FitResult(*(_fit_batch_nonneg if nonneg else _fit_batch)(x, t, mask))
@@ -216,7 +220,7 @@ def fit_occupancy_batch(g, l, t, *, num_sms: int, bounds, mask=None, aux=None,
   bsz, n = g.shape
   bounds = np.asarray(bounds, np.int64).reshape(bsz)
   omax = int(bounds.max())
-  mask = np.ones((bsz, n), bool) if mask is None else np.asarray(mask, bool)
+  mask = np.ones((bsz, n), np.float32) if mask is None else np.asarray(mask, np.float32)
   # Pad the points to a power of two so that few shapes get compiled.
   n_pad = 1 << max(3, (n - 1).bit_length())
   b_pad = 1 << max(3, (bsz * omax - 1).bit_length())
@@ -230,11 +234,11 @@ def fit_occupancy_batch(g, l, t, *, num_sms: int, bounds, mask=None, aux=None,
   occ = np.tile(np.arange(1, omax + 1), bsz)
   cap = np.concatenate([occ, np.ones(b_pad - bsz * omax, np.int64)]) * float(num_sms)
   gg, ll, tt = rep(g, 1.0), rep(l, 1.0), rep(t, 1.0)
-  mm = rep(mask, 0.0) > 0
+  mw = rep(mask, 0.0)
   aa = None if aux is None else rep(aux, 0.0)
-  res = fit(gg, ll, tt, cap, mask=mm, aux=aa, form=form, nonneg=nonneg)
+  res = fit(gg, ll, tt, cap, mask=mw, aux=aa, form=form, nonneg=nonneg)
   pred = predict(res.coef[:, None, :], gg, ll, cap[:, None], form, aa)
-  score = np.asarray(jnp.sum(jnp.where(mm, (pred / tt - 1.0) ** 2, 0.0), axis=1))
+  score = np.asarray(jnp.sum(mw * (pred / tt - 1.0) ** 2, axis=1))
   score = np.round(score[:bsz * omax].reshape(bsz, omax), 8)
   score[np.arange(1, omax + 1)[None, :] > bounds[:, None]] = np.inf
   best = np.argmin(score, axis=1)  # ties: the smaller occupancy
