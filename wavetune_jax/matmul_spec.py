@@ -148,13 +148,13 @@ class MatmulSpec(KernelSpec):
   # sweep, and each gets the anchors of all its splits.
   folded_fields = ("split_k",)
   aux_names = ("split_k_launch", "split_k_partial_mb")
-  # The model replaces the heuristic's config only when it predicts a > 20%
+  # The model replaces the heuristic's config only when it predicts a > 30%
   # gain with a trusted prediction for both. Held out (``wavetune eval``, seeds
-  # 0-4, 3% budget) this raised wavetune from 0.843 to 0.894 mean geomean on
-  # the H200 sweep and from 0.872 to 0.905 on the H100 sweep; it lowers the
-  # shipped H200 table on its own tuning pool from 0.932 to 0.893 (H100: 0.921
-  # -> 0.926). docs/design.md has the numbers per seed and margin.
-  heuristic_margin = 0.2
+  # 0-4, 3% budget) this raised wavetune from 0.843 to 0.896 mean geomean on
+  # the H200 sweep and from 0.872 to 0.910 on the H100 sweep; it lowers the
+  # shipped H200 table on its own tuning pool from 0.932 to 0.895 (H100: 0.921
+  # -> 0.928). docs/design.md has the numbers per seed and margin.
+  heuristic_margin = 0.3
 
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):
     """``suite["gemm"]``: every weight (N, K) at every token count M."""
