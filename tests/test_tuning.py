@@ -69,8 +69,10 @@ def test_synthetic_wave_latency_is_learned(wave_ds, wave_table):
   assert math.exp(np.mean(np.log(effs))) > 0.97, effs
 
 
-def test_decider_buckets_match_direct_prediction(wave_table):
-  """The per-weight decision vector equals an argmin over the space."""
+def test_decider_buckets_match_direct_prediction(wave_table, monkeypatch):
+  """Without the heuristic guard the per-weight decision vector equals an
+  argmin over the space."""
+  monkeypatch.setattr(type(MATMUL), "heuristic_margin", None)
   table = wave_table.table
   d = selector.Decider(table, HW)
   for m in (1, 15, 16, 17, 100, 129, 1000, 1023, 5000):
@@ -83,6 +85,31 @@ def test_decider_buckets_match_direct_prediction(wave_table):
       continue
     # Same minimum (the split-K column is taken at the top of the M bucket).
     assert table.predict(p, [sel.config])[0] == pytest.approx(np.min(pred), rel=0.02)
+
+
+def test_decider_keeps_the_heuristic_unless_the_model_wins_by_the_margin(wave_table):
+  table = wave_table.table
+  margin = MATMUL.heuristic_margin
+  assert margin
+  d = selector.Decider(table, HW)
+  seen = set()
+  for n, k in ((384, 640), (4096, 4096), (1280, 8192)):
+    for m in (16, 128, 1024, 4096, 8192):  # tops of M buckets: the rule's own sizes
+      p = MatmulProblem(m=m, n=n, k=k)
+      pred = table.predict(p, MATMUL.space(p, HW))
+      sel = d.decide(p)
+      if not np.isfinite(pred).any():
+        assert sel is None
+        continue
+      h = MATMUL.heuristic(p, HW)
+      t_h = table.predict(p, [h])[0]
+      if np.isfinite(t_h) and np.min(pred) * (1.0 + margin) < t_h:
+        assert table.predict(p, [sel.config])[0] == pytest.approx(np.min(pred), rel=0.02)
+        seen.add("model")
+      else:
+        assert sel.config == h
+        seen.add("heuristic")
+  assert seen == {"model", "heuristic"}
 
 
 def test_table_round_trip_and_validation(tmp_path, wave_table):
