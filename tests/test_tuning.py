@@ -105,9 +105,11 @@ def test_decider_keeps_the_heuristic_unless_the_model_wins_by_the_margin(wave_ta
       t_h = table.predict(p, [h])[0]
       if np.isfinite(t_h) and np.min(pred) * (1.0 + margin) < t_h:
         assert table.predict(p, [sel.config])[0] == pytest.approx(np.min(pred), rel=0.02)
+        assert sel.source == "model"
         seen.add("model")
       else:
-        assert sel.config == h
+        assert sel.config == h and sel.source == "heuristic"
+        assert sel.predicted_us is None or np.isfinite(sel.predicted_us)
         seen.add("heuristic")
   assert seen == {"model", "heuristic"}
 

@@ -75,11 +75,17 @@ class Decider:
     vec = self._weights.get(key)
     if vec is None:
       vec = self._weights[key] = self._block(problem, block, q)
-    configs, idx, pred = vec
-    i = idx[(bucket - 1) % _BLOCK]
+    configs, idx, pred, kept = vec
+    r = (bucket - 1) % _BLOCK
+    i = idx[r]
     if i < 0:
       return None
-    return Selection(configs[i], "model", float(pred[(bucket - 1) % _BLOCK]))
+    t = float(pred[r])
+    if kept[r]:
+      return Selection(configs[i], "heuristic", t if np.isfinite(t) else None,
+                       note="kept: the model predicts no gain over it beyond the spec's "
+                            "heuristic_margin")
+    return Selection(configs[i], "model", t)
 
   def _block(self, problem, block: int, q: int):
     spec = self.spec
@@ -91,8 +97,9 @@ class Decider:
     best = pred[np.arange(len(sizes)), idx]
     idx = np.where(np.isfinite(best), idx, -1)
     margin = spec.heuristic_margin
+    kept = [False] * len(sizes)
     if margin is None:
-      return configs, idx.tolist(), best
+      return configs, idx.tolist(), best, kept
     configs = list(configs)
     index = {c: j for j, c in enumerate(configs)}
     # The heuristic's config stays unless the model predicts a gain over it
@@ -110,8 +117,8 @@ class Decider:
         if j is None:
           j = index[h] = len(configs)
           configs.append(h)
-        idx[r], best[r] = j, t_h
-    return tuple(configs), idx.tolist(), best
+        idx[r], best[r], kept[r] = j, t_h, True
+    return tuple(configs), idx.tolist(), best, kept
 
 
 # --- state -------------------------------------------------------------------------------
