@@ -17,7 +17,7 @@ import argparse
 import collections
 import math
 
-from wavetune_jax import evaluate, selector, sweep, tables
+from wavetune_jax import eval_cli, evaluate, selector, sweep, tables
 
 
 def _geo(xs):
@@ -28,10 +28,11 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("sweep")
   ap.add_argument("table")
+  eval_cli.add_margin_arg(ap)
   a = ap.parse_args(argv)
   ds = evaluate.load_dataset(a.sweep)
   spec, hw = ds.spec, ds.hw
-  d = selector.Decider(tables.load(a.table, spec, hw), hw)
+  d = selector.Decider(tables.load(a.table, spec, hw), hw, heuristic_margin=a.heuristic_margin)
   eff, xla, dflt, src, missing = [], [], [], collections.Counter(), 0
   chosen_us = []
   for p in ds.problems:

@@ -34,6 +34,24 @@ def test_registry():
     get_spec("nope")
 
 
+def test_problems_compare_and_hash_by_their_fields():
+  import pickle
+  from wavetune_jax import AttentionProblem
+  p = MatmulProblem(m=300, n=4096, k=14336)
+  q = MatmulProblem(m=300, n=4096, k=14336, dtype="bfloat16")
+  assert p == q and hash(p) == hash(q) and {p: 1}[q] == 1
+  r = dataclasses.replace(p, m=301)  # the key follows a replaced field
+  assert r != p and r == MatmulProblem(m=301, n=4096, k=14336) and hash(r) == hash(
+      MatmulProblem(m=301, n=4096, k=14336))
+  assert p != MatmulProblem(m=300, n=4096, k=14336, out_dtype="float32")
+  a = AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=100)
+  b = pickle.loads(pickle.dumps(a))
+  assert a == b and hash(a) == hash(b) and a.kv_len == 100
+  assert a != AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=100, causal=False)
+  assert a != p and MATMUL.problem_to_dict(p) == {
+      "m": 300, "n": 4096, "k": 14336, "dtype": "bfloat16", "out_dtype": "bfloat16"}
+
+
 def test_problem_validation():
   with pytest.raises(ValueError, match="m=0"):
     MatmulProblem(m=0, n=1, k=1)

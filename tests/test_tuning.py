@@ -69,12 +69,12 @@ def test_synthetic_wave_latency_is_learned(wave_ds, wave_table):
   assert math.exp(np.mean(np.log(effs))) > 0.97, effs
 
 
-def test_decider_buckets_match_direct_prediction(wave_table, monkeypatch):
+def test_decider_buckets_match_direct_prediction(wave_table):
   """Without the heuristic guard the per-weight decision vector equals an
   argmin over the space."""
-  monkeypatch.setattr(type(MATMUL), "heuristic_margin", None)
   table = wave_table.table
-  d = selector.Decider(table, HW)
+  d = selector.Decider(table, HW, heuristic_margin=None)
+  assert d.margin is None and selector.Decider(table, HW).margin == MATMUL.heuristic_margin
   for m in (1, 15, 16, 17, 100, 129, 1000, 1023, 5000):
     p = MatmulProblem(m=m, n=384, k=640)
     space = MATMUL.space(p, HW)
@@ -295,15 +295,22 @@ def test_wavetune_policy_passes_form_and_penalty_to_its_table(wave_ds):
   import random as _random
   train = wave_ds.problems[::2]
   policy = evaluate.make_policy("wavetune", {"form": "tied", "distance_penalty": 0.0,
-                                            "family_weight": 0.5})
+                                            "family_weight": 0.5, "heuristic_margin": None})
   policy.fit(wave_ds, train, 200, _random.Random(0))
   assert policy.table.form == "tied" and policy.table.distance_penalty == 0.0
+  assert policy.decider.margin is None
   assert policy.table.provenance["family_weight"] == 0.5
   default = evaluate.make_policy("wavetune")
   default.fit(wave_ds, train, 200, _random.Random(0))
   assert default.table.form == "bilinear"
   assert default.table.distance_penalty == tables.DEFAULT_DISTANCE_PENALTY
   assert "family_weight" not in default.table.provenance
+  assert default.decider.margin == MATMUL.heuristic_margin
+  from wavetune_jax.eval_cli import parse_margin
+  assert parse_margin("spec") == "spec" and parse_margin("none") is None
+  assert parse_margin("0.25") == 0.25
+  with pytest.raises(Exception, match=">= 0"):
+    parse_margin("-1")
 
 
 def test_family_points_carry_a_sparse_variant_to_far_waves():

@@ -14,15 +14,15 @@ import numpy as np
 from pallas_kernels.attention import AttentionConfig, attention_reference, kv_blocks
 from pallas_kernels.attention import attention as pallas_attention
 from wavetune_jax.hardware import Hardware
-from wavetune_jax.spec import KernelSpec, register
+from wavetune_jax.spec import KernelSpec, KeyedProblem, register
 
 __all__ = ["AttentionProblem", "AttentionConfig", "AttentionSpec", "ATTENTION"]
 
 _DTYPES = ("bfloat16", "float16")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class AttentionProblem:
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class AttentionProblem(KeyedProblem):
   """Static facts of one attention call (layout ``[batch, seq, heads, head_dim]``).
 
   Attributes:
@@ -42,18 +42,8 @@ class AttentionProblem:
   head_dim: int = 128
   causal: bool = True
   dtype: str = "bfloat16"
-  # Problems key the selector's memo: the fields as one tuple, built once, so
-  # a lookup hashes and compares in C.
   _key: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
   _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
-
-  def __hash__(self) -> int:
-    return self._hash
-
-  def __eq__(self, other) -> bool:
-    if other.__class__ is not self.__class__:
-      return NotImplemented
-    return self._key == other._key
 
   def __post_init__(self):
     if self.kv_len == 0:
@@ -72,9 +62,7 @@ class AttentionProblem:
     if dtype not in _DTYPES:
       raise ValueError(f"AttentionProblem.dtype={self.dtype!r} must be one of {_DTYPES}")
     object.__setattr__(self, "dtype", dtype)
-    object.__setattr__(self, "_key", (self.batch, self.q_heads, self.kv_heads, self.q_len,
-                                      self.kv_len, self.head_dim, self.causal, dtype))
-    object.__setattr__(self, "_hash", hash(self._key))
+    self._freeze()
 
   @property
   def padded_head_dim(self) -> int:

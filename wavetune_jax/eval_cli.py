@@ -65,7 +65,7 @@ def _eval(args) -> int:
     raise SystemExit(f"{args.sweep} holds kernel {ds.spec.name!r}, not {args.kernel!r}")
   results, facts = evaluate.evaluate(
       ds, args.policy.split(","), seed=args.seed, budget=args.budget,
-      wavetune=model_options(args))
+      wavetune={**model_options(args), "heuristic_margin": args.heuristic_margin})
   if args.json:
     print(json.dumps({"facts": facts, "results": [r.to_json() for r in results]}, indent=1))
   else:
@@ -82,6 +82,20 @@ def _at_least(lo: float):
       raise argparse.ArgumentTypeError(f"{s} is not a number >= {lo}")
     return v
   return parse
+
+
+def parse_margin(s: str) -> float | None | str:
+  """``--heuristic-margin``: ``spec``, ``none`` or a number >= 0."""
+  if s in ("spec", "none"):
+    return None if s == "none" else s
+  return _at_least(0.0)(s)
+
+
+def add_margin_arg(ap: argparse.ArgumentParser) -> None:
+  ap.add_argument("--heuristic-margin", type=parse_margin, default="spec",
+                  help="selection guard: the model replaces the heuristic's config only "
+                       "when it predicts a larger gain than this (spec: the kernel "
+                       "spec's value; none: no guard)")
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
@@ -118,6 +132,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   ev.add_argument("--budget", type=int, default=None,
                   help="profiling budget in measurements (default: 3%% of training)")
   add_model_args(ev)
+  add_margin_arg(ev)
   ev.add_argument("--json", action="store_true")
   ev.add_argument("--plot", help="PNG of efficiency per held-out shape")
   ev.set_defaults(func=_eval)

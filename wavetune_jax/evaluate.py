@@ -285,7 +285,9 @@ class WaveTunePolicy(Policy):
 
   def __init__(self, form: str = "bilinear",
                distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY,
-               trust: float = tables.DEFAULT_TRUST, family_weight: float = 0.0):
+               trust: float = tables.DEFAULT_TRUST, family_weight: float = 0.0,
+               heuristic_margin: float | None | str = "spec"):
+    self.heuristic_margin = heuristic_margin
     self.form = form
     self.distance_penalty = distance_penalty
     self.trust = trust
@@ -299,7 +301,7 @@ class WaveTunePolicy(Policy):
                       distance_penalty=self.distance_penalty, trust=self.trust,
                       family_weight=self.family_weight)
     self.table = res.table
-    self.decider = selector.Decider(res.table, ds.hw)
+    self.decider = selector.Decider(res.table, ds.hw, heuristic_margin=self.heuristic_margin)
     return res.measurements, res.seconds
 
   def select(self, problem):
@@ -314,7 +316,8 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 
 def make_policy(name: str, wavetune: dict | None = None) -> Policy:
   """A policy by name; ``wavetune`` holds options of the wavetune policy
-  (``form``, ``distance_penalty``, ``trust``, ``family_weight``)."""
+  (``form``, ``distance_penalty``, ``trust``, ``family_weight``,
+  ``heuristic_margin``: ``"spec"`` for the spec's, None for no guard)."""
   try:
     cls = POLICIES[name]
   except KeyError:

@@ -14,15 +14,15 @@ import numpy as np
 from pallas_kernels.matmul import MatmulConfig, matmul_reference
 from pallas_kernels.matmul import matmul as pallas_matmul
 from wavetune_jax.hardware import Hardware
-from wavetune_jax.spec import KernelSpec, register
+from wavetune_jax.spec import KernelSpec, KeyedProblem, register
 
 __all__ = ["MatmulProblem", "MatmulConfig", "MatmulSpec", "MATMUL"]
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class MatmulProblem:
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class MatmulProblem(KeyedProblem):
   """Static facts of one GEMM call.
 
   Attributes:
@@ -36,18 +36,8 @@ class MatmulProblem:
   k: int
   dtype: str = "bfloat16"
   out_dtype: str = ""
-  # Problems key the selector's memo: the fields as one tuple, built once, so
-  # a lookup hashes and compares in C.
   _key: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
   _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
-
-  def __hash__(self) -> int:
-    return self._hash
-
-  def __eq__(self, other) -> bool:
-    if other.__class__ is not self.__class__:
-      return NotImplemented
-    return self._key == other._key
 
   def __post_init__(self):
     for name in ("m", "n", "k"):
@@ -60,8 +50,7 @@ class MatmulProblem:
     object.__setattr__(self, "dtype", dtype)
     object.__setattr__(self, "out_dtype",
                        jnp.dtype(self.out_dtype or dtype).name)
-    object.__setattr__(self, "_key", (self.m, self.n, self.k, self.dtype, self.out_dtype))
-    object.__setattr__(self, "_hash", hash(self._key))
+    self._freeze()
 
   @property
   def itemsize(self) -> int:

@@ -55,12 +55,20 @@ class Selection:
 
 
 class Decider:
-  """Exact -> model decisions of one table (no heuristic, no memo per problem)."""
+  """Exact -> model decisions of one table (no heuristic, no memo per problem).
 
-  def __init__(self, table: tables_lib.Table, hw: Hardware):
+  ``heuristic_margin``: ``"spec"`` (the default) uses
+  ``KernelSpec.heuristic_margin``; a number or None (the model's argmin
+  stands) overrides it, for comparisons.
+  """
+
+  def __init__(self, table: tables_lib.Table, hw: Hardware, *,
+               heuristic_margin: float | None | str = "spec"):
     self.table = table
     self.hw = hw
     self.spec = table.spec
+    self.margin = (table.spec.heuristic_margin if heuristic_margin == "spec"
+                   else heuristic_margin)
     self._weights: dict = {}
 
   def decide(self, problem) -> Selection | None:
@@ -96,7 +104,7 @@ class Decider:
     idx = np.argmin(pred, axis=1)
     best = pred[np.arange(len(sizes)), idx]
     idx = np.where(np.isfinite(best), idx, -1)
-    margin = spec.heuristic_margin
+    margin = self.margin
     kept = [False] * len(sizes)
     if margin is None:
       return configs, idx.tolist(), best, kept

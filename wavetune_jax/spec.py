@@ -16,7 +16,34 @@ import jax
 
 from wavetune_jax.hardware import Hardware
 
-__all__ = ["KernelSpec", "register", "get_spec", "registered"]
+__all__ = ["KernelSpec", "KeyedProblem", "register", "get_spec", "registered"]
+
+
+class KeyedProblem:
+  """Equality and hash of a problem dataclass from its init fields as one
+  tuple, built once: problems key the selector's memo, and a lookup then
+  hashes and compares in C.
+
+  Subclasses are ``dataclass(frozen=True, eq=False)``, declare ``_key: tuple``
+  and ``_hash: int`` as ``field(init=False, repr=False, compare=False)`` (fields,
+  so that pickling keeps them), and call :meth:`_freeze` at the end of
+  ``__post_init__``.
+  """
+
+  __slots__ = ()
+
+  def _freeze(self) -> None:
+    key = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.init)
+    object.__setattr__(self, "_key", key)
+    object.__setattr__(self, "_hash", hash(key))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other) -> bool:
+    if other.__class__ is not self.__class__:
+      return NotImplemented
+    return self._key == other._key
 
 
 class KernelSpec(abc.ABC):
