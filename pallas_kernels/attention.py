@@ -69,24 +69,52 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _LOG2E = math.log2(math.e)
 
 
+#: ``AttentionConfig.backend`` values.
+TRITON = 0
+MOSAIC = 1
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class AttentionConfig:
-  """Launch parameters of the attention kernel.
+  """Launch parameters of the attention kernels.
 
   Attributes:
-    block_q: query rows per program; power of two >= 16.
-    block_k: KV rows per loop step; power of two >= 16.
-    num_warps: warps per program; power of two in [1, 16].
-    num_stages: software-pipelining depth of the KV loop, in [1, 8].
+    block_q: query rows per program. Triton: a power of two >= 16. Mosaic:
+      128 or 256 (two consumer warpgroups of ``block_q / 2`` rows).
+    block_k: KV rows per loop step. Triton: a power of two >= 16. Mosaic: 64,
+      128 or 256.
+    num_warps: warps per program. Triton: a power of two in [1, 16]. Mosaic:
+      12 (two consumer warpgroups and one producer warpgroup).
+    num_stages: Triton: software-pipelining depth of the KV loop, in [1, 8].
+      Mosaic: K/V buffers in flight (TMA ring), in [2, 8].
+    backend: ``TRITON`` (0, the default: ``pallas_kernels.attention``, any
+      length, any GPU Triton supports) or ``MOSAIC`` (1: the warp-specialized
+      Mosaic GPU kernel of ``pallas_kernels.attention_mosaic``; Hopper,
+      aligned lengths, ``head_dim`` a multiple of 64).
   """
 
   block_q: int = 128
   block_k: int = 64
   num_warps: int = 4
   num_stages: int = 2
+  backend: int = TRITON
 
   def __post_init__(self):
-    check_launch(self, ("block_q", "block_k"))
+    if self.backend == MOSAIC:
+      from pallas_kernels import attention_mosaic as am
+      for f in dataclasses.fields(self):
+        v = getattr(self, f.name)
+        if isinstance(v, bool) or not isinstance(v, int):
+          raise ValueError(f"AttentionConfig.{f.name}={v!r} must be an int")
+      if self.num_warps != am.NUM_WARPS:
+        raise ValueError(f"a Mosaic AttentionConfig has num_warps={am.NUM_WARPS} (three "
+                         f"warpgroups); got {self.num_warps}")
+      am.check_config(self.block_q, self.block_k, self.num_stages)
+    elif self.backend == TRITON:
+      check_launch(self, ("block_q", "block_k"))
+    else:
+      raise ValueError(f"AttentionConfig.backend={self.backend!r} must be {TRITON} "
+                       f"(Triton) or {MOSAIC} (Mosaic GPU)")
 
   @classmethod
   def from_dict(cls, d: dict) -> "AttentionConfig":
@@ -94,7 +122,12 @@ class AttentionConfig:
     return config_from_dict(cls, d)
 
   def to_dict(self) -> dict:
-    return dataclasses.asdict(self)
+    """The fields; ``backend`` only when it is not the default (so Triton
+    configs read and write as before the Mosaic backend existed)."""
+    d = dataclasses.asdict(self)
+    if self.backend == TRITON:
+      del d["backend"]
+    return d
 
 
 def q_block_start(q_block, *, q_len: int, block_q: int):
@@ -248,7 +281,7 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: AttentionConfig,
               causal: bool = True, scale: float | None = None,
               interpret: bool = False) -> jax.Array:
-  """Flash attention forward with the Pallas Triton kernel.
+  """Flash attention forward with the Pallas kernel ``config.backend`` names.
 
   Args:
     q: ``[batch, q_len, q_heads, head_dim]``, bfloat16 or float16.
@@ -265,7 +298,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: AttentionConf
 
   Raises:
     ValueError: wrong ranks, mismatched batch/heads/head_dim/dtypes, an
-      unsupported dtype or head_dim, or a config that is not an AttentionConfig.
+      unsupported dtype or head_dim, a config that is not an AttentionConfig,
+      or a Mosaic config for a call that kernel does not run (lengths not
+      multiples of its blocks, head_dim not a multiple of 64, no Hopper GPU).
   """
   if not isinstance(config, AttentionConfig):
     raise ValueError(f"config must be an AttentionConfig; got {type(config).__name__}")
@@ -277,6 +312,17 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: AttentionConf
   scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
   if not math.isfinite(scale):
     raise ValueError(f"scale={scale} must be finite")
+  if config.backend == MOSAIC:
+    from pallas_kernels import attention_mosaic as am
+    am.check_mosaic(q.shape, k.shape, q.dtype, block_q=config.block_q,
+                    block_k=config.block_k, num_stages=config.num_stages,
+                    causal=bool(causal))
+    if interpret:
+      raise NotImplementedError(am._NO_INTERPRET)
+    am.check_device()
+    return am.mosaic_attention(q, k, v, block_q=config.block_q, block_k=config.block_k,
+                               num_stages=config.num_stages, causal=bool(causal),
+                               scale=scale)
   return _attention(q, k, v, config=config, causal=bool(causal), scale=scale,
                     interpret=interpret)
 

@@ -178,3 +178,99 @@ def test_cli_select_attention(capsys):
   assert "block_q" in text and "answered by" in text and "G=1536" in text
   with pytest.raises(SystemExit, match="not a attention problem"):
     cli_main(["select", "attention", "--m", "3000", "--device", "h200"])
+
+
+# --- the Mosaic GPU backend (runs on Hopper only; here: configs, spaces, errors) ----------
+
+H100_SWEEP = os.path.join(os.path.dirname(__file__), "..", "data", "sweeps",
+                          "nvidia_h100_80gb_hbm3", "attention_bfloat16.jsonl.gz")
+MOSAIC_128 = AttentionConfig(block_q=128, block_k=128, num_warps=12, num_stages=2, backend=1)
+
+
+def test_mosaic_config_validation_and_dict_round_trip():
+  assert AttentionConfig.from_dict(MOSAIC_128.to_dict()) == MOSAIC_128
+  assert MOSAIC_128.to_dict()["backend"] == 1
+  # Triton configs read and write as before the backend field existed.
+  c = AttentionConfig(block_q=64, block_k=32)
+  assert "backend" not in c.to_dict() and AttentionConfig.from_dict(c.to_dict()) == c
+  for bad, match in [({"num_warps": 8}, "num_warps=12"), ({"block_q": 64}, "block_q=64"),
+                     ({"block_k": 32}, "block_k=32"), ({"num_stages": 1}, "num_stages=1")]:
+    with pytest.raises(ValueError, match=match):
+      AttentionConfig(**{**MOSAIC_128.to_dict(), **bad})
+  with pytest.raises(ValueError, match="backend=2"):
+    AttentionConfig(backend=2)
+
+
+@pytest.mark.parametrize("shape,causal,match", [
+    ((1, 1000, 4, 128), True, "multiple of block_q=128"),
+    ((1, 256, 4, 96), True, "head_dim a multiple of 64"),
+])
+def test_mosaic_config_on_a_call_it_cannot_run_is_a_value_error(shape, causal, match):
+  q = jnp.ones(shape, jnp.bfloat16)
+  with pytest.raises(ValueError, match=match):
+    attention(q, q, q, config=MOSAIC_128, causal=causal)
+
+
+def test_mosaic_causal_needs_q_len_at_most_kv_len_and_a_hopper_gpu():
+  q = jnp.ones((1, 256, 4, 128), jnp.bfloat16)
+  k = jnp.ones((1, 128, 4, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match="q_len <= kv_len"):
+    attention(q, k, k, config=MOSAIC_128, causal=True)
+  # Aligned, but this machine has no Hopper GPU: a clear error, not a crash.
+  with pytest.raises(ValueError, match="compute capability 9.0"):
+    attention(q, q, q, config=MOSAIC_128, causal=True)
+  with pytest.raises(NotImplementedError, match="no CPU interpret mode"):
+    attention(q, q, q, config=MOSAIC_128, causal=True, interpret=True)
+
+
+def test_mosaic_space_rules():
+  h100 = get_hardware("h100")
+  a100 = get_hardware("a100")
+  p = AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=4096)
+  mosaic = [c for c in ATTENTION.space(p, h100) if c.backend == 1]
+  assert MOSAIC_128 in mosaic
+  for c in mosaic:  # M1-M3
+    assert p.q_len % c.block_q == 0 and p.kv_len % c.block_k == 0
+    assert ATTENTION.smem_bytes(p, c) <= h100.smem_per_block
+    assert (c.block_q // 2) * (p.head_dim + c.block_k) // 128 <= 160
+    ATTENTION.validate(p, c, h100)
+  assert not [c for c in ATTENTION.space(p, a100) if c.backend == 1]  # Hopper only
+  for q in (1000, 3000):  # ragged lengths: Triton only
+    assert not [c for c in ATTENTION.space(ATTENTION.with_size(p, q), h100) if c.backend]
+  assert not [c for c in ATTENTION.space(AttentionProblem(
+      batch=1, q_heads=4, kv_heads=4, q_len=256, head_dim=96), h100) if c.backend]
+  # Alignment tells apart neighbouring lengths, so each length is its own decision.
+  assert ATTENTION.size_quantum(p) == 1
+  assert ATTENTION.occupancy_bound(p, MOSAIC_128, h100) == 1
+  with pytest.raises(ValueError, match="compute capability 9.0"):
+    ATTENTION.validate(p, MOSAIC_128, a100)
+
+
+def test_mosaic_selected_only_where_it_runs_with_the_h100_table():
+  """The shipped H100 table chooses Mosaic configs on aligned lengths (where
+  the sweep has them as the oracle) and never on a ragged length."""
+  h100 = get_hardware("h100")
+  base = AttentionProblem(batch=4, q_heads=32, kv_heads=8, q_len=2048)
+  with selector.policy("tables"):
+    for q in (2048, 2047, 2049, 1000, 4096):
+      p = ATTENTION.with_size(base, q)
+      sel = selector.select(ATTENTION, p, h100)
+      ATTENTION.validate(p, sel.config, h100)  # raises for a Mosaic config it cannot run
+      if q % 128:
+        assert sel.config.backend == 0
+    assert selector.select(ATTENTION, base, h100).config.backend == 1
+
+
+def test_recorded_space_h200_sweep_predates_mosaic():
+  """The H200 sweep holds Triton configs only: its problems are complete
+  without Mosaic configs, and policies evaluated on it choose among Triton
+  configs. The H100 sweep holds both backends."""
+  ds = evaluate.load_dataset(H200_SWEEP)
+  p = next(iter(ds.times))
+  assert all(c.backend == 0 for c in ds.spec.space(p, ds.hw))
+  assert any(c.backend == 1 for c in ATTENTION.space(p, ds.hw))
+  h100 = evaluate.load_dataset(H100_SWEEP)
+  assert len(h100.times) == 90
+  oracles = [h100.oracle(p) for p in h100.times]
+  assert sum(c.backend == 1 for c in oracles) > len(oracles) // 2
+  assert all(h100.oracle(p).backend == 0 for p in h100.times if p.q_len in (1000, 3000))

@@ -113,3 +113,27 @@ def test_problem_cut_short_is_left_out_of_dataset_and_geomeans(tmp_path):
   assert "1 problem(s) swept in part" in text
   partial_line, = [l for l in text.splitlines() if l.startswith(MATMUL.problem_key(PROBLEMS[1]))]
   assert "5*" in partial_line.split()[1]
+
+
+def test_merge_takes_whole_problems_from_the_newer_file(tmp_path):
+  a, b = str(tmp_path / "a.jsonl.gz"), str(tmp_path / "b.jsonl.gz")
+  sweep.run_sweep(MATMUL, PROBLEMS[:2], HW, sweep.SweepFile(a, _header()), FakeMeasure())
+  h = _header()
+  h["command"] = "second run"
+  sweep.run_sweep(MATMUL, PROBLEMS[1:], HW, sweep.SweepFile(b, h), FakeMeasure())
+  _, rows_b = sweep.read_sweep(b)
+  assert sweep.merge_sweeps(a, b) == (1, 1)  # PROBLEMS[1] replaced, PROBLEMS[2] added
+  header, rows = sweep.read_sweep(a)
+  assert header["merged"][0]["command"] == "second run"
+  keys = [r["key"] for r in rows]
+  assert len(keys) == len(set(keys))  # no problem holds rows of two runs
+  pk1 = MATMUL.problem_key(PROBLEMS[1])
+  assert [r for r in rows if r["key"].startswith(pk1 + "|")] == [
+      r for r in rows_b if r["key"].startswith(pk1 + "|")]
+  assert {r["key"].split("|")[0] for r in rows} == {MATMUL.problem_key(p) for p in PROBLEMS}
+  other = _header()
+  other["kernel"] = "attention"
+  c = str(tmp_path / "c.jsonl.gz")
+  sweep.SweepFile(c, other)
+  with pytest.raises(ValueError, match="cannot merge"):
+    sweep.merge_sweeps(a, c)

@@ -1,4 +1,11 @@
-"""The attention spec: flash attention forward with the Pallas Triton kernel."""
+"""The attention spec: flash attention forward with the Pallas kernels.
+
+Two backends share one space: the Triton kernel (``backend=0``, any shape) and,
+on Hopper, the warp-specialized Mosaic GPU kernel (``backend=1``) where the
+lengths are multiples of its blocks and ``head_dim`` of 64. ``backend`` is a
+micro field: a Mosaic config is another variant of the wave model, with the
+same ``(G, L)`` mapping (``block_q`` is the query rows of one program in both).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention import AttentionConfig, attention_reference, kv_blocks
+from pallas_kernels import attention_mosaic as mosaic
+from pallas_kernels.attention import MOSAIC, AttentionConfig, attention_reference
+from pallas_kernels.attention import kv_blocks
 from pallas_kernels.attention import attention as pallas_attention
 from wavetune_jax.hardware import Hardware
 from wavetune_jax.spec import KernelSpec, KeyedProblem, register
@@ -108,6 +117,16 @@ NUM_STAGES = (2, 3, 4)
 #                (too few rows per warp for the MMA).
 #  A4 registers: fp32 output accumulator per thread,
 #                block_q * head_dim_padded / (32 * num_warps), at most 128.
+# Mosaic configs (backend=1), on compute capability 9.0 only:
+#  M1 shape:     head_dim a multiple of 64, q_len a multiple of block_q,
+#                kv_len of block_k, q_len <= kv_len under a causal mask (the
+#                kernel has no ragged-end masking).
+#  M2 smem:      (block_q + 2 * num_stages * block_k) * head_dim * itemsize
+#                (+ barriers) <= shared memory per block.
+#  M3 registers: fp32 accumulator and scores per consumer thread,
+#                (block_q / 2) * (head_dim + block_k) / 128, at most 160 of
+#                the 232 registers a consumer warpgroup gets.
+MOSAIC_STAGES = (2, 3, 4)
 
 
 class AttentionSpec(KernelSpec):
@@ -117,7 +136,8 @@ class AttentionSpec(KernelSpec):
   problem_cls = AttentionProblem
   config_cls = AttentionConfig
   macro_fields = ("block_q", "block_k")
-  micro_fields = ("num_warps", "num_stages")
+  micro_fields = ("num_warps", "num_stages", "backend")
+  default_fields = ("backend",)
   size_field = "q_len"
   # The heuristic (from the probe grid) reaches 0.96 of the oracle held out;
   # a model fitted on 1-3 anchors per variant does not (0.896 at the 3%
@@ -156,19 +176,50 @@ class AttentionSpec(KernelSpec):
 
   def size_quantum(self, problem: AttentionProblem) -> int:
     """Every block is a multiple of 32: within (32(j-1), 32j] the block counts,
-    and with them (G, L) and the space, are the same."""
-    return 32
+    and with them (G, L) and the space, are the same. Where Mosaic configs can
+    be in the space, their alignment rule (M1) tells apart every length, so
+    each length is decided on its own."""
+    return 1 if self._mosaic_possible(problem) else 32
+
+  @staticmethod
+  def _mosaic_possible(problem: AttentionProblem) -> bool:
+    return problem.head_dim % 64 == 0
 
   # --- space -------------------------------------------------------------------------
   def smem_bytes(self, problem: AttentionProblem, c: AttentionConfig) -> int:
+    if c.backend == MOSAIC:
+      return mosaic.mosaic_smem_bytes(block_q=c.block_q, block_k=c.block_k,
+                                      num_stages=c.num_stages, head_dim=problem.head_dim,
+                                      itemsize=problem.itemsize)
     return ((c.num_stages * 2 * c.block_k + c.block_q) * problem.padded_head_dim
             * problem.itemsize)
 
   def space(self, problem: AttentionProblem, hw: Hardware, *,
             prune: bool = True) -> tuple[AttentionConfig, ...]:
-    """Valid configs, pruned by rules A1-A4 (``prune=False``: A2 only)."""
-    return self._space(problem.q_len, problem.kv_len, problem.padded_head_dim,
-                       problem.dtype, hw, prune)
+    """Valid configs: Triton ones pruned by rules A1-A4 (``prune=False``: A2
+    only), then on compute capability 9.0 the Mosaic ones of rules M1-M3."""
+    p = problem
+    mosaic_ok = (hw.compute_capability == "9.0" and self._mosaic_possible(p)
+                 and not (p.causal and p.q_len > p.kv_len))
+    return self._space(p.q_len, p.kv_len, p.padded_head_dim, p.dtype, hw, prune) + (
+        self._mosaic_space(p.q_len, p.kv_len, p.head_dim, p.dtype, hw) if mosaic_ok else ())
+
+  @functools.lru_cache(maxsize=1024)
+  def _mosaic_space(self, q_len, kv_len, head_dim, dtype, hw):
+    p = AttentionProblem(batch=1, q_heads=1, kv_heads=1, q_len=q_len, kv_len=kv_len,
+                         head_dim=head_dim, dtype=dtype)
+    out = []
+    for bq, bk, ns in itertools.product(mosaic.BLOCK_Q, mosaic.BLOCK_K, MOSAIC_STAGES):
+      if q_len % bq or kv_len % bk:
+        continue  # M1
+      c = AttentionConfig(block_q=bq, block_k=bk, num_warps=mosaic.NUM_WARPS,
+                          num_stages=ns, backend=MOSAIC)
+      if self.smem_bytes(p, c) > hw.smem_per_block:
+        continue  # M2
+      if (bq // 2) * (head_dim + bk) // 128 > 160:
+        continue  # M3
+      out.append(c)
+    return tuple(out)
 
   @functools.lru_cache(maxsize=1024)
   def _space(self, q_len, kv_len, dp, dtype, hw, prune):
@@ -193,6 +244,15 @@ class AttentionSpec(KernelSpec):
                hw: Hardware | None = None) -> None:
     if not isinstance(config, AttentionConfig):
       raise ValueError(f"config must be an AttentionConfig; got {config!r}")
+    if config.backend == MOSAIC:
+      p = problem
+      mosaic.check_mosaic((p.batch, p.q_len, p.q_heads, p.head_dim),
+                          (p.batch, p.kv_len, p.kv_heads, p.head_dim), p.dtype,
+                          block_q=config.block_q, block_k=config.block_k,
+                          num_stages=config.num_stages, causal=p.causal)
+      if hw is not None and hw.compute_capability != "9.0":
+        raise ValueError(f"Mosaic attention configs need compute capability 9.0; "
+                         f"{hw.name} has {hw.compute_capability}")
     if hw is not None and self.smem_bytes(problem, config) > hw.smem_per_block:
       raise ValueError(
           f"config {config} needs {self.smem_bytes(problem, config)} bytes of shared "
@@ -206,9 +266,17 @@ class AttentionSpec(KernelSpec):
                            num_warps=4 if problem.head_dim <= 64 else 8, num_stages=2)
 
   def heuristic(self, problem: AttentionProblem, hw: Hardware) -> AttentionConfig:
-    """128x64 tiles with 4 warps when they fill two waves, else 64-row query
-    blocks (32 rows when even those leave most SMs idle), 3 stages."""
+    """On Hopper, the Mosaic kernel with 128x128 tiles and 2 stages where it
+    runs the shape, ``q_len >= 512`` and its programs fill half the SMs (the
+    oracle of 47 of the 90 problems of the H100 sweep). Else Triton: 128x64
+    tiles with 4 warps when they fill two waves, else 64-row query blocks (32
+    rows when even those leave most SMs idle), 3 stages."""
     p = problem
+    m = AttentionConfig(block_q=128, block_k=128, num_warps=mosaic.NUM_WARPS, num_stages=2,
+                        backend=MOSAIC)
+    if (p.q_len >= 512 and p.batch * p.q_heads * (p.q_len // 128) >= hw.num_sms // 2
+        and m in self.space(p, hw)):
+      return m
     ctas = lambda bq: p.batch * p.q_heads * -(-p.q_len // bq)  # noqa: E731
     bk = min(64, max(32, _next_pow2(p.kv_len)))
     if ctas(128) >= 2 * hw.num_sms and p.padded_head_dim <= 128:
@@ -224,6 +292,9 @@ class AttentionSpec(KernelSpec):
   def occupancy_bound(self, problem: AttentionProblem, config: AttentionConfig,
                       hw: Hardware) -> int:
     from wavetune_jax import wave_model
+    if config.backend == MOSAIC:
+      # 2 x 128 threads at 232 registers and 128 at 40 take the register file.
+      return 1
     threads = 32 * config.num_warps
     live = (config.block_q * problem.padded_head_dim  # output accumulator
             + config.block_q * config.block_k) // threads  # scores
@@ -283,6 +354,9 @@ class AttentionSpec(KernelSpec):
 
   def tolerance(self, problem: AttentionProblem) -> float:
     return 1e-2
+
+  def config_to_dict(self, config: AttentionConfig) -> dict:
+    return config.to_dict()
 
   def problem_key(self, problem: AttentionProblem) -> str:
     p = problem

@@ -68,7 +68,7 @@ def load_dataset(path: str) -> Dataset:
   would be the best of a part of the space. One warning names them.
   """
   header, rows = sweep.read_sweep(path)
-  spec = get_spec(header["kernel"])
+  spec = sweep.recorded_spec(get_spec(header["kernel"]), rows)
   hw = report.hardware_of(header)
   times: dict = collections.defaultdict(dict)
   failed: dict = collections.defaultdict(set)
@@ -247,7 +247,8 @@ def _features(spec, hw, problem, config) -> list[float]:
   g, l = spec.coords(problem, spec.macro(config))
   waves = g / hw.num_sms
   prob = list(_log_fields(spec, problem).values())
-  cfg = [math.log2(v) for v in spec.config_to_dict(config).values()]
+  # Every field, defaults included, so all configs have one feature length.
+  cfg = [math.log2(v) if v > 0 else -1.0 for v in dataclasses.astuple(config)]
   return prob + cfg + [math.log2(g), math.log2(l), math.ceil(waves),
                        waves / max(1, math.ceil(waves))]
 

@@ -40,7 +40,8 @@ def hardware_of(header: dict) -> hardware.Hardware:
 
 def summarize(header: dict, rows: list[dict]) -> tuple[list[ProblemSummary], dict]:
   """Per-problem summaries and run-level facts (failures, repeatability)."""
-  spec = get_spec(header["kernel"])
+  from wavetune_jax import sweep
+  spec = sweep.recorded_spec(get_spec(header["kernel"]), rows)
   hw = hardware_of(header)
   by_problem: dict[str, list[dict]] = collections.defaultdict(list)
   problems = {}

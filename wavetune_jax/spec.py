@@ -69,6 +69,10 @@ class KernelSpec(abc.ABC):
   #: Config fields that the (G, L) mapping absorbs completely (GEMM:
   #: ``split_k``): configs that differ only in them share one wave model.
   folded_fields: ClassVar[tuple[str, ...]] = ()
+  #: Config fields that ``config_to_dict`` leaves out at their default value
+  #: (fields added after data was recorded: files stay valid). A variant may
+  #: lack them.
+  default_fields: ClassVar[tuple[str, ...]] = ()
   #: Names of the auxiliary model columns returned by :meth:`aux`.
   aux_names: ClassVar[tuple[str, ...]] = ()
   #: ``None``: the model's argmin stands. A fraction: the model replaces the

@@ -16,6 +16,7 @@ every (problem, config) already on file is skipped.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import gzip
@@ -117,6 +118,56 @@ class SweepFile:
     for r in rows:
       self.done.add(r["key"])
     self.n_rows += len(rows)
+
+
+def recorded_spec(spec, rows: Sequence[dict]):
+  """``spec`` with its space limited to the kinds of config a sweep file holds.
+
+  A kind is a config's values of ``spec.default_fields``: fields added to a
+  space after files were recorded (attention's ``backend``). A file with no
+  config of a kind predates it; its problems are complete without those
+  configs, and policies evaluated on it choose among what it measured. Returns
+  ``spec`` itself when the file holds every kind its rows could.
+  """
+  if not spec.default_fields:
+    return spec
+  kinds = {tuple(getattr(spec.config_from_dict(r["config"]), f) for f in spec.default_fields)
+           for r in rows if r.get("impl") == "pallas"}
+  full_space = spec.space
+
+  def space(problem, hw, *, prune: bool = True):
+    every = full_space(problem, hw, prune=prune)
+    kept = tuple(c for c in every
+                 if tuple(getattr(c, f) for f in spec.default_fields) in kinds)
+    return every if len(kept) == len(every) else kept
+  view = copy.copy(spec)
+  view.space = space
+  return view
+
+
+def merge_sweeps(dst: str, src: str) -> tuple[int, int]:
+  """Puts the problems of sweep file ``src`` into ``dst`` (same kernel, GPU
+  and schema). A problem in both keeps only ``src``'s rows, so every problem's
+  configs come from one run. ``dst``'s header lists ``src``'s header under
+  ``"merged"`` (date, command, clocks, JAX version). Written atomically.
+
+  Returns:
+    ``(problems replaced, problems added)``.
+  """
+  h_dst, r_dst = read_sweep(dst)
+  h_src, r_src = read_sweep(src)
+  for field in ("kernel", "device_key", "schema"):
+    if h_dst.get(field) != h_src.get(field):
+      raise ValueError(f"cannot merge: {src} has {field}={h_src.get(field)!r}, "
+                       f"{dst} has {h_dst.get(field)!r}")
+  pk = lambda r: r["key"].split("|", 1)[0]  # noqa: E731
+  new = {pk(r) for r in r_src}
+  old = {pk(r) for r in r_dst}
+  header = dict(h_dst)
+  header["merged"] = list(h_dst.get("merged", [])) + [
+      {k: h_src.get(k) for k in ("date", "command", "clocks", "jax_version")}]
+  SweepFile(dst, h_dst)._rewrite([header] + [r for r in r_dst if pk(r) not in new] + r_src)
+  return len(new & old), len(new - old)
 
 
 def read_clocks() -> dict:

@@ -117,6 +117,13 @@ def _sweep(args) -> int:
   return 0
 
 
+def _merge(args) -> int:
+  from wavetune_jax import sweep
+  replaced, added = sweep.merge_sweeps(args.into, args.sweep)
+  print(f"{args.into}: {added} problems added, {replaced} replaced from {args.sweep}")
+  return 0
+
+
 def _report(args) -> int:
   from wavetune_jax import report
   text = report.render(args.sweep, plot=args.plot)
@@ -151,3 +158,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   rp.add_argument("sweep")
   rp.add_argument("--plot", help="PNG path for latency vs M")
   rp.set_defaults(func=_report)
+  mg = sub.add_parser(
+      "merge", help="put the problems of one sweep file into another",
+      description="A problem in both files keeps only the rows of SWEEP, so each "
+      "problem's configs come from one run; INTO's header records SWEEP's run.")
+  mg.add_argument("sweep", help="the file whose problems are taken")
+  mg.add_argument("--into", required=True, help="the sweep file to update")
+  mg.set_defaults(func=_merge)

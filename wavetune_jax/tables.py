@@ -89,9 +89,10 @@ class ModelEntry:
     variant = d["variant"]
     folded = set(spec.folded_fields)
     fields = [f for f in spec.macro_fields + spec.micro_fields if f not in folded]
-    if sorted(variant) != sorted(fields):
+    missing = set(fields) - set(variant) - set(spec.default_fields)
+    if missing or set(variant) - set(fields):
       raise TableError(f"model entry variant {variant} does not have the fields {fields}")
-    return cls(variant=tuple((f, int(variant[f])) for f in fields),
+    return cls(variant=tuple((f, int(variant[f])) for f in fields if f in variant),
                occupancy=int(d["occupancy"]), coef=tuple(float(x) for x in d["coef"]),
                points=int(d["points"]), min_g=int(d["min_g"]), max_g=int(d["max_g"]), min_l=float(d["min_l"]),
                max_l=float(d["max_l"]), aux_seen=tuple(bool(x) for x in d["aux_seen"]),

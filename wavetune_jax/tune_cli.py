@@ -27,8 +27,9 @@ def _tune(args) -> int:
     return _fit_only(args, spec, prov)
   if args.replay:
     ds = evaluate.load_dataset(args.replay)
-    if ds.spec is not spec:
+    if ds.spec.name != spec.name:
       raise SystemExit(f"{args.replay} is a {ds.spec.name} sweep, not {spec.name}")
+    spec = ds.spec  # the space the sweep recorded
     hw = ds.hw
     pool = [p for p in ds.problems
             if not args.m_range or args.m_range[0] <= spec.size_of(p) <= args.m_range[1]]

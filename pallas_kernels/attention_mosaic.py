@@ -1,0 +1,330 @@
+# Copyright 2024 The JAX Authors.
+# Copyright 2026 The wavetune-jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     https://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Pallas Mosaic GPU flash attention, forward (Hopper, warp-specialized).
+
+The forward kernel of JAX's ``jax.experimental.pallas.ops.gpu.attention_mgpu``
+(FlashAttention-3 style: TMA loads into a ring of ``num_stages`` shared-memory
+K/V buffers, wgmma, one producer warpgroup and two consumer warpgroups of
+``block_q / 2`` query rows each), changed here in four ways:
+
+* the shared-memory buffers take the input dtype (upstream hard-codes
+  float16, so bfloat16 inputs fail to compile in JAX 0.11.2);
+* the softmax scale is applied in the kernel, folded into the ``log2(e)``
+  factor of the exponent (upstream applies none; scaling ``q`` outside adds an
+  elementwise pass over ``q``);
+* under a causal mask, programs run from the last query block (the most KV
+  blocks) to the first, so the longest programs start in the first wave;
+* the checks raise ``ValueError`` with what to change.
+
+Layout ``[batch, seq, heads, head_dim]``, grouped-query attention read in place,
+causal masking aligned top-left as in ``jax.nn.dot_product_attention``.
+
+Requirements (checked by :func:`check_mosaic`): an NVIDIA GPU of compute
+capability 9.0; bfloat16 or float16; ``head_dim`` a multiple of 64, at most
+256; ``q_len`` a multiple of ``block_q`` and ``kv_len`` a multiple of
+``block_k`` (no masking of ragged ends: the Triton kernel of
+``pallas_kernels.attention`` covers those); causal only with
+``q_len <= kv_len``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["check_config", "check_device", "check_mosaic", "mosaic_attention", "mosaic_smem_bytes", "NUM_WARPS",
+           "BLOCK_Q", "BLOCK_K"]
+
+#: Two consumer warpgroups and one producer warpgroup.
+NUM_WARPS = 12
+#: Query rows per program (two warpgroups of ``block_q / 2`` rows).
+BLOCK_Q = (128, 256)
+#: KV rows per pipeline step.
+BLOCK_K = (64, 128, 256)
+_LOG2E = math.log2(math.e)
+_BARRIER_BYTES = 1024  # barriers and alignment slack
+# JAX 0.10's Mosaic GPU interpreter has no rules for this kernel's
+# run_state accumulator, register layouts or transposed wgmma operands.
+_NO_INTERPRET = ("the Mosaic GPU attention kernel has no CPU interpret mode; its "
+                 "correctness is checked on a Hopper GPU (the sweep and "
+                 "benchmarks/attention_mosaic.py compare it with the float32 reference)")
+
+
+def mosaic_smem_bytes(*, block_q: int, block_k: int, num_stages: int, head_dim: int,
+                      itemsize: int) -> int:
+  """Shared memory of one program: the Q/O tile of both consumer warpgroups
+  and ``num_stages`` K and V buffers."""
+  return (block_q + 2 * num_stages * block_k) * head_dim * itemsize + _BARRIER_BYTES
+
+
+def check_config(block_q: int, block_k: int, num_stages: int) -> None:
+  """Raises ``ValueError`` unless the launch parameters are ones the kernel has."""
+  if block_q not in BLOCK_Q:
+    raise ValueError(f"Mosaic block_q={block_q} must be one of {BLOCK_Q}")
+  if block_k not in BLOCK_K:
+    raise ValueError(f"Mosaic block_k={block_k} must be one of {BLOCK_K}")
+  if not 2 <= num_stages <= 8:
+    raise ValueError(f"Mosaic num_stages={num_stages} must be in [2, 8]")
+
+
+def check_mosaic(q_shape, kv_shape, dtype, *, block_q: int, block_k: int,
+                 num_stages: int, causal: bool) -> None:
+  """Raises ``ValueError`` unless the Mosaic kernel runs this call as configured."""
+  _, q_len, _, head_dim = q_shape
+  kv_len = kv_shape[1]
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"the Mosaic GPU attention kernel takes bfloat16 or float16; "
+                     f"got {jnp.dtype(dtype).name}")
+  if head_dim % 64 or head_dim > 256:
+    raise ValueError(f"the Mosaic GPU attention kernel needs head_dim a multiple of 64, "
+                     f"at most 256; got {head_dim} (use a Triton config, backend=0)")
+  check_config(block_q, block_k, num_stages)
+  if q_len % block_q or kv_len % block_k:
+    raise ValueError(
+        f"the Mosaic GPU attention kernel needs q_len a multiple of block_q={block_q} "
+        f"and kv_len a multiple of block_k={block_k}; got q_len={q_len}, "
+        f"kv_len={kv_len} (use a Triton config, backend=0, for ragged lengths)")
+  if causal and q_len > kv_len:
+    raise ValueError(f"the Mosaic GPU attention kernel needs q_len <= kv_len under a "
+                     f"causal mask; got q_len={q_len}, kv_len={kv_len}")
+
+
+def check_device() -> None:
+  """Raises ``ValueError`` unless the default device is a Hopper GPU (the
+  kernel uses wgmma and TMA, compute capability 9.0 only)."""
+  dev = jax.devices()[0]
+  cc = getattr(dev, "compute_capability", None)
+  if dev.platform != "gpu" or cc != "9.0":
+    raise ValueError(f"the Mosaic GPU attention kernel needs a GPU of compute capability "
+                     f"9.0 (Hopper); the default device is {dev.device_kind} "
+                     f"(compute capability {cc}); use a Triton config, backend=0")
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "num_stages", "causal",
+                                             "scale"))
+def mosaic_attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
+                     causal: bool, scale: float):
+  """``softmax(q k^T * scale) v`` with the Mosaic GPU kernel (no checks of
+  ranks and heads: :func:`pallas_kernels.attention.attention` makes them)."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  check_mosaic(q.shape, k.shape, q.dtype, block_q=block_q, block_k=block_k,
+               num_stages=num_stages, causal=causal)
+  batch_size, q_seq_len, num_q_heads, head_dim = q.shape
+  kv_seq_len, num_kv_heads = k.shape[1], k.shape[2]
+  q_heads_per_kv_head = num_q_heads // num_kv_heads
+  dtype = q.dtype
+  wg_rows = block_q // 2  # rows of one consumer warpgroup
+  block_kv = block_k
+  max_concurrent_steps = min(num_stages, kv_seq_len // block_kv)
+  num_q_tiles = q_seq_len // block_q
+  # exp(s * scale) = exp2(s * c). With c > 0, max(s * c) = max(s) * c, so the
+  # scale folds into the FMA of the exponent.
+  if scale > 0:
+    c, pre = scale * _LOG2E, None
+  else:
+    c, pre = _LOG2E, scale
+
+  iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
+
+  def kernel(q_ref, k_ref, v_ref, out_ref, scoped):
+    batch = lax.axis_index("batch")
+    q_head = lax.axis_index("heads")
+    q_tile = lax.axis_index("q_seq")
+    if causal:
+      q_tile = num_q_tiles - 1 - q_tile  # the longest programs first
+    smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
+    wg_idx = lax.axis_index("wg")
+    qo_smem2, k_smem, v_smem = smem_buffers
+    k_barriers, v_barriers, q_barriers = buffer_barriers
+    k_consumed_barriers, v_consumed_barriers = consumed_barriers
+
+    def perform_schedule_barrier():
+      plgpu.barrier_arrive(schedule_barrier)
+      plgpu.barrier_wait(schedule_barrier)
+
+    if causal:
+      block_q_end = (q_tile + 1) * block_q
+      block_max_kv_steps = pl.cdiv(block_q_end, jnp.array(block_kv, jnp.int32))
+    else:
+      block_max_kv_steps = kv_seq_len // block_kv
+
+    @pl.when(wg_idx < 2)
+    def _compute_wg():
+      plgpu.set_max_registers(232, action="increase")
+      qo_smem = qo_smem2.at[wg_idx]
+      q_seq_base = q_tile * block_q + wg_idx * wg_rows
+
+      if causal:
+        kv_steps = pl.cdiv(q_seq_base + wg_rows, jnp.array(block_kv, jnp.int32))
+      else:
+        kv_steps = block_max_kv_steps
+
+      plgpu.copy_gmem_to_smem(
+          q_ref.at[batch, pl.ds(q_seq_base, wg_rows), q_head],
+          qo_smem,
+          q_barriers.at[wg_idx],
+      )
+      plgpu.barrier_wait(q_barriers.at[wg_idx])
+
+      m_i = plgpu.layout_cast(jnp.full((wg_rows,), -jnp.inf, dtype=jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      l_i = plgpu.layout_cast(jnp.full((wg_rows,), 0, dtype=jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      acc = plgpu.layout_cast(jnp.full((wg_rows, head_dim), 0, dtype=jnp.float32),
+                              plgpu.Layout.WGMMA)
+
+      @pl.when(kv_steps > 0)
+      def _():
+        plgpu.barrier_wait(k_barriers.at[0])
+
+      pl.when(wg_idx == 1)(perform_schedule_barrier)
+
+      def kv_loop(kv_step, carry, causal: bool = False):
+        acc, m_i, l_i = carry
+        slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+          perform_schedule_barrier()
+          return acc_ref[...]
+        qk = pl.run_scoped(compute_qk, plgpu.ACC((wg_rows, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+        if pre is not None:
+          qk = qk * pre
+
+        if causal:
+          q_ids = iota((wg_rows, block_kv), 0)
+          kv_ids = iota((wg_rows, block_kv), 1)
+          mask = (q_ids + q_seq_base) >= (kv_ids + kv_step * block_kv)
+          qk = jnp.where(mask, qk, -jnp.inf)
+
+        # m is kept scaled by c, so p takes one FMA per score.
+        m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
+        alpha = jnp.exp2(m_i - m_ij)
+        m_i = m_ij
+        p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i *= alpha
+        p16 = p.astype(dtype)
+
+        def end_softmax_barriers():
+          plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
+          plgpu.barrier_wait(v_barriers.at[slot])
+          plgpu.barrier_wait(schedule_barrier)  # the tensor cores are free
+        # Upstream found this order to matter for speed.
+        if head_dim <= 128:
+          l_i += p.sum(axis=1)
+          acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+          end_softmax_barriers()
+        else:
+          end_softmax_barriers()
+          l_i += p.sum(axis=1)
+
+        def compute_pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          wait_step = kv_step + 1
+          wait_slot = lax.rem(wait_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+
+          @pl.when(wait_step < kv_steps)
+          def _wait():
+            plgpu.barrier_wait(k_barriers.at[wait_slot])
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+        return acc, m_i, l_i
+
+      if not causal:
+        acc, m_i, l_i = lax.fori_loop(0, block_max_kv_steps, kv_loop, (acc, m_i, l_i))
+      else:
+        def epilogue_kv_loop(kv_step, _):
+          # Drains the pipeline when this warpgroup finishes before the other.
+          slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+          plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+          plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+          perform_schedule_barrier()
+          perform_schedule_barrier()
+
+        causal_kv_loop = functools.partial(kv_loop, causal=True)
+        full_kv_steps = lax.div(q_seq_base, jnp.array(block_kv, jnp.int32))
+        # Unmasked blocks, the diagonal blocks, then the drain.
+        acc, m_i, l_i = lax.fori_loop(0, full_kv_steps, kv_loop, (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(full_kv_steps, kv_steps, causal_kv_loop,
+                                      (acc, m_i, l_i))
+        lax.fori_loop(kv_steps, block_max_kv_steps, epilogue_kv_loop, None)
+      pl.when(wg_idx == 0)(perform_schedule_barrier)
+
+      acc /= lax.broadcast_in_dim(l_i, (wg_rows, head_dim), [0])
+      qo_smem[...] = acc.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_seq_base, wg_rows), q_head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg_idx == 2)
+    def _memory_wg():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(q_head, jnp.array(q_heads_per_kv_head, q_head.dtype))
+      for i in range(max_concurrent_steps):
+        s = (batch, pl.ds(i * block_kv, block_kv), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[i], k_barriers.at[i])
+        plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[i], v_barriers.at[i])
+
+      @pl.loop(0, block_max_kv_steps - max_concurrent_steps)
+      def _kv_loop(kv_step):
+        tma_step = kv_step + max_concurrent_steps
+        tma_slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+        s = (batch, pl.ds(tma_step * block_kv, block_kv), kv_head)
+        plgpu.barrier_wait(k_consumed_barriers.at[tma_slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[tma_slot], k_barriers.at[tma_slot])
+        plgpu.barrier_wait(v_consumed_barriers.at[tma_slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[tma_slot], v_barriers.at[tma_slot])
+
+  def entry(q_ref, k_ref, v_ref, out_ref):
+    compute_wgs = 2
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    qo_scratch = plgpu.SMEM((compute_wgs, wg_rows, head_dim), dtype,
+                            transforms=(tiling, swizzle))
+    k_scratch = plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), dtype,
+                           transforms=(tiling, swizzle))
+    v_scratch = plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), dtype,
+                           transforms=(tiling, swizzle))
+    pl.run_scoped(
+        lambda *args: kernel(q_ref, k_ref, v_ref, out_ref, args),
+        (qo_scratch, k_scratch, v_scratch),
+        (
+            plgpu.Barrier(num_barriers=max_concurrent_steps),
+            plgpu.Barrier(num_barriers=max_concurrent_steps),
+            plgpu.Barrier(num_barriers=compute_wgs),
+        ),
+        (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2,
+        plgpu.Barrier(num_arrivals=compute_wgs),
+        collective_axes="wg",
+    )
+
+  return plgpu.kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      grid=(num_q_heads, num_q_tiles, batch_size),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v)
+
