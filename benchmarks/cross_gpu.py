@@ -26,7 +26,7 @@ def main(argv=None):
   ap.add_argument("sweep_b")
   a = ap.parse_args(argv)
   da, db = evaluate.load_dataset(a.sweep_a), evaluate.load_dataset(a.sweep_b)
-  if da.spec is not db.spec:
+  if da.spec.name != db.spec.name:
     raise SystemExit(f"{a.sweep_a} is {da.spec.name}, {a.sweep_b} is {db.spec.name}")
   common = [p for p in da.problems if p in db.times]
   if not common:
@@ -43,8 +43,10 @@ def main(argv=None):
   name = da.spec.baseline_name
   print(f"{len(common)} {da.spec.name} problems in both: A = {da.hw.name}, B = {db.hw.name}")
   print(f"same oracle config: {same} of {len(common)}")
-  print(f"A's oracle config on B: efficiency {_geo(eff_ab):.3f} geomean, {min(eff_ab):.3f} min")
-  print(f"B's oracle config on A: efficiency {_geo(eff_ba):.3f} geomean, {min(eff_ba):.3f} min")
+  print(f"A's oracle config on B: efficiency {_geo(eff_ab):.3f} geomean, {min(eff_ab):.3f} min "
+        f"({len(eff_ab)} problems where B measured it)")
+  print(f"B's oracle config on A: efficiency {_geo(eff_ba):.3f} geomean, {min(eff_ba):.3f} min "
+        f"({len(eff_ba)} problems where A measured it)")
   for d in (da, db):
     r = [d.baseline[p] / min(d.times[p].values()) for p in common if p in d.baseline]
     print(f"{d.hw.name}: oracle vs {name} {_geo(r):.3f}x ({len(r)} problems)")
