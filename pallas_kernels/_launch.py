@@ -12,15 +12,20 @@ def is_pow2(v: int) -> bool:
   return v >= 1 and (v & (v - 1)) == 0
 
 
+def check_ints(config) -> None:
+  """Raises ``ValueError`` unless every field of the dataclass is an int."""
+  for f in dataclasses.fields(config):
+    v = getattr(config, f.name)
+    if isinstance(v, bool) or not isinstance(v, int):
+      raise ValueError(f"{type(config).__name__}.{f.name}={v!r} must be an int")
+
+
 def check_launch(config, block_fields: tuple[str, ...]) -> None:
   """Raises ``ValueError`` unless every field is an int, the blocks are powers
   of two >= ``MIN_BLOCK``, ``num_warps`` a power of two <= 16 and
   ``num_stages`` in [1, 8]."""
   name = type(config).__name__
-  for f in dataclasses.fields(config):
-    v = getattr(config, f.name)
-    if isinstance(v, bool) or not isinstance(v, int):
-      raise ValueError(f"{name}.{f.name}={v!r} must be an int")
+  check_ints(config)
   for b in block_fields:
     v = getattr(config, b)
     if not is_pow2(v) or v < MIN_BLOCK:

@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._launch import MIN_BLOCK as _MIN_BLOCK
-from pallas_kernels._launch import check_launch, config_from_dict
+from pallas_kernels._launch import check_ints, check_launch, config_from_dict
 
 __all__ = [
     "AttentionConfig",
@@ -102,10 +102,7 @@ class AttentionConfig:
   def __post_init__(self):
     if self.backend == MOSAIC:
       from pallas_kernels import attention_mosaic as am
-      for f in dataclasses.fields(self):
-        v = getattr(self, f.name)
-        if isinstance(v, bool) or not isinstance(v, int):
-          raise ValueError(f"AttentionConfig.{f.name}={v!r} must be an int")
+      check_ints(self)
       if self.num_warps != am.NUM_WARPS:
         raise ValueError(f"a Mosaic AttentionConfig has num_warps={am.NUM_WARPS} (three "
                          f"warpgroups); got {self.num_warps}")
@@ -318,7 +315,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: AttentionConf
                     block_k=config.block_k, num_stages=config.num_stages,
                     causal=bool(causal))
     if interpret:
-      raise NotImplementedError(am._NO_INTERPRET)
+      raise NotImplementedError(am.NO_INTERPRET)
     am.check_device()
     return am.mosaic_attention(q, k, v, block_q=config.block_q, block_k=config.block_k,
                                num_stages=config.num_stages, causal=bool(causal),

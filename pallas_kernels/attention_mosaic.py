@@ -48,9 +48,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["check_config", "check_device", "check_mosaic", "mosaic_attention", "mosaic_smem_bytes", "NUM_WARPS",
-           "BLOCK_Q", "BLOCK_K"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "COMPUTE_CAPABILITY", "NO_INTERPRET", "NUM_WARPS",
+           "check_config", "check_device", "check_mosaic", "mosaic_attention",
+           "mosaic_smem_bytes"]
 
+#: The GPUs the kernel runs on (wgmma and TMA: Hopper).
+COMPUTE_CAPABILITY = "9.0"
 #: Two consumer warpgroups and one producer warpgroup.
 NUM_WARPS = 12
 #: Query rows per program (two warpgroups of ``block_q / 2`` rows).
@@ -61,7 +64,7 @@ _LOG2E = math.log2(math.e)
 _BARRIER_BYTES = 1024  # barriers and alignment slack
 # JAX 0.10's Mosaic GPU interpreter has no rules for this kernel's
 # run_state accumulator, register layouts or transposed wgmma operands.
-_NO_INTERPRET = ("the Mosaic GPU attention kernel has no CPU interpret mode; its "
+NO_INTERPRET = ("the Mosaic GPU attention kernel has no CPU interpret mode; its "
                  "correctness is checked on a Hopper GPU (the sweep and "
                  "benchmarks/attention_mosaic.py compare it with the float32 reference)")
 
@@ -110,9 +113,9 @@ def check_device() -> None:
   kernel uses wgmma and TMA, compute capability 9.0 only)."""
   dev = jax.devices()[0]
   cc = getattr(dev, "compute_capability", None)
-  if dev.platform != "gpu" or cc != "9.0":
+  if dev.platform != "gpu" or cc != COMPUTE_CAPABILITY:
     raise ValueError(f"the Mosaic GPU attention kernel needs a GPU of compute capability "
-                     f"9.0 (Hopper); the default device is {dev.device_kind} "
+                     f"{COMPUTE_CAPABILITY} (Hopper); the default device is {dev.device_kind} "
                      f"(compute capability {cc}); use a Triton config, backend=0")
 
 

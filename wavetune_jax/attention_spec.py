@@ -199,7 +199,7 @@ class AttentionSpec(KernelSpec):
     """Valid configs: Triton ones pruned by rules A1-A4 (``prune=False``: A2
     only), then on compute capability 9.0 the Mosaic ones of rules M1-M3."""
     p = problem
-    mosaic_ok = (hw.compute_capability == "9.0" and self._mosaic_possible(p)
+    mosaic_ok = (hw.compute_capability == mosaic.COMPUTE_CAPABILITY and self._mosaic_possible(p)
                  and not (p.causal and p.q_len > p.kv_len))
     return self._space(p.q_len, p.kv_len, p.padded_head_dim, p.dtype, hw, prune) + (
         self._mosaic_space(p.q_len, p.kv_len, p.head_dim, p.dtype, hw) if mosaic_ok else ())
@@ -250,8 +250,9 @@ class AttentionSpec(KernelSpec):
                           (p.batch, p.kv_len, p.kv_heads, p.head_dim), p.dtype,
                           block_q=config.block_q, block_k=config.block_k,
                           num_stages=config.num_stages, causal=p.causal)
-      if hw is not None and hw.compute_capability != "9.0":
-        raise ValueError(f"Mosaic attention configs need compute capability 9.0; "
+      if hw is not None and hw.compute_capability != mosaic.COMPUTE_CAPABILITY:
+        raise ValueError(f"Mosaic attention configs need compute capability "
+                         f"{mosaic.COMPUTE_CAPABILITY}; "
                          f"{hw.name} has {hw.compute_capability}")
     if hw is not None and self.smem_bytes(problem, config) > hw.smem_per_block:
       raise ValueError(
