@@ -1,7 +1,9 @@
 """Our two attention backends next to JAX's Mosaic GPU kernel and cuDNN.
 
 Measures, on the same CUPTI timer, with the same checks against the float32
-reference, on six aligned Llama shapes (head_dim 128):
+reference, on six aligned Llama shapes (head_dim 128), or with ``--ragged`` on
+shapes whose lengths are not multiples of the blocks (the suite's 1000 and
+3000, and small odd ones that check the masking of ragged ends):
 
 * "triton": four configs of the Triton kernel that are often the sweep's oracle;
 * "mosaic": the Mosaic GPU backend of ``pallas_kernels.attention_mosaic``
@@ -13,7 +15,7 @@ reference, on six aligned Llama shapes (head_dim 128):
   float16", JAX 0.11.2) and is left out; ``--dtype float16`` times it;
 * cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``).
 
-    python3 benchmarks/attention_mosaic.py [--quick] [--dtype bfloat16|float16]
+    python3 benchmarks/attention_mosaic.py [--quick] [--ragged] [--dtype bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -35,9 +37,17 @@ TRITON = [AttentionConfig(block_q=128, block_k=128, num_warps=8, num_stages=3),
 # JAX's kernel: (block_q per warpgroup, block_kv, max_concurrent_steps)
 JAX_MGPU = [(64, 64, 2), (64, 128, 2), (64, 128, 3)]
 KINDS = ("triton", "mosaic", "jax-mgpu")
-SHAPES = [  # (batch, q_heads, kv_heads, seq, causal): Llama-3-8B, Llama-3-70B TP8
-    (1, 32, 8, 4096, True), (4, 32, 8, 2048, True), (1, 32, 8, 16384, True),
-    (8, 32, 8, 512, True), (4, 8, 1, 2048, True), (2, 32, 8, 4096, False)]
+# (batch, q_heads, kv_heads, q_len, kv_len, causal, head_dim): Llama-3-8B, Llama-3-70B TP8
+SHAPES = [
+    (1, 32, 8, 4096, 4096, True, 128), (4, 32, 8, 2048, 2048, True, 128),
+    (1, 32, 8, 16384, 16384, True, 128), (8, 32, 8, 512, 512, True, 128),
+    (4, 8, 1, 2048, 2048, True, 128), (2, 32, 8, 4096, 4096, False, 128)]
+RAGGED = [
+    (1, 32, 8, 1000, 1000, True, 128), (4, 32, 8, 1000, 1000, True, 128),
+    (1, 32, 8, 3000, 3000, True, 128), (2, 8, 1, 3000, 3000, True, 128),
+    (2, 32, 8, 1000, 1000, False, 128), (2, 16, 2, 1000, 1000, True, 64),
+    (1, 8, 8, 24, 1000, False, 128), (1, 8, 2, 200, 520, True, 128),
+    (1, 8, 2, 72, 72, True, 256), (1, 4, 4, 8, 8, True, 128)]
 
 
 def jax_mgpu_fn(causal: bool, block_q: int, block_kv: int, steps: int):
@@ -56,25 +66,29 @@ def jax_mgpu_fn(causal: bool, block_q: int, block_kv: int, steps: int):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="first two shapes only")
+  ap.add_argument("--ragged", action="store_true",
+                  help="lengths that are not multiples of the blocks")
   ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
   a = ap.parse_args()
   print(jax.devices()[0].device_kind, jax.__version__, a.dtype)
   hw = hardware.detect()
   prof = profiler.Profiler(iterations=20)
-  shapes = SHAPES[:2] if a.quick else SHAPES
+  shapes = RAGGED if a.ragged else SHAPES
+  shapes = shapes[:2] if a.quick else shapes
   ratios = {k: [] for k in KINDS}
   print(f"{'problem':<46}" + "".join(f"{k:>10}" for k in KINDS) + f"{'cudnn':>9}   "
         + "  ".join(f"{k}/cuDNN" for k in KINDS) + "   (best us; x = speed vs cuDNN)")
-  for b, hq, hkv, s, causal in shapes:
-    p = AttentionProblem(batch=b, q_heads=hq, kv_heads=hkv, q_len=s, kv_len=s,
-                         head_dim=128, causal=causal, dtype=a.dtype)
+  for b, hq, hkv, sq, skv, causal, d in shapes:
+    p = AttentionProblem(batch=b, q_heads=hq, kv_heads=hkv, q_len=sq, kv_len=skv,
+                         head_dim=d, causal=causal, dtype=a.dtype)
     args = ATTENTION.inputs(p, jax.random.PRNGKey(0))
     ref = ATTENTION.reference(p, *args)
     mosaic = [c for c in ATTENTION.space(p, hw) if c.backend == MOSAIC]
-    names = ([f"triton {c.block_q}/{c.block_k}/{c.num_warps}/{c.num_stages}" for c in TRITON]
+    triton = [c for c in TRITON if ATTENTION.smem_bytes(p, c) <= hw.smem_per_block]
+    names = ([f"triton {c.block_q}/{c.block_k}/{c.num_warps}/{c.num_stages}" for c in triton]
              + [f"mosaic {c.block_q}/{c.block_k}/{c.num_stages}" for c in mosaic])
-    fns = [ATTENTION.build(p, c) for c in TRITON + mosaic]
-    if a.dtype == "float16":
+    fns = [ATTENTION.build(p, c) for c in triton + mosaic]
+    if a.dtype == "float16" and not a.ragged:  # JAX's kernel needs aligned lengths
       names += [f"jax-mgpu {bq}/{bk}/{st}" for bq, bk, st in JAX_MGPU]
       fns += [jax_mgpu_fn(causal, *m) for m in JAX_MGPU]
     names.append("cudnn")

@@ -17,7 +17,7 @@
 The forward kernel of JAX's ``jax.experimental.pallas.ops.gpu.attention_mgpu``
 (FlashAttention-3 style: TMA loads into a ring of ``num_stages`` shared-memory
 K/V buffers, wgmma, one producer warpgroup and two consumer warpgroups of
-``block_q / 2`` query rows each), changed here in four ways:
+``block_q / 2`` query rows each), changed here in five ways:
 
 * the shared-memory buffers take the input dtype (upstream hard-codes
   float16, so bfloat16 inputs fail to compile in JAX 0.11.2);
@@ -26,6 +26,10 @@ K/V buffers, wgmma, one producer warpgroup and two consumer warpgroups of
   elementwise pass over ``q``);
 * under a causal mask, programs run from the last query block (the most KV
   blocks) to the first, so the longest programs start in the first wave;
+* lengths need only be multiples of 8, not of the blocks: TMA zero-fills the
+  rows of a load past the end of an array and drops the rows of a store past
+  it, and the last KV block's scores past ``kv_len`` are masked (upstream
+  needs both lengths multiples of the blocks);
 * the checks raise ``ValueError`` with what to change.
 
 Layout ``[batch, seq, heads, head_dim]``, grouped-query attention read in place,
@@ -33,9 +37,8 @@ causal masking aligned top-left as in ``jax.nn.dot_product_attention``.
 
 Requirements (checked by :func:`check_mosaic`): an NVIDIA GPU of compute
 capability 9.0; bfloat16 or float16; ``head_dim`` a multiple of 64, at most
-256; ``q_len`` a multiple of ``block_q`` and ``kv_len`` a multiple of
-``block_k`` (no masking of ragged ends: the Triton kernel of
-``pallas_kernels.attention`` covers those); causal only with
+256; ``q_len`` and ``kv_len`` multiples of 8 (TMA tiles the sequence
+dimension of global memory as it tiles shared memory); causal only with
 ``q_len <= kv_len``.
 """
 
@@ -49,7 +52,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "COMPUTE_CAPABILITY", "NO_INTERPRET", "NUM_WARPS",
-           "check_config", "check_device", "check_mosaic", "mosaic_attention",
+           "SEQ_MULTIPLE", "check_config", "check_device", "check_mosaic", "mosaic_attention",
            "mosaic_smem_bytes"]
 
 #: The GPUs the kernel runs on (wgmma and TMA: Hopper).
@@ -60,6 +63,9 @@ NUM_WARPS = 12
 BLOCK_Q = (128, 256)
 #: KV rows per pipeline step.
 BLOCK_K = (64, 128, 256)
+#: q_len and kv_len must be multiples of this: the TMA copies tile the
+#: sequence dimension of global memory by 8 rows (the shared-memory tiling).
+SEQ_MULTIPLE = 8
 _LOG2E = math.log2(math.e)
 _BARRIER_BYTES = 1024  # barriers and alignment slack
 # JAX 0.10's Mosaic GPU interpreter has no rules for this kernel's
@@ -98,11 +104,11 @@ def check_mosaic(q_shape, kv_shape, dtype, *, block_q: int, block_k: int,
     raise ValueError(f"the Mosaic GPU attention kernel needs head_dim a multiple of 64, "
                      f"at most 256; got {head_dim} (use a Triton config, backend=0)")
   check_config(block_q, block_k, num_stages)
-  if q_len % block_q or kv_len % block_k:
+  if q_len % SEQ_MULTIPLE or kv_len % SEQ_MULTIPLE:
     raise ValueError(
-        f"the Mosaic GPU attention kernel needs q_len a multiple of block_q={block_q} "
-        f"and kv_len a multiple of block_k={block_k}; got q_len={q_len}, "
-        f"kv_len={kv_len} (use a Triton config, backend=0, for ragged lengths)")
+        f"the Mosaic GPU attention kernel needs q_len and kv_len multiples of "
+        f"{SEQ_MULTIPLE} (its TMA copies tile the sequence by {SEQ_MULTIPLE} rows); got "
+        f"q_len={q_len}, kv_len={kv_len} (use a Triton config, backend=0)")
   if causal and q_len > kv_len:
     raise ValueError(f"the Mosaic GPU attention kernel needs q_len <= kv_len under a "
                      f"causal mask; got q_len={q_len}, kv_len={kv_len}")
@@ -136,8 +142,14 @@ def mosaic_attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
   dtype = q.dtype
   wg_rows = block_q // 2  # rows of one consumer warpgroup
   block_kv = block_k
-  max_concurrent_steps = min(num_stages, kv_seq_len // block_kv)
-  num_q_tiles = q_seq_len // block_q
+  # Ragged ends: TMA fills rows past the end of q, k and v with zeros and drops
+  # the rows of a store past the end of the output. Scores of keys past kv_len
+  # are masked in the last KV step; query rows past q_len are computed on zeros
+  # and never stored.
+  num_kv_steps = pl.cdiv(kv_seq_len, block_kv)
+  kv_ragged = kv_seq_len % block_kv != 0
+  max_concurrent_steps = min(num_stages, num_kv_steps)
+  num_q_tiles = pl.cdiv(q_seq_len, block_q)
   # exp(s * scale) = exp2(s * c). With c > 0, max(s * c) = max(s) * c, so the
   # scale folds into the FMA of the exponent.
   if scale > 0:
@@ -163,11 +175,15 @@ def mosaic_attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
       plgpu.barrier_arrive(schedule_barrier)
       plgpu.barrier_wait(schedule_barrier)
 
+    def kv_steps_to(q_end):
+      # KV steps a causal block of queries ending at q_end reads (q_len <= kv_len
+      # under a causal mask, so keys past kv_len are only seen by padding rows).
+      return jnp.minimum(pl.cdiv(q_end, jnp.array(block_kv, jnp.int32)), num_kv_steps)
+
     if causal:
-      block_q_end = (q_tile + 1) * block_q
-      block_max_kv_steps = pl.cdiv(block_q_end, jnp.array(block_kv, jnp.int32))
+      block_max_kv_steps = kv_steps_to((q_tile + 1) * block_q)
     else:
-      block_max_kv_steps = kv_seq_len // block_kv
+      block_max_kv_steps = num_kv_steps
 
     @pl.when(wg_idx < 2)
     def _compute_wg():
@@ -176,7 +192,7 @@ def mosaic_attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
       q_seq_base = q_tile * block_q + wg_idx * wg_rows
 
       if causal:
-        kv_steps = pl.cdiv(q_seq_base + wg_rows, jnp.array(block_kv, jnp.int32))
+        kv_steps = kv_steps_to(q_seq_base + wg_rows)
       else:
         kv_steps = block_max_kv_steps
 
@@ -200,7 +216,7 @@ def mosaic_attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
 
       pl.when(wg_idx == 1)(perform_schedule_barrier)
 
-      def kv_loop(kv_step, carry, causal: bool = False):
+      def kv_loop(kv_step, carry, causal: bool = False, kv_tail: bool = False):
         acc, m_i, l_i = carry
         slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
 
@@ -218,6 +234,9 @@ def mosaic_attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
           kv_ids = iota((wg_rows, block_kv), 1)
           mask = (q_ids + q_seq_base) >= (kv_ids + kv_step * block_kv)
           qk = jnp.where(mask, qk, -jnp.inf)
+        if kv_tail:
+          kv_ids = iota((wg_rows, block_kv), 1)
+          qk = jnp.where(kv_ids + kv_step * block_kv < kv_seq_len, qk, -jnp.inf)
 
         # m is kept scaled by c, so p takes one FMA per score.
         m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
@@ -254,7 +273,13 @@ def mosaic_attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
         return acc, m_i, l_i
 
       if not causal:
-        acc, m_i, l_i = lax.fori_loop(0, block_max_kv_steps, kv_loop, (acc, m_i, l_i))
+        full_steps = num_kv_steps - kv_ragged
+        acc, m_i, l_i = lax.fori_loop(0, full_steps, kv_loop, (acc, m_i, l_i))
+        # The last KV block, masked past kv_len (a loop of one step: its index
+        # must be a traced value for the lowering).
+        acc, m_i, l_i = lax.fori_loop(full_steps, num_kv_steps,
+                                      functools.partial(kv_loop, kv_tail=True),
+                                      (acc, m_i, l_i))
       else:
         def epilogue_kv_loop(kv_step, _):
           # Drains the pipeline when this warpgroup finishes before the other.
@@ -265,7 +290,8 @@ def mosaic_attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
           perform_schedule_barrier()
 
         causal_kv_loop = functools.partial(kv_loop, causal=True)
-        full_kv_steps = lax.div(q_seq_base, jnp.array(block_kv, jnp.int32))
+        full_kv_steps = jnp.minimum(lax.div(q_seq_base, jnp.array(block_kv, jnp.int32)),
+                                    kv_steps)
         # Unmasked blocks, the diagonal blocks, then the drain.
         acc, m_i, l_i = lax.fori_loop(0, full_kv_steps, kv_loop, (acc, m_i, l_i))
         acc, m_i, l_i = lax.fori_loop(full_kv_steps, kv_steps, causal_kv_loop,
@@ -283,7 +309,11 @@ def mosaic_attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
     def _memory_wg():
       plgpu.set_max_registers(40, action="decrease")
       kv_head = lax.div(q_head, jnp.array(q_heads_per_kv_head, q_head.dtype))
-      for i in range(max_concurrent_steps):
+
+      # A loop, not a Python for: its starts are traced, so a last block that
+      # runs past kv_len is a TMA copy (zero-filled), not a static slice error.
+      @pl.loop(0, max_concurrent_steps)
+      def _prologue(i):
         s = (batch, pl.ds(i * block_kv, block_kv), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[i], k_barriers.at[i])
         plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[i], v_barriers.at[i])

@@ -202,7 +202,7 @@ def test_mosaic_config_validation_and_dict_round_trip():
 
 
 @pytest.mark.parametrize("shape,causal,match", [
-    ((1, 1000, 4, 128), True, "multiple of block_q=128"),
+    ((1, 1001, 4, 128), True, "multiples of 8"),
     ((1, 256, 4, 96), True, "head_dim a multiple of 64"),
 ])
 def test_mosaic_config_on_a_call_it_cannot_run_is_a_value_error(shape, causal, match):
@@ -230,13 +230,19 @@ def test_mosaic_space_rules():
   mosaic = [c for c in ATTENTION.space(p, h100) if c.backend == 1]
   assert MOSAIC_128 in mosaic
   for c in mosaic:  # M1-M3
-    assert p.q_len % c.block_q == 0 and p.kv_len % c.block_k == 0
     assert ATTENTION.smem_bytes(p, c) <= h100.smem_per_block
     assert (c.block_q // 2) * (p.head_dim + c.block_k) // 128 <= 160
     ATTENTION.validate(p, c, h100)
   assert not [c for c in ATTENTION.space(p, a100) if c.backend == 1]  # Hopper only
-  for q in (1000, 3000):  # ragged lengths: Triton only
+  # Lengths that are not multiples of the blocks have the same Mosaic configs
+  # (the kernel masks their ragged ends); lengths off a multiple of 8 have none.
+  for q in (1000, 3000):
+    assert [c for c in ATTENTION.space(ATTENTION.with_size(p, q), h100) if c.backend] == mosaic
+  for q in (1001, 2044):
     assert not [c for c in ATTENTION.space(ATTENTION.with_size(p, q), h100) if c.backend]
+  # No block beyond the next power of two of a short length (M1, as A1).
+  short = [c for c in ATTENTION.space(ATTENTION.with_size(p, 72), h100) if c.backend]
+  assert short and all(c.block_q == 128 and c.block_k <= 128 for c in short)
   assert not [c for c in ATTENTION.space(AttentionProblem(
       batch=1, q_heads=4, kv_heads=4, q_len=256, head_dim=96), h100) if c.backend]
   # Alignment tells apart neighbouring lengths, so each length is its own decision.
@@ -247,8 +253,8 @@ def test_mosaic_space_rules():
 
 
 def test_mosaic_selected_only_where_it_runs_with_the_h100_table():
-  """The shipped H100 table chooses Mosaic configs on aligned lengths (where
-  the sweep has them as the oracle) and never on a ragged length."""
+  """The shipped H100 table chooses Mosaic configs (where the sweep has them
+  as the oracle) and never on a length the kernel cannot run."""
   h100 = get_hardware("h100")
   base = AttentionProblem(batch=4, q_heads=32, kv_heads=8, q_len=2048)
   with selector.policy("tables"):
@@ -256,21 +262,29 @@ def test_mosaic_selected_only_where_it_runs_with_the_h100_table():
       p = ATTENTION.with_size(base, q)
       sel = selector.select(ATTENTION, p, h100)
       ATTENTION.validate(p, sel.config, h100)  # raises for a Mosaic config it cannot run
-      if q % 128:
+      if q % 8:
         assert sel.config.backend == 0
     assert selector.select(ATTENTION, base, h100).config.backend == 1
 
 
-def test_recorded_space_h200_sweep_predates_mosaic():
-  """The H200 sweep holds Triton configs only: its problems are complete
-  without Mosaic configs, and policies evaluated on it choose among Triton
-  configs. The H100 sweep holds both backends."""
-  ds = evaluate.load_dataset(H200_SWEEP)
+def test_recorded_space_of_a_file_that_predates_mosaic(tmp_path):
+  """A sweep file with Triton configs only (as recorded before the Mosaic
+  backend) is complete without Mosaic configs, and policies evaluated on it
+  choose among Triton configs. Both GPUs' sweeps hold both backends, and on
+  both a Mosaic config is the oracle of most problems, ragged lengths included."""
+  from wavetune_jax import sweep
+  header, rows = sweep.read_sweep(H200_SWEEP)
+  old = str(tmp_path / "attention_bfloat16.jsonl.gz")
+  sweep.SweepFile(old, header).append(
+      [r for r in rows if (r.get("config") or {}).get("backend", 0) == 0])
+  ds = evaluate.load_dataset(old)
+  assert len(ds.times) == 90
   p = next(iter(ds.times))
   assert all(c.backend == 0 for c in ds.spec.space(p, ds.hw))
   assert any(c.backend == 1 for c in ATTENTION.space(p, ds.hw))
-  h100 = evaluate.load_dataset(H100_SWEEP)
-  assert len(h100.times) == 90
-  oracles = [h100.oracle(p) for p in h100.times]
-  assert sum(c.backend == 1 for c in oracles) > len(oracles) // 2
-  assert all(h100.oracle(p).backend == 0 for p in h100.times if p.q_len in (1000, 3000))
+  for path in (H100_SWEEP, H200_SWEEP):
+    full = evaluate.load_dataset(path)
+    assert len(full.times) == 90
+    oracles = {p: full.oracle(p) for p in full.times}
+    assert sum(c.backend == 1 for c in oracles.values()) > len(oracles) // 2
+    assert any(c.backend == 1 for p, c in oracles.items() if p.q_len in (1000, 3000))

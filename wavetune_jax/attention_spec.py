@@ -2,7 +2,7 @@
 
 Two backends share one space: the Triton kernel (``backend=0``, any shape) and,
 on Hopper, the warp-specialized Mosaic GPU kernel (``backend=1``) where the
-lengths are multiples of its blocks and ``head_dim`` of 64. ``backend`` is a
+lengths are multiples of 8 and ``head_dim`` of 64. ``backend`` is a
 micro field: a Mosaic config is another variant of the wave model, with the
 same ``(G, L)`` mapping (``block_q`` is the query rows of one program in both).
 """
@@ -118,9 +118,10 @@ NUM_STAGES = (2, 3, 4)
 #  A4 registers: fp32 output accumulator per thread,
 #                block_q * head_dim_padded / (32 * num_warps), at most 128.
 # Mosaic configs (backend=1), on compute capability 9.0 only:
-#  M1 shape:     head_dim a multiple of 64, q_len a multiple of block_q,
-#                kv_len of block_k, q_len <= kv_len under a causal mask (the
-#                kernel has no ragged-end masking).
+#  M1 shape:     head_dim a multiple of 64, q_len and kv_len multiples of 8
+#                (TMA tiling), q_len <= kv_len under a causal mask; as A1, no
+#                block larger than the next power of two of its length
+#                (floors: the smallest blocks, 128 and 64).
 #  M2 smem:      (block_q + 2 * num_stages * block_k) * head_dim * itemsize
 #                (+ barriers) <= shared memory per block.
 #  M3 registers: fp32 accumulator and scores per consumer thread,
@@ -177,8 +178,8 @@ class AttentionSpec(KernelSpec):
   def size_quantum(self, problem: AttentionProblem) -> int:
     """Every block is a multiple of 32: within (32(j-1), 32j] the block counts,
     and with them (G, L) and the space, are the same. Where Mosaic configs can
-    be in the space, their alignment rule (M1) tells apart every length, so
-    each length is decided on its own."""
+    be in the space, it changes at multiples of 8 (rule M1) and their speed with
+    the ragged part of the last blocks, so each length is decided on its own."""
     return 1 if self._mosaic_possible(problem) else 32
 
   @staticmethod
@@ -210,7 +211,9 @@ class AttentionSpec(KernelSpec):
                          head_dim=head_dim, dtype=dtype)
     out = []
     for bq, bk, ns in itertools.product(mosaic.BLOCK_Q, mosaic.BLOCK_K, MOSAIC_STAGES):
-      if q_len % bq or kv_len % bk:
+      if (q_len % mosaic.SEQ_MULTIPLE or kv_len % mosaic.SEQ_MULTIPLE
+          or bq > max(mosaic.BLOCK_Q[0], _next_pow2(q_len))
+          or bk > max(mosaic.BLOCK_K[0], _next_pow2(kv_len))):
         continue  # M1
       c = AttentionConfig(block_q=bq, block_k=bk, num_warps=mosaic.NUM_WARPS,
                           num_stages=ns, backend=MOSAIC)
@@ -275,7 +278,7 @@ class AttentionSpec(KernelSpec):
     p = problem
     m = AttentionConfig(block_q=128, block_k=128, num_warps=mosaic.NUM_WARPS, num_stages=2,
                         backend=MOSAIC)
-    if (p.q_len >= 512 and p.batch * p.q_heads * (p.q_len // 128) >= hw.num_sms // 2
+    if (p.q_len >= 512 and p.batch * p.q_heads * -(-p.q_len // 128) >= hw.num_sms // 2
         and m in self.space(p, hw)):
       return m
     ctas = lambda bq: p.batch * p.q_heads * -(-p.q_len // bq)  # noqa: E731
