@@ -90,7 +90,7 @@ class AttentionConfig:
     backend: ``TRITON`` (0, the default: ``pallas_kernels.attention``, any
       length, any GPU Triton supports) or ``MOSAIC`` (1: the warp-specialized
       Mosaic GPU kernel of ``pallas_kernels.attention_mosaic``; Hopper,
-      aligned lengths, ``head_dim`` a multiple of 64).
+      lengths multiples of 8, ``head_dim`` a multiple of 64).
   """
 
   block_q: int = 128
