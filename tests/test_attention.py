@@ -252,19 +252,23 @@ def test_mosaic_space_rules():
     ATTENTION.validate(p, MOSAIC_128, a100)
 
 
-def test_mosaic_selected_only_where_it_runs_with_the_h100_table():
-  """The shipped H100 table chooses Mosaic configs (where the sweep has them
-  as the oracle) and never on a length the kernel cannot run."""
-  h100 = get_hardware("h100")
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_mosaic_selected_only_where_it_runs_with_the_shipped_tables(gpu):
+  """The shipped tables choose Mosaic configs (where the sweeps have them as
+  the oracle) and never on a length the kernel cannot run."""
+  hw = get_hardware(gpu)
   base = AttentionProblem(batch=4, q_heads=32, kv_heads=8, q_len=2048)
   with selector.policy("tables"):
-    for q in (2048, 2047, 2049, 1000, 4096):
+    for q in (2048, 2047, 2049, 1000, 3000, 4096):
       p = ATTENTION.with_size(base, q)
-      sel = selector.select(ATTENTION, p, h100)
-      ATTENTION.validate(p, sel.config, h100)  # raises for a Mosaic config it cannot run
+      sel = selector.select(ATTENTION, p, hw)
+      ATTENTION.validate(p, sel.config, hw)  # raises for a Mosaic config it cannot run
       if q % 8:
         assert sel.config.backend == 0
-    assert selector.select(ATTENTION, base, h100).config.backend == 1
+      else:
+        assert sel.config.backend == 1
+    p = AttentionProblem(batch=1, q_heads=8, kv_heads=1, q_len=256)  # 16 programs
+    assert selector.select(ATTENTION, p, hw).config.backend == 0
 
 
 def test_recorded_space_of_a_file_that_predates_mosaic(tmp_path):
