@@ -10,7 +10,7 @@ import sys
 
 import wave_model_fit
 
-from wavetune_jax.attention_spec import ATTENTION
+from wavetune_jax import ATTENTION
 
 
 def main():

@@ -13,8 +13,8 @@ import argparse
 import jax
 
 from pallas_kernels.attention import AttentionConfig
-from wavetune_jax import profiler
-from wavetune_jax.attention_spec import ATTENTION, AttentionProblem
+from wavetune_jax.tuning import profiler
+from wavetune_jax import ATTENTION, AttentionProblem
 
 CONFIGS = [AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2),
            AttentionConfig(block_q=128, block_k=128, num_warps=8, num_stages=3),

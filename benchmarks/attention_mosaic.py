@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention import MOSAIC, AttentionConfig
-from wavetune_jax import evaluate, hardware, profiler
-from wavetune_jax.attention_spec import ATTENTION, AttentionProblem
+from wavetune_jax.tuning import evaluate, profiler
+from wavetune_jax.core import hardware
+from wavetune_jax import ATTENTION, AttentionProblem
 
 TRITON = [AttentionConfig(block_q=128, block_k=128, num_warps=8, num_stages=3),
           AttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=3),

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention import AttentionConfig, attention, attention_reference
-from wavetune_jax import profiler
+from wavetune_jax.tuning import profiler
 
 SHAPES = [  # batch, seq, q_heads, kv_heads, head_dim, causal
     (1, 1000, 32, 8, 128, True),

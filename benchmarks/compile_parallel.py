@@ -4,7 +4,7 @@ Compiles two disjoint halves of one problem's config space (alternate configs,
 so both halves are alike): one half in 1 thread, the other in N threads, and
 prints seconds per config for each. Fresh jit functions, so nothing is shared.
 
-    python3 benchmarks/compile_parallel.py [--kernel matmul] [--threads 16]
+    python3 benchmarks/compile_parallel.py [--family matmul] [--threads 16]
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import time
 
 import jax
 
-from wavetune_jax import hardware, profiler
-from wavetune_jax.attention_spec import AttentionProblem
-from wavetune_jax.matmul_spec import MatmulProblem
-from wavetune_jax.spec import get_spec
+from wavetune_jax.core import hardware
+from wavetune_jax.tuning import profiler
+from wavetune_jax.families.attention import AttentionProblem
+from wavetune_jax.families.matmul import MatmulProblem
+from wavetune_jax.core.registry import get_family
 
 PROBLEMS = {
     "matmul": MatmulProblem(m=1000, n=4096, k=4096),
@@ -27,11 +28,11 @@ PROBLEMS = {
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--kernel", default="matmul", choices=sorted(PROBLEMS))
+  ap.add_argument("--family", default="matmul", choices=sorted(PROBLEMS))
   ap.add_argument("--threads", type=int, default=16)
   ap.add_argument("--configs", type=int, default=64, help="configs per half (at most)")
   a = ap.parse_args()
-  spec = get_spec(a.kernel)
+  spec = get_family(a.kernel)
   hw = hardware.detect()
   p = PROBLEMS[a.kernel]
   space = list(spec.space(p, hw))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from wavetune_jax import evaluate
+from wavetune_jax.tuning import evaluate
 
 
 def _geo(xs):

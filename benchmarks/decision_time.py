@@ -18,7 +18,9 @@ import random
 import statistics
 import time
 
-from wavetune_jax import MATMUL, MatmulProblem, get_hardware, selector, shapes, tables
+from wavetune_jax import MATMUL, MatmulProblem, get_hardware
+from wavetune_jax.runtime import selector, tables
+from wavetune_jax import shapes
 
 
 def main(argv=None):

@@ -20,8 +20,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from wavetune_jax import hardware, profiler, shapes
-from wavetune_jax.matmul_spec import MATMUL, MatmulProblem
+from wavetune_jax.core import hardware
+from wavetune_jax.tuning import profiler
+from wavetune_jax import shapes
+from wavetune_jax import MATMUL, MatmulProblem
 
 
 def run_shape(prof: profiler.Profiler, problem: MatmulProblem, hw, *, wide: bool,

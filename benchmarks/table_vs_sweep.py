@@ -17,7 +17,9 @@ import argparse
 import collections
 import math
 
-from wavetune_jax import eval_cli, evaluate, selector, sweep, tables
+from wavetune_jax import eval_cli
+from wavetune_jax.tuning import evaluate, sweep
+from wavetune_jax.runtime import selector, tables
 
 
 def _geo(xs):
@@ -31,7 +33,7 @@ def main(argv=None):
   eval_cli.add_margin_arg(ap)
   a = ap.parse_args(argv)
   ds = evaluate.load_dataset(a.sweep)
-  spec, hw = ds.spec, ds.hw
+  spec, hw = ds.family, ds.hw
   d = selector.Decider(tables.load(a.table, spec, hw), hw, heuristic_margin=a.heuristic_margin)
   eff, xla, dflt, src, missing = [], [], [], collections.Counter(), 0
   chosen_us = []

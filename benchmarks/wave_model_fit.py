@@ -23,7 +23,8 @@ import collections
 
 import numpy as np
 
-from wavetune_jax import evaluate, tables, tuning, wave_model
+from wavetune_jax.tuning import evaluate, tuner as tuning
+from wavetune_jax.runtime import tables, wave_model
 
 
 def main(argv=None):
@@ -33,7 +34,7 @@ def main(argv=None):
   ap.add_argument("--seed", type=int, default=0)
   a = ap.parse_args(argv)
   ds = evaluate.load_dataset(a.sweep)
-  spec, hw = ds.spec, ds.hw
+  spec, hw = ds.family, ds.hw
   train, test = evaluate.split(ds, seed=a.seed)
   train = set(train)
   pts = collections.defaultdict(list)

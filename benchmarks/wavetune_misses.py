@@ -18,7 +18,7 @@ import random
 
 import numpy as np
 
-from wavetune_jax import evaluate, tuning
+from wavetune_jax.tuning import evaluate, tuner as tuning
 
 
 def main(argv=None):
@@ -28,7 +28,7 @@ def main(argv=None):
   ap.add_argument("--worst", type=int, default=8)
   a = ap.parse_args(argv)
   ds = evaluate.load_dataset(a.sweep)
-  spec = ds.spec
+  spec = ds.family
   train, test = evaluate.split(ds, seed=a.seed)
   policy = evaluate.make_policy("wavetune")
   budget = max(1, round(tuning.DEFAULT_BUDGET_FRACTION * sum(len(ds.times[p]) for p in train)))

@@ -1,14 +1,15 @@
 """Synthetic sweeps with known answers, written through the real sweep code."""
 
-from wavetune_jax import MATMUL, MatmulProblem, get_hardware, sweep
-from wavetune_jax.profiler import Measurement
+from wavetune_jax import MATMUL, MatmulProblem, get_hardware
+from wavetune_jax.tuning import sweep
+from wavetune_jax.tuning.profiler import Measurement
 
 HW = get_hardware("h100")
 
 
 def wave_us(p, c):
   """A wave-shaped latency: fixed cost + waves x L x per-tile cost."""
-  g, l = MATMUL.coords(p, MATMUL.macro(c))
+  g, l = MATMUL.coords(p, c)
   waves = -(-g // HW.num_sms)
   return 2.0 + waves * l * 0.1 * (c.block_m * c.block_n) / 4096 + c.num_stages * 0.01
 

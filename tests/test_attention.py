@@ -1,5 +1,6 @@
-"""Flash attention: kernel in Pallas interpret mode against a float32 reference,
-input validation, the spec's mapping, and the tuner on the recorded H200 sweep."""
+"""The attention family: the reference, the causal block split, argument
+checks of the op, selection, the mapping and the tuner on the recorded sweeps
+(each backend's own tests: test_attention_backends.py)."""
 
 import os
 
@@ -9,10 +10,14 @@ import numpy as np
 import pytest
 
 import wavetune_jax as wt
-from pallas_kernels.attention import (AttentionConfig, attention, attention_reference,
-                                      kv_blocks, q_block_start)
-from wavetune_jax import ATTENTION, AttentionProblem, evaluate, get_hardware, selector
-from wavetune_jax.profiler import rel_error
+from pallas_kernels.attention.reference import attention_reference
+from pallas_kernels.attention.triton import kv_blocks, q_block_start
+from wavetune_jax import ATTENTION, AttentionProblem, MosaicAttentionConfig, TritonAttentionConfig, get_hardware
+from wavetune_jax.runtime import selector
+from wavetune_jax.tuning import evaluate
+from wavetune_jax.tuning.profiler import rel_error
+
+AttentionConfig = TritonAttentionConfig
 
 H200 = get_hardware("h200")
 H200_SWEEP = os.path.join(os.path.dirname(__file__), "..", "data", "sweeps", "nvidia_h200",
@@ -25,46 +30,6 @@ def _qkv(b, sq, skv, hq, hkv, d, dtype=jnp.bfloat16, seed=0):
   k = jax.random.normal(ks[1], (b, skv, hkv, d), jnp.float32).astype(dtype)
   v = jax.random.normal(ks[2], (b, skv, hkv, d), jnp.float32).astype(dtype)
   return q, k, v
-
-
-def _check(q, k, v, config, causal, tol=1e-2, scale=None):
-  out = attention(q, k, v, config=config, causal=causal, scale=scale, interpret=True)
-  assert out.shape == q.shape and out.dtype == q.dtype
-  # Interpret mode fills outputs with NaN first: unwritten rows show up here.
-  assert not bool(jnp.isnan(out.astype(jnp.float32)).any()), "unwritten output rows"
-  ref = attention_reference(q, k, v, causal=causal, scale=scale, out_dtype=jnp.float32)
-  err = rel_error(out, ref)
-  assert err < tol, f"relative error {err:.3g} >= {tol}"
-
-
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("ratio", [1, 4, 8])
-@pytest.mark.parametrize("length", [1, 7])
-def test_short_lengths_gqa_head_dim_96(causal, ratio, length):
-  q, k, v = _qkv(2, length, length, 2 * ratio, 2, 96)
-  _check(q, k, v, AttentionConfig(block_q=16, block_k=16), causal)
-
-
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("ratio", [1, 4, 8])
-def test_length_1000(causal, ratio):
-  # 1000 is not a multiple of any block: the last query block is shifted back
-  # and the last KV block is masked.
-  q, k, v = _qkv(1, 1000, 1000, ratio, 1, 96)
-  _check(q, k, v, AttentionConfig(block_q=128, block_k=64), causal)
-
-
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_head_dims_and_float16(d):
-  q, k, v = _qkv(1, 100, 100, 4, 2, d, dtype=jnp.float16)
-  _check(q, k, v, AttentionConfig(block_q=32, block_k=32), True)
-
-
-@pytest.mark.parametrize("sq,skv", [(40, 100), (100, 40)])
-def test_cross_lengths_and_scale(sq, skv):
-  q, k, v = _qkv(1, sq, skv, 4, 1, 64)
-  _check(q, k, v, AttentionConfig(block_q=16, block_k=32), True, scale=0.3)
-  _check(q, k, v, AttentionConfig(block_q=32, block_k=16), False)
 
 
 def test_reference_matches_jax_nn():
@@ -127,14 +92,55 @@ def test_bad_dtype_and_config():
   with pytest.raises(ValueError, match="share one dtype"):
     wt.attention(q, q.astype(jnp.float16), q, config=AttentionConfig())
   with pytest.raises(ValueError, match="power of two"):
-    wt.attention(q, q, q, config={"block_q": 48})
-  with pytest.raises(ValueError, match="unknown AttentionConfig"):
-    wt.attention(q, q, q, config={"block_m": 64})
+    wt.attention(q, q, q, config={"backend": "triton", "block_q": 48})
+  with pytest.raises(ValueError, match="unknown TritonAttentionConfig"):
+    wt.attention(q, q, q, config={"backend": "triton", "block_m": 64})
+  with pytest.raises(ValueError, match="no backend 'cudnn'"):
+    wt.attention(q, q, q, config={"backend": "cudnn"})
+  with pytest.raises(ValueError, match="TritonMatmulConfig"):
+    wt.attention(q, q, q, config=wt.TritonMatmulConfig())
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(causal="False"), "causal='False' must be a Python bool"),
+    (dict(causal=1), "must be a Python bool"),
+    (dict(scale="0.1"), "scale='0.1' must be a Python float"),
+    (dict(scale=float("nan")), "must be finite"),
+])
+def test_causal_and_scale_of_the_wrong_type(kw, match):
+  q = jnp.ones((1, 8, 4, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=match):
+    wt.attention(q, q, q, **kw)
+
+
+def test_on_a_cpu_the_op_picks_an_interpret_capable_backend():
+  """The README's example shape: with no GPU the H100 preset would pick the
+  Mosaic backend, which has no interpret mode; the op picks Triton."""
+  q = jnp.ones((2, 3000, 32, 128), jnp.bfloat16)
+  out = jax.eval_shape(wt.attention, q, q[:, :, :8], q[:, :, :8])
+  assert out.shape == q.shape
+  hw = get_hardware(None)
+  assert hw.interpret
+  sel = selector.select(ATTENTION, AttentionProblem(batch=2, q_heads=32, kv_heads=8,
+                                                    q_len=3000), hw)
+  assert isinstance(sel.config, TritonAttentionConfig)
+  # The same problem for a named GPU answers with the Mosaic backend.
+  sel = selector.select(ATTENTION, AttentionProblem(batch=2, q_heads=32, kv_heads=8,
+                                                    q_len=3000), get_hardware("h100"))
+  assert isinstance(sel.config, MosaicAttentionConfig)
+  with pytest.raises(ValueError, match="cannot run here"):
+    wt.attention(q[:, :256], q[:, :256], q[:, :256], config=MosaicAttentionConfig())
+
+
+def test_grad_is_a_clear_error():
+  q = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match="forward only"):
+    jax.grad(lambda q: wt.attention(q, q, q).astype(jnp.float32).sum())(q)
 
 
 def test_op_selects_at_trace_time_and_matches_reference():
   q, k, v = _qkv(1, 50, 50, 4, 1, 64)
-  with selector.use_config("attention", {"block_q": 32, "block_k": 32}):
+  with selector.use_config("attention", {"backend": "triton", "block_q": 32, "block_k": 32}):
     out = jax.jit(lambda q, k, v: wt.attention(q, k, v))(q, k, v)
   ref = attention_reference(q, k, v, causal=True, out_dtype=jnp.float32)
   assert rel_error(out, ref) < 1e-2
@@ -144,14 +150,13 @@ def test_spec_space_mapping_and_shipped_table():
   p = AttentionProblem(batch=2, q_heads=32, kv_heads=8, q_len=3000, head_dim=128)
   assert p.kv_len == 3000
   space = ATTENTION.space(p, H200)
-  assert space and all(c.num_warps == 4 or c.block_q >= 128 for c in space)  # A3
-  assert all(ATTENTION.smem_bytes(p, c) <= H200.smem_per_block for c in space)  # A2
-  g, l = ATTENTION.coords(p, {"block_q": 128, "block_k": 64})
+  assert space and {ATTENTION.backend_of(c).name for c in space} == {"triton", "mosaic"}
+  g, l = ATTENTION.coords(p, AttentionConfig(block_q=128, block_k=64))
   assert g == 2 * 32 * 24
   # Causal: mean KV blocks over query blocks, about half of the full row.
   assert 0.45 * 47 < l < 0.6 * 47
   g2, l2 = ATTENTION.coords(AttentionProblem(batch=2, q_heads=32, kv_heads=8, q_len=3000,
-                                             causal=False), {"block_q": 128, "block_k": 64})
+                                             causal=False), AttentionConfig(block_q=128, block_k=64))
   assert (g2, l2) == (g, 47.0)
   assert ATTENTION.with_size(p, 512).kv_len == 512
   with selector.policy("tables"):
@@ -176,80 +181,16 @@ def test_cli_select_attention(capsys):
                    "--set", "q_heads=32", "--set", "kv_heads=8", "--device", "h200"]) == 0
   text = capsys.readouterr().out
   assert "block_q" in text and "answered by" in text and "G=1536" in text
-  with pytest.raises(SystemExit, match="not a attention problem"):
-    cli_main(["select", "attention", "--m", "3000", "--device", "h200"])
+  assert cli_main(["select", "attention", "--m", "3000", "--device", "h200"]) == 2
+  assert "not a attention problem" in capsys.readouterr().err
 
 
 # --- the Mosaic GPU backend (runs on Hopper only; here: configs, spaces, errors) ----------
 
 H100_SWEEP = os.path.join(os.path.dirname(__file__), "..", "data", "sweeps",
                           "nvidia_h100_80gb_hbm3", "attention_bfloat16.jsonl.gz")
-MOSAIC_128 = AttentionConfig(block_q=128, block_k=128, num_warps=12, num_stages=2, backend=1)
-
-
-def test_mosaic_config_validation_and_dict_round_trip():
-  assert AttentionConfig.from_dict(MOSAIC_128.to_dict()) == MOSAIC_128
-  assert MOSAIC_128.to_dict()["backend"] == 1
-  # Triton configs read and write as before the backend field existed.
-  c = AttentionConfig(block_q=64, block_k=32)
-  assert "backend" not in c.to_dict() and AttentionConfig.from_dict(c.to_dict()) == c
-  for bad, match in [({"num_warps": 8}, "num_warps=12"), ({"block_q": 64}, "block_q=64"),
-                     ({"block_k": 32}, "block_k=32"), ({"num_stages": 1}, "num_stages=1")]:
-    with pytest.raises(ValueError, match=match):
-      AttentionConfig(**{**MOSAIC_128.to_dict(), **bad})
-  with pytest.raises(ValueError, match="backend=2"):
-    AttentionConfig(backend=2)
-
-
-@pytest.mark.parametrize("shape,causal,match", [
-    ((1, 1001, 4, 128), True, "multiples of 8"),
-    ((1, 256, 4, 96), True, "head_dim a multiple of 64"),
-])
-def test_mosaic_config_on_a_call_it_cannot_run_is_a_value_error(shape, causal, match):
-  q = jnp.ones(shape, jnp.bfloat16)
-  with pytest.raises(ValueError, match=match):
-    attention(q, q, q, config=MOSAIC_128, causal=causal)
-
-
-def test_mosaic_causal_needs_q_len_at_most_kv_len_and_a_hopper_gpu():
-  q = jnp.ones((1, 256, 4, 128), jnp.bfloat16)
-  k = jnp.ones((1, 128, 4, 128), jnp.bfloat16)
-  with pytest.raises(ValueError, match="q_len <= kv_len"):
-    attention(q, k, k, config=MOSAIC_128, causal=True)
-  # Aligned, but this machine has no Hopper GPU: a clear error, not a crash.
-  with pytest.raises(ValueError, match="compute capability 9.0"):
-    attention(q, q, q, config=MOSAIC_128, causal=True)
-  with pytest.raises(NotImplementedError, match="no CPU interpret mode"):
-    attention(q, q, q, config=MOSAIC_128, causal=True, interpret=True)
-
-
-def test_mosaic_space_rules():
-  h100 = get_hardware("h100")
-  a100 = get_hardware("a100")
-  p = AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=4096)
-  mosaic = [c for c in ATTENTION.space(p, h100) if c.backend == 1]
-  assert MOSAIC_128 in mosaic
-  for c in mosaic:  # M1-M3
-    assert ATTENTION.smem_bytes(p, c) <= h100.smem_per_block
-    assert (c.block_q // 2) * (p.head_dim + c.block_k) // 128 <= 160
-    ATTENTION.validate(p, c, h100)
-  assert not [c for c in ATTENTION.space(p, a100) if c.backend == 1]  # Hopper only
-  # Lengths that are not multiples of the blocks have the same Mosaic configs
-  # (the kernel masks their ragged ends); lengths off a multiple of 8 have none.
-  for q in (1000, 3000):
-    assert [c for c in ATTENTION.space(ATTENTION.with_size(p, q), h100) if c.backend] == mosaic
-  for q in (1001, 2044):
-    assert not [c for c in ATTENTION.space(ATTENTION.with_size(p, q), h100) if c.backend]
-  # No block beyond the next power of two of a short length (M1, as A1).
-  short = [c for c in ATTENTION.space(ATTENTION.with_size(p, 72), h100) if c.backend]
-  assert short and all(c.block_q == 128 and c.block_k <= 128 for c in short)
-  assert not [c for c in ATTENTION.space(AttentionProblem(
-      batch=1, q_heads=4, kv_heads=4, q_len=256, head_dim=96), h100) if c.backend]
-  # Alignment tells apart neighbouring lengths, so each length is its own decision.
-  assert ATTENTION.size_quantum(p) == 1
-  assert ATTENTION.occupancy_bound(p, MOSAIC_128, h100) == 1
-  with pytest.raises(ValueError, match="compute capability 9.0"):
-    ATTENTION.validate(p, MOSAIC_128, a100)
+MOSAIC_128 = MosaicAttentionConfig(block_q=128, block_k=128, num_stages=2)
+MOSAIC = MosaicAttentionConfig
 
 
 @pytest.mark.parametrize("gpu", ["h100", "h200"])
@@ -263,12 +204,9 @@ def test_mosaic_selected_only_where_it_runs_with_the_shipped_tables(gpu):
       p = ATTENTION.with_size(base, q)
       sel = selector.select(ATTENTION, p, hw)
       ATTENTION.validate(p, sel.config, hw)  # raises for a Mosaic config it cannot run
-      if q % 8:
-        assert sel.config.backend == 0
-      else:
-        assert sel.config.backend == 1
+      assert isinstance(sel.config, AttentionConfig if q % 8 else MOSAIC)
     p = AttentionProblem(batch=1, q_heads=8, kv_heads=1, q_len=256)  # 16 programs
-    assert selector.select(ATTENTION, p, hw).config.backend == 0
+    assert isinstance(selector.select(ATTENTION, p, hw).config, AttentionConfig)
 
 
 def test_recorded_space_of_a_file_that_predates_mosaic(tmp_path):
@@ -276,7 +214,7 @@ def test_recorded_space_of_a_file_that_predates_mosaic(tmp_path):
   backend) is complete without Mosaic configs, and policies evaluated on it
   choose among Triton configs. Both GPUs' sweeps hold both backends, and on
   both a Mosaic config is the oracle of most problems, ragged lengths included."""
-  from wavetune_jax import sweep
+  from wavetune_jax.tuning import sweep
   header, rows = sweep.read_sweep(H200_SWEEP)
   old = str(tmp_path / "attention_bfloat16.jsonl.gz")
   sweep.SweepFile(old, header).append(
@@ -284,11 +222,11 @@ def test_recorded_space_of_a_file_that_predates_mosaic(tmp_path):
   ds = evaluate.load_dataset(old)
   assert len(ds.times) == 90
   p = next(iter(ds.times))
-  assert all(c.backend == 0 for c in ds.spec.space(p, ds.hw))
-  assert any(c.backend == 1 for c in ATTENTION.space(p, ds.hw))
+  assert all(isinstance(c, AttentionConfig) for c in ds.family.space(p, ds.hw))
+  assert any(isinstance(c, MOSAIC) for c in ATTENTION.space(p, ds.hw))
   for path in (H100_SWEEP, H200_SWEEP):
     full = evaluate.load_dataset(path)
     assert len(full.times) == 90
     oracles = {p: full.oracle(p) for p in full.times}
-    assert sum(c.backend == 1 for c in oracles.values()) > len(oracles) // 2
-    assert any(c.backend == 1 for p, c in oracles.items() if p.q_len in (1000, 3000))
+    assert sum(isinstance(c, MOSAIC) for c in oracles.values()) > len(oracles) // 2
+    assert any(isinstance(c, MOSAIC) for p, c in oracles.items() if p.q_len in (1000, 3000))

@@ -7,7 +7,8 @@ import pytest
 
 from synthetic import (HW, MS, PROBLEMS, FakeMeasure, config_only_us,
                        wave_us, write_sweep)
-from wavetune_jax import MATMUL, evaluate
+from wavetune_jax import MATMUL
+from wavetune_jax.tuning import evaluate
 from wavetune_jax.cli import main as cli_main
 
 
@@ -109,12 +110,17 @@ def test_unknown_policy(wave_ds):
 def test_cli_json_and_plot(tmp_path, capsys):
   path = write_sweep(str(tmp_path / "s.jsonl.gz"), PROBLEMS, FakeMeasure(wave_us))
   plot = str(tmp_path / "eff.png")
-  assert cli_main(["eval", "--kernel", "matmul", "--sweep", path, "--policy",
+  assert cli_main(["eval", "--family", "matmul", "--sweep", path, "--policy",
                    "default,oracle", "--json", "--plot", plot]) == 0
   out = json.loads(capsys.readouterr().out)
   assert [r["policy"] for r in out["results"]] == ["default", "oracle"]
   assert out["results"][1]["geomean"] == 1.0
   import os
   assert os.path.getsize(plot) > 1000
-  assert cli_main(["eval", "--sweep", path, "--policy", "oracle"]) == 0
-  assert "oracle" in capsys.readouterr().out
+  with pytest.raises(SystemExit):  # the family is required
+    cli_main(["eval", "--sweep", path, "--policy", "oracle"])
+  assert "required: --family" in capsys.readouterr().err
+  assert cli_main(["eval", "--family", "attention", "--sweep", path]) == 2
+  assert "holds 'matmul' measurements" in capsys.readouterr().err
+  assert cli_main(["eval", "--family", "matmul", "--sweep", path, "--policy", "best"]) == 2
+  assert "unknown policy ['best']" in capsys.readouterr().err

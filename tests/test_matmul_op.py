@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import wavetune_jax as wt
-from pallas_kernels.matmul import MatmulConfig
-from wavetune_jax.profiler import rel_error
+from wavetune_jax import TritonMatmulConfig as MatmulConfig
+from wavetune_jax.tuning.profiler import rel_error
 
 
 def _xw(m, n, k, dtype=jnp.bfloat16):
@@ -76,8 +76,35 @@ def test_invalid_config_fields(fields, match):
 
 def test_unknown_config_field():
   x, w = _xw(8, 16, 32)
-  with pytest.raises(ValueError, match=r"unknown MatmulConfig field\(s\) \['block_q'\]"):
-    wt.matmul(x, w, config=dict(block_q=32))
+  with pytest.raises(ValueError, match=r"unknown TritonMatmulConfig field\(s\) \['block_q'\]"):
+    wt.matmul(x, w, config=dict(backend="triton", block_q=32))
+  with pytest.raises(ValueError, match="has no backend 'mosaic'"):
+    wt.matmul(x, w, config=dict(backend="mosaic"))
+
+
+@pytest.mark.parametrize("out_dtype,match", [
+    (jnp.int8, "out_dtype=<class 'jax.numpy.int8'> must be one of"),
+    ("int32", "out_dtype='int32' must be one of"),
+    ("not a dtype", "must be one of"),
+])
+def test_non_float_out_dtype_is_an_error(out_dtype, match):
+  x, w = _xw(8, 16, 32)
+  with pytest.raises(ValueError, match=match):
+    wt.matmul(x, w, out_dtype=out_dtype)
+
+
+def test_config_beyond_the_gpu_shared_memory_is_an_error():
+  from wavetune_jax.core.op import choose
+  p = wt.MatmulProblem(m=256, n=256, k=1024)
+  big = MatmulConfig(block_m=256, block_n=256, block_k=128, num_stages=8)
+  with pytest.raises(ValueError, match="bytes of shared memory"):
+    choose(wt.MATMUL, p, big, wt.get_hardware("h100"))
+
+
+def test_grad_is_a_clear_error():
+  x, w = _xw(8, 16, 32)
+  with pytest.raises(NotImplementedError, match="forward only"):
+    jax.grad(lambda x: wt.matmul(x, w).astype(jnp.float32).sum())(x)
 
 
 def test_split_k_larger_than_k_blocks():

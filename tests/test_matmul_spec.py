@@ -5,9 +5,11 @@ import dataclasses
 import jax
 import pytest
 
-from wavetune_jax import MATMUL, MatmulProblem, get_hardware, get_spec
-from wavetune_jax.hardware import PRESETS, detect, device_key
-from wavetune_jax.matmul_spec import ACC_PER_THREAD
+import wavetune_jax as wt
+
+from wavetune_jax import MATMUL, MatmulProblem, get_hardware, get_family
+from wavetune_jax.core.hardware import PRESETS, detect, device_key
+from wavetune_jax.families.matmul.triton import ACC_PER_THREAD
 
 H100 = get_hardware("h100")
 
@@ -29,9 +31,9 @@ def test_detect_refuses_cpu():
 
 
 def test_registry():
-  assert get_spec("matmul") is MATMUL
-  with pytest.raises(ValueError, match="unknown kernel 'nope'"):
-    get_spec("nope")
+  assert get_family("matmul") is MATMUL
+  with pytest.raises(ValueError, match="unknown family 'nope'"):
+    get_family("nope")
 
 
 def test_problems_compare_and_hash_by_their_fields():
@@ -71,7 +73,7 @@ def test_space_rules(m, n, k):
   assert len(set(space)) == len(space)
   for c in space:
     MATMUL.validate(p, c, H100)  # every config of the space is valid
-    assert MATMUL.smem_bytes(p, c) <= H100.smem_per_block
+    assert MATMUL.backend_of(c).smem_bytes(p, c) <= H100.smem_per_block
     assert c.block_m * c.block_n // (32 * c.num_warps) <= ACC_PER_THREAD[1]
     tiles = -(-m // c.block_m) * -(-n // c.block_n)
     if c.split_k > 1:
@@ -94,24 +96,26 @@ def test_unpruned_space_is_a_superset():
 
 def test_macro_micro_split_covers_every_field():
   c = MATMUL.default(MatmulProblem(m=5, n=6, k=7))
+  b = MATMUL.backend_of(c)
   macro, micro = MATMUL.macro(c), MATMUL.micro(c)
   assert set(macro).isdisjoint(micro)
-  assert {**macro, **micro} == MATMUL.config_to_dict(c)
+  assert {"backend": b.name, **macro, **micro} == MATMUL.config_to_dict(c)
   # Macro fields are exactly those that move (G, L).
   p = MatmulProblem(m=1000, n=4096, k=4096)
-  for field in MATMUL.micro_fields:
+  for field in b.micro_fields:
     other = dataclasses.replace(c, **{field: 2 * getattr(c, field)})
-    assert MATMUL.coords(p, MATMUL.macro(other)) == MATMUL.coords(p, MATMUL.macro(c))
-  for field in MATMUL.macro_fields:
+    assert MATMUL.coords(p, other) == MATMUL.coords(p, c)
+  for field in b.macro_fields:
     other = dataclasses.replace(c, **{field: 2 * getattr(c, field)})
-    assert MATMUL.coords(p, MATMUL.macro(other)) != MATMUL.coords(p, MATMUL.macro(c))
+    assert MATMUL.coords(p, other) != MATMUL.coords(p, c)
 
 
 def test_coords():
   p = MatmulProblem(m=1000, n=4096, k=4096)
-  g, l = MATMUL.coords(p, dict(block_m=128, block_n=256, block_k=64, split_k=1))
+  cfg = wt.TritonMatmulConfig
+  g, l = MATMUL.coords(p, cfg(block_m=128, block_n=256, block_k=64, split_k=1))
   assert (g, l) == (8 * 16, 64)
-  g, l = MATMUL.coords(p, dict(block_m=16, block_n=64, block_k=64, split_k=4))
+  g, l = MATMUL.coords(p, cfg(block_m=16, block_n=64, block_k=64, split_k=4))
   assert (g, l) == (63 * 64 * 4, 16)
 
 

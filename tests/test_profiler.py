@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from wavetune_jax import profiler
-from wavetune_jax.attention_spec import ATTENTION, AttentionProblem
-from wavetune_jax.matmul_spec import MATMUL, MatmulProblem
+from wavetune_jax.tuning import profiler
+from wavetune_jax import ATTENTION, AttentionProblem
+from wavetune_jax import MATMUL, MatmulProblem
 
 
 @pytest.mark.parametrize("spec,problem", [
@@ -78,7 +78,7 @@ def synthetic_us(p, c):
 
 
 def test_gpu_backend_logs_checks_and_resumes(tmp_path, monkeypatch):
-  from wavetune_jax import sweep, tuning
+  from wavetune_jax.tuning import sweep, tuner as tuning
   from synthetic import HW
   build = MATMUL.build
 
@@ -93,7 +93,7 @@ def test_gpu_backend_logs_checks_and_resumes(tmp_path, monkeypatch):
   log_path = str(tmp_path / "anchors.jsonl.gz")
   header = sweep.make_header(MATMUL, HW, jax_version="0", command="t", space="anchors")
   prof = _CpuProfiler(wrong={bad})
-  backend = tuning.GpuBackend(MATMUL, prof, log=sweep.SweepFile(log_path, header))
+  backend = tuning.GpuMeasurer(MATMUL, prof, log=sweep.SweepFile(log_path, header))
   got = backend.measure(points)
   for (p, c), us in zip(points, got):
     assert us == (None if c == bad else pytest.approx(synthetic_us(p, c)))
@@ -104,5 +104,5 @@ def test_gpu_backend_logs_checks_and_resumes(tmp_path, monkeypatch):
   assert all(r["rel_error"] < 1e-2 for r in rows if r["status"] == "ok")
   # A new backend on the same log re-times nothing.
   prof2 = _CpuProfiler()
-  again = tuning.GpuBackend(MATMUL, prof2, log=sweep.SweepFile(log_path, header))
+  again = tuning.GpuMeasurer(MATMUL, prof2, log=sweep.SweepFile(log_path, header))
   assert again.measure(points) == got and prof2.timed == []

@@ -6,7 +6,8 @@ import os
 import pytest
 
 from synthetic import HW, FakeMeasure, header, wave_us
-from wavetune_jax import MATMUL, MatmulProblem, report, sweep
+from wavetune_jax import MATMUL, MatmulProblem
+from wavetune_jax.tuning import report, sweep
 
 PROBLEMS = [MatmulProblem(m=m, n=256, k=512) for m in (1, 100, 1000)]
 _header = header
@@ -100,7 +101,7 @@ def test_report_finds_known_oracle(tmp_path):
 
 
 def test_problem_cut_short_is_left_out_of_dataset_and_geomeans(tmp_path):
-  from wavetune_jax import evaluate
+  from wavetune_jax.tuning import evaluate
   path = str(tmp_path / "s.jsonl.gz")
   n0 = len(sweep.sweep_configs(MATMUL, PROBLEMS[0], HW))
   with pytest.raises(KeyboardInterrupt):

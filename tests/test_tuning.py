@@ -14,7 +14,9 @@ import pytest
 
 from synthetic import HW, FakeMeasure, wave_us, write_sweep
 import wavetune_jax as wt
-from wavetune_jax import MATMUL, MatmulProblem, evaluate, selector, tables, tuning
+from wavetune_jax import MATMUL, MatmulProblem
+from wavetune_jax.tuning import evaluate, tuner as tuning
+from wavetune_jax.runtime import selector, tables
 from wavetune_jax.cli import main as cli_main
 
 H200_SWEEP = os.path.join(os.path.dirname(__file__), "..", "data", "sweeps", "nvidia_h200",
@@ -33,7 +35,7 @@ def wave_ds(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wave_table(wave_ds):
-  res = tuning.tune(MATMUL, HW, wave_ds.problems, tuning.ReplayBackend(wave_ds, wave_ds.problems),
+  res = tuning.tune(MATMUL, HW, wave_ds.problems, tuning.ReplayMeasurer(wave_ds, wave_ds.problems),
                     budget=1000)
   return res
 
@@ -49,7 +51,7 @@ def test_replay_respects_budget_and_pool(wave_ds, wave_table):
   assert wave_table.measurements <= 1000
   assert len(wave_table.table.anchors) == wave_table.measurements
   with pytest.raises(ValueError, match="not in the pool"):
-    tuning.ReplayBackend(wave_ds, wave_ds.problems[:1]).measure(
+    tuning.ReplayMeasurer(wave_ds, wave_ds.problems[:1]).measure(
         [(wave_ds.problems[-1], MATMUL.default(wave_ds.problems[-1]))])
 
 
@@ -141,7 +143,30 @@ def test_table_round_trip_and_validation(tmp_path, wave_table):
       "schema 99": lambda: json.dump({**d, "schema": 99}, open(path, "w")),
       "is for 'nvidia_a100": lambda: json.dump({**d, "device_key": "nvidia_a100"},
                                                 open(path, "w")),
-      "revision": lambda: json.dump({**d, "kernel_revision": 0}, open(path, "w")),
+      "revision": lambda: json.dump({**d, "revisions": {"triton": 0}}, open(path, "w")),
+      "configs of backend 'cudnn'": lambda: json.dump({**d, "revisions": {"cudnn": 1}},
+                                              open(path, "w")),
+      "num_sms=0": lambda: json.dump({**d, "num_sms": 0}, open(path, "w")),
+      "is for family 'attention'": lambda: json.dump({**d, "family": "attention"},
+                                                     open(path, "w")),
+      r"model entry .*invalid coef": lambda: json.dump(
+          {**d, "model": {**d["model"], "entries": [
+              {**d["model"]["entries"][0],
+               "coef": [-1.0] + d["model"]["entries"][0]["coef"][1:]}]}}, open(path, "w")),
+      r"model entry .*invalid occupancy": lambda: json.dump(
+          {**d, "model": {**d["model"], "entries": [
+              {**d["model"]["entries"][0], "occupancy": 0}]}}, open(path, "w")),
+      r"model entry .*invalid max_l": lambda: json.dump(
+          {**d, "model": {**d["model"], "entries": [
+              {**d["model"]["entries"][0], "max_l": float("inf")}]}}, open(path, "w")),
+      "exact entry .*split_k=16 is larger": lambda: json.dump(
+          {**d, "exact": [{"problem": {"m": 16, "n": 256, "k": 64},
+                           "config": {"backend": "triton", "block_m": 16, "block_n": 32,
+                                      "block_k": 32, "split_k": 16},
+                           "us": 3.0}]}, open(path, "w")),
+      "exact entry .*time -3.0": lambda: json.dump(
+          {**d, "exact": [{"problem": {"m": 16, "n": 256, "k": 64},
+                           "config": {"backend": "triton"}, "us": -3.0}]}, open(path, "w")),
       "not a wavetune table": lambda: json.dump([1, 2], open(path, "w")),
       "coefficients": lambda: json.dump(
           {**d, "model": {**d["model"], "entries": [
@@ -158,12 +183,12 @@ def test_table_round_trip_and_validation(tmp_path, wave_table):
 def test_distance_penalty_grows_away_from_the_anchors():
   c = MATMUL.space(MatmulProblem(m=64, n=4096, k=4096), HW)[0]
   anchors = [(MatmulProblem(m=m, n=4096, k=4096), c, 10.0) for m in (64, 4096)]
-  xy = [MATMUL.coords(p, MATMUL.macro(c)) for p, _, _ in anchors]
+  xy = [MATMUL.coords(p, c) for p, _, _ in anchors]
   v = MATMUL.variant(c)
   entry = tables.ModelEntry(variant=v, occupancy=1, coef=(1.0,) + (0.0,) * 7, points=2,
                             min_g=1, max_g=10**9, min_l=0.01, max_l=1e9,
                             aux_seen=(True, True), fit_med_err=0.0)
-  table = tables.Table(spec=MATMUL, device_kind=HW.name, device_key=HW.device_key,
+  table = tables.Table(family=MATMUL, device_kind=HW.name, device_key=HW.device_key,
                        num_sms=HW.num_sms, form="bilinear", entries={v: entry}, exact={},
                        anchors=anchors, provenance={})
   (g0, l0), (g1, l1) = xy
@@ -182,7 +207,7 @@ def test_distance_penalty_grows_away_from_the_anchors():
 
 def test_selection_order_and_policies(wave_table):
   p = MatmulProblem(m=100, n=384, k=640)
-  with selector.use_tables(wave_table.table):
+  with selector.use_tables(wave_table.table, "matmul"):
     sel = selector.select(MATMUL, p, HW)
     assert sel.source in ("exact", "model")
     with selector.policy("fixed"):
@@ -254,7 +279,7 @@ def test_cli_tune_replay_select_and_plot(tmp_path, capsys, wave_ds):
   out = str(tmp_path / "t.json")
   sweep_path = str(tmp_path / "s.jsonl.gz")
   write_sweep(sweep_path, wave_ds.problems, FakeMeasure(wave_us, with_failures=False))
-  assert cli_main(["tune", "--kernel", "matmul", "--replay", sweep_path, "--budget", "200",
+  assert cli_main(["tune", "--family", "matmul", "--replay", sweep_path, "--budget", "200",
                    "--out", out]) == 0
   assert tables.load(out, MATMUL, HW).provenance["mode"] == "replay"
   assert cli_main(["select", "matmul", "--m", "300", "--n", "384", "--k", "640",
@@ -262,8 +287,8 @@ def test_cli_tune_replay_select_and_plot(tmp_path, capsys, wave_ds):
   text = capsys.readouterr().out
   assert "answered by" in text and "block_m" in text
   png = str(tmp_path / "p.png")
-  assert cli_main(["plot", "matmul", "--sweep", sweep_path, "--table", out, "--n", "384",
-                   "--k", "640", "--out", png]) == 0
+  assert cli_main(["plot", "matmul", "--sweep", sweep_path, "--table", out, "--set",
+                   "n=384", "--set", "k=640", "--out", png]) == 0
   assert os.path.getsize(png) > 1000
 
 
@@ -280,12 +305,12 @@ def test_shipped_tables_validate_and_choose_well_on_recorded_sweeps(device_key, 
   ds = evaluate.load_dataset(os.path.join(root, "data", "sweeps", device_key,
                                           f"{kernel}_bfloat16.jsonl.gz"))
   assert ds.hw.device_key == device_key
-  table = tables.load(tables.default_path(kernel, device_key), ds.spec, ds.hw)
+  table = tables.load(tables.default_path(kernel, device_key), ds.family, ds.hw)
   d = selector.Decider(table, ds.hw)
   eff = []
   for p in ds.problems:
     sel = d.decide(p)
-    c = ds.spec.heuristic(p, ds.hw) if sel is None else sel.config
+    c = ds.family.heuristic(p, ds.hw) if sel is None else sel.config
     assert c in ds.times[p], (p, c)  # every choice lies in the swept space
     eff.append(min(ds.times[p].values()) / ds.times[p][c])
   assert math.exp(np.mean(np.log(eff))) >= floor
@@ -306,7 +331,7 @@ def test_wavetune_policy_passes_form_and_penalty_to_its_table(wave_ds):
   assert default.table.distance_penalty == tables.DEFAULT_DISTANCE_PENALTY
   assert "family_weight" not in default.table.provenance
   assert default.decider.margin == MATMUL.heuristic_margin
-  from wavetune_jax.eval_cli import parse_margin
+  from wavetune_jax.cli.eval import parse_margin
   assert parse_margin("spec") == "spec" and parse_margin("none") is None
   assert parse_margin("0.25") == 0.25
   with pytest.raises(Exception, match=">= 0"):
@@ -317,7 +342,7 @@ def test_family_points_carry_a_sparse_variant_to_far_waves():
   """Two micro variants of one tile; one has 2 anchors at few waves, its
   family member has many. With family weight the sparse one's prediction far
   out follows the family's curve; alone it cannot know it."""
-  from wavetune_jax.matmul_spec import MatmulConfig
+  from wavetune_jax import TritonMatmulConfig as MatmulConfig
   from synthetic import wave_us
   kw = dict(block_m=128, block_n=128, block_k=64, split_k=1, group_m=8, num_warps=4)
   a = MatmulConfig(**kw, num_stages=3)
@@ -330,7 +355,7 @@ def test_family_points_carry_a_sparse_variant_to_far_waves():
   for fw in (0.0, 0.5):
     entries = tuning.fit_entries(MATMUL, HW, pts, family_weight=fw)
     assert entries[MATMUL.variant(a)].points == 2  # its own points only
-    t = tables.Table(spec=MATMUL, device_kind=HW.name, device_key=HW.device_key,
+    t = tables.Table(family=MATMUL, device_kind=HW.name, device_key=HW.device_key,
                      num_sms=HW.num_sms, form="bilinear", entries=entries, exact={},
                      anchors=[], provenance={}, distance_penalty=0.0)
     err[fw] = abs(t.predict(far, [a], trusted=False)[0] / wave_us(far, a) - 1)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from wavetune_jax import wave_model
-from wavetune_jax.hardware import get_hardware
+from wavetune_jax.runtime import wave_model
+from wavetune_jax.core.hardware import get_hardware
 
 SMS = 132
 
@@ -77,10 +77,11 @@ def test_waves_and_bad_form():
 def test_occupancy_bound():
   hw = get_hardware("h100")
   # 128x256x64, 3 stages, bf16: 147 KB of shared memory -> one CTA per SM.
-  assert wave_model.occupancy_bound(smem_bytes=3 * (128 * 64 + 64 * 256) * 2, threads=256,
-                                    acc_per_thread=128, hw=hw) == 1
-  assert wave_model.occupancy_bound(smem_bytes=3 * (64 * 64 + 64 * 64) * 2, threads=128,
-                                    acc_per_thread=32, hw=hw) >= 3
+  from wavetune_jax.families import _triton
+  assert _triton.occupancy_bound(hw, smem_bytes=3 * (128 * 64 + 64 * 256) * 2, threads=256,
+                                 acc_per_thread=128) == 1
+  assert _triton.occupancy_bound(hw, smem_bytes=3 * (64 * 64 + 64 * 64) * 2, threads=128,
+                                 acc_per_thread=32) >= 3
 
 
 def test_tied_form_full_last_wave_costs_a_full_wave():

@@ -1,35 +1,44 @@
-"""wavetune-jax: near-optimal launch configs for Pallas GPU kernels at trace time."""
+"""wavetune-jax: the fastest backend and launch config for each LLM kernel call,
+chosen at jit trace time."""
 
-from wavetune_jax.attention_spec import (ATTENTION, AttentionConfig, AttentionProblem,
-                                         AttentionSpec)
-from wavetune_jax.hardware import Hardware, detect, device_key, get_hardware
-from wavetune_jax.matmul_spec import MATMUL, MatmulConfig, MatmulProblem, MatmulSpec
+from wavetune_jax.core.family import Backend, Family, Problem
+from wavetune_jax.core.hardware import Hardware, detect, device_key, get_hardware
+from wavetune_jax.core.registry import get_family, register, registered
+from wavetune_jax.families import ATTENTION, MATMUL
+from wavetune_jax.families.attention import (AttentionProblem, MosaicAttentionConfig,
+                                             TritonAttentionConfig)
+from wavetune_jax.families.matmul import MatmulProblem, TritonMatmulConfig
 from wavetune_jax.ops import attention, matmul
-from wavetune_jax.selector import load_tables, policy, select, set_policy, use_config, use_tables
-from wavetune_jax.spec import KernelSpec, get_spec, register
+from wavetune_jax.runtime.selector import (POLICIES, load_tables, policy, select, set_policy,
+                                           use_config, use_tables)
+from wavetune_jax.runtime.tables import TableError
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ATTENTION",
-    "AttentionConfig",
     "AttentionProblem",
-    "AttentionSpec",
+    "Backend",
+    "Family",
     "Hardware",
-    "KernelSpec",
     "MATMUL",
-    "MatmulConfig",
     "MatmulProblem",
-    "MatmulSpec",
+    "MosaicAttentionConfig",
+    "POLICIES",
+    "Problem",
+    "TableError",
+    "TritonAttentionConfig",
+    "TritonMatmulConfig",
+    "attention",
     "detect",
     "device_key",
+    "get_family",
     "get_hardware",
-    "attention",
-    "get_spec",
     "load_tables",
     "matmul",
     "policy",
     "register",
+    "registered",
     "select",
     "set_policy",
     "use_config",

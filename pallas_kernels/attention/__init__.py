@@ -1,0 +1,1 @@
+"""Flash-attention forward kernels: one module per backend."""

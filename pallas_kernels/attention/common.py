@@ -1,0 +1,60 @@
+"""Argument checks shared by every attention kernel and the reference."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["SUPPORTED_DTYPES", "MAX_HEAD_DIM", "check_qkv", "check_call"]
+
+#: Input dtypes the kernels accept (q, k and v share one).
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+#: Largest head dimension (the padded Q, K, V tiles must fit on chip).
+MAX_HEAD_DIM = 256
+
+
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+  """Raises ``ValueError`` unless ``q, k, v`` form a valid attention call."""
+  for name, a in (("q", q), ("k", k), ("v", v)):
+    if a.ndim != 4:
+      raise ValueError(
+          f"{name} must have rank 4 ([batch, seq, heads, head_dim]); "
+          f"got {name}.shape={a.shape}")
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape; got k.shape={k.shape}, "
+                     f"v.shape={v.shape}")
+  if q.shape[0] != k.shape[0]:
+    raise ValueError(f"batch differs: q.shape={q.shape}, k.shape={k.shape}")
+  if q.shape[3] != k.shape[3]:
+    raise ValueError(f"head_dim differs: q.shape={q.shape} (head_dim {q.shape[3]}), "
+                     f"k.shape={k.shape} (head_dim {k.shape[3]})")
+  hq, hkv = q.shape[2], k.shape[2]
+  if hkv == 0 or hq % hkv:
+    raise ValueError(
+        f"kv_heads={hkv} must divide q_heads={hq} (grouped-query attention); "
+        f"q.shape={q.shape}, k.shape={k.shape}")
+  if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
+    raise ValueError(f"head_dim={q.shape[3]} must be in [1, {MAX_HEAD_DIM}]")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise ValueError(
+        f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+  if q.dtype not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+    raise ValueError(f"dtype {q.dtype} is not supported; use one of "
+                     f"{[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}")
+
+
+def check_call(q, k, v, scale) -> float:
+  """:func:`check_qkv`, a non-empty KV sequence and the scale; returns the
+  scale as a float (default ``1 / sqrt(head_dim)``)."""
+  check_qkv(q, k, v)
+  if k.shape[1] == 0 and q.shape[1] > 0:
+    raise ValueError("kv_len is 0: softmax over no keys is undefined")
+  if scale is None:
+    return 1.0 / math.sqrt(q.shape[3])
+  if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    raise ValueError(f"scale={scale!r} must be a Python float (a static value) or None")
+  if not math.isfinite(scale):
+    raise ValueError(f"scale={scale} must be finite")
+  return float(scale)

@@ -1,0 +1,405 @@
+# Copyright 2024 The JAX Authors.
+# Copyright 2026 The wavetune-jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     https://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Pallas Mosaic GPU flash attention, forward (Hopper, warp-specialized).
+
+The forward kernel of JAX's ``jax.experimental.pallas.ops.gpu.attention_mgpu``
+(FlashAttention-3 style: TMA loads into a ring of ``num_stages`` shared-memory
+K/V buffers, wgmma, one producer warpgroup and two consumer warpgroups of
+``block_q / 2`` query rows each), changed here in five ways:
+
+* the shared-memory buffers take the input dtype (upstream hard-codes
+  float16, so bfloat16 inputs fail to compile in JAX 0.11.2);
+* the softmax scale is applied in the kernel, folded into the ``log2(e)``
+  factor of the exponent (upstream applies none; scaling ``q`` outside adds an
+  elementwise pass over ``q``);
+* under a causal mask, programs run from the last query block (the most KV
+  blocks) to the first, so the longest programs start in the first wave;
+* lengths need only be multiples of 8, not of the blocks: TMA zero-fills the
+  rows of a load past the end of an array and drops the rows of a store past
+  it, and the last KV block's scores past ``kv_len`` are masked (upstream
+  needs both lengths multiples of the blocks);
+* the checks raise ``ValueError`` with what to change.
+
+Layout ``[batch, seq, heads, head_dim]``, grouped-query attention read in place,
+causal masking aligned top-left as in ``jax.nn.dot_product_attention``.
+
+Requirements (checked by :func:`check_shapes`): an NVIDIA GPU of compute
+capability 9.0; bfloat16 or float16; ``head_dim`` a multiple of 64, at most
+256; ``q_len`` and ``kv_len`` multiples of 8 (TMA tiles the sequence
+dimension of global memory as it tiles shared memory); causal only with
+``q_len <= kv_len``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._launch import check_ints
+from pallas_kernels.attention.common import check_call
+
+__all__ = ["BLOCK_K", "BLOCK_Q", "COMPUTE_CAPABILITY", "NO_INTERPRET", "NUM_WARPS",
+           "SEQ_MULTIPLE", "MosaicAttentionConfig", "attention", "check_device",
+           "check_shapes", "smem_bytes"]
+
+#: The GPUs the kernel runs on (wgmma and TMA: Hopper).
+COMPUTE_CAPABILITY = "9.0"
+#: Two consumer warpgroups and one producer warpgroup.
+NUM_WARPS = 12
+#: Query rows per program (two warpgroups of ``block_q / 2`` rows).
+BLOCK_Q = (128, 256)
+#: KV rows per pipeline step.
+BLOCK_K = (64, 128, 256)
+#: q_len and kv_len must be multiples of this: the TMA copies tile the
+#: sequence dimension of global memory by 8 rows (the shared-memory tiling).
+SEQ_MULTIPLE = 8
+_LOG2E = math.log2(math.e)
+_BARRIER_BYTES = 1024  # barriers and alignment slack
+# JAX 0.10's Mosaic GPU interpreter has no rules for this kernel's
+# run_state accumulator, register layouts or transposed wgmma operands.
+NO_INTERPRET = ("the Mosaic GPU attention kernel has no CPU interpret mode; its "
+                 "correctness is checked on a Hopper GPU (the sweep and "
+                 "benchmarks/attention_mosaic.py compare it with the float32 reference)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MosaicAttentionConfig:
+  """Launch parameters of the Mosaic GPU attention kernel (12 warps: two
+  consumer warpgroups and one producer warpgroup).
+
+  Attributes:
+    block_q: query rows per program, 128 or 256 (two consumer warpgroups of
+      ``block_q / 2`` rows).
+    block_k: KV rows per pipeline step: 64, 128 or 256.
+    num_stages: K/V buffers in flight (TMA ring), in [2, 8].
+  """
+
+  block_q: int = 128
+  block_k: int = 128
+  num_stages: int = 2
+
+  def __post_init__(self):
+    check_ints(self)
+    if self.block_q not in BLOCK_Q:
+      raise ValueError(f"MosaicAttentionConfig.block_q={self.block_q} must be one of {BLOCK_Q}")
+    if self.block_k not in BLOCK_K:
+      raise ValueError(f"MosaicAttentionConfig.block_k={self.block_k} must be one of {BLOCK_K}")
+    if not 2 <= self.num_stages <= 8:
+      raise ValueError(f"MosaicAttentionConfig.num_stages={self.num_stages} must be in [2, 8]")
+
+
+def smem_bytes(*, block_q: int, block_k: int, num_stages: int, head_dim: int,
+               itemsize: int) -> int:
+  """Shared memory of one program: the Q/O tile of both consumer warpgroups
+  and ``num_stages`` K and V buffers."""
+  return (block_q + 2 * num_stages * block_k) * head_dim * itemsize + _BARRIER_BYTES
+
+
+def check_shapes(q_shape, kv_shape, dtype, *, causal: bool) -> None:
+  """Raises ``ValueError`` unless the Mosaic kernel runs a call of these shapes."""
+  _, q_len, _, head_dim = q_shape
+  kv_len = kv_shape[1]
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"the Mosaic GPU attention kernel takes bfloat16 or float16; "
+                     f"got {jnp.dtype(dtype).name}")
+  if head_dim % 64 or head_dim > 256:
+    raise ValueError(f"the Mosaic GPU attention kernel needs head_dim a multiple of 64, "
+                     f"at most 256; got {head_dim} (use a Triton config)")
+  if q_len % SEQ_MULTIPLE or kv_len % SEQ_MULTIPLE:
+    raise ValueError(
+        f"the Mosaic GPU attention kernel needs q_len and kv_len multiples of "
+        f"{SEQ_MULTIPLE} (its TMA copies tile the sequence by {SEQ_MULTIPLE} rows); got "
+        f"q_len={q_len}, kv_len={kv_len} (use a Triton config)")
+  if causal and q_len > kv_len:
+    raise ValueError(f"the Mosaic GPU attention kernel needs q_len <= kv_len under a "
+                     f"causal mask; got q_len={q_len}, kv_len={kv_len}")
+
+
+def check_device() -> None:
+  """Raises ``ValueError`` unless the default device is a Hopper GPU (the
+  kernel uses wgmma and TMA, compute capability 9.0 only)."""
+  dev = jax.devices()[0]
+  cc = getattr(dev, "compute_capability", None)
+  if dev.platform != "gpu" or cc != COMPUTE_CAPABILITY:
+    raise ValueError(f"the Mosaic GPU attention kernel needs a GPU of compute capability "
+                     f"{COMPUTE_CAPABILITY} (Hopper); the default device is {dev.device_kind} "
+                     f"(compute capability {cc}); use a Triton config")
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttentionConfig,
+              causal: bool = True, scale: float | None = None) -> jax.Array:
+  """Flash attention forward with the Mosaic GPU kernel (Hopper only).
+
+  Args:
+    q: ``[batch, q_len, q_heads, head_dim]``, bfloat16 or float16.
+    k, v: ``[batch, kv_len, kv_heads, head_dim]``, same dtype; ``kv_heads``
+      divides ``q_heads``.
+    config: launch parameters; used as given, never changed.
+    causal: mask keys after the query (top-left aligned).
+    scale: softmax scale (default ``1 / sqrt(head_dim)``).
+
+  Raises:
+    ValueError: invalid arguments (as the Triton kernel), shapes this kernel
+      does not run (:func:`check_shapes`), or no Hopper GPU.
+  """
+  if not isinstance(config, MosaicAttentionConfig):
+    raise ValueError(f"config must be a MosaicAttentionConfig; got {type(config).__name__}")
+  scale = check_call(q, k, v, scale)
+  if q.shape[1] == 0 or q.shape[0] == 0 or q.shape[2] == 0:
+    return jnp.zeros(q.shape, q.dtype)
+  check_shapes(q.shape, k.shape, q.dtype, causal=bool(causal))
+  check_device()
+  return _attention(q, k, v, block_q=config.block_q, block_k=config.block_k,
+                    num_stages=config.num_stages, causal=bool(causal), scale=scale)
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "block_k", "num_stages", "causal",
+                                             "scale"))
+def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
+               causal: bool, scale: float):
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  check_shapes(q.shape, k.shape, q.dtype, causal=causal)
+  batch_size, q_seq_len, num_q_heads, head_dim = q.shape
+  kv_seq_len, num_kv_heads = k.shape[1], k.shape[2]
+  q_heads_per_kv_head = num_q_heads // num_kv_heads
+  dtype = q.dtype
+  wg_rows = block_q // 2  # rows of one consumer warpgroup
+  block_kv = block_k
+  # Ragged ends: TMA fills rows past the end of q, k and v with zeros and drops
+  # the rows of a store past the end of the output. Scores of keys past kv_len
+  # are masked in the last KV step; query rows past q_len are computed on zeros
+  # and never stored.
+  num_kv_steps = pl.cdiv(kv_seq_len, block_kv)
+  kv_ragged = kv_seq_len % block_kv != 0
+  max_concurrent_steps = min(num_stages, num_kv_steps)
+  num_q_tiles = pl.cdiv(q_seq_len, block_q)
+  # exp(s * scale) = exp2(s * c). With c > 0, max(s * c) = max(s) * c, so the
+  # scale folds into the FMA of the exponent.
+  if scale > 0:
+    c, pre = scale * _LOG2E, None
+  else:
+    c, pre = _LOG2E, scale
+
+  iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
+
+  def kernel(q_ref, k_ref, v_ref, out_ref, scoped):
+    batch = lax.axis_index("batch")
+    q_head = lax.axis_index("heads")
+    q_tile = lax.axis_index("q_seq")
+    if causal:
+      q_tile = num_q_tiles - 1 - q_tile  # the longest programs first
+    smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
+    wg_idx = lax.axis_index("wg")
+    qo_smem2, k_smem, v_smem = smem_buffers
+    k_barriers, v_barriers, q_barriers = buffer_barriers
+    k_consumed_barriers, v_consumed_barriers = consumed_barriers
+
+    def perform_schedule_barrier():
+      plgpu.barrier_arrive(schedule_barrier)
+      plgpu.barrier_wait(schedule_barrier)
+
+    def kv_steps_to(q_end):
+      # KV steps a causal block of queries ending at q_end reads (q_len <= kv_len
+      # under a causal mask, so keys past kv_len are only seen by padding rows).
+      return jnp.minimum(pl.cdiv(q_end, jnp.array(block_kv, jnp.int32)), num_kv_steps)
+
+    if causal:
+      block_max_kv_steps = kv_steps_to((q_tile + 1) * block_q)
+    else:
+      block_max_kv_steps = num_kv_steps
+
+    @pl.when(wg_idx < 2)
+    def _compute_wg():
+      plgpu.set_max_registers(232, action="increase")
+      qo_smem = qo_smem2.at[wg_idx]
+      q_seq_base = q_tile * block_q + wg_idx * wg_rows
+
+      if causal:
+        kv_steps = kv_steps_to(q_seq_base + wg_rows)
+      else:
+        kv_steps = block_max_kv_steps
+
+      plgpu.copy_gmem_to_smem(
+          q_ref.at[batch, pl.ds(q_seq_base, wg_rows), q_head],
+          qo_smem,
+          q_barriers.at[wg_idx],
+      )
+      plgpu.barrier_wait(q_barriers.at[wg_idx])
+
+      m_i = plgpu.layout_cast(jnp.full((wg_rows,), -jnp.inf, dtype=jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      l_i = plgpu.layout_cast(jnp.full((wg_rows,), 0, dtype=jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      acc = plgpu.layout_cast(jnp.full((wg_rows, head_dim), 0, dtype=jnp.float32),
+                              plgpu.Layout.WGMMA)
+
+      @pl.when(kv_steps > 0)
+      def _():
+        plgpu.barrier_wait(k_barriers.at[0])
+
+      pl.when(wg_idx == 1)(perform_schedule_barrier)
+
+      def kv_loop(kv_step, carry, causal: bool = False, kv_tail: bool = False):
+        acc, m_i, l_i = carry
+        slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+          perform_schedule_barrier()
+          return acc_ref[...]
+        qk = pl.run_scoped(compute_qk, plgpu.ACC((wg_rows, block_kv), jnp.float32))
+        plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+        if pre is not None:
+          qk = qk * pre
+
+        if causal:
+          q_ids = iota((wg_rows, block_kv), 0)
+          kv_ids = iota((wg_rows, block_kv), 1)
+          mask = (q_ids + q_seq_base) >= (kv_ids + kv_step * block_kv)
+          qk = jnp.where(mask, qk, -jnp.inf)
+        if kv_tail:
+          kv_ids = iota((wg_rows, block_kv), 1)
+          qk = jnp.where(kv_ids + kv_step * block_kv < kv_seq_len, qk, -jnp.inf)
+
+        # m is kept scaled by c, so p takes one FMA per score.
+        m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
+        alpha = jnp.exp2(m_i - m_ij)
+        m_i = m_ij
+        p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i *= alpha
+        p16 = p.astype(dtype)
+
+        def end_softmax_barriers():
+          plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
+          plgpu.barrier_wait(v_barriers.at[slot])
+          plgpu.barrier_wait(schedule_barrier)  # the tensor cores are free
+        # Upstream found this order to matter for speed.
+        if head_dim <= 128:
+          l_i += p.sum(axis=1)
+          acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+          end_softmax_barriers()
+        else:
+          end_softmax_barriers()
+          l_i += p.sum(axis=1)
+
+        def compute_pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          wait_step = kv_step + 1
+          wait_slot = lax.rem(wait_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+
+          @pl.when(wait_step < kv_steps)
+          def _wait():
+            plgpu.barrier_wait(k_barriers.at[wait_slot])
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+        return acc, m_i, l_i
+
+      if not causal:
+        full_steps = num_kv_steps - kv_ragged
+        acc, m_i, l_i = lax.fori_loop(0, full_steps, kv_loop, (acc, m_i, l_i))
+        # The last KV block, masked past kv_len (a loop of one step: its index
+        # must be a traced value for the lowering).
+        acc, m_i, l_i = lax.fori_loop(full_steps, num_kv_steps,
+                                      functools.partial(kv_loop, kv_tail=True),
+                                      (acc, m_i, l_i))
+      else:
+        def epilogue_kv_loop(kv_step, _):
+          # Drains the pipeline when this warpgroup finishes before the other.
+          slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+          plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+          plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+          perform_schedule_barrier()
+          perform_schedule_barrier()
+
+        causal_kv_loop = functools.partial(kv_loop, causal=True)
+        full_kv_steps = jnp.minimum(lax.div(q_seq_base, jnp.array(block_kv, jnp.int32)),
+                                    kv_steps)
+        # Unmasked blocks, the diagonal blocks, then the drain.
+        acc, m_i, l_i = lax.fori_loop(0, full_kv_steps, kv_loop, (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(full_kv_steps, kv_steps, causal_kv_loop,
+                                      (acc, m_i, l_i))
+        lax.fori_loop(kv_steps, block_max_kv_steps, epilogue_kv_loop, None)
+      pl.when(wg_idx == 0)(perform_schedule_barrier)
+
+      acc /= lax.broadcast_in_dim(l_i, (wg_rows, head_dim), [0])
+      qo_smem[...] = acc.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_seq_base, wg_rows), q_head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg_idx == 2)
+    def _memory_wg():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(q_head, jnp.array(q_heads_per_kv_head, q_head.dtype))
+
+      # A loop, not a Python for: its starts are traced, so a last block that
+      # runs past kv_len is a TMA copy (zero-filled), not a static slice error.
+      @pl.loop(0, max_concurrent_steps)
+      def _prologue(i):
+        s = (batch, pl.ds(i * block_kv, block_kv), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[i], k_barriers.at[i])
+        plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[i], v_barriers.at[i])
+
+      @pl.loop(0, block_max_kv_steps - max_concurrent_steps)
+      def _kv_loop(kv_step):
+        tma_step = kv_step + max_concurrent_steps
+        tma_slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+        s = (batch, pl.ds(tma_step * block_kv, block_kv), kv_head)
+        plgpu.barrier_wait(k_consumed_barriers.at[tma_slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[tma_slot], k_barriers.at[tma_slot])
+        plgpu.barrier_wait(v_consumed_barriers.at[tma_slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[tma_slot], v_barriers.at[tma_slot])
+
+  def entry(q_ref, k_ref, v_ref, out_ref):
+    compute_wgs = 2
+    tiling = plgpu.TilingTransform((8, 64))
+    swizzle = plgpu.SwizzleTransform(128)
+    qo_scratch = plgpu.SMEM((compute_wgs, wg_rows, head_dim), dtype,
+                            transforms=(tiling, swizzle))
+    k_scratch = plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), dtype,
+                           transforms=(tiling, swizzle))
+    v_scratch = plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), dtype,
+                           transforms=(tiling, swizzle))
+    pl.run_scoped(
+        lambda *args: kernel(q_ref, k_ref, v_ref, out_ref, args),
+        (qo_scratch, k_scratch, v_scratch),
+        (
+            plgpu.Barrier(num_barriers=max_concurrent_steps),
+            plgpu.Barrier(num_barriers=max_concurrent_steps),
+            plgpu.Barrier(num_barriers=compute_wgs),
+        ),
+        (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2,
+        plgpu.Barrier(num_arrivals=compute_wgs),
+        collective_axes="wg",
+    )
+
+  return plgpu.kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      grid=(num_q_heads, num_q_tiles, batch_size),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(q, k, v)
+

@@ -1,0 +1,1 @@
+"""GEMM kernels ``y[M, N] = x[M, K] @ w[K, N]``: one module per backend."""

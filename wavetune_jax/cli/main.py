@@ -1,0 +1,47 @@
+"""The ``wavetune`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+  from wavetune_jax.cli import demo, eval as eval_cli, sweep, tune
+  ap = argparse.ArgumentParser(
+      prog="wavetune",
+      description="Fast launch configs for LLM kernels in JAX: choose, tune, evaluate.")
+  sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+  demo.add_commands(sub)
+  sweep.add_commands(sub)
+  tune.add_commands(sub)
+  eval_cli.add_commands(sub)
+  return ap
+
+
+def main(argv=None) -> int:
+  """Runs one command. User errors (a bad file, device, option value) print
+  one line and exit with status 2; ``WAVETUNE_DEBUG=1`` shows the traceback."""
+  from wavetune_jax.cli.common import CliError
+  args = build_parser().parse_args(argv)
+  try:
+    return args.func(args)
+  except (CliError, ValueError, OSError, EOFError, KeyError, RuntimeError) as e:
+    if os.environ.get("WAVETUNE_DEBUG"):
+      raise
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, KeyError):
+      msg = f"missing field {msg} (not a file of the expected kind?)"
+    print(f"wavetune {args.command}: error: {msg}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print(f"wavetune {args.command}: interrupted (what was measured is on file)",
+          file=sys.stderr)
+    return 130
+
+
+if __name__ == "__main__":
+  sys.exit(main())

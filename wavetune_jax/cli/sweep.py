@@ -1,0 +1,153 @@
+"""``wavetune sweep``, ``wavetune report`` and ``wavetune merge``."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+
+from wavetune_jax.cli.common import add_family_arg, existing_file, positive_int
+
+__all__ = ["add_commands", "add_problem_args", "problems", "Progress"]
+
+
+class Progress:
+  """Configs done, failures and ETA (rich when installed, plain lines otherwise)."""
+
+  def __init__(self, label: str):
+    self.label = label
+    self.done = self.failed = 0
+    self._rich = None
+
+  def start(self, total: int):
+    self.total = total
+    self.t0 = time.perf_counter()
+    try:
+      from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                 TimeElapsedColumn, TimeRemainingColumn)
+      self._rich = Progress(TextColumn("{task.description}"), BarColumn(),
+                            MofNCompleteColumn(), TextColumn("failed {task.fields[failed]}"),
+                            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+      self._task = self._rich.add_task(self.label, total=total, failed=0)
+      self._rich.start()
+    except ImportError:
+      print(f"{self.label}: {total} measurements to do", flush=True)
+
+  def advance(self, status: str):
+    self.done += 1
+    self.failed += status != "ok"
+    if self._rich is not None:
+      self._rich.update(self._task, advance=1, failed=self.failed)
+    elif self.done % max(1, self.total // 20) == 0 or self.done == self.total:
+      el = time.perf_counter() - self.t0
+      eta = el / self.done * (self.total - self.done)
+      print(f"  {self.done}/{self.total} done, {self.failed} failed, "
+            f"{el:.0f} s elapsed, ETA {eta:.0f} s", flush=True)
+
+  def stop(self):
+    if self._rich is not None:
+      self._rich.stop()
+
+
+def problems(spec, args):
+  """The problems of ``args.shapes`` selected by ``add_problem_args``'s options."""
+  from wavetune_jax.shapes import load_suite
+  suite = load_suite(args.shapes)
+  probs = spec.problems_from_suite(
+      suite, weights=args.weights.split(",") if args.weights else None,
+      sizes=args.m, dtype=args.dtype)
+  if args.m_range:
+    lo, hi = args.m_range
+    probs = [p for p in probs if lo <= spec.size_of(p) <= hi]
+  if not probs:
+    raise ValueError(f"no {spec.name} problem in suite {args.shapes!r} matches the options")
+  return probs
+
+
+def _sweep(args) -> int:
+  import jax
+
+  from wavetune_jax.core import hardware
+  from wavetune_jax.core.registry import get_family
+  from wavetune_jax.tuning import profiler, sweep
+
+  spec = get_family(args.family)
+  hw = hardware.detect()
+  out = args.out or f"data/sweeps/{hw.device_key}/{spec.name}_{args.dtype}.jsonl.gz"
+  header = sweep.make_header(spec, hw, jax_version=jax.__version__,
+                             command="wavetune " + shlex.join(sys.argv[1:]),
+                             space="wide" if args.wide else "pruned")
+  f = sweep.SweepFile(out, header, spec)
+  probs = problems(spec, args)
+  print(f"{hw.name}: {len(probs)} problems -> {out} ({f.n_rows} rows already there)",
+        flush=True)
+  prof = profiler.Profiler(iterations=args.iterations, threads=args.threads)
+  t0 = time.perf_counter()
+  counts = sweep.run_sweep(spec, probs, hw, f, sweep.gpu_measure(spec, prof),
+                           prune=not args.wide, progress=Progress(f"sweep {spec.name}"))
+  print(f"measured {counts['measured']} ({counts['failed']} failed), skipped "
+        f"{counts['skipped']} already on file, {time.perf_counter() - t0:.0f} s")
+  return 0
+
+
+def _merge(args) -> int:
+  from wavetune_jax.tuning import sweep
+  replaced, added = sweep.merge_sweeps(args.into, args.sweep)
+  print(f"{args.into}: {added} problems added, {replaced} replaced from {args.sweep}")
+  return 0
+
+
+def _report(args) -> int:
+  from wavetune_jax.tuning import report
+  text = report.render(args.sweep, plot=args.plot)
+  print(text)
+  return 0
+
+
+def add_problem_args(ap: argparse.ArgumentParser) -> None:
+  """The options that choose a family and the problems of a suite (:func:`problems`)."""
+  add_family_arg(ap)
+  ap.add_argument("--shapes", default="train",
+                  help="shape suite: a built-in name or a JSON file (default: train)")
+  ap.add_argument("--weights", help="comma-separated weight (GEMM) or model (attention) "
+                  "names of the suite (default: all)")
+  ap.add_argument("--m", type=positive_int, nargs="+", metavar="SIZE",
+                  help="token counts: the family's size field, GEMM M or attention "
+                       "q_len (default: the suite's)")
+  ap.add_argument("--m-range", type=positive_int, nargs=2, metavar=("LO", "HI"),
+                  help="keep only sizes in [LO, HI]")
+  ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                  help="input dtype (default: bfloat16)")
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+  sw = sub.add_parser(
+      "sweep", help="exhaustive, resumable sweep of a family's config spaces (GPU)",
+      description="Checks and times every config of the space for every problem "
+      "(and the platform baseline) with CUPTI. Resumable: rerun the same command to "
+      "fill what is missing; nothing on file is measured twice.")
+  add_problem_args(sw)
+  sw.add_argument("--out", help="result file (default: "
+                  "data/sweeps/<device_key>/<family>_<dtype>.jsonl.gz)")
+  sw.add_argument("--iterations", type=positive_int, default=20,
+                  help="timed calls per config, median reported (default: 20)")
+  sw.add_argument("--threads", type=positive_int, default=16,
+                  help="parallel compile threads (default: 16)")
+  sw.add_argument("--wide", action="store_true", help="the unpruned space (validity only)")
+  sw.set_defaults(func=_sweep)
+  rp = sub.add_parser("report", help="tables and a wave plot of a sweep file",
+                      description="Per problem: the oracle config and time, the "
+                      "baseline, the fixed default, the heuristic, the worst config "
+                      "and the spread; then geomeans, GPU seconds, repeatability, failures.")
+  rp.add_argument("sweep", type=existing_file, help="a sweep file (.jsonl.gz)")
+  rp.add_argument("--plot", help="PNG path for latency against the size field")
+  rp.set_defaults(func=_report)
+  mg = sub.add_parser(
+      "merge", help="put the problems of one sweep file into another",
+      description="A problem in both files keeps only the rows of SWEEP, so each "
+      "problem's configs come from one run; INTO's header records SWEEP's run.")
+  mg.add_argument("sweep", type=existing_file, help="the file whose problems are taken")
+  mg.add_argument("--into", required=True, type=existing_file,
+                  help="the sweep file to update")
+  mg.set_defaults(func=_merge)

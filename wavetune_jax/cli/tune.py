@@ -1,0 +1,277 @@
+"""``wavetune tune``, ``wavetune select`` and ``wavetune plot``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+
+from wavetune_jax.cli.common import (CliError, add_family_arg, at_least, existing_file,
+                                     positive_int)
+from wavetune_jax.cli.eval import add_model_args, model_options
+
+__all__ = ["add_commands"]
+
+
+def _tune(args) -> int:
+  import jax
+
+  from wavetune_jax.cli.sweep import Progress, problems
+  from wavetune_jax.core.registry import get_family
+  from wavetune_jax.runtime import tables
+  from wavetune_jax.tuning import evaluate
+  from wavetune_jax.tuning import tuner as tuning
+
+  command = "wavetune " + shlex.join(sys.argv[1:])
+  spec = get_family(args.family)
+  prov = {"command": command, "jax_version": jax.__version__}
+  if args.fit_only:
+    return _fit_only(args, spec, prov)
+  if args.replay:
+    ds = evaluate.load_dataset(args.replay)
+    if ds.family.name != spec.name:
+      raise CliError(f"{args.replay} is a {ds.family.name} sweep, not {spec.name}")
+    spec = ds.family  # the backends the sweep recorded
+    hw = ds.hw
+    pool = [p for p in ds.problems
+            if not args.m_range or args.m_range[0] <= spec.size_of(p) <= args.m_range[1]]
+    if not pool:
+      raise CliError(f"{args.replay} has no complete problem to tune on")
+    backend = tuning.ReplayMeasurer(ds, pool)
+    prov["source"] = args.replay
+    progress = None
+  else:
+    from wavetune_jax.core import hardware
+    from wavetune_jax.tuning import profiler, sweep
+    hw = hardware.detect()
+    pool = problems(spec, args)
+    log_path = args.anchors or f"data/anchors/{hw.device_key}/{spec.name}_{args.dtype}.jsonl.gz"
+    header = sweep.make_header(spec, hw, jax_version=jax.__version__, command=command,
+                               space="anchors")
+    log = sweep.SweepFile(log_path, header, spec)
+    progress = Progress(f"tune {spec.name}")
+    backend = tuning.GpuMeasurer(spec, profiler.Profiler(iterations=args.iterations,
+                                                        threads=args.threads),
+                                log=log, progress=progress)
+    prov["source"] = log_path
+    print(f"{hw.name}: {len(pool)} problems; anchors logged to {log_path} "
+          f"({len(backend._known)} already there)", flush=True)
+  out = args.out or tables.default_path(spec.name, hw.device_key)
+  budget = args.budget
+  if budget is None:
+    fraction = args.budget_fraction or tuning.DEFAULT_BUDGET_FRACTION
+    budget = max(1, round(fraction * sum(len(spec.space(p, hw)) for p in pool)))
+  if progress is not None:
+    progress.start(budget)
+  t0 = time.perf_counter()
+  try:
+    res = tuning.tune(spec, hw, pool, backend, budget=budget, seed=args.seed,
+                      **model_options(args), provenance=prov,
+                      log=lambda s: print(s, flush=True))
+  finally:
+    if progress is not None:
+      progress.stop()
+  _check_table(res.table)
+  tables.save(res.table, out)
+  print(f"{res.measurements} anchors ({res.table.provenance['failed_anchors']} failed), "
+        f"{res.seconds:.0f} s measuring, {time.perf_counter() - t0:.0f} s in all -> {out}")
+  return 0
+
+
+def _fit_only(args, spec, prov) -> int:
+  """Fits the table from a logged anchor file, measuring nothing."""
+  from wavetune_jax.cli.sweep import problems
+  from wavetune_jax.runtime import tables
+  from wavetune_jax.tuning import report, sweep
+  from wavetune_jax.tuning import tuner as tuning
+  if not args.anchors:
+    raise CliError("--fit-only needs --anchors FILE")
+  header, rows = sweep.read_sweep(args.anchors)
+  if header.get("kernel") != spec.name:
+    raise CliError(f"{args.anchors} holds {header.get('kernel')!r} anchors, not {spec.name!r}")
+  hw = report.hardware_of(header)
+  points = [(spec.problem_from_dict(r["problem"]), spec.config_from_dict(r["config"]),
+             r["median_us"] if r["status"] == "ok" else None)
+            for r in rows if r["impl"] == "pallas"]
+  prov.update(mode="gpu", source=args.anchors, anchors_jax_version=header.get("jax_version"),
+              note="fitted from the anchor log")
+  if not any(us is not None for *_, us in points):
+    raise CliError(f"{args.anchors} has no successful anchor to fit")
+  table = tuning.build_table(spec, hw, problems(spec, args), points,
+                             **model_options(args), provenance=prov)
+  out = args.out or tables.default_path(spec.name, hw.device_key)
+  _check_table(table)
+  tables.save(table, out)
+  print(f"{hw.name}: {len(table.entries)} variant models and {len(table.exact)} exact "
+        f"entries from {len(points)} anchors -> {out}")
+  return 0
+
+
+def _select(args) -> int:
+  from wavetune_jax.core.hardware import PRESETS, detect, get_hardware
+  from wavetune_jax.core.registry import get_family
+  from wavetune_jax.runtime import selector, tables
+  spec = get_family(args.family)
+  if args.device is None:
+    try:
+      hw = detect()
+    except RuntimeError:
+      raise CliError(f"no GPU here: name one with --device ({', '.join(sorted(PRESETS))})") from None
+  else:
+    hw = get_hardware(args.device)
+  fields = {"dtype": args.dtype}
+  for name, value in (("m", args.m), ("n", args.n), ("k", args.k)):
+    if value is not None:
+      fields[spec.size_field if name == "m" else name] = value
+  for name, value in args.set or ():
+    fields[name] = {"true": True, "false": False}.get(value.lower(), value)
+    if isinstance(fields[name], str) and fields[name].lstrip("-").isdigit():
+      fields[name] = int(fields[name])
+  try:
+    problem = spec.problem_from_dict(fields)
+  except (TypeError, ValueError) as e:
+    raise CliError(f"not a {spec.name} problem: {fields} ({e})") from None
+  if args.table:
+    ctx = selector.use_tables(tables.load(args.table, spec, hw), spec.name)
+  else:
+    ctx = selector.policy(args.policy)
+  with ctx:
+    sel = selector.select(spec, problem, hw)
+    table = selector.active_table(spec.name, hw) if args.policy == "tables" else None
+  g, l = spec.coords(problem, sel.config)
+  print(f"problem     {spec.problem_key(problem)} on {hw.name}")
+  print(f"config      {spec.config_to_dict(sel.config)}")
+  print(f"answered by {sel.source}" + (f" ({sel.note})" if sel.note else "")
+        + (f" from {table.provenance.get('source', '?')}" if table is not None else ""))
+  pred = "-" if sel.predicted_us is None else f"{sel.predicted_us:.1f} us"
+  print(f"predicted   {pred}")
+  print(f"grid        G={g} CTAs, L={l:.4g} trips" +
+        (f", {sel.waves} wave(s)" if sel.waves is not None else ""))
+  return 0
+
+
+def _plot(args) -> int:
+  import collections
+
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  from wavetune_jax.runtime import tables
+  from wavetune_jax.tuning import evaluate
+  ds = evaluate.load_dataset(args.sweep)
+  spec = ds.family
+  if spec.name != args.family:
+    raise CliError(f"{args.sweep} holds {spec.name!r} measurements, not {args.family!r}")
+  table = tables.load(args.table or tables.default_path(spec.name, ds.hw.device_key),
+                      spec, ds.hw)
+  want = dict(args.set or [])
+  probs = sorted((p for p in ds.times
+                  if all(str(getattr(p, k, None)) == v for k, v in want.items())),
+                 key=spec.size_of)
+  weights = {spec.weight_of(p) for p in probs}
+  if not probs:
+    raise CliError(f"no problem with {want} in {args.sweep}")
+  if len(weights) > 1:
+    raise CliError(f"{len(weights)} weights match {want}; name more fields with --set, "
+                   f"e.g. {dict(sorted(weights)[0])}")
+  wins = collections.Counter(ds.oracle(p) for p in probs)
+  configs = [c for c, _ in wins.most_common(args.configs)]
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for i, c in enumerate(configs):
+    color = f"C{i}"
+    xs = [p for p in probs if c in ds.times[p]]
+    ax.plot([spec.size_of(p) for p in xs], [ds.times[p][c] for p in xs], "o", color=color,
+            label=f"{spec.config_to_dict(c)} measured")
+    ms = np.unique(np.geomspace(1, spec.size_of(probs[-1]), 400).astype(int))
+    pred = [table.predict(spec.with_size(probs[0], m), [c], trusted=False)[0] for m in ms]
+    ax.plot(ms, pred, "-", color=color, alpha=0.7)
+  ax.set_xscale("log"); ax.set_yscale("log")
+  ax.set_xlabel(spec.size_field); ax.set_ylabel("latency (us)")
+  ax.set_title(f"{spec.name} {' '.join(f'{k}={v}' for k, v in want.items())} on {ds.hw.name}: "
+               "measured (dots) vs wave model (lines)")
+  ax.legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(args.out, dpi=120)
+  print(f"wrote {args.out}")
+  return 0
+
+
+def _check_table(table) -> None:
+  """A table with no model entry and no exact entry answers nothing: never write it."""
+  if not table.entries and not table.exact:
+    raise CliError("no model could be fitted (every anchor failed or too few per "
+                   "variant); no table written")
+
+
+def _field(s: str) -> tuple[str, str]:
+  name, sep, value = s.partition("=")
+  if not sep or not name:
+    raise argparse.ArgumentTypeError(f"{s!r}: expected FIELD=VALUE")
+  return name, value
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+  from wavetune_jax.cli.sweep import add_problem_args
+  from wavetune_jax.core.hardware import PRESETS
+  tu = sub.add_parser(
+      "tune", help="sparse wave-aware profiling -> tables/<device_key>/<family>.json",
+      description="Measures anchors placed on the wave structure (GPU), or reads them "
+      "from a recorded sweep (--replay, no GPU), fits the wave model per variant and "
+      "writes the dual table. On a GPU every anchor is logged to a resumable file; a "
+      "rerun reads what is there instead of timing it again.")
+  add_problem_args(tu)
+  tu.add_argument("--replay", type=existing_file,
+                  help="sweep file to read anchors from instead of a GPU")
+  tu.add_argument("--budget", type=positive_int,
+                  help="measurements (default: 3%% of the pool's space)")
+  tu.add_argument("--budget-fraction", type=at_least(1e-6),
+                  help="budget as a fraction of the pool's space (default: 0.03)")
+  tu.add_argument("--seed", type=int, default=0,
+                  help="tie-breaking among targeted anchors (default: 0)")
+  add_model_args(tu)
+  tu.add_argument("--out", help="table file (default: tables/<device_key>/<family>.json)")
+  tu.add_argument("--anchors", help="anchor log (GPU mode; default "
+                  "data/anchors/<device_key>/<family>_<dtype>.jsonl.gz)")
+  tu.add_argument("--fit-only", action="store_true",
+                  help="fit the table from the --anchors log without measuring")
+  tu.add_argument("--iterations", type=positive_int, default=20,
+                  help="timed calls per anchor (default: 20)")
+  tu.add_argument("--threads", type=positive_int, default=16,
+                  help="parallel compile threads (default: 16)")
+  tu.set_defaults(func=_tune)
+
+  se = sub.add_parser("select", help="the backend and config chosen for one problem",
+                      description="What the ops would choose for one problem, on this GPU "
+                      "or (--device) on a named one from any machine.")
+  add_family_arg(se, positional=True)
+  se.add_argument("--m", type=positive_int,
+                  help="the size field (GEMM: M; attention: q_len)")
+  se.add_argument("--n", type=positive_int, help="GEMM N")
+  se.add_argument("--k", type=positive_int, help="GEMM K")
+  se.add_argument("--set", action="append", metavar="FIELD=VALUE", type=_field,
+                  help="any other problem field, e.g. --set batch=2 --set q_heads=32")
+  se.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                  help="input dtype (default: bfloat16)")
+  se.add_argument("--device", choices=sorted(PRESETS),
+                  help="hardware preset (default: this GPU)")
+  se.add_argument("--table", type=existing_file, help="table file (default: the shipped one)")
+  se.add_argument("--policy", default="tables", choices=("tables", "heuristic", "fixed"),
+                  help="selection policy (default: tables)")
+  se.set_defaults(func=_select)
+
+  pl = sub.add_parser("plot", help="wave model vs measured latency for one weight (PNG)")
+  add_family_arg(pl, positional=True)
+  pl.add_argument("--sweep", required=True, type=existing_file, help="a sweep file")
+  pl.add_argument("--table", type=existing_file,
+                  help="default: the shipped table of the sweep's GPU")
+  pl.add_argument("--set", action="append", metavar="FIELD=VALUE", type=_field,
+                  help="problem fields naming the weight, e.g. --set n=4096 --set k=4096 "
+                       "or --set batch=1 --set q_heads=32")
+  pl.add_argument("--configs", type=positive_int, default=4,
+                  help="how many configs to draw (default: 4)")
+  pl.add_argument("--out", required=True, help="PNG path")
+  pl.set_defaults(func=_plot)

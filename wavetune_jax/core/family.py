@@ -1,0 +1,456 @@
+"""Families and backends: the only places that know an operation or a kernel.
+
+A :class:`Family` is one operation with one semantics (GEMM, attention): its
+problem type, how call arguments become a problem, the shape suite, random
+inputs, the reference and the platform baseline. A :class:`Backend` is one way
+to run it: its frozen config class, where it runs, its config space and
+pruning rules, validation, heuristic, occupancy bound, ``(G, L)`` mapping and
+the call into its kernel.
+
+Everything above (selector, tables, tuner, sweeps, evaluation, CLI) sees a
+family through the generic methods of :class:`Family`, which dispatch to the
+backend a config belongs to (by its class). Nothing outside ``families/`` and
+``pallas_kernels/`` branches on a family's or a backend's name.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, ClassVar, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from wavetune_jax.core.hardware import Hardware
+
+__all__ = ["Problem", "Backend", "Family", "Call", "config_from_fields"]
+
+
+class Problem:
+  """Base of problem dataclasses: equality and hash from the init fields as
+  one tuple, built once (problems key the selector's memo, so a lookup hashes
+  and compares in C).
+
+  Subclasses are ``dataclass(frozen=True, eq=False)``, declare ``_key: tuple``
+  and ``_hash: int`` as ``field(init=False, repr=False, compare=False)`` (fields,
+  so that pickling keeps them), and call :meth:`_freeze` at the end of
+  ``__post_init__``.
+  """
+
+  __slots__ = ()
+
+  def _freeze(self) -> None:
+    key = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.init)
+    object.__setattr__(self, "_key", key)
+    object.__setattr__(self, "_hash", hash(key))
+
+  def __hash__(self) -> int:
+    return self._hash
+
+  def __eq__(self, other) -> bool:
+    if other.__class__ is not self.__class__:
+      return NotImplemented
+    return self._key == other._key
+
+
+class Call(NamedTuple):
+  """A bound op call: the problem, the arrays the kernel takes and the
+  options (static, not part of the problem) its ``run`` takes."""
+
+  problem: Any
+  arrays: tuple
+  options: dict
+
+
+def config_from_fields(cls, d: dict):
+  """``cls(**d)``; unknown keys raise ``ValueError`` naming the valid fields."""
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(d) - names)
+  if unknown:
+    raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; "
+                     f"valid fields are {sorted(names)}")
+  return cls(**d)
+
+
+class Backend(abc.ABC):
+  """One way to run a family: a kernel and everything the tuner knows of it.
+
+  Subclasses set the class attributes and implement the abstract methods.
+  """
+
+  #: Name in tables, sweep files and config dicts (``"triton"``, ``"mosaic"``).
+  name: ClassVar[str]
+  #: Frozen dataclass of launch parameters (the backend's own).
+  config_cls: ClassVar[type]
+  #: Config fields that change the grid or the inner-loop length.
+  macro_fields: ClassVar[tuple[str, ...]]
+  #: Config fields that change per-tile efficiency only.
+  micro_fields: ClassVar[tuple[str, ...]]
+  #: Config fields the (G, L) mapping absorbs completely (GEMM: ``split_k``):
+  #: configs that differ only in them share one wave model.
+  folded_fields: ClassVar[tuple[str, ...]] = ()
+  #: The kernel runs in Pallas interpret mode on a CPU.
+  interpret: ClassVar[bool] = False
+  #: Bumped whenever the kernel's code changes its performance: tables tuned
+  #: for another revision are not used.
+  revision: ClassVar[int] = 1
+  #: Fields that files recorded before the backend had its own config class
+  #: hold, with the one value they could have; read and dropped.
+  dropped_fields: ClassVar[dict] = {}
+
+  def supported_on(self, hw: Hardware) -> bool:
+    """Whether the kernel runs on ``hw`` at all (interpret mode aside)."""
+    return True
+
+  def runs_on(self, hw: Hardware) -> bool:
+    """:meth:`supported_on`, and an interpret mode where ``hw`` has no GPU."""
+    return self.supported_on(hw) and (self.interpret or not hw.interpret)
+
+  @abc.abstractmethod
+  def space(self, problem, hw: Hardware, *, prune: bool = True) -> tuple:
+    """Every config worth measuring for ``problem`` on ``hw`` (pruned)."""
+
+  @abc.abstractmethod
+  def validate(self, problem, config, hw: Hardware | None = None) -> None:
+    """Raises ``ValueError`` if ``config`` cannot run ``problem`` (on ``hw``:
+    shared memory and block limits)."""
+
+  def heuristic(self, problem, hw: Hardware):
+    """A config from a rule of thumb, or None where this backend should not
+    be the default choice."""
+    return None
+
+  @abc.abstractmethod
+  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
+    """Analytic upper bound on CTAs resident per SM (prior of the wave model)."""
+
+  @abc.abstractmethod
+  def coords(self, problem, macro: dict) -> tuple[int, float]:
+    """``(G, L)``: work tiles (CTAs, or tiles of a persistent grid) and
+    inner-loop trips of one tile."""
+
+  def aux(self, problem, config) -> tuple[float, ...]:
+    """Costs outside the wave structure, one value per ``Family.aux_names``
+    (empty: all zero)."""
+    return ()
+
+  def size_quantum(self, problem) -> int | None:
+    """Sizes in ``(q*(j-1), q*j]`` share this backend's space and (G, L);
+    None where the backend never runs the problem's weight. 1 is always safe."""
+    return 1
+
+  def decision_arrays(self, problem, sizes, hw: Hardware, n_aux: int, with_size):
+    """``(configs, valid [S, n], G [S, n], L [S, n], aux [S, n, n_aux])`` at
+    many sizes at once; this generic version calls the scalar methods and
+    backends override it with array code."""
+    probs = [with_size(problem, s) for s in sizes]
+    spaces = [self.space(p, hw) for p in probs]
+    configs = tuple(dict.fromkeys(c for sp in spaces for c in sp))
+    idx = {c: i for i, c in enumerate(configs)}
+    shape = (len(probs), len(configs))
+    valid = np.zeros(shape, bool)
+    g = np.ones(shape, np.int64)
+    l = np.ones(shape, np.float64)
+    aux = np.zeros(shape + (n_aux,), np.float32)
+    for i, (p, sp) in enumerate(zip(probs, spaces)):
+      for c in sp:
+        j = idx[c]
+        valid[i, j] = True
+        g[i, j], l[i, j] = self.coords(p, self.macro(c))
+        a = self.aux(p, c)
+        if a:
+          aux[i, j] = a
+    return configs, valid, g, l, aux
+
+  @abc.abstractmethod
+  def run(self, problem, config, *arrays, interpret: bool = False, **options) -> jax.Array:
+    """Runs the kernel on the call's arrays with ``config`` (jittable)."""
+
+  # --- helpers -------------------------------------------------------------------
+  def macro(self, config) -> dict:
+    return {f: getattr(config, f) for f in self.macro_fields}
+
+  def micro(self, config) -> dict:
+    return {f: getattr(config, f) for f in self.micro_fields}
+
+  def fields(self) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(self.config_cls))
+
+  def __repr__(self) -> str:
+    return f"<{type(self).__name__} {self.name!r}>"
+
+
+class Family(abc.ABC):
+  """One operation: its problems, arguments, suite, reference and backends.
+
+  Subclasses set the class attributes, implement the abstract methods and
+  pass their backends (in order of preference: the first whose heuristic
+  answers gives the heuristic config) to ``__init__``.
+  """
+
+  #: Name on the command line, in tables and in sweep files.
+  name: ClassVar[str]
+  #: Frozen dataclass of the static facts of one call.
+  problem_cls: ClassVar[type]
+  #: The problem field that grows with the tokens of a call (GEMM: ``m``).
+  #: Evaluation holds out its values; plots put it on the x axis.
+  size_field: ClassVar[str]
+  #: Names of the auxiliary model columns backends return from ``aux``.
+  aux_names: ClassVar[tuple[str, ...]] = ()
+  #: ``None``: the model's argmin stands. A fraction: the model replaces the
+  #: heuristic's config only when it predicts a gain larger than this, with a
+  #: trusted prediction for the heuristic's config too.
+  heuristic_margin: ClassVar[float | None] = None
+  #: What :meth:`baseline` runs, for tables and reports.
+  baseline_name: ClassVar[str] = "XLA"
+  #: Files recorded before configs named their backend: a config dict without
+  #: ``"backend"`` is this backend's, and an int ``backend`` is looked up here.
+  legacy_backends: ClassVar[dict] = {}
+  legacy_default_backend: ClassVar[str | None] = None
+
+  def __init__(self, backends: Sequence[Backend]):
+    if not backends:
+      raise ValueError(f"family {self.name!r} needs at least one backend")
+    names = [b.name for b in backends]
+    if len(set(names)) != len(names):
+      raise ValueError(f"family {self.name!r}: backend names {names} repeat")
+    classes = [b.config_cls for b in backends]
+    if len(set(classes)) != len(classes):
+      raise ValueError(f"family {self.name!r}: two backends share a config class")
+    self.backends: tuple[Backend, ...] = tuple(backends)
+    self._by_name = {b.name: b for b in backends}
+    self._by_cls = {b.config_cls: b for b in backends}
+
+  # --- backends --------------------------------------------------------------------
+  def backend(self, name: str) -> Backend:
+    """The backend called ``name``."""
+    try:
+      return self._by_name[name]
+    except (KeyError, TypeError):
+      raise ValueError(f"family {self.name!r} has no backend {name!r}; its backends are "
+                       f"{list(self._by_name)}") from None
+
+  def backend_of(self, config) -> Backend:
+    """The backend whose config class ``config`` is."""
+    b = self._by_cls.get(type(config))
+    if b is None:
+      raise ValueError(
+          f"{self.name} config must be one of "
+          f"{[c.__name__ for c in self._by_cls]} (or a dict with a 'backend' key); "
+          f"got {config!r}")
+    return b
+
+  def available(self, hw: Hardware) -> tuple[Backend, ...]:
+    """The backends that can run where ``hw`` says the ops run."""
+    return tuple(b for b in self.backends if b.runs_on(hw))
+
+  def with_backends(self, names: Sequence[str]) -> "Family":
+    """A copy of this family with only the backends ``names`` (same order)."""
+    keep = [b for b in self.backends if b.name in set(names)]
+    unknown = set(names) - {b.name for b in self.backends}
+    if unknown:
+      raise ValueError(f"family {self.name!r} has no backend(s) {sorted(unknown)}")
+    if len(keep) == len(self.backends):
+      return self
+    new = object.__new__(type(self))
+    new.__dict__.update(self.__dict__)
+    Family.__init__(new, keep)
+    return new
+
+  def revisions(self) -> dict[str, int]:
+    return {b.name: b.revision for b in self.backends}
+
+  # --- the call ----------------------------------------------------------------------
+  @abc.abstractmethod
+  def bind(self, *args, **kwargs) -> Call | jax.Array:
+    """Checks call arguments and returns the :class:`Call`, or the result
+    itself where there is nothing to compute (empty arrays)."""
+
+  # --- problems ------------------------------------------------------------------------
+  @abc.abstractmethod
+  def problems_from_suite(self, suite: dict, *, weights: Sequence[str] | None = None,
+                          sizes: Sequence[int] | None = None, dtype: str) -> list:
+    """The problems of a shape suite (``shapes/train.json`` format)."""
+
+  @abc.abstractmethod
+  def problem_key(self, problem) -> str:
+    """A stable string naming ``problem`` in tables and sweep files."""
+
+  @abc.abstractmethod
+  def inputs(self, problem, key: jax.Array) -> tuple[jax.Array, ...]:
+    """Random inputs (never zeros) for ``problem``."""
+
+  @abc.abstractmethod
+  def reference(self, problem, *inputs) -> jax.Array:
+    """High-precision reference output."""
+
+  @abc.abstractmethod
+  def baseline(self, problem) -> Callable:
+    """The platform's own implementation (XLA, cuDNN) for comparison."""
+
+  def extra_baselines(self, problem) -> dict[str, Callable]:
+    """Other platform implementations to time in sweeps, by name."""
+    return {}
+
+  @abc.abstractmethod
+  def tolerance(self, problem) -> float:
+    """Largest acceptable ``|out - ref| / |ref|``."""
+
+  @abc.abstractmethod
+  def default(self, problem):
+    """The one fixed config an untuned library would use."""
+
+  def problem_to_dict(self, problem) -> dict:
+    return {f.name: getattr(problem, f.name) for f in dataclasses.fields(problem) if f.init}
+
+  def problem_from_dict(self, d: dict):
+    if not isinstance(d, dict):
+      raise ValueError(f"a {self.name} problem must be a mapping; got {d!r}")
+    names = {f.name for f in dataclasses.fields(self.problem_cls) if f.init}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f"unknown {self.problem_cls.__name__} field(s) {unknown}; "
+                       f"valid fields are {sorted(names)}")
+    return self.problem_cls(**d)
+
+  def size_of(self, problem) -> int:
+    return getattr(problem, self.size_field)
+
+  def with_size(self, problem, size: int):
+    return dataclasses.replace(problem, **{self.size_field: int(size)})
+
+  def weight_of(self, problem) -> tuple:
+    """Every problem field except ``size_field``: what stays fixed per weight."""
+    d = self.problem_to_dict(problem)
+    return tuple(sorted((k, v) for k, v in d.items() if k != self.size_field))
+
+  # --- configs -------------------------------------------------------------------------
+  def config_to_dict(self, config) -> dict:
+    return {"backend": self.backend_of(config).name, **dataclasses.asdict(config)}
+
+  def config_from_dict(self, d: dict):
+    """A config from ``{"backend": name, **fields}``. Files recorded before
+    backends were named: no ``backend`` key means ``legacy_default_backend``,
+    an int one is looked up in ``legacy_backends``."""
+    if not isinstance(d, dict):
+      raise ValueError(f"a {self.name} config must be a mapping; got {d!r}")
+    d = dict(d)
+    name = d.pop("backend", None)
+    if name is None:
+      name = self.legacy_default_backend
+      if name is None:
+        raise ValueError(f"a {self.name} config dict needs a 'backend' key (one of "
+                         f"{list(self._by_name)}); got {d}")
+    elif isinstance(name, int) and not isinstance(name, bool):
+      if name not in self.legacy_backends:
+        raise ValueError(f"unknown {self.name} backend number {name}")
+      name = self.legacy_backends[name]
+    b = self.backend(name)
+    for f, v in b.dropped_fields.items():
+      if f in d:
+        if d[f] != v:
+          raise ValueError(f"a {b.name} {self.name} config has {f}={v}; got {d[f]!r}")
+        del d[f]
+    return config_from_fields(b.config_cls, d)
+
+  def coerce_config(self, config):
+    """A config object from a config or a dict (:meth:`config_from_dict`)."""
+    if isinstance(config, dict):
+      return self.config_from_dict(config)
+    self.backend_of(config)
+    return config
+
+  def variant(self, config) -> tuple:
+    """The wave model a config belongs to: its backend and its fields minus
+    the backend's ``folded_fields``."""
+    b = self.backend_of(config)
+    return (("backend", b.name),) + tuple(
+        (f, getattr(config, f)) for f in b.fields() if f not in b.folded_fields)
+
+  def variant_from_dict(self, d: dict) -> tuple:
+    """A variant from its JSON form; raises ``ValueError`` on wrong fields."""
+    d = dict(d)
+    b = self.backend(d.pop("backend", None))
+    fields = [f for f in b.fields() if f not in b.folded_fields]
+    if set(d) != set(fields):
+      raise ValueError(f"variant {d} of backend {b.name!r} must have the fields {fields}")
+    for f in fields:
+      if isinstance(d[f], bool) or not isinstance(d[f], int):
+        raise ValueError(f"variant field {f}={d[f]!r} must be an int")
+    return (("backend", b.name),) + tuple((f, d[f]) for f in fields)
+
+  def macro(self, config) -> dict:
+    return self.backend_of(config).macro(config)
+
+  def micro(self, config) -> dict:
+    return self.backend_of(config).micro(config)
+
+  # --- generic views over the backends ---------------------------------------------------
+  def space(self, problem, hw: Hardware, *, prune: bool = True) -> tuple:
+    """Every config of every backend that runs on ``hw``."""
+    return tuple(c for b in self.available(hw) for c in b.space(problem, hw, prune=prune))
+
+  def validate(self, problem, config, hw: Hardware | None = None) -> None:
+    """Raises ``ValueError`` if ``config`` cannot run ``problem`` (on ``hw``)."""
+    b = self.backend_of(config)
+    if hw is not None and not b.supported_on(hw):
+      raise ValueError(f"the {b.name} backend of {self.name} does not run on {hw.name} "
+                       f"(compute capability {hw.compute_capability})")
+    b.validate(problem, config, hw)
+
+  def heuristic(self, problem, hw: Hardware):
+    """The first answer of the backends' heuristics, in order of preference."""
+    for b in self.available(hw):
+      c = b.heuristic(problem, hw)
+      if c is not None:
+        return c
+    raise ValueError(f"no {self.name} backend has a heuristic config for "
+                     f"{self.problem_key(problem)} on {hw.name}")
+
+  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
+    return self.backend_of(config).occupancy_bound(problem, config, hw)
+
+  def coords(self, problem, config) -> tuple[int, float]:
+    """``(G, L)`` of ``config`` at ``problem``."""
+    b = self.backend_of(config)
+    return b.coords(problem, b.macro(config))
+
+  def aux(self, problem, config) -> tuple[float, ...]:
+    a = self.backend_of(config).aux(problem, config)
+    return tuple(a) if a else (0.0,) * len(self.aux_names)
+
+  def size_quantum(self, problem) -> int:
+    """Sizes in ``(q*(j-1), q*j]`` get the same decision: the gcd of the
+    backends' quanta."""
+    qs = [q for b in self.backends if (q := b.size_quantum(problem))]
+    return math.gcd(*qs) if qs else 1
+
+  def decision_arrays(self, problem, sizes, hw: Hardware):
+    """Every backend's candidates at many sizes, side by side (see
+    :meth:`Backend.decision_arrays`)."""
+    n_aux = len(self.aux_names)
+    parts = [b.decision_arrays(problem, sizes, hw, n_aux, self.with_size)
+             for b in self.available(hw)]
+    if len(parts) == 1:
+      return parts[0]
+    s = len(sizes)
+    configs = tuple(c for p in parts for c in p[0])
+    shapes = lambda p: [(s, len(p[0]))] * 3 + [(s, len(p[0]), n_aux)]  # noqa: E731
+    return (configs,) + tuple(
+        np.concatenate([np.broadcast_to(p[i], shapes(p)[i - 1]) for p in parts], axis=1)
+        for i in range(1, 5))
+
+  def build(self, problem, config, *, interpret: bool = False) -> Callable:
+    """A jittable ``f(*inputs)`` running ``config`` on ``problem``'s inputs
+    (as :meth:`inputs` makes them; default options)."""
+    self.validate(problem, config)
+    return functools.partial(self.backend_of(config).run, problem, config,
+                             interpret=interpret)
+
+  def supports(self, config, hw: Hardware) -> bool:
+    """Whether ``config``'s backend runs on ``hw``."""
+    b = self._by_cls.get(type(config))
+    return b is not None and b.runs_on(hw)

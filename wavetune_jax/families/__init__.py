@@ -1,0 +1,14 @@
+"""The built-in families, registered explicitly.
+
+A family is a folder here (its problem, argument parsing, shape-suite parsing
+and one class per backend) plus a folder of kernels in ``pallas_kernels``;
+``docs/extending.md`` shows how to add one.
+"""
+
+from wavetune_jax.core import registry
+from wavetune_jax.families import attention, matmul
+
+__all__ = ["MATMUL", "ATTENTION"]
+
+MATMUL = registry.register(matmul.make())
+ATTENTION = registry.register(attention.make())

@@ -1,0 +1,14 @@
+"""The attention family and its backends."""
+
+from wavetune_jax.families.attention.family import AttentionFamily, attention_models
+from wavetune_jax.families.attention.mosaic import MosaicAttention, MosaicAttentionConfig
+from wavetune_jax.families.attention.problem import AttentionProblem
+from wavetune_jax.families.attention.triton import TritonAttention, TritonAttentionConfig
+
+__all__ = ["AttentionFamily", "AttentionProblem", "MosaicAttention", "MosaicAttentionConfig",
+           "TritonAttention", "TritonAttentionConfig", "attention_models", "make"]
+
+
+def make() -> AttentionFamily:
+  """The attention family with every backend, in order of preference."""
+  return AttentionFamily([MosaicAttention(), TritonAttention()])

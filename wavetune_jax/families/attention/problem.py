@@ -1,0 +1,106 @@
+"""The attention problem and the (G, L) mapping its kernels share."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.attention.common import MAX_HEAD_DIM
+from pallas_kernels.attention.triton import kv_blocks
+from wavetune_jax.core.family import Problem
+
+__all__ = ["AttentionProblem", "DTYPES", "coords", "next_pow2"]
+
+DTYPES = ("bfloat16", "float16")
+_DTYPES = DTYPES
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class AttentionProblem(Problem):
+  """Static facts of one attention call (layout ``[batch, seq, heads, head_dim]``).
+
+  Attributes:
+    batch, q_heads, kv_heads, head_dim: as in the arrays; ``kv_heads`` divides
+      ``q_heads``.
+    q_len, kv_len: query and key/value lengths (``kv_len=0`` means ``q_len``:
+      self-attention prefill).
+    causal: causal mask (top-left aligned).
+    dtype: ``"bfloat16"`` or ``"float16"``.
+  """
+
+  batch: int
+  q_heads: int
+  kv_heads: int
+  q_len: int
+  kv_len: int = 0
+  head_dim: int = 128
+  causal: bool = True
+  dtype: str = "bfloat16"
+  _key: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
+  _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
+
+  def __post_init__(self):
+    if self.kv_len == 0:
+      object.__setattr__(self, "kv_len", self.q_len)
+    for name in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"AttentionProblem.{name}={v!r} must be an int >= 1")
+    if self.q_heads % self.kv_heads:
+      raise ValueError(f"kv_heads={self.kv_heads} must divide q_heads={self.q_heads}")
+    if self.head_dim > MAX_HEAD_DIM:
+      raise ValueError(f"head_dim={self.head_dim} must be <= {MAX_HEAD_DIM}")
+    if not isinstance(self.causal, bool):
+      raise ValueError(f"AttentionProblem.causal={self.causal!r} must be a bool")
+    dtype = jnp.dtype(self.dtype).name
+    if dtype not in _DTYPES:
+      raise ValueError(f"AttentionProblem.dtype={self.dtype!r} must be one of {_DTYPES}")
+    object.__setattr__(self, "dtype", dtype)
+    self._freeze()
+
+  @property
+  def padded_head_dim(self) -> int:
+    return max(16, 1 << math.ceil(math.log2(self.head_dim)))
+
+  @property
+  def itemsize(self) -> int:
+    return jnp.dtype(self.dtype).itemsize
+
+  @property
+  def flops(self) -> float:
+    """Useful FLOPs (two matmuls; half of the scores under a causal mask)."""
+    q, kv = self.q_len, self.kv_len
+    if not self.causal:
+      pairs = q * kv
+    elif q <= kv:
+      pairs = q * (q + 1) // 2
+    else:
+      pairs = kv * (kv + 1) // 2 + (q - kv) * kv
+    return 4.0 * self.batch * self.q_heads * self.head_dim * pairs
+
+
+def next_pow2(v: int) -> int:
+  return 1 << max(0, math.ceil(math.log2(max(1, v))))
+
+
+#: L under a causal mask: "mean" (the default) or "max" KV blocks over the
+#: query blocks; benchmarks/attention_causal_l.py compares the two.
+CAUSAL_L = "mean"
+
+
+def coords(problem: AttentionProblem, block_q: int, block_k: int,
+           causal_l: str = CAUSAL_L) -> tuple[int, float]:
+  """``G = batch * q_heads * ceil(q_len / block_q)``; ``L`` = KV blocks per
+  program, the mean over query blocks under a causal mask (the kernels run
+  the longest programs first, so the waves even out)."""
+  p = problem
+  n_q = -(-p.q_len // block_q)
+  g = p.batch * p.q_heads * n_q
+  if not p.causal:
+    return g, float(-(-p.kv_len // block_k))
+  _, total = kv_blocks(np.arange(n_q), q_len=p.q_len, kv_len=p.kv_len, block_q=block_q,
+                       block_k=block_k, causal=True)
+  return g, float(np.max(total) if causal_l == "max" else np.mean(total))

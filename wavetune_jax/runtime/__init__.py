@@ -1,0 +1,1 @@
+"""What trace time imports: the selector, the tables and the wave model."""

@@ -1,0 +1,386 @@
+"""Trace-time config selection.
+
+Selection order (the one place it is written): an explicit config (argument,
+or pinned with :func:`use_config`) -> the policy. Policy ``"tables"`` (the
+default): exact table -> model table -> heuristic. ``"heuristic"``: the
+family's rule of thumb (its backends' in order of preference). ``"fixed"``: the
+family's fixed default. ``"exhaustive"``: time the whole space on the GPU now,
+like an autotuner, and cache the answer.
+
+Only backends that run where the ops run are chosen (``Hardware.interpret``:
+with no GPU, those with a Pallas interpret mode); an exact table entry of
+another backend is passed over and the models answer.
+
+Decisions are memoized per (family, problem, hardware, state). The state (policy,
+tables, pinned configs) is part of JAX's jit cache key through
+``jax.make_user_context``, so a jitted function traced under one policy or
+table is traced again under another instead of reusing a stale config.
+
+The model table answers from a per-weight *decision vector*: the first time a
+weight (every problem field but the size) is seen, the model is evaluated for
+a block of size buckets at once in NumPy (``family.size_quantum``: sizes in one
+bucket share space and coordinates); later sizes in that block are one
+array lookup.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import warnings
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+
+from wavetune_jax.core.family import Family
+from wavetune_jax.core.hardware import Hardware, get_hardware
+from wavetune_jax.core.registry import get_family
+from wavetune_jax.runtime import tables as tables_lib
+
+__all__ = ["POLICIES", "Selection", "select", "set_policy", "policy", "use_config",
+           "load_tables", "use_tables", "active_table", "clear", "Decider"]
+
+POLICIES = ("tables", "heuristic", "fixed", "exhaustive")
+_BLOCK = 64  # size buckets evaluated together for a new weight
+
+_log = logging.getLogger("wavetune_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+  """A decision: the config and where it came from."""
+
+  config: Any
+  source: str                   # explicit | exact | model | heuristic | fixed | exhaustive
+  predicted_us: float | None = None
+  waves: int | None = None
+  note: str = ""
+
+
+class Decider:
+  """Exact -> model decisions of one table (no heuristic, no memo per problem).
+
+  ``heuristic_margin``: ``"spec"`` (the default) uses
+  ``Family.heuristic_margin``; a number or None (the model's argmin
+  stands) overrides it, for comparisons.
+  """
+
+  def __init__(self, table: tables_lib.Table, hw: Hardware, *,
+               heuristic_margin: float | None | str = "spec"):
+    self.table = table
+    self.hw = hw
+    self.spec = table.family
+    self.margin = (table.family.heuristic_margin if heuristic_margin == "spec"
+                   else heuristic_margin)
+    self._weights: dict = {}
+
+  def decide(self, problem) -> Selection | None:
+    hit = self.table.exact.get(problem)
+    if hit is not None and self.spec.supports(hit[0], self.hw):
+      return Selection(hit[0], "exact", hit[1])
+    spec = self.spec
+    q = spec.size_quantum(problem)
+    bucket = -(-spec.size_of(problem) // q)  # 1-based
+    block = (bucket - 1) // _BLOCK
+    key = (spec.weight_of(problem), block)
+    vec = self._weights.get(key)
+    if vec is None:
+      vec = self._weights[key] = self._block(problem, block, q)
+    configs, idx, pred, kept = vec
+    r = (bucket - 1) % _BLOCK
+    i = idx[r]
+    if i < 0:
+      return None
+    t = float(pred[r])
+    if kept[r]:
+      return Selection(configs[i], "heuristic", t if np.isfinite(t) else None,
+                       note="kept: the model predicts no gain over it beyond the spec's "
+                            "heuristic_margin")
+    return Selection(configs[i], "model", t)
+
+  def _block(self, problem, block: int, q: int):
+    spec = self.spec
+    sizes = (np.arange(block * _BLOCK, (block + 1) * _BLOCK) + 1) * q
+    configs, valid, g, l, aux = spec.decision_arrays(problem, sizes, self.hw)
+    pred = self.table.predict_arrays(configs, g, l, aux)
+    pred = np.where(valid, pred, np.inf)
+    idx = np.argmin(pred, axis=1)
+    best = pred[np.arange(len(sizes)), idx]
+    idx = np.where(np.isfinite(best), idx, -1)
+    margin = self.margin
+    kept = [False] * len(sizes)
+    if margin is None:
+      return configs, idx.tolist(), best, kept
+    configs = list(configs)
+    index = {c: j for j, c in enumerate(configs)}
+    # The heuristic's config stays unless the model predicts a gain over it
+    # larger than the spec's margin, with a trusted prediction for both: a
+    # sparse model is most wrong where it is most optimistic.
+    for r, s in enumerate(sizes):
+      if idx[r] < 0:
+        continue
+      p = spec.with_size(problem, int(s))
+      h = spec.heuristic(p, self.hw)
+      j = index.get(h)
+      t_h = pred[r, j] if j is not None else self.table.predict(p, [h])[0]
+      model_wins = np.isfinite(t_h) and best[r] * (1.0 + margin) < t_h
+      if not model_wins:
+        if j is None:
+          j = index[h] = len(configs)
+          configs.append(h)
+        idx[r], best[r], kept[r] = j, t_h, True
+    return tuple(configs), idx.tolist(), best, kept
+
+
+# --- state -------------------------------------------------------------------------------
+
+
+class _State(threading.local):
+  def __init__(self):
+    self.policy: str | None = None    # context override
+    self.pinned: dict = {}            # family -> config (context)
+    self.tables: dict = {}            # family -> Table | None (context)
+
+
+_global = {"policy": "tables", "pinned": {}, "tables": {}, "generation": 0}
+_local = _State()
+_lock = threading.Lock()
+_memo: dict = {}   # state token -> {(problem, family, hardware): Selection}
+_shipped: dict = {}   # (family, hardware) -> Decider | None
+_warned: set = set()
+
+_ctx = jax.make_user_context(default_value=0) if hasattr(jax, "make_user_context") else None
+
+
+def _token():
+  """Hashable description of the state that decisions depend on (cached per
+  thread until the global generation or this thread's context changes)."""
+  gen = _global["generation"]
+  cached = _local.__dict__.get("token")
+  if cached is not None and cached[0] == gen:
+    return cached
+  tok = (gen, _local.policy,
+         tuple(sorted((k, repr(v)) for k, v in _local.pinned.items())),
+         tuple(sorted((k, id(v)) for k, v in _local.tables.items())))
+  _local.token = tok
+  return tok
+
+
+def _context_changed():
+  _local.token = None
+  _local.memo = None
+
+
+def _state_memo() -> dict:
+  """The memo of decisions under the current state (this thread's view)."""
+  tok = _token()
+  memo = _memo.get(tok)
+  if memo is None:
+    memo = _memo[tok] = {}
+  _local.memo = (tok[0], memo)
+  return memo
+
+
+def _changed():
+  """Global state changed: new generation, and jit caches keyed on it."""
+  _global["generation"] += 1
+  _memo.clear()
+  if _ctx is not None:
+    _ctx.set_global(_token())
+  else:  # pragma: no cover - JAX without user contexts
+    jax.clear_caches()
+
+
+@contextlib.contextmanager
+def _scoped() -> Iterator[None]:
+  if _ctx is None:  # pragma: no cover
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+    return
+  with _ctx(_token()):
+    yield
+
+
+def _check_policy(name: str) -> str:
+  if name not in POLICIES:
+    raise ValueError(f"unknown policy {name!r}; policies are {POLICIES}")
+  return name
+
+
+def set_policy(name: str) -> None:
+  """Sets the global selection policy (``POLICIES``)."""
+  _global["policy"] = _check_policy(name)
+  _changed()
+
+
+@contextlib.contextmanager
+def policy(name: str) -> Iterator[None]:
+  """Selection policy inside a ``with`` block (this thread)."""
+  old = _local.policy
+  _local.policy = _check_policy(name)
+  _context_changed()
+  try:
+    with _scoped():
+      yield
+  finally:
+    _local.policy = old
+    _context_changed()
+
+
+@contextlib.contextmanager
+def _override(field: str, family: str, value) -> Iterator[None]:
+  """Sets ``_local.<field>[family]`` inside the block (this thread)."""
+  old = dict(getattr(_local, field))
+  getattr(_local, field)[family] = value
+  _context_changed()
+  try:
+    with _scoped():
+      yield
+  finally:
+    setattr(_local, field, old)
+    _context_changed()
+
+
+@contextlib.contextmanager
+def use_config(family: str | Family, config) -> Iterator[None]:
+  """Pins ``config`` (a config or a dict with its ``backend``) for every call
+  of ``family`` inside the block."""
+  fam = get_family(family)
+  config = fam.coerce_config(config)
+  with _override("pinned", fam.name, config):
+    yield
+
+
+def load_tables(path: str, family: str | Family, *, hw: Hardware | str | None = None):
+  """Loads a table file and makes it the active table of ``family`` (globally).
+
+  Raises:
+    tables.TableError: the file is missing, corrupt, or for another GPU or family.
+  """
+  fam = get_family(family)
+  table = tables_lib.load(path, fam, get_hardware(hw))
+  _global["tables"][fam.name] = table
+  _changed()
+  return table
+
+
+@contextlib.contextmanager
+def use_tables(table: tables_lib.Table | None, family: str | Family) -> Iterator[None]:
+  """Uses ``table`` (None: no table, i.e. the heuristic) for ``family``
+  inside the block."""
+  fam = get_family(family)
+  if table is not None and table.family.name != fam.name:
+    raise ValueError(f"the table is for family {table.family.name!r}, not {fam.name!r}")
+  with _override("tables", fam.name, table):
+    yield
+
+
+def clear() -> None:
+  """Forgets memoized decisions, loaded tables and settings (tests, reloads)."""
+  _global.update(policy="tables", pinned={}, tables={})
+  _shipped.clear()
+  _warned.clear()
+  _changed()
+
+
+def _warn_once(key, msg: str) -> None:
+  if key not in _warned:
+    _warned.add(key)
+    warnings.warn(msg, stacklevel=4)
+
+
+def _decider(spec: Family, hw: Hardware) -> Decider | None:
+  if spec.name in _local.tables:
+    t = _local.tables[spec.name]
+    return None if t is None else _cached_decider(t, hw)
+  if spec.name in _global["tables"]:
+    return _cached_decider(_global["tables"][spec.name], hw)
+  key = (spec.name, hw)
+  if key not in _shipped:
+    path = tables_lib.default_path(spec.name, hw.device_key)
+    try:
+      _shipped[key] = Decider(tables_lib.load(path, spec, hw), hw)
+    except tables_lib.TableError as e:
+      _shipped[key] = None
+      _warn_once(key[:1] + (hw.device_key,),
+                 f"wavetune_jax: no usable {spec.name} table for {hw.device_key} "
+                      f"({e}); using the heuristic config")
+  return _shipped[key]
+
+
+_deciders: dict = {}
+
+
+def _cached_decider(table, hw) -> Decider:
+  d = _deciders.get((id(table), hw))
+  if d is None or d.table is not table:
+    d = _deciders[(id(table), hw)] = Decider(table, hw)
+  return d
+
+
+def active_table(family: str | Family, hw: Hardware | str | None = None):
+  """The table the ``tables`` policy would use now (None: none usable)."""
+  d = _decider(get_family(family), get_hardware(hw))
+  return None if d is None else d.table
+
+
+def select(family: str | Family, problem, hw: Hardware | str | None = None) -> Selection:
+  """The config for ``problem`` of ``family`` on ``hw`` (default: where the
+  ops run) under the current state (memoized)."""
+  spec = family if isinstance(family, Family) else get_family(family)
+  if hw.__class__ is not Hardware:
+    hw = get_hardware(hw)
+  cached = _local.__dict__.get("memo")
+  memo = cached[1] if cached is not None and cached[0] == _global["generation"] else _state_memo()
+  key = (problem, spec.name, hw)
+  hit = memo.get(key)
+  if hit is not None:
+    return hit
+  with _lock:
+    sel = memo[key] = _select(spec, problem, hw)
+  return sel
+
+
+def _select(spec: Family, problem, hw: Hardware) -> Selection:
+  pinned = _local.pinned.get(spec.name, _global["pinned"].get(spec.name))
+  if pinned is not None:
+    return Selection(pinned, "explicit")
+  pol = _local.policy or _global["policy"]
+  if pol == "fixed":
+    return Selection(spec.default(problem), "fixed")
+  if pol == "heuristic":
+    return Selection(spec.heuristic(problem, hw), "heuristic")
+  if pol == "exhaustive":
+    return _exhaustive(spec, problem, hw)
+  d = _decider(spec, hw)
+  sel = None if d is None else d.decide(problem)
+  if sel is None:
+    return Selection(spec.heuristic(problem, hw), "heuristic",
+                     note="no table" if d is None else "outside the model's trust region")
+  g, _ = spec.coords(problem, sel.config)
+  e = d.table.entries.get(spec.variant(sel.config))
+  waves = -(-g // (e.occupancy * hw.num_sms)) if e is not None else None
+  return dataclasses.replace(sel, waves=waves)
+
+
+def _exhaustive(spec: Family, problem, hw: Hardware) -> Selection:
+  """Times the whole space now (GPU only) and keeps the fastest."""
+  if hw.interpret:
+    _warn_once(("exhaustive", spec.name), "wavetune_jax: policy 'exhaustive' needs a GPU; "
+                                          "using the heuristic config")
+    return Selection(spec.heuristic(problem, hw), "heuristic", note="no GPU to time on")
+  from wavetune_jax.tuning import measure, profiler
+  configs = spec.space(problem, hw)
+  # Trace time may be inside a jit: measure on concrete arrays outside it.
+  with jax.ensure_compile_time_eval():
+    rows = measure.measure_points(spec, profiler.Profiler(iterations=10),
+                                  [(problem, configs)])
+    ok = [(m.median_us, configs.index(c)) for _, _, c, m in rows if m.status == "ok"]
+  if not ok:
+    return Selection(spec.heuristic(problem, hw), "heuristic", note="every config failed")
+  us, i = min(ok)
+  return Selection(configs[i], "exhaustive", us)

@@ -1,0 +1,416 @@
+"""Dual tables on disk: exact (problem -> config) and model (wave models).
+
+``tables/<device_key>/<family>.json``, plain JSON::
+
+  {"format": "wavetune-table", "schema": 2, "family": "matmul",
+   "revisions": {"triton": 1}, "device_kind": "NVIDIA H200",
+   "device_key": "nvidia_h200", "num_sms": 132,
+   "provenance": {"command", "date", "jax_version", "mode": "gpu" | "replay",
+                  "source", "budget", "anchors", "gpu_seconds", "pool_problems"},
+   "model": {"form": "bilinear", "aux_names": [...], "trust": 1.5,
+             "distance_penalty": 0.3,
+             "entries": [{"variant": {"backend": name, ...}, "occupancy", "coef": [...], "points",
+                          "min_g", "max_g", "min_l", "max_l", "aux_seen": [...],
+                          "fit_med_err"}]},
+   "exact": [{"problem": {...}, "config": {"backend": name, ...}, "us"}],
+   "anchors": [{"problem": {...}, "config": {"backend": name, ...}, "us"}]}
+
+Model variants and configs name their backend (schema 2; schema 1 files,
+written when a family had one config class, are rebuilt by the replay command
+in their provenance). ``revisions`` holds the kernel revision of each backend
+the table was tuned for; a table tuned for another revision is not used.
+
+Written atomically (temp file + rename). :func:`load` validates the file and
+every entry (an exact config invalid for its problem, a negative or
+non-finite coefficient, time or trust bound, a non-positive SM count or
+occupancy) and raises :class:`TableError` naming the entry; the selector turns
+that into one warning and the heuristic.
+
+A model entry answers only inside its *trust region*: ``min_g / trust <= G <= trust * max_g``,
+``min_l / trust <= L <= trust * max_l``, and an auxiliary column may be
+non-zero only if one of its anchors had it non-zero (a tile never anchored with
+split-K does not know what the reduction costs). ``trust`` null in the file
+means no box (the models answer everywhere). Without that, the argmin over
+~140 configs finds the one whose extrapolation is most optimistic: on the H200
+sweep, held-out selection picked a 32x256 tile at M = 512 whose model, fitted
+on small M only, predicted 135 us for a 411 us kernel.
+
+Inside the trust region a prediction is still scaled by ``1 + distance_penalty
+* d``, ``d`` the L1 distance in ``(log G, log L)`` from the query to the nearest
+anchor of the entry's variant: the further a prediction extrapolates, the less it
+is believed, so the argmin prefers configs measured near the query. A table
+without the field (written before it existed) uses 0. Held-out numbers for the
+values tried are in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from typing import Sequence
+
+import numpy as np
+
+from wavetune_jax.core.family import Family
+from wavetune_jax.core.hardware import Hardware
+from wavetune_jax.runtime import wave_model
+
+__all__ = ["FORMAT", "SCHEMA", "TableError", "ModelEntry", "Table", "load", "save",
+           "default_path", "tables_dir"]
+
+FORMAT = "wavetune-table"
+SCHEMA = 2
+DEFAULT_TRUST = 1.5
+DEFAULT_DISTANCE_PENALTY = 0.3
+
+
+class TableError(ValueError):
+  """A table file that cannot be used (missing, corrupt, foreign, stale)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+  """The fitted wave model of one variant (config minus folded fields)."""
+
+  variant: tuple            # (("backend", name), (field, value), ...)
+  occupancy: int
+  coef: tuple[float, ...]
+  points: int
+  min_g: int
+  max_g: int
+  min_l: float
+  max_l: float
+  aux_seen: tuple[bool, ...]
+  fit_med_err: float
+
+  def to_json(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["variant"] = dict(self.variant)
+    return d
+
+  @classmethod
+  def from_json(cls, d: dict, family: Family) -> "ModelEntry":
+    """Parses and checks one entry; raises ``TableError`` naming it."""
+    if not isinstance(d, dict):
+      raise TableError(f"model entry {d!r} is not an object")
+    where = f"model entry {d.get('variant')}"
+    try:
+      variant = family.variant_from_dict(d["variant"])
+      e = cls(variant=variant, occupancy=_int(d["occupancy"]),
+              coef=tuple(_num(x) for x in d["coef"]), points=_int(d["points"]),
+              min_g=_int(d["min_g"]), max_g=_int(d["max_g"]), min_l=_num(d["min_l"]),
+              max_l=_num(d["max_l"]), aux_seen=tuple(bool(x) for x in d["aux_seen"]),
+              fit_med_err=_num(d["fit_med_err"]))
+    except (KeyError, TypeError, ValueError) as err:
+      raise TableError(f"{where}: {type(err).__name__}: {err}") from None
+    bad = [name for name, v in (("occupancy", e.occupancy), ("min_g", e.min_g),
+                                ("max_g", e.max_g), ("min_l", e.min_l), ("max_l", e.max_l))
+           if not (math.isfinite(v) and v > 0)]
+    if not all(math.isfinite(c) and c >= 0 for c in e.coef):
+      bad.append("coef")
+    if not (math.isfinite(e.fit_med_err) and e.fit_med_err >= 0):
+      bad.append("fit_med_err")
+    if e.min_g > e.max_g or e.min_l > e.max_l:
+      bad.append("min > max")
+    if bad:
+      raise TableError(f"{where}: invalid {', '.join(bad)} (coefficients, bounds and "
+                       f"occupancy must be finite and positive)")
+    return e
+
+
+@dataclasses.dataclass
+class Table:
+  """One family's tables for one GPU model."""
+
+  family: Family
+  device_kind: str
+  device_key: str
+  num_sms: int
+  form: str
+  entries: dict             # variant -> ModelEntry
+  exact: dict               # problem -> (config, us)
+  anchors: list             # [(problem, config, us)]
+  provenance: dict
+  trust: float = DEFAULT_TRUST
+  distance_penalty: float = DEFAULT_DISTANCE_PENALTY
+
+  # --- the model -------------------------------------------------------------------
+  def predict_arrays(self, configs: Sequence, g: np.ndarray, l: np.ndarray,
+                     aux: np.ndarray, *, trusted: bool = True) -> np.ndarray:
+    """Predicted us ``[S, n]`` of ``configs`` at coordinates ``[S, n]``.
+
+    Configs without a model, or (``trusted=True``) outside their trust region,
+    get ``inf``.
+    """
+    coef, cap, lim, near = self._entry_arrays(tuple(configs))
+    with np.errstate(invalid="ignore", divide="ignore"):
+      t = wave_model.predict(coef, g, l, cap, self.form, aux, xp=np).astype(np.float64)
+      if trusted and self.distance_penalty:
+        d = self.anchor_distance(configs, g, l)
+        t = t * (1.0 + self.distance_penalty * np.where(np.isfinite(d), d, 0.0))
+    min_g, max_g, min_l, max_l, aux_ok = lim
+    bad = ~np.isfinite(cap)
+    if trusted:
+      bad = bad | (g > self.trust * max_g) | (l > self.trust * max_l)
+      bad = bad | (g * self.trust < min_g)
+      bad = bad | (l * self.trust < min_l)
+      if aux.shape[-1]:
+        bad = bad | np.any((aux != 0) & ~aux_ok, axis=-1)
+    return np.where(bad, np.inf, t)
+
+  def anchor_distance(self, configs: Sequence, g: np.ndarray, l: np.ndarray) -> np.ndarray:
+    """L1 distance in ``(log G, log L)`` from each point ``[S, n]`` to the
+    nearest anchor of its config's variant (``inf``: the variant has none)."""
+    near = self._entry_arrays(tuple(configs))[3]
+    lg = np.log(np.maximum(g, 1.0)).astype(np.float32)
+    ll = np.log(np.maximum(l, 1e-3)).astype(np.float32)
+    d = np.full(lg.shape, np.inf, np.float32)
+    step = np.empty_like(d)
+    for j in range(near.shape[1]):  # nearest anchor, one anchor slot at a time
+      np.subtract(lg, near[:, j, 0], out=step)
+      np.abs(step, out=step)
+      d2 = np.abs(ll - near[:, j, 1])
+      np.add(step, d2, out=step)
+      np.minimum(d, step, out=d)
+    return d
+
+  def _entry_arrays(self, configs: tuple):
+    cache = self.__dict__.setdefault("_arrays", {})
+    hit = cache.get(configs)
+    if hit is not None:
+      return hit
+    n_coef = wave_model.n_coef(self.form, len(self.family.aux_names))
+    coef = np.zeros((len(configs), n_coef), np.float32)
+    cap = np.full(len(configs), np.inf, np.float32)
+    min_g = np.zeros(len(configs)); max_g = np.zeros(len(configs))
+    min_l = np.zeros(len(configs))
+    max_l = np.zeros(len(configs))
+    aux_ok = np.zeros((len(configs), len(self.family.aux_names)), bool)
+    pts = self._anchor_coords()
+    k = max((len(v) for v in pts.values()), default=1)
+    near = np.full((len(configs), k, 2), np.inf, np.float32)  # (log G, log L) of anchors
+    for i, c in enumerate(configs):
+      e = self.entries.get(self.family.variant(c))
+      if e is None:
+        continue
+      a = pts.get(e.variant)
+      if a is not None:
+        near[i, :len(a)] = a
+      coef[i] = e.coef
+      cap[i] = e.occupancy * self.num_sms
+      min_g[i], max_g[i], min_l[i], max_l[i] = e.min_g, e.max_g, e.min_l, e.max_l
+      aux_ok[i] = e.aux_seen
+    out = (coef, cap, (min_g, max_g, min_l, max_l, aux_ok), near)
+    if len(cache) > 1024:
+      cache.clear()
+    cache[configs] = out
+    return out
+
+  def _anchor_coords(self) -> dict:
+    """variant -> ``[n, 2]`` (log G, log L) of its measured anchors."""
+    hit = self.__dict__.get("_anchor_xy")
+    if hit is None:
+      spec = self.family
+      pts: dict = {}
+      for p, c, us in self.anchors:
+        if us is not None:
+          g, l = spec.coords(p, c)
+          pts.setdefault(spec.variant(c), []).append((np.log(max(g, 1.0)),
+                                                      np.log(max(l, 1e-3))))
+      hit = self.__dict__["_anchor_xy"] = {v: np.asarray(x) for v, x in pts.items()}
+    return hit
+
+  def predict(self, problem, configs: Sequence, *, trusted: bool = True) -> np.ndarray:
+    """Predicted us of each config at one problem (``inf``: no answer)."""
+    spec = self.family
+    g = np.empty(len(configs), np.int64)
+    l = np.empty(len(configs), np.float64)
+    aux = np.zeros((len(configs), len(spec.aux_names)), np.float32)
+    for i, c in enumerate(configs):
+      g[i], l[i] = spec.coords(problem, c)
+      aux[i] = spec.aux(problem, c)
+    return self.predict_arrays(configs, g, l, aux, trusted=trusted)
+
+  # --- (de)serialisation ---------------------------------------------------------------
+  def to_json(self) -> dict:
+    spec = self.family
+    used = sorted({dict(v)["backend"] for v in self.entries}
+                  | {spec.backend_of(c).name for c, _ in self.exact.values()})
+    return {
+        "format": FORMAT, "schema": SCHEMA, "family": spec.name,
+        "revisions": {b: spec.backend(b).revision for b in used},
+        "device_kind": self.device_kind,
+        "device_key": self.device_key, "num_sms": self.num_sms,
+        "provenance": self.provenance,
+        "model": {"form": self.form, "aux_names": list(spec.aux_names), "trust": None if math.isinf(self.trust) else self.trust,
+                  "distance_penalty": self.distance_penalty,
+                  "entries": [e.to_json() for e in
+                              sorted(self.entries.values(), key=lambda e: e.variant)]},
+        "exact": [{"problem": spec.problem_to_dict(p), "config": spec.config_to_dict(c),
+                   "us": us} for p, (c, us) in
+                  sorted(self.exact.items(), key=lambda kv: spec.problem_key(kv[0]))],
+        "anchors": [{"problem": spec.problem_to_dict(p), "config": spec.config_to_dict(c),
+                     "us": us} for p, c, us in self.anchors],
+    }
+
+
+def tables_dir() -> str:
+  """Where shipped tables live: ``$WAVETUNE_TABLES``, else the repository's
+  ``tables/`` in a source checkout, else the installed copy (the data package
+  ``wavetune_jax.shipped_tables`` that a wheel carries)."""
+  env = os.environ.get("WAVETUNE_TABLES")
+  if env:
+    return env
+  package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  repo = os.path.join(os.path.dirname(package), "tables")
+  if os.path.isdir(repo):
+    return repo
+  return os.path.join(package, "shipped_tables")
+
+
+def default_path(family: str, device_key: str) -> str:
+  return os.path.join(tables_dir(), device_key, f"{family}.json")
+
+
+def save(table: Table, path: str) -> None:
+  """Writes ``table`` atomically."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(table.to_json(), f, indent=1)
+      f.write("\n")
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def _require(d: dict, key: str, kind, where: str):
+  if key not in d:
+    raise TableError(f"{where}: missing {key!r}")
+  v = d[key]
+  if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+    raise TableError(f"{where}: {key!r} should be {getattr(kind, '__name__', kind)}, "
+                     f"got {type(v).__name__}")
+  return v
+
+
+def _int(v) -> int:
+  if isinstance(v, bool) or not isinstance(v, int):
+    raise ValueError(f"{v!r} is not an integer")
+  return v
+
+
+def _num(v) -> float:
+  if isinstance(v, bool) or not isinstance(v, (int, float)):
+    raise ValueError(f"{v!r} is not a number")
+  return float(v)
+
+
+def _record(r, family: Family, hw: Hardware | None, kind: str):
+  """``(problem, config, us)`` of an exact or anchor record, checked."""
+  if not isinstance(r, dict):
+    raise TableError(f"{kind} entry {r!r} is not an object")
+  where = f"{kind} entry {r.get('problem')}"
+  try:
+    p = family.problem_from_dict(r["problem"])
+    c = family.config_from_dict(r["config"])
+    us = _num(r["us"])
+    family.validate(p, c, hw)
+  except (KeyError, TypeError, ValueError) as err:
+    raise TableError(f"{where}: {type(err).__name__}: {err}") from None
+  if not (math.isfinite(us) and us > 0):
+    raise TableError(f"{where}: time {us!r} us must be finite and positive")
+  return p, c, us
+
+
+def from_json(d, family: Family, hw: Hardware | None, where: str = "table") -> Table:
+  """Validates a parsed table against ``family`` and (if given) ``hw``."""
+  spec = family
+  if not isinstance(d, dict) or d.get("format") != FORMAT:
+    raise TableError(f"{where} is not a wavetune table (format {FORMAT!r} missing)")
+  if d.get("schema") != SCHEMA:
+    raise TableError(f"{where} has schema {d.get('schema')!r}; this version reads {SCHEMA} "
+                     f"(rebuild it with the command in its provenance)")
+  if d.get("family") != spec.name:
+    raise TableError(f"{where} is for family {d.get('family', d.get('kernel'))!r}, "
+                     f"not {spec.name!r}")
+  revisions = _require(d, "revisions", dict, where)
+  for b, rev in revisions.items():
+    try:
+      now = spec.backend(b).revision
+    except ValueError:
+      raise TableError(f"{where} has configs of backend {b!r}, which the {spec.name} "
+                       f"family does not have") from None
+    if rev != now:
+      raise TableError(f"{where} was tuned for revision {rev!r} of the {spec.name} {b} "
+                       f"kernel; this is revision {now}: retune")
+  device_key = _require(d, "device_key", str, where)
+  if hw is not None and device_key != hw.device_key:
+    raise TableError(f"{where} is for {device_key!r}, this GPU is {hw.device_key!r}")
+  num_sms = _require(d, "num_sms", int, where)
+  if num_sms < 1:
+    raise TableError(f"{where}: num_sms={num_sms} must be >= 1")
+  model = _require(d, "model", dict, where)
+  form = _require(model, "form", str, where + ".model")
+  if form not in wave_model.FORMS:
+    raise TableError(f"{where}: unknown model form {form!r}")
+  if list(model.get("aux_names", [])) != list(spec.aux_names):
+    raise TableError(f"{where}: auxiliary columns {model.get('aux_names')} != "
+                     f"{list(spec.aux_names)}")
+  n_coef = wave_model.n_coef(form, len(spec.aux_names))
+  entries = {}
+  try:
+    for e in _require(model, "entries", list, where + ".model"):
+      entry = ModelEntry.from_json(e, spec)
+      if len(entry.coef) != n_coef or len(entry.aux_seen) != len(spec.aux_names):
+        raise TableError(f"model entry {dict(entry.variant)} has {len(entry.coef)} "
+                         f"coefficients, the form needs {n_coef}")
+      if dict(entry.variant)["backend"] not in revisions:
+        raise TableError(f"model entry {dict(entry.variant)}: its backend has no revision "
+                         f"in the table")
+      entries[entry.variant] = entry
+    exact = {}
+    for r in _require(d, "exact", list, where):
+      p, c, us = _record(r, spec, hw, "exact")
+      if spec.backend_of(c).name not in revisions:
+        raise TableError(f"exact entry {r.get('problem')}: its backend has no revision "
+                         f"in the table")
+      exact[p] = (c, us)
+    anchors = [_record(r, spec, None, "anchor") for r in d.get("anchors", [])]
+  except TableError as e:
+    raise TableError(f"{where}: {e}") from None
+  trust = model.get("trust", DEFAULT_TRUST)
+  trust = math.inf if trust is None else trust  # null: the models answer everywhere
+  penalty = model.get("distance_penalty", 0.0)
+  if (isinstance(trust, bool) or not isinstance(trust, (int, float)) or not trust >= 1
+      or isinstance(penalty, bool) or not isinstance(penalty, (int, float))
+      or not 0 <= penalty < math.inf):
+    raise TableError(f"{where}: trust {trust!r} must be >= 1 and distance_penalty "
+                     f"{penalty!r} a finite number >= 0")
+  return Table(family=spec, device_kind=str(d.get("device_kind", device_key)),
+               device_key=device_key, num_sms=num_sms, form=form, entries=entries,
+               exact=exact, anchors=anchors, provenance=dict(d.get("provenance", {})),
+               trust=float(trust), distance_penalty=float(penalty))
+
+
+def load(path: str, family: Family, hw: Hardware | None = None) -> Table:
+  """Reads and validates a table file.
+
+  Raises:
+    TableError: missing, unreadable, not JSON, or failing validation.
+  """
+  try:
+    with open(path) as f:
+      d = json.load(f)
+  except FileNotFoundError:
+    raise TableError(f"no table at {path}") from None
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise TableError(f"{path} is not readable JSON ({type(e).__name__}: {e})") from None
+  return from_json(d, family, hw, where=path)

@@ -1,0 +1,433 @@
+"""How good is a config-selection policy? Replay against an exhaustive sweep.
+
+Protocol (held out by shape, fixed seed):
+
+* The sweep's problems are grouped by *weight* (every problem field except the
+  spec's ``size_field``, the token count) and by size. A seeded draw holds out ``test_weights``
+  (a fraction) of the weights and ``test_ms`` (a fraction) of the M values.
+* Test set = every problem of a held-out weight, plus every problem at a
+  held-out M. Training set = the rest (kept weights at kept M values). No policy
+  ever sees a measurement of a test problem while it builds itself.
+* Learned policies get a profiling budget: a number of measured (problem,
+  config) points, drawn from training problems only. By default it is 3% of the
+  training split's measurements (the WaveTune budget); ``budget=`` overrides.
+* ``efficiency(s) = t_oracle(s) / t_policy(s)`` from the sweep's times. A policy
+  that picks a config without a valid time on file (failed or not measured)
+  scores that problem's worst measured time and the miss is counted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import random
+import statistics
+import time
+import warnings
+from typing import Callable, Sequence
+
+import numpy as np
+
+from wavetune_jax.core.family import Family
+from wavetune_jax.core.hardware import Hardware
+from wavetune_jax.core.registry import get_family
+from wavetune_jax.runtime import tables
+from wavetune_jax.tuning import report, sweep
+
+__all__ = ["Dataset", "load_dataset", "split", "Policy", "POLICIES", "make_policy",
+           "evaluate", "PolicyResult", "DEFAULT_BUDGET_FRACTION"]
+
+DEFAULT_BUDGET_FRACTION = 0.03
+
+
+@dataclasses.dataclass
+class Dataset:
+  """Times of one sweep: ``times[problem][config] = us`` (ok rows only)."""
+
+  family: Family
+  hw: Hardware
+  header: dict
+  times: dict
+  baseline: dict           # problem -> us
+  seconds_per_point: dict  # problem -> GPU seconds one measurement cost
+  failed: dict             # problem -> set of configs that failed
+
+  @property
+  def problems(self) -> list:
+    return sorted(self.times, key=self.family.problem_key)
+
+  def oracle(self, problem):
+    t = self.times[problem]
+    return min(t, key=t.get)
+
+
+def load_dataset(path: str) -> Dataset:
+  """Reads a sweep file.
+
+  Problems without a single ok config are dropped, and so are problems whose
+  sweep was cut short (a config of the spec's space has no row): their oracle
+  would be the best of a part of the space. One warning names them.
+  """
+  header, rows = sweep.read_sweep(path, strict=True)
+  spec = sweep.recorded_family(get_family(header["kernel"]), rows)
+  hw = report.hardware_of(header)
+  times: dict = collections.defaultdict(dict)
+  failed: dict = collections.defaultdict(set)
+  baseline, walls, counts = {}, collections.Counter(), collections.Counter()
+  for r in rows:
+    p = spec.problem_from_dict(r["problem"])
+    if r["impl"] == "pallas":
+      counts[p] += 1
+      c = spec.config_from_dict(r["config"])
+      if r["status"] == "ok":
+        times[p][c] = r["median_us"]
+      else:
+        failed[p].add(c)
+    elif r["impl"] == "baseline" and r["status"] == "ok":
+      baseline[p] = r["median_us"]
+    elif r["impl"] == "timing":
+      walls[p] += r["wall_s"]
+  partial = {p: n for p in list(times)
+             if (n := sum(c not in times[p] and c not in failed[p]
+                          for c in spec.space(p, hw)))}
+  if partial:
+    warnings.warn(
+        f"{path}: {len(partial)} problem(s) swept only in part are left out ("
+        + ", ".join(f"{spec.problem_key(p)}: {n} configs missing"
+                    for p, n in list(partial.items())[:4])
+        + (", ..." if len(partial) > 4 else "")
+        + "); rerun the sweep command to complete them", stacklevel=2)
+    for p in partial:
+      del times[p]
+  spp = {p: (walls[p] / counts[p] if counts[p] and walls[p] else 0.0) for p in times}
+  return Dataset(family=spec, hw=hw, header=header, times=dict(times), baseline=baseline,
+                 seconds_per_point=spp, failed=dict(failed))
+
+
+def split(ds: Dataset, *, seed: int = 0, test_weights: float = 0.34,
+          test_ms: float = 0.25) -> tuple[list, list]:
+  """``(train, test)`` problems, held out by weight and by M (see module doc)."""
+  problems = ds.problems
+  weights = sorted({ds.family.weight_of(p) for p in problems})
+  ms = sorted({ds.family.size_of(p) for p in problems})
+  rng = random.Random(seed)
+  n_w = min(len(weights) - 1, max(1, round(test_weights * len(weights))))
+  n_m = min(len(ms) - 1, max(1, round(test_ms * len(ms))))
+  held_w = set(rng.sample(weights, n_w)) if len(weights) > 1 else set()
+  held_m = set(rng.sample(ms, n_m)) if len(ms) > 1 else set()
+  test = [p for p in problems if ds.family.weight_of(p) in held_w
+          or ds.family.size_of(p) in held_m]
+  train = [p for p in problems if p not in set(test)]
+  return train, test
+
+
+# --- policies ------------------------------------------------------------------------
+
+
+class Policy:
+  """A config-selection policy: ``fit`` on training data, then ``select``."""
+
+  name = "policy"
+
+  def fit(self, ds: Dataset, train: Sequence, budget: int, rng: random.Random) -> tuple[int, float]:
+    """Builds the policy; returns (measurements used, GPU seconds they cost)."""
+    return 0, 0.0
+
+  def select(self, problem):
+    raise NotImplementedError
+
+
+class DefaultPolicy(Policy):
+  """One fixed config for every problem (``spec.default``)."""
+  name = "default"
+
+  def fit(self, ds, train, budget, rng):
+    self.spec = ds.family
+    return 0, 0.0
+
+  def select(self, problem):
+    return self.spec.default(problem)
+
+
+class HeuristicPolicy(Policy):
+  """The spec's rule of thumb (``spec.heuristic``)."""
+  name = "heuristic"
+
+  def fit(self, ds, train, budget, rng):
+    self.spec, self.hw = ds.family, ds.hw
+    return 0, 0.0
+
+  def select(self, problem):
+    return self.spec.heuristic(problem, self.hw)
+
+
+class OraclePolicy(Policy):
+  """Exhaustive search: the best measured config (profiles every test shape)."""
+  name = "oracle"
+
+  def fit(self, ds, train, budget, rng):
+    self.ds = ds
+    return 0, 0.0  # its cost is charged per evaluated problem in evaluate()
+
+  def select(self, problem):
+    return self.ds.oracle(problem)
+
+
+class NearestPolicy(Policy):
+  """Exhaustive tuning of as many training shapes as the budget pays for, then
+  the config of the nearest tuned shape: the same weight at the nearest M (in
+  log space), else the nearest weight (what tuned-JSON lookups do). Where the
+  tuned shape's best config is not in the new problem's space, its next best
+  one that is."""
+  name = "nearest"
+
+  def fit(self, ds, train, budget, rng):
+    self.spec, self.hw = ds.family, ds.hw
+    order = list(train)
+    rng.shuffle(order)
+    self.tuned = {}
+    used, secs = 0, 0.0
+    for p in order:
+      n = len(ds.times[p]) + len(ds.failed.get(p, ()))
+      if used + n > budget:
+        continue
+      used += n
+      secs += n * ds.seconds_per_point[p]
+      self.tuned[p] = sorted(ds.times[p], key=ds.times[p].get)
+    if not self.tuned:  # not even one shape fits the budget: tune the smallest
+      p = min(train, key=lambda p: len(ds.times[p]))
+      used, secs = len(ds.times[p]), len(ds.times[p]) * ds.seconds_per_point[p]
+      self.tuned[p] = sorted(ds.times[p], key=ds.times[p].get)
+    self._feats = {p: _log_fields(self.spec, p) for p in self.tuned}
+    return used, secs
+
+  def select(self, problem):
+    f = _log_fields(self.spec, problem)
+    size = self.spec.size_field
+    best = min(self._feats, key=lambda p: _dist(self._feats[p], f, size))
+    ranking = self.tuned[best]
+    space = set(self.spec.space(problem, self.hw))
+    return next((c for c in ranking if c in space), ranking[0])
+
+
+def _log_fields(spec, problem) -> dict:
+  return {k: math.log2(v) for k, v in spec.problem_to_dict(problem).items()
+          if isinstance(v, int) and not isinstance(v, bool) and v > 0}
+
+
+def _dist(a: dict, b: dict, size_field: str) -> float:
+  # Other fields (the weight) dominate: a shape of the same weight always wins.
+  return sum((a[k] - b.get(k, 0.0)) ** 2 * (1.0 if k == size_field else 1e3) for k in a)
+
+
+class _RegressorPolicy(Policy):
+  """Learned cost model: random (problem, config) points of the training split,
+  features of problem, config and the (G, L) mapping, log latency as target;
+  selection is the argmin of the prediction over the space."""
+
+  def _model(self):
+    raise NotImplementedError
+
+  def fit(self, ds, train, budget, rng):
+    self.spec, self.hw = ds.family, ds.hw
+    pool = [(p, c) for p in train for c in ds.times[p]]
+    pts = rng.sample(pool, min(budget, len(pool)))
+    x = np.array([_features(ds.family, ds.hw, p, c) for p, c in pts])
+    y = np.log(np.array([ds.times[p][c] for p, c in pts]))
+    self.model = self._model()
+    self.model.fit(x, y)
+    return len(pts), sum(ds.seconds_per_point[p] for p, _ in pts)
+
+  def select(self, problem):
+    space = self.spec.space(problem, self.hw)
+    x = np.array([_features(self.spec, self.hw, problem, c) for c in space])
+    return space[int(np.argmin(self.model.predict(x)))]
+
+
+def _features(spec, hw, problem, config) -> list[float]:
+  g, l = spec.coords(problem, config)
+  waves = g / hw.num_sms
+  prob = list(_log_fields(spec, problem).values())
+  # Every field of every backend (-1 where a backend has none) and the
+  # backend one-hot, so all configs have one feature length.
+  b = spec.backend_of(config)
+  names = sorted({f for x in spec.backends for f in x.fields()})
+  cfg = [math.log2(v) if (v := getattr(config, f, 0)) > 0 else -1.0 for f in names]
+  hot = [float(x is b) for x in spec.backends]
+  return prob + cfg + hot + [math.log2(g), math.log2(l), math.ceil(waves),
+                             waves / max(1, math.ceil(waves))]
+
+
+def _sklearn():
+  try:
+    import sklearn  # noqa: F401
+  except ImportError:
+    raise RuntimeError("policies 'tree' and 'gbdt' need scikit-learn: "
+                       "pip install 'wavetune-jax[eval]'") from None
+
+
+class TreePolicy(_RegressorPolicy):
+  name = "tree"
+
+  def _model(self):
+    _sklearn()
+    from sklearn.tree import DecisionTreeRegressor
+    return DecisionTreeRegressor(random_state=0, min_samples_leaf=2)
+
+
+class GBDTPolicy(_RegressorPolicy):
+  name = "gbdt"
+
+  def _model(self):
+    _sklearn()
+    from sklearn.ensemble import GradientBoostingRegressor
+    return GradientBoostingRegressor(random_state=0, n_estimators=200, max_depth=4)
+
+
+class WaveTunePolicy(Policy):
+  """The WaveTune tuner in replay mode on the training problems, within the
+  budget; selection as in ``wavetune_jax.matmul``: exact -> model -> heuristic."""
+  name = "wavetune"
+
+  def __init__(self, form: str = "bilinear",
+               distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY,
+               trust: float = tables.DEFAULT_TRUST, family_weight: float = 0.0,
+               heuristic_margin: float | None | str = "spec"):
+    self.heuristic_margin = heuristic_margin
+    self.form = form
+    self.distance_penalty = distance_penalty
+    self.trust = trust
+    self.family_weight = family_weight
+
+  def fit(self, ds, train, budget, rng):
+    from wavetune_jax.runtime import selector
+    from wavetune_jax.tuning import tuner as tuning
+    self.spec, self.hw = ds.family, ds.hw
+    res = tuning.tune(ds.family, ds.hw, train, tuning.ReplayMeasurer(ds, train),
+                      budget=budget, seed=rng.randrange(1 << 30), form=self.form,
+                      distance_penalty=self.distance_penalty, trust=self.trust,
+                      family_weight=self.family_weight)
+    self.table = res.table
+    self.decider = selector.Decider(res.table, ds.hw, heuristic_margin=self.heuristic_margin)
+    return res.measurements, res.seconds
+
+  def select(self, problem):
+    sel = self.decider.decide(problem)
+    return self.spec.heuristic(problem, self.hw) if sel is None else sel.config
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    cls.name: cls for cls in (DefaultPolicy, HeuristicPolicy, NearestPolicy, TreePolicy,
+                              GBDTPolicy, WaveTunePolicy, OraclePolicy)}
+
+
+def make_policy(name: str, wavetune: dict | None = None) -> Policy:
+  """A policy by name; ``wavetune`` holds options of the wavetune policy
+  (``form``, ``distance_penalty``, ``trust``, ``family_weight``,
+  ``heuristic_margin``: ``"spec"`` for the spec's, None for no guard)."""
+  try:
+    cls = POLICIES[name]
+  except KeyError:
+    raise ValueError(f"unknown policy {name!r}; known: {sorted(POLICIES)}") from None
+  return cls(**(wavetune or {})) if cls is WaveTunePolicy else cls()
+
+
+# --- evaluation ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PolicyResult:
+  policy: str
+  efficiency: dict           # problem key -> t_oracle / t_policy
+  geomean: float
+  minimum: float
+  p10: float
+  within_5pct: float
+  misses: int
+  measurements: int
+  gpu_seconds: float
+  decision_us_cold: float
+  decision_us_memo: float
+  vs_xla_geomean: float | None
+  #: Geomean speedup over the fixed default on the test problems where the
+  #: default is more than 10% slower than the oracle (None: no such problem).
+  vs_default_where_differ: float | None = None
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def _geomean(xs) -> float:
+  xs = list(xs)
+  return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def _time_decisions(policy: Policy, problems: Sequence) -> tuple[float, float]:
+  """Median microseconds of one decision: cold (no memo) and memoized."""
+  cold = []
+  for p in problems:
+    t0 = time.perf_counter_ns()
+    policy.select(p)
+    cold.append((time.perf_counter_ns() - t0) / 1e3)
+  memo = {p: policy.select(p) for p in problems}
+  warm = []
+  for p in problems:
+    t0 = time.perf_counter_ns()
+    memo.get(p)
+    warm.append((time.perf_counter_ns() - t0) / 1e3)
+  return statistics.median(cold), statistics.median(warm)
+
+
+def evaluate(ds: Dataset, policy_names: Sequence[str], *, seed: int = 0,
+             budget: int | None = None, test_weights: float = 0.34,
+             test_ms: float = 0.25, wavetune: dict | None = None
+             ) -> tuple[list[PolicyResult], dict]:
+  """Fits every policy on the training split and scores it on the test split.
+
+  ``wavetune`` passes options to the wavetune policy (:func:`make_policy`).
+
+  Returns:
+    (results per policy, facts about the split and the budget).
+  """
+  train, test = split(ds, seed=seed, test_weights=test_weights, test_ms=test_ms)
+  if not train or not test:
+    raise ValueError(f"the split left {len(train)} training and {len(test)} test "
+                     f"problems; the sweep needs more weights and M values")
+  train_points = sum(len(ds.times[p]) for p in train)
+  if budget is None:
+    budget = max(1, round(DEFAULT_BUDGET_FRACTION * train_points))
+  results = []
+  for name in policy_names:
+    policy = make_policy(name, wavetune)
+    used, secs = policy.fit(ds, train, budget, random.Random(seed))
+    if name == "oracle":  # exhaustive search profiles every evaluated shape
+      used = sum(len(ds.times[p]) + len(ds.failed.get(p, ())) for p in test)
+      secs = sum((len(ds.times[p]) + len(ds.failed.get(p, ()))) * ds.seconds_per_point[p]
+                 for p in test)
+    eff, vs_xla, vs_dflt, misses = {}, [], [], 0
+    for p in test:
+      c = policy.select(p)
+      t = ds.times[p].get(c)
+      if t is None:
+        misses += 1
+        t = max(ds.times[p].values())
+      eff[ds.family.problem_key(p)] = ds.times[p][ds.oracle(p)] / t
+      if p in ds.baseline:
+        vs_xla.append(ds.baseline[p] / t)
+      t_dflt = ds.times[p].get(ds.family.default(p))
+      if t_dflt is not None and t_dflt > 1.1 * ds.times[p][ds.oracle(p)]:
+        vs_dflt.append(t_dflt / t)
+    cold, memo = _time_decisions(policy, test)
+    e = sorted(eff.values())
+    results.append(PolicyResult(
+        policy=name, efficiency=eff, geomean=_geomean(e), minimum=e[0],
+        p10=float(np.percentile(e, 10)), within_5pct=sum(x >= 1 / 1.05 for x in e) / len(e),
+        misses=misses, measurements=used, gpu_seconds=secs, decision_us_cold=cold,
+        decision_us_memo=memo, vs_xla_geomean=_geomean(vs_xla) if vs_xla else None,
+        vs_default_where_differ=_geomean(vs_dflt) if vs_dflt else None))
+  facts = {"train_problems": len(train), "test_problems": len(test),
+           "train_points": train_points, "budget": budget, "seed": seed,
+           "device_kind": ds.header["device_kind"], "baseline_name": ds.family.baseline_name,
+           "test": [ds.family.problem_key(p) for p in test]}
+  return results, facts

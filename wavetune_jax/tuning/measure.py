@@ -1,0 +1,96 @@
+"""The one measuring pipeline of sweeps, the tuner and the exhaustive policy.
+
+For a batch of ``(problem, configs)``: every candidate (each config's kernel,
+and where asked the family's baselines) and each problem's kit (inputs,
+float32 reference, NaN poison, error check) is compiled in parallel threads,
+all before the first measurement (XLA's autotuner launches kernels of its own
+while it compiles a baseline, which CUPTI would otherwise count). Then one
+problem at a time: its inputs and reference are made on the device, and each
+candidate is poisoned, checked against the reference and timed with CUPTI
+(:class:`~wavetune_jax.tuning.profiler.Profiler`). A candidate that fails to
+compile, to run or to match the reference is recorded with its error.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from typing import Iterator, Sequence
+
+import jax
+
+from wavetune_jax.core.family import Family
+from wavetune_jax.tuning.profiler import Measurement, Profiler
+
+__all__ = ["measure_points"]
+
+
+def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
+                   baselines: bool | set = False, repeat_best: bool = False,
+                   phase_seconds: dict | None = None
+                   ) -> Iterator[tuple[object, str, object, Measurement]]:
+  """Measures ``work = [(problem, configs), ...]`` (see module doc).
+
+  Args:
+    family: the family of the problems.
+    prof: the CUPTI profiler.
+    work: problems and the configs to measure for each.
+    baselines: also time the family's baseline and extra baselines (``True``
+      for every problem, or a set of the problems that need them).
+    repeat_best: time each problem's fastest config a second time
+      (repeatability; impl ``"repeat"``, not checked).
+    phase_seconds: if given, wall seconds are added under ``"compile"``,
+      ``"setup"`` and ``"check_and_time"``.
+
+  Yields:
+    ``(problem, impl, config, Measurement)``, grouped by problem in the order
+    of ``work``; impl is ``"pallas"`` (a config), ``"baseline"`` or
+    ``"baseline_<name>"`` (config None) or ``"repeat"``.
+  """
+  phases = phase_seconds if phase_seconds is not None else {}
+  t0 = time.perf_counter()
+  cands, kits, shapes = [], [], {}
+  for p, configs in work:
+    fns = [("pallas", c, family.build(p, c)) for c in configs]
+    if baselines is True or (baselines and p in baselines):
+      fns.append(("baseline", None, family.baseline(p)))
+      fns += [(f"baseline_{name}", None, fn)
+              for name, fn in family.extra_baselines(p).items()]
+    cands.append(fns)
+    shapes[p] = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
+                 jax.eval_shape(functools.partial(family.inputs, p), jax.random.PRNGKey(0))]
+    kits.append(functools.partial(prof.compile_kit, family, p, fns[0][2] if fns else None))
+  jobs = [functools.partial(prof.compile_timed, fn, shapes[p])
+          for (p, _), fns in zip(work, cands) for _, _, fn in fns]
+  done = prof.parallel(jobs + kits)
+  compiled, kit_of = done[:len(jobs)], done[len(jobs):]
+  phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - t0
+  pos = 0
+  for (p, _), fns, kit in zip(work, cands, kit_of):
+    exes = compiled[pos:pos + len(fns)]
+    compiled[pos:pos + len(fns)] = [None] * len(fns)
+    pos += len(fns)
+    if isinstance(kit, BaseException):
+      for impl, c, _ in fns:
+        yield p, impl, c, Measurement(status="run_error",
+                                      error=f"inputs or reference failed: {kit}"[:400])
+      continue
+    t1 = time.perf_counter()
+    args, ref = kit.materialize()
+    jax.block_until_ready(ref)
+    phases["setup"] = phases.get("setup", 0.0) + time.perf_counter() - t1
+    tol = family.tolerance(p)
+    best = (None, None, math.inf)
+    for (impl, c, _), (exe, compile_s) in zip(fns, exes):
+      t2 = time.perf_counter()
+      m = prof.check_and_time(exe, compile_s, args, ref, tol, kit.out_bytes, kit)
+      phases["check_and_time"] = phases.get("check_and_time", 0.0) + time.perf_counter() - t2
+      if impl == "pallas" and m.status == "ok" and m.median_us < best[2]:
+        best = (c, exe, m.median_us)
+      yield p, impl, c, m
+    if repeat_best and best[0] is not None:
+      yield p, "repeat", best[0], prof.check_and_time(best[1], 0.0, args, None, None,
+                                                      kit.out_bytes, kit)
+    del args, ref, exes, best
+

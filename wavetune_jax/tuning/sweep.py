@@ -1,0 +1,307 @@
+"""Exhaustive sweeps: every config of a spec's space, per problem, on file.
+
+File format (``.jsonl.gz``): gzip-compressed JSON lines. The first line is the
+header ``{"type": "header", "schema": 1, "kernel": <family>, "device_kind": ...,
+"device_key": ..., "num_sms": ..., "jax_version": ..., "clocks": ..., "date": ...,
+"command": ...}``. Every other line is a row ``{"type": "row", "problem": {...},
+"impl": "pallas" | "baseline" | "baseline_<name>" | "repeat" | "timing",
+"config": {"backend": name, ...} | null, "median_us", "spread_us", "samples",
+"compile_s", "status", "error", "rel_error"}``. Rows recorded before configs
+named their backend have none (or an int); the family reads them
+(``Family.config_from_dict``) and row identities are compared in the current
+form, so a resumed sweep never measures them twice.
+
+Rows are appended in small gzip members, each closed (flushed) once written, so a
+killed run loses at most the batch in flight. On resume, a truncated last member
+is cut off (the file is rewritten atomically with the rows that survived) and
+every (problem, config) already on file is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zlib
+from typing import Callable, Iterable, Iterator, Sequence
+
+__all__ = ["SCHEMA", "SweepFile", "read_sweep", "run_sweep", "row_key", "read_clocks",
+           "sweep_configs", "make_row", "recorded_family", "gpu_measure"]
+
+SCHEMA = 1
+_BATCH = 16
+
+
+def row_key(problem_key: str, impl: str, config: dict | None) -> str:
+  """The identity of a row: problem, implementation and config."""
+  cfg = "" if config is None else json.dumps(config, sort_keys=True)
+  return f"{problem_key}|{impl}|{cfg}"
+
+
+def _read_lines(path: str) -> tuple[list[dict], bool]:
+  """Rows of a (possibly truncated) gzip JSONL file; (rows, intact)."""
+  out: list[dict] = []
+  intact = True
+  try:
+    with gzip.open(path, "rt") as f:
+      for line in f:
+        if not line.endswith("\n"):
+          intact = False  # the last line was cut
+          break
+        out.append(json.loads(line))
+  except (EOFError, gzip.BadGzipFile, zlib.error, json.JSONDecodeError):
+    intact = False
+  return out, intact
+
+
+def read_sweep(path: str, *, strict: bool = False) -> tuple[dict, list[dict]]:
+  """``(header, rows)`` of a sweep file.
+
+  Raises:
+    ValueError: the file has no header, or another schema, or (``strict``)
+      its end is cut off (a run killed mid-write; the sweep command repairs it).
+  """
+  lines, intact = _read_lines(path)
+  if strict and not intact:
+    raise ValueError(f"{path} is truncated (a run was killed mid-write); rerun its sweep "
+                     f"command to repair and complete it")
+  if not lines or lines[0].get("type") != "header":
+    raise ValueError(f"{path} is not a sweep file (no header line)")
+  header = lines[0]
+  if header.get("schema") != SCHEMA:
+    raise ValueError(f"{path} has schema {header.get('schema')!r}; "
+                     f"this version reads schema {SCHEMA}")
+  return header, [r for r in lines[1:] if r.get("type") == "row"]
+
+
+class SweepFile:
+  """Append-only sweep file with crash-safe batches.
+
+  With ``family``, row identities on file are read in the current config
+  form (:func:`normalized_key`)."""
+
+  def __init__(self, path: str, header: dict, family=None):
+    self.path = path
+    self.done: set[str] = set()
+    self.n_rows = 0
+    if os.path.exists(path):
+      lines, intact = _read_lines(path)
+      if not lines or lines[0].get("type") != "header":
+        raise ValueError(f"{path} exists but is not a sweep file; move it away")
+      old = lines[0]
+      for field in ("kernel", "device_key", "schema"):
+        if old.get(field) != header.get(field):
+          raise ValueError(
+              f"{path} was recorded with {field}={old.get(field)!r}; this run has "
+              f"{field}={header.get(field)!r}. Use another --out file.")
+      if not intact:
+        self._rewrite(lines)
+      self.header = old
+      for r in lines[1:]:
+        if r.get("type") == "row":
+          self.done.add(r["key"] if family is None else normalized_key(family, r))
+          self.n_rows += 1
+    else:
+      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+      self.header = header
+      self._rewrite([header])
+
+  def _rewrite(self, lines: Sequence[dict]) -> None:
+    tmp = self.path + ".tmp"
+    with gzip.open(tmp, "wt") as f:
+      for line in lines:
+        f.write(json.dumps(line) + "\n")
+    os.replace(tmp, self.path)
+
+  def append(self, rows: Sequence[dict]) -> None:
+    if not rows:
+      return
+    with open(self.path, "ab") as raw, gzip.GzipFile(fileobj=raw, mode="wb") as f:
+      f.write("".join(json.dumps(r) + "\n" for r in rows).encode())
+    for r in rows:
+      self.done.add(r["key"])
+    self.n_rows += len(rows)
+
+
+def recorded_family(family, rows: Sequence[dict]):
+  """``family`` with only the backends a sweep file's configs belong to.
+
+  A file with no config of a backend predates it (or did not measure it):
+  its problems are complete without those configs, and policies evaluated on
+  it choose among what it measured.
+  """
+  names = {family.backend_of(family.config_from_dict(r["config"])).name
+           for r in rows if r.get("impl") == "pallas"}
+  return family.with_backends([b.name for b in family.backends if b.name in names]) \
+      if names else family
+
+
+def make_row(family, problem, impl: str, config, m) -> dict:
+  """The sweep-file row of one measurement."""
+  cfg = None if config is None else family.config_to_dict(config)
+  return {"type": "row", "key": row_key(family.problem_key(problem), impl, cfg),
+          "problem": family.problem_to_dict(problem), "impl": impl, "config": cfg,
+          **dataclasses.asdict(m)}
+
+
+def normalized_key(family, r: dict) -> str:
+  """A row's identity in the current config form (old rows lack ``backend``)."""
+  if r.get("config") is None or r.get("impl") not in ("pallas", "repeat", "baseline"):
+    return r["key"]
+  p = family.problem_from_dict(r["problem"])
+  return row_key(family.problem_key(p), r["impl"],
+                 family.config_to_dict(family.config_from_dict(r["config"])))
+
+
+def merge_sweeps(dst: str, src: str) -> tuple[int, int]:
+  """Puts the problems of sweep file ``src`` into ``dst`` (same kernel, GPU
+  and schema). A problem in both keeps only ``src``'s rows, so every problem's
+  configs come from one run. ``dst``'s header lists ``src``'s header under
+  ``"merged"`` (date, command, clocks, JAX version). Written atomically.
+
+  Returns:
+    ``(problems replaced, problems added)``.
+  """
+  h_dst, r_dst = read_sweep(dst)
+  h_src, r_src = read_sweep(src)
+  for field in ("kernel", "device_key", "schema"):
+    if h_dst.get(field) != h_src.get(field):
+      raise ValueError(f"cannot merge: {src} has {field}={h_src.get(field)!r}, "
+                       f"{dst} has {h_dst.get(field)!r}")
+  pk = lambda r: r["key"].split("|", 1)[0]  # noqa: E731
+  new = {pk(r) for r in r_src}
+  old = {pk(r) for r in r_dst}
+  header = dict(h_dst)
+  header["merged"] = list(h_dst.get("merged", [])) + [
+      {k: h_src.get(k) for k in ("date", "command", "clocks", "jax_version")}]
+  SweepFile(dst, h_dst)._rewrite([header] + [r for r in r_dst if pk(r) not in new] + r_src)
+  return len(new & old), len(new - old)
+
+
+def read_clocks() -> dict:
+  """Clocks as ``nvidia-smi`` reads them now (empty when it is not there)."""
+  if shutil.which("nvidia-smi") is None:
+    return {}
+  fields = ["clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.max.mem",
+            "power.limit", "temperature.gpu"]
+  try:
+    out = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+        capture_output=True, text=True, timeout=10, check=True).stdout
+  except (OSError, subprocess.SubprocessError):
+    return {}
+  values = [v.strip() for v in out.splitlines()[0].split(",")] if out else []
+  return dict(zip(fields, values))
+
+
+def gpu_measure(family, prof) -> "MeasureFn":
+  """The sweep's measuring function on a GPU: every config, the baselines and
+  the fastest config once more (:func:`wavetune_jax.tuning.measure.measure_points`)."""
+  from wavetune_jax.tuning.measure import measure_points
+
+  def measure(problem, configs, with_baseline):
+    for _, impl, c, m in measure_points(family, prof, [(problem, configs)],
+                                        baselines=with_baseline, repeat_best=True):
+      yield impl, c, m
+  return measure
+
+
+def make_header(spec, hw, *, jax_version: str, command: str | None = None,
+                space: str = "pruned") -> dict:
+  return {
+      "type": "header", "schema": SCHEMA, "kernel": spec.name,
+      "device_kind": hw.name, "device_key": hw.device_key, "num_sms": hw.num_sms,
+      "jax_version": jax_version, "clocks": read_clocks(),
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "command": command if command is not None else " ".join(sys.argv),
+      "space": space,
+  }
+
+
+# measure(problem, configs, with_baseline) -> iterator of (impl, config, Measurement)
+# with impl "pallas" (a config of the space), "baseline" (config None: XLA,
+# cuDNN), "baseline_<name>" (the spec's extra_baselines) or "repeat" (a config timed a second time, for repeatability). The
+# real one uses the profiler; tests pass fakes.
+MeasureFn = Callable[[object, Sequence, bool], Iterator[tuple[str, object, object]]]
+
+
+def sweep_configs(spec, problem, hw, *, prune: bool = True) -> list:
+  """The space, plus the default and heuristic configs where pruning dropped
+  them (policies that use them are evaluated on every problem)."""
+  configs = list(spec.space(problem, hw, prune=prune))
+  for extra in (spec.default(problem), spec.heuristic(problem, hw)):
+    if extra not in configs:
+      try:
+        spec.validate(problem, extra, hw)
+      except ValueError:
+        continue
+      configs.append(extra)
+  return configs
+
+
+def run_sweep(spec, problems: Iterable, hw, out: SweepFile, measure: MeasureFn, *,
+              prune: bool = True, progress=None) -> dict:
+  """Measures every config of every problem not yet on file.
+
+  Args:
+    spec: the kernel spec.
+    problems: problems to sweep.
+    hw: hardware (for the space).
+    out: the sweep file (resume state included).
+    measure: the measuring function (see ``MeasureFn``).
+    prune: use the pruned space.
+    progress: optional object with ``start(total)``, ``advance(status)`` and
+      ``stop()``.
+
+  Returns:
+    Counts: ``{"measured": n, "skipped": n, "failed": n}``.
+  """
+  todo = []
+  skipped = 0
+  for p in problems:
+    pk = spec.problem_key(p)
+    every = sweep_configs(spec, p, hw, prune=prune)
+    cfgs = [c for c in every
+            if row_key(pk, "pallas", spec.config_to_dict(c)) not in out.done]
+    skipped += len(every) - len(cfgs)
+    with_base = row_key(pk, "baseline", None) not in out.done
+    skipped += 0 if with_base else 1
+    if cfgs or with_base:
+      todo.append((p, cfgs, with_base))
+  total = sum(len(c) + b * (1 + len(spec.extra_baselines(p))) for p, c, b in todo)
+  counts = {"measured": 0, "skipped": skipped, "failed": 0}
+  if progress is not None:
+    progress.start(total)
+  try:
+    for p, cfgs, with_base in todo:
+      pk = spec.problem_key(p)
+      batch: list[dict] = []
+      t0 = time.perf_counter()
+      try:
+        for impl, config, m in measure(p, cfgs, with_base):
+          batch.append(make_row(spec, p, impl, config, m))
+          counts["measured"] += 1
+          counts["failed"] += m.status != "ok"
+          if progress is not None and impl != "repeat":
+            progress.advance(m.status)
+          if len(batch) >= _BATCH:
+            out.append(batch)
+            batch = []
+      finally:
+        # What was measured is kept, also on an interrupt; a timing row records
+        # the wall seconds this part of the problem took.
+        batch.append({"type": "row", "key": f"{pk}|timing|{len(out.done)}",
+                      "problem": spec.problem_to_dict(p), "impl": "timing",
+                      "config": None, "status": "ok",
+                      "wall_s": time.perf_counter() - t0})
+        out.append(batch)
+  finally:
+    if progress is not None:
+      progress.stop()
+  return counts
