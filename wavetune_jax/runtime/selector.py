@@ -331,12 +331,12 @@ def active_table(family: str | Family, hw: Hardware | str | None = None):
 def select(family: str | Family, problem, hw: Hardware | str | None = None) -> Selection:
   """The config for ``problem`` of ``family`` on ``hw`` (default: where the
   ops run) under the current state (memoized)."""
-  spec = family if isinstance(family, Family) else get_family(family)
+  spec = get_family(family) if isinstance(family, str) else family
   if hw.__class__ is not Hardware:
     hw = get_hardware(hw)
   cached = _local.__dict__.get("memo")
   memo = cached[1] if cached is not None and cached[0] == _global["generation"] else _state_memo()
-  key = (problem, spec.name, hw)
+  key = (problem, spec.name, hw.device_key, hw.interpret)
   hit = memo.get(key)
   if hit is not None:
     return hit
