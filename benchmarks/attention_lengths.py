@@ -12,13 +12,12 @@ import argparse
 
 import jax
 
-from pallas_kernels.attention import AttentionConfig
+from wavetune_jax import ATTENTION, AttentionProblem, TritonAttentionConfig
 from wavetune_jax.tuning import profiler
-from wavetune_jax import ATTENTION, AttentionProblem
 
-CONFIGS = [AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2),
-           AttentionConfig(block_q=128, block_k=128, num_warps=8, num_stages=3),
-           AttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=3)]
+CONFIGS = [TritonAttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2),
+           TritonAttentionConfig(block_q=128, block_k=128, num_warps=8, num_stages=3),
+           TritonAttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=3)]
 
 
 def main():

@@ -6,8 +6,8 @@ shapes whose lengths are not multiples of the blocks (the suite's 1000 and
 3000, and small odd ones that check the masking of ragged ends):
 
 * "triton": four configs of the Triton kernel that are often the sweep's oracle;
-* "mosaic": the Mosaic GPU backend of ``pallas_kernels.attention_mosaic``
-  (``backend=1``), over the configs its space holds for the shape;
+* "mosaic": the Mosaic GPU backend (``pallas_kernels.attention.mosaic``,
+  ``MosaicAttentionConfig``), over the configs its space holds for the shape;
 * "jax-mgpu": JAX's own ``jax.experimental.pallas.ops.gpu.attention_mgpu``,
   the kernel ours derives from, with ``q`` scaled by ``1/sqrt(head_dim)``
   first (it applies no scale). Its shared-memory buffers are float16, so in
@@ -26,15 +26,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import MOSAIC, AttentionConfig
-from wavetune_jax.tuning import evaluate, profiler
+from wavetune_jax import (ATTENTION, AttentionProblem, MosaicAttentionConfig,
+                          TritonAttentionConfig)
 from wavetune_jax.core import hardware
-from wavetune_jax import ATTENTION, AttentionProblem
+from wavetune_jax.tuning import evaluate, profiler
 
-TRITON = [AttentionConfig(block_q=128, block_k=128, num_warps=8, num_stages=3),
-          AttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=3),
-          AttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2),
-          AttentionConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)]
+TRITON = [TritonAttentionConfig(block_q=128, block_k=128, num_warps=8, num_stages=3),
+          TritonAttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=3),
+          TritonAttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2),
+          TritonAttentionConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)]
 # JAX's kernel: (block_q per warpgroup, block_kv, max_concurrent_steps)
 JAX_MGPU = [(64, 64, 2), (64, 128, 2), (64, 128, 3)]
 KINDS = ("triton", "mosaic", "jax-mgpu")
@@ -84,8 +84,9 @@ def main():
                          head_dim=d, causal=causal, dtype=a.dtype)
     args = ATTENTION.inputs(p, jax.random.PRNGKey(0))
     ref = ATTENTION.reference(p, *args)
-    mosaic = [c for c in ATTENTION.space(p, hw) if c.backend == MOSAIC]
-    triton = [c for c in TRITON if ATTENTION.smem_bytes(p, c) <= hw.smem_per_block]
+    mosaic = [c for c in ATTENTION.space(p, hw) if isinstance(c, MosaicAttentionConfig)]
+    triton = [c for c in TRITON
+              if ATTENTION.backend("triton").smem_bytes(p, c) <= hw.smem_per_block]
     names = ([f"triton {c.block_q}/{c.block_k}/{c.num_warps}/{c.num_stages}" for c in triton]
              + [f"mosaic {c.block_q}/{c.block_k}/{c.num_stages}" for c in mosaic])
     fns = [ATTENTION.build(p, c) for c in triton + mosaic]

@@ -16,7 +16,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import AttentionConfig, attention, attention_reference
+from pallas_kernels.attention.reference import attention_reference
+from pallas_kernels.attention.triton import TritonAttentionConfig, attention
 from wavetune_jax.tuning import profiler
 
 SHAPES = [  # batch, seq, q_heads, kv_heads, head_dim, causal
@@ -44,7 +45,7 @@ def main():
     k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.float32).astype(jnp.bfloat16)
     v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.float32).astype(jnp.bfloat16)
     ref = attention_reference(q, k, v, causal=causal, out_dtype=jnp.float32)
-    cfgs = [AttentionConfig(block_q=bq, block_k=bk, num_warps=nw, num_stages=ns)
+    cfgs = [TritonAttentionConfig(block_q=bq, block_k=bk, num_warps=nw, num_stages=ns)
             for bq, bk, nw, ns in itertools.product(bqs, bks, nws, nss)]
     fns = [lambda q, k, v, c=c: attention(q, k, v, config=c, causal=causal) for c in cfgs]
     for impl in ("cudnn", "xla"):

@@ -10,15 +10,14 @@ prints seconds per config for each. Fresh jit functions, so nothing is shared.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
 
+from wavetune_jax import AttentionProblem, MatmulProblem, get_family
 from wavetune_jax.core import hardware
 from wavetune_jax.tuning import profiler
-from wavetune_jax.families.attention import AttentionProblem
-from wavetune_jax.families.matmul import MatmulProblem
-from wavetune_jax.core.registry import get_family
 
 PROBLEMS = {
     "matmul": MatmulProblem(m=1000, n=4096, k=4096),
@@ -28,14 +27,17 @@ PROBLEMS = {
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--family", default="matmul", choices=sorted(PROBLEMS))
+  ap.add_argument("--family", "--kernel", dest="family", default="matmul",
+                  choices=sorted(PROBLEMS))
   ap.add_argument("--threads", type=int, default=16)
   ap.add_argument("--configs", type=int, default=64, help="configs per half (at most)")
   a = ap.parse_args()
-  spec = get_family(a.kernel)
+  spec = get_family(a.family)
   hw = hardware.detect()
-  p = PROBLEMS[a.kernel]
-  space = list(spec.space(p, hw))
+  p = PROBLEMS[a.family]
+  # Triton configs first, then the other backends' (attention: Mosaic), as the
+  # space was ordered when the halves below were first drawn.
+  space = sorted(spec.space(p, hw), key=lambda c: spec.backend_of(c).name != "triton")
   halves = (space[0::2][:a.configs], space[1::2][:a.configs])
   args = spec.inputs(p, jax.random.PRNGKey(0))
   print(f"{hw.name}, jax {jax.__version__}: {spec.problem_key(p)}, "
@@ -46,7 +48,8 @@ def main():
     prof = profiler.Profiler(threads=threads)
     fns = [spec.build(p, c) for c in configs]
     t0 = time.perf_counter()
-    failed = sum(isinstance(exe, BaseException) for _, exe, _ in prof.compile_many(fns, args))
+    compiled = prof.parallel([functools.partial(prof.compile_timed, f, args) for f in fns])
+    failed = sum(isinstance(exe, BaseException) for exe, _ in compiled)
     wall = time.perf_counter() - t0
     print(f"  {threads:>2} thread(s): {len(configs)} configs in {wall:6.1f} s = "
           f"{wall / len(configs):.3f} s per config ({failed} failed)")

@@ -26,8 +26,8 @@ def main(argv=None):
   ap.add_argument("sweep_b")
   a = ap.parse_args(argv)
   da, db = evaluate.load_dataset(a.sweep_a), evaluate.load_dataset(a.sweep_b)
-  if da.spec.name != db.spec.name:
-    raise SystemExit(f"{a.sweep_a} is {da.spec.name}, {a.sweep_b} is {db.spec.name}")
+  if da.family.name != db.family.name:
+    raise SystemExit(f"{a.sweep_a} is {da.family.name}, {a.sweep_b} is {db.family.name}")
   common = [p for p in da.problems if p in db.times]
   if not common:
     raise SystemExit("the two sweeps share no problem")
@@ -40,8 +40,8 @@ def main(argv=None):
       eff_ab.append(tb[ob] / tb[oa])
     if ob in ta:
       eff_ba.append(ta[oa] / ta[ob])
-  name = da.spec.baseline_name
-  print(f"{len(common)} {da.spec.name} problems in both: A = {da.hw.name}, B = {db.hw.name}")
+  name = da.family.baseline_name
+  print(f"{len(common)} {da.family.name} problems in both: A = {da.hw.name}, B = {db.hw.name}")
   print(f"same oracle config: {same} of {len(common)}")
   print(f"A's oracle config on B: efficiency {_geo(eff_ab):.3f} geomean, {min(eff_ab):.3f} min "
         f"({len(eff_ab)} problems where B measured it)")

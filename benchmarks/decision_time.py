@@ -18,9 +18,9 @@ import random
 import statistics
 import time
 
-from wavetune_jax import MATMUL, MatmulProblem, get_hardware
+from wavetune_jax import MATMUL, MatmulProblem, get_hardware, shapes
+from wavetune_jax.families.matmul import gemm_weights
 from wavetune_jax.runtime import selector, tables
-from wavetune_jax import shapes
 
 
 def main(argv=None):
@@ -31,7 +31,7 @@ def main(argv=None):
   a = ap.parse_args(argv)
   hw = get_hardware(a.device)
   table = tables.load(a.table, MATMUL, hw)
-  weights = list(shapes.gemm_weights(shapes.load_suite("train")).values())
+  weights = list(gemm_weights(shapes.load_suite("train")).values())
   rng = random.Random(0)
   ns = lambda: time.perf_counter_ns()  # noqa: E731
 
@@ -52,7 +52,7 @@ def main(argv=None):
     t0 = ns(); d.decide(p); cold.append((ns() - t0) / 1e3)
 
   selector.clear()
-  with selector.use_tables(table):
+  with selector.use_tables(table, MATMUL):
     for p in probs:
       selector.select(MATMUL, p, hw)
     # Batches of 100 calls: a per-call clock read costs about as much as a

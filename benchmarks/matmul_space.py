@@ -1,6 +1,6 @@
 """Checks and times every config of the GEMM space for a few shapes (GPU only).
 
-For each shape: every config of ``MatmulSpec.space`` is compiled (in parallel),
+For each shape: every config of ``MATMUL.space`` is compiled (in parallel),
 checked against a float32 reference on random inputs and timed with CUPTI; XLA's
 ``jnp.dot`` is timed on the same timer. Prints a short table and writes every
 row to ``--out`` (JSON).
@@ -20,10 +20,10 @@ import time
 import jax
 import jax.numpy as jnp
 
+from wavetune_jax import MATMUL, MatmulProblem, shapes
 from wavetune_jax.core import hardware
+from wavetune_jax.families.matmul import gemm_weights
 from wavetune_jax.tuning import profiler
-from wavetune_jax import shapes
-from wavetune_jax import MATMUL, MatmulProblem
 
 
 def run_shape(prof: profiler.Profiler, problem: MatmulProblem, hw, *, wide: bool,
@@ -93,7 +93,7 @@ def main(argv=None):
   ap.add_argument("--out", default=None)
   a = ap.parse_args(argv)
   hw = hardware.detect()
-  n, k = shapes.gemm_weights(shapes.load_suite("train"), [a.weight])[a.weight]
+  n, k = gemm_weights(shapes.load_suite("train"), [a.weight])[a.weight]
   prof = profiler.Profiler(iterations=a.iterations)
   print(f"device: {hw.name} ({hw.num_sms} SMs), jax {jax.__version__}, "
         f"python {platform.python_version()}", flush=True)

@@ -1,6 +1,6 @@
 """Per config field and value: speed of the best config with that value over the best
 config overall, from a matmul_space.py result file (CPU). Reproduces the numbers
-behind pruning rules R5-R7 in wavetune_jax/matmul_spec.py:
+behind pruning rules R5-R7 in wavetune_jax/families/matmul/triton.py:
 
   python3 benchmarks/pruning_evidence.py data/probes/space_gate_up_h200_r1r4.json
 """
@@ -19,7 +19,9 @@ def main(argv=None):
     ok = [x for x in r["rows"] if x["status"] == "ok"]
     best = min(x["median_us"] for x in ok)
     cells = []
-    for field in ok[0]["config"]:
+    # Every field but the backend (files written since configs name it hold
+    # "backend": "triton" on every row).
+    for field in (f for f in ok[0]["config"] if f != "backend"):
       for v in sorted({x["config"][field] for x in ok}):
         t = min(x["median_us"] for x in ok if x["config"][field] == v)
         cells.append(f"{field}={v}: {best / t:.2f}")

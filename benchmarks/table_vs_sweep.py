@@ -17,9 +17,9 @@ import argparse
 import collections
 import math
 
-from wavetune_jax import eval_cli
-from wavetune_jax.tuning import evaluate, sweep
+from wavetune_jax.cli import eval as eval_cli
 from wavetune_jax.runtime import selector, tables
+from wavetune_jax.tuning import evaluate, sweep
 
 
 def _geo(xs):

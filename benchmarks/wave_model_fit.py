@@ -23,8 +23,9 @@ import collections
 
 import numpy as np
 
-from wavetune_jax.tuning import evaluate, tuner as tuning
 from wavetune_jax.runtime import tables, wave_model
+from wavetune_jax.tuning import evaluate
+from wavetune_jax.tuning import tuner as tuning
 
 
 def main(argv=None):
@@ -40,7 +41,7 @@ def main(argv=None):
   pts = collections.defaultdict(list)
   for p, ts in ds.times.items():
     for c, t in ts.items():
-      g, l = spec.coords(p, spec.macro(c))
+      g, l = spec.coords(p, c)
       pts[c].append((p, g, l, t))
   configs = [c for c, v in pts.items() if len(v) >= a.min_points]
   print(f"{ds.header['device_kind']}: {len(configs)} configs with >= {a.min_points} "
@@ -74,7 +75,7 @@ def main(argv=None):
   print(f"{'form':<10} {'geomean':>8} {'min':>6} {'p10':>6} {'<=5% miss':>10}")
   points = [(p, c, t) for p, ts in ds.times.items() for c, t in ts.items()]
   for form in wave_model.FORMS:
-    table = tables.Table(spec=spec, device_kind=hw.name, device_key=hw.device_key,
+    table = tables.Table(family=spec, device_kind=hw.name, device_key=hw.device_key,
                          num_sms=hw.num_sms, form=form,
                          entries=tuning.fit_entries(spec, hw, points, form=form), exact={},
                          anchors=[], provenance={}, distance_penalty=0.0)

@@ -18,7 +18,8 @@ import random
 
 import numpy as np
 
-from wavetune_jax.tuning import evaluate, tuner as tuning
+from wavetune_jax.tuning import evaluate
+from wavetune_jax.tuning import tuner as tuning
 
 
 def main(argv=None):
