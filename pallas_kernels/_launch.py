@@ -34,13 +34,3 @@ def check_launch(config, block_fields: tuple[str, ...]) -> None:
     raise ValueError(f"{name}.num_warps={config.num_warps} must be a power of two <= 16")
   if not 1 <= config.num_stages <= 8:
     raise ValueError(f"{name}.num_stages={config.num_stages} must be in [1, 8]")
-
-
-def config_from_dict(cls, d: dict):
-  """``cls(**d)``; unknown keys raise ``ValueError`` naming the valid fields."""
-  names = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(d) - names)
-  if unknown:
-    raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; "
-                     f"valid fields are {sorted(names)}")
-  return cls(**d)

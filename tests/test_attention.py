@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import wavetune_jax as wt
+from test_attention_backends import qkv
 from pallas_kernels.attention.reference import attention_reference
 from pallas_kernels.attention.triton import kv_blocks, q_block_start
 from wavetune_jax import ATTENTION, AttentionProblem, MosaicAttentionConfig, TritonAttentionConfig, get_hardware
@@ -24,16 +25,8 @@ H200_SWEEP = os.path.join(os.path.dirname(__file__), "..", "data", "sweeps", "nv
                           "attention_bfloat16.jsonl.gz")
 
 
-def _qkv(b, sq, skv, hq, hkv, d, dtype=jnp.bfloat16, seed=0):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-  q = jax.random.normal(ks[0], (b, sq, hq, d), jnp.float32).astype(dtype)
-  k = jax.random.normal(ks[1], (b, skv, hkv, d), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (b, skv, hkv, d), jnp.float32).astype(dtype)
-  return q, k, v
-
-
 def test_reference_matches_jax_nn():
-  q, k, v = _qkv(2, 37, 37, 8, 2, 64)
+  q, k, v = qkv(2, 37, 37, 8, 2, 64)
   ref = attention_reference(q, k, v, causal=True, out_dtype=jnp.float32, q_chunk=16)
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   nn = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), is_causal=True)
@@ -139,7 +132,7 @@ def test_grad_is_a_clear_error():
 
 
 def test_op_selects_at_trace_time_and_matches_reference():
-  q, k, v = _qkv(1, 50, 50, 4, 1, 64)
+  q, k, v = qkv(1, 50, 50, 4, 1, 64)
   with selector.use_config("attention", {"backend": "triton", "block_q": 32, "block_k": 32}):
     out = jax.jit(lambda q, k, v: wt.attention(q, k, v))(q, k, v)
   ref = attention_reference(q, k, v, causal=True, out_dtype=jnp.float32)

@@ -15,7 +15,6 @@ from wavetune_jax.core.family import Problem
 __all__ = ["AttentionProblem", "DTYPES", "coords", "next_pow2"]
 
 DTYPES = ("bfloat16", "float16")
-_DTYPES = DTYPES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
@@ -56,8 +55,8 @@ class AttentionProblem(Problem):
     if not isinstance(self.causal, bool):
       raise ValueError(f"AttentionProblem.causal={self.causal!r} must be a bool")
     dtype = jnp.dtype(self.dtype).name
-    if dtype not in _DTYPES:
-      raise ValueError(f"AttentionProblem.dtype={self.dtype!r} must be one of {_DTYPES}")
+    if dtype not in DTYPES:
+      raise ValueError(f"AttentionProblem.dtype={self.dtype!r} must be one of {DTYPES}")
     object.__setattr__(self, "dtype", dtype)
     self._freeze()
 
