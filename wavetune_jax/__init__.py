@@ -7,7 +7,8 @@ from wavetune_jax.core.registry import get_family, register, registered
 from wavetune_jax.families import ATTENTION, MATMUL
 from wavetune_jax.families.attention import (AttentionProblem, MosaicAttentionConfig,
                                              TritonAttentionConfig)
-from wavetune_jax.families.matmul import MatmulProblem, TritonMatmulConfig
+from wavetune_jax.families.matmul import (MatmulProblem, MosaicMatmulConfig,
+                                          TritonMatmulConfig, XlaMatmulConfig)
 from wavetune_jax.ops import attention, matmul
 from wavetune_jax.runtime.selector import (POLICIES, load_tables, policy, select, set_policy,
                                            use_config, use_tables)
@@ -24,11 +25,13 @@ __all__ = [
     "MATMUL",
     "MatmulProblem",
     "MosaicAttentionConfig",
+    "MosaicMatmulConfig",
     "POLICIES",
     "Problem",
     "TableError",
     "TritonAttentionConfig",
     "TritonMatmulConfig",
+    "XlaMatmulConfig",
     "attention",
     "detect",
     "device_key",

@@ -72,13 +72,15 @@ def _sweep(args) -> int:
   from wavetune_jax.core.registry import get_family
   from wavetune_jax.tuning import profiler, sweep
 
-  spec = get_family(args.family)
+  family = spec = get_family(args.family)
+  if args.backends:
+    spec = family.with_backends(args.backends.split(","))
   hw = hardware.detect()
   out = args.out or f"data/sweeps/{hw.device_key}/{spec.name}_{args.dtype}.jsonl.gz"
   header = sweep.make_header(spec, hw, jax_version=jax.__version__,
                              command="wavetune " + shlex.join(sys.argv[1:]),
                              space="wide" if args.wide else "pruned")
-  f = sweep.SweepFile(out, header, spec)
+  f = sweep.SweepFile(out, header, family)  # rows of every backend on file
   probs = problems(spec, args)
   print(f"{hw.name}: {len(probs)} problems -> {out} ({f.n_rows} rows already there)",
         flush=True)
@@ -135,6 +137,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   sw.add_argument("--threads", type=positive_int, default=16,
                   help="parallel compile threads (default: 16)")
   sw.add_argument("--wide", action="store_true", help="the unpruned space (validity only)")
+  sw.add_argument("--backends", help="comma-separated backends to sweep (default: all "
+                  "that run on this GPU); rows already on file are kept, so a sweep of a "
+                  "new backend can go into an existing file")
   sw.set_defaults(func=_sweep)
   rp = sub.add_parser("report", help="tables and a wave plot of a sweep file",
                       description="Per problem: the oracle config and time, the "

@@ -424,16 +424,24 @@ class Family(abc.ABC):
 
   def size_quantum(self, problem) -> int:
     """Sizes in ``(q*(j-1), q*j]`` get the same decision: the gcd of the
-    backends' quanta."""
+    quanta of the backends that run ``problem``."""
     qs = [q for b in self.backends if (q := b.size_quantum(problem))]
     return math.gcd(*qs) if qs else 1
 
+  def decision_backends(self, problem, hw: Hardware) -> tuple[Backend, ...]:
+    """The backends that run on ``hw`` and run ``problem`` (a size quantum)."""
+    return tuple(b for b in self.available(hw) if b.size_quantum(problem) is not None)
+
   def decision_arrays(self, problem, sizes, hw: Hardware):
-    """Every backend's candidates at many sizes, side by side (see
-    :meth:`Backend.decision_arrays`)."""
+    """The candidates of every backend that runs ``problem``, at many sizes,
+    side by side (see :meth:`Backend.decision_arrays`)."""
     n_aux = len(self.aux_names)
     parts = [b.decision_arrays(problem, sizes, hw, n_aux, self.with_size)
-             for b in self.available(hw)]
+             for b in self.decision_backends(problem, hw)]
+    if not parts:
+      s = len(sizes)
+      return ((), np.zeros((s, 0), bool), np.ones((s, 0), np.int64),
+              np.ones((s, 0)), np.zeros((s, 0, n_aux), np.float32))
     if len(parts) == 1:
       return parts[0]
     s = len(sizes)

@@ -85,7 +85,9 @@ class Decider:
     q = spec.size_quantum(problem)
     bucket = -(-spec.size_of(problem) // q)  # 1-based
     block = (bucket - 1) // _BLOCK
-    key = (spec.weight_of(problem), block)
+    # The quantum is in the key: it names the sizes of the block, and it
+    # changes with the backends that run the problem (GEMM: M % 8 for Mosaic).
+    key = (spec.weight_of(problem), q, block)
     vec = self._weights.get(key)
     if vec is None:
       vec = self._weights[key] = self._block(problem, block, q)

@@ -1,0 +1,341 @@
+# Copyright 2025 The JAX Authors.
+# Copyright 2026 The wavetune-jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     https://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Pallas Mosaic GPU GEMM for Hopper: ``y = x @ w``, persistent, with split-K.
+
+The structure follows JAX's ``jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu``:
+one CTA per SM walks the work tiles of a persistent grid; in each CTA one
+producer warpgroup streams ``x`` and ``w`` blocks with TMA into a ring of
+``num_stages`` shared-memory buffers and two consumer warpgroups run wgmma on
+them (fp32 accumulators in registers), then store the tile through shared
+memory with TMA. What differs:
+
+* **split-K**: a work tile is (tile row, tile column, K split). With
+  ``split_k > 1`` every split writes fp32 partial sums to a
+  ``[split_k, M, N]`` buffer and one fused XLA reduction adds them and casts.
+  This is what fills the SMs when the output has fewer tiles than SMs
+  (decode and small prefill shapes, long K);
+* **any M, N, K tile remainder**: the last tile row, column and K block run
+  past the edges of the arrays; TMA fills the rows and columns of a load past
+  an edge with zeros (so they add nothing to the dot products) and drops the
+  part of a store past it. No host-side padding, no extra copies. What TMA
+  needs is in :func:`check_shapes`: ``M`` a multiple of 8 or below 8, ``N`` and
+  ``K`` multiples of 64 (Mosaic tiles global memory as it tiles shared memory);
+* **the two consumer warpgroups** split the CTA tile along M when
+  ``block_m >= 128`` and along N otherwise, so CTA tiles start at 64 rows;
+* the SM count is an argument (the caller's device), and the checks raise
+  ``ValueError`` saying what to change.
+
+Inputs bfloat16 or float16 (the same for both), fp32 accumulation, output
+bfloat16, float16 or float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._launch import check_ints
+
+__all__ = ["BLOCK_K", "BLOCK_M", "BLOCK_N", "COMPUTE_CAPABILITY", "DTYPES", "NO_INTERPRET",
+           "MosaicMatmulConfig", "check_shapes", "matmul", "smem_bytes", "wg_tile"]
+
+#: The GPUs the kernel runs on (wgmma and TMA: Hopper).
+COMPUTE_CAPABILITY = "9.0"
+#: Input dtypes.
+DTYPES = ("bfloat16", "float16")
+#: CTA tile rows and columns.
+BLOCK_M = (64, 128, 256)
+BLOCK_N = (64, 128, 192, 256)
+#: K step of the pipeline: 64 elements of 2 bytes, one 128-byte swizzle row.
+BLOCK_K = 64
+#: N and K must be multiples of this (TMA tiles global memory by 64 columns).
+NK_MULTIPLE = 64
+#: M must be a multiple of this, or smaller than it.
+M_MULTIPLE = 8
+#: The epilogue stores 64 x 64 sub-tiles.
+EPI_TILE = 64
+#: fp32 accumulator elements per consumer thread (128 threads) at most.
+MAX_ACC_PER_THREAD = 128
+_BARRIER_BYTES = 1024
+_MEMORY_REGISTERS = 40
+NO_INTERPRET = ("the Mosaic GPU GEMM has no CPU interpret mode; its correctness is "
+                "checked on a Hopper GPU (the sweep and benchmarks/matmul_mosaic.py "
+                "compare every config with the float32 reference)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MosaicMatmulConfig:
+  """Launch parameters of the Mosaic GPU GEMM (one producer and two consumer
+  warpgroups per CTA, one CTA per SM).
+
+  Attributes:
+    block_m: CTA tile rows: 64, 128 or 256.
+    block_n: CTA tile columns: 64, 128, 192 or 256 (with ``block_m = 64``,
+      128 or 256: the two consumer warpgroups split N into halves of 64 or 128).
+    num_stages: ``x``/``w`` blocks in flight (TMA ring), in [2, 8].
+    split_k: K splits per output tile (>= 1); above 1, fp32 partials are
+      summed by one XLA reduction.
+    grid_minor: 0 walks the tile grid with M minor, 1 with N minor.
+    grid_width: width of the bands of the planar-snake tile order (L2 reuse).
+  """
+
+  block_m: int = 128
+  block_n: int = 256
+  num_stages: int = 4
+  split_k: int = 1
+  grid_minor: int = 1
+  grid_width: int = 1
+
+  def __post_init__(self):
+    check_ints(self)
+    name = "MosaicMatmulConfig"
+    if self.block_m not in BLOCK_M:
+      raise ValueError(f"{name}.block_m={self.block_m} must be one of {BLOCK_M}")
+    if self.block_n not in BLOCK_N:
+      raise ValueError(f"{name}.block_n={self.block_n} must be one of {BLOCK_N}")
+    wm, wn = wg_tile(self.block_m, self.block_n)
+    if wm * wn // 128 > MAX_ACC_PER_THREAD:
+      raise ValueError(f"{name}: a {self.block_m}x{self.block_n} tile gives each consumer "
+                       f"warpgroup a {wm}x{wn} fp32 accumulator, more than "
+                       f"{MAX_ACC_PER_THREAD} registers per thread")
+    if self.block_m < 128 and self.block_n not in (128, 256):
+      raise ValueError(f"{name}: block_m=64 needs block_n 128 or 256 (the two consumer "
+                       f"warpgroups split N in halves of 64 or 128); got "
+                       f"block_n={self.block_n}")
+    if not 2 <= self.num_stages <= 8:
+      raise ValueError(f"{name}.num_stages={self.num_stages} must be in [2, 8]")
+    if self.split_k < 1:
+      raise ValueError(f"{name}.split_k={self.split_k} must be >= 1")
+    if self.grid_minor not in (0, 1):
+      raise ValueError(f"{name}.grid_minor={self.grid_minor} must be 0 (M) or 1 (N)")
+    if not 1 <= self.grid_width <= 64:
+      raise ValueError(f"{name}.grid_width={self.grid_width} must be in [1, 64]")
+
+
+def wg_tile(block_m: int, block_n: int) -> tuple[int, int]:
+  """The tile of one consumer warpgroup: half the CTA tile, split along M
+  when ``block_m >= 128``, else along N."""
+  return (block_m // 2, block_n) if block_m >= 128 else (block_m, block_n // 2)
+
+
+def _split_m(block_m: int) -> bool:
+  return block_m >= 128
+
+
+def k_steps(k: int, split_k: int) -> int:
+  """Pipeline steps of one K split (the last split may run past K: zeros)."""
+  return -(-(-(-k // BLOCK_K)) // split_k)
+
+
+def smem_bytes(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
+               out_itemsize: int) -> int:
+  """Shared memory of one CTA: the operand ring and two 64x64 output slots
+  per consumer warpgroup."""
+  ring = num_stages * (block_m + block_n) * BLOCK_K * itemsize
+  wm, wn = wg_tile(block_m, block_n)
+  slots = min(2, (wm * wn) // (EPI_TILE * EPI_TILE))
+  return ring + 2 * slots * EPI_TILE * EPI_TILE * out_itemsize + _BARRIER_BYTES
+
+
+def check_shapes(m: int, n: int, k: int, dtype, out_dtype, config: MosaicMatmulConfig) -> None:
+  """Raises ``ValueError`` unless the kernel runs ``[m, k] @ [k, n]`` with ``config``."""
+  if jnp.dtype(dtype).name not in DTYPES:
+    raise ValueError(f"the Mosaic GPU GEMM takes {DTYPES}; got {jnp.dtype(dtype).name}")
+  if jnp.dtype(out_dtype).name not in ("bfloat16", "float16", "float32"):
+    raise ValueError(f"the Mosaic GPU GEMM writes bfloat16, float16 or float32; got "
+                     f"{jnp.dtype(out_dtype).name}")
+  if n % NK_MULTIPLE or k % NK_MULTIPLE:
+    raise ValueError(f"the Mosaic GPU GEMM needs N and K multiples of {NK_MULTIPLE} (TMA "
+                     f"tiles global memory by {NK_MULTIPLE} columns); got N={n}, K={k} "
+                     f"(use a Triton or XLA config)")
+  if m > M_MULTIPLE and m % M_MULTIPLE:
+    raise ValueError(f"the Mosaic GPU GEMM needs M a multiple of {M_MULTIPLE} or below it "
+                     f"(TMA tiles global memory by {M_MULTIPLE} rows); got M={m} (use a "
+                     f"Triton or XLA config)")
+  k_blocks = -(-k // BLOCK_K)
+  if config.split_k > k_blocks:
+    raise ValueError(f"split_k={config.split_k} is more than the {k_blocks} K blocks of "
+                     f"K={k}")
+
+
+def check_device() -> int:
+  """The SM count of the default device; raises ``ValueError`` unless it is
+  a Hopper GPU."""
+  dev = jax.devices()[0]
+  cc = getattr(dev, "compute_capability", None)
+  if dev.platform != "gpu" or cc != COMPUTE_CAPABILITY:
+    raise ValueError(f"the Mosaic GPU GEMM needs a GPU of compute capability "
+                     f"{COMPUTE_CAPABILITY} (Hopper); the default device is "
+                     f"{dev.device_kind} (compute capability {cc}); use a Triton or XLA "
+                     f"config")
+  return int(dev.core_count)
+
+
+def matmul(x: jax.Array, w: jax.Array, *, config: MosaicMatmulConfig, out_dtype=None,
+           num_sms: int | None = None) -> jax.Array:
+  """``x [M, K] @ w [K, N]`` with the Mosaic GPU kernel (Hopper only).
+
+  Args:
+    x, w: bfloat16 or float16, the same dtype.
+    config: launch parameters; used as given, never changed.
+    out_dtype: bfloat16, float16 or float32 (default ``x.dtype``).
+    num_sms: CTAs of the persistent grid (default: the SMs of the default
+      device, which must then be a Hopper GPU).
+
+  Raises:
+    ValueError: bad ranks, shapes or dtypes, shapes this kernel does not run
+      (:func:`check_shapes`), or no Hopper GPU.
+  """
+  if not isinstance(config, MosaicMatmulConfig):
+    raise ValueError(f"config must be a MosaicMatmulConfig; got {type(config).__name__}")
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+    raise ValueError(f"need x [M, K] and w [K, N]; got x.shape={x.shape}, w.shape={w.shape}")
+  if x.dtype != w.dtype:
+    raise ValueError(f"x.dtype={x.dtype} and w.dtype={w.dtype} must be the same")
+  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  (m, k), n = x.shape, w.shape[1]
+  check_shapes(m, n, k, x.dtype, out_dtype, config)
+  if num_sms is None:
+    num_sms = check_device()
+  return _matmul(x, w, config=config, out_dtype=out_dtype, num_sms=int(num_sms))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
+def _matmul(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
+  (m, k), n = x.shape, w.shape[1]
+  sk = config.split_k
+  if sk == 1:
+    return _kernel_call(x, w, config=config, out_dtype=out_dtype, num_sms=num_sms)
+  partials = _kernel_call(x, w, config=config, out_dtype=jnp.dtype(jnp.float32),
+                          num_sms=num_sms)
+  return partials.sum(axis=0).astype(out_dtype)
+
+
+def _kernel_call(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  (m, k), n = x.shape, w.shape[1]
+  dtype = x.dtype
+  sk = config.split_k
+  bm, bn = config.block_m, config.block_n
+  wm, wn = wg_tile(bm, bn)
+  split_m = _split_m(bm)
+  tiles_m, tiles_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
+  steps = k_steps(k, sk)  # pipeline steps per split
+  split_len = steps * BLOCK_K
+
+  swizzle = 128
+  swizzle_elems = swizzle // dtype.itemsize
+  transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+  out_swizzle = plgpu.find_swizzle(EPI_TILE * out_dtype.itemsize * 8)
+  out_elems = out_swizzle // out_dtype.itemsize
+  out_transforms = (plgpu.TilingTransform((8, out_elems)), plgpu.SwizzleTransform(out_swizzle))
+  epi_m, epi_n = min(EPI_TILE, wm), min(EPI_TILE, wn)
+  num_slots = min(2, (wm * wn) // (epi_m * epi_n))
+
+  def get_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=_MEMORY_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec((bm, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
+                            memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((BLOCK_K, bn), lambda kk: (kk, 0), transforms=transforms,
+                            memory_space=plgpu.SMEM),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=min(config.num_stages, steps),
+        compute_context=compute_context,
+    )
+
+  def kernel(x_gmem, w_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+        out_smem=plgpu.SMEM((2, num_slots, epi_m, epi_n), out_dtype,
+                            transforms=out_transforms),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((tiles_m * tiles_n * sk,), collective_axes="sm")
+      def _tile_loop(info: plgpu.NDLoopInfo):
+        (lin,) = info.index
+        # Splits outermost: the CTAs of one wave share K ranges of w.
+        split = lax.div(lin, jnp.int32(tiles_m * tiles_n))
+        mn = lax.rem(lin, jnp.int32(tiles_m * tiles_n))
+        mi, ni = plgpu.planar_snake(mn, (tiles_m, tiles_n), config.grid_minor,
+                                    config.grid_width)
+        m_slice = pl.ds(mi * bm, bm)
+        n_slice = pl.ds(ni * bn, bn)
+        k_slice = pl.ds(split * split_len, split_len)
+        if split_m:
+          wg_m, wg_n = pl.ds(wg * wm, wm), slice(None)
+        else:
+          wg_m, wg_n = slice(None), pl.ds(wg * wn, wn)
+        out_ref = out_gmem.at[split] if sk > 1 else out_gmem
+
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
+          def _acc_scope(acc_ref):
+            eval_pipeline(acc_ref)
+            acc = acc_ref[...].astype(out_dtype)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for ei in range(wm // epi_m):
+              for ej in range(wn // epi_n):
+                e_m = slice(ei * epi_m, (ei + 1) * epi_m)
+                e_n = slice(ej * epi_n, (ej + 1) * epi_n)
+                slot = (ei * (wn // epi_n) + ej) % num_slots
+                plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
+                out_smem[wg, slot] = acc[e_m, e_n]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    out_smem.at[wg, slot],
+                    out_ref.at[m_slice, n_slice].at[wg_m, wg_n].at[e_m, e_n])
+
+        def mma_body(_, x_smem, w_smem, acc_ref):
+          plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n])
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        get_pipeline(mma_body, compute_context)(
+            x_gmem.at[m_slice, k_slice],
+            w_gmem.at[k_slice, n_slice],
+            allocations=pipeline_allocs,
+        )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  out_shape = (sk, m, n) if sk > 1 else (m, n)
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+      grid=(min(num_sms, tiles_m * tiles_n * sk),),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(x, w)
