@@ -7,7 +7,7 @@ import pytest
 
 from synthetic import (HW, MS, PROBLEMS, FakeMeasure, config_only_us,
                        wave_us, write_sweep)
-from wavetune_jax import MATMUL
+from synthetic import MATMUL
 from wavetune_jax.tuning import evaluate
 from wavetune_jax.cli import main as cli_main
 

@@ -78,8 +78,8 @@ def test_unknown_config_field():
   x, w = _xw(8, 16, 32)
   with pytest.raises(ValueError, match=r"unknown TritonMatmulConfig field\(s\) \['block_q'\]"):
     wt.matmul(x, w, config=dict(backend="triton", block_q=32))
-  with pytest.raises(ValueError, match="has no backend 'mosaic'"):
-    wt.matmul(x, w, config=dict(backend="mosaic"))
+  with pytest.raises(ValueError, match="has no backend 'cudnn'"):
+    wt.matmul(x, w, config=dict(backend="cudnn"))
 
 
 @pytest.mark.parametrize("out_dtype,match", [

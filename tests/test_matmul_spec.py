@@ -11,6 +11,8 @@ from wavetune_jax import MATMUL, MatmulProblem, get_hardware, get_family
 from wavetune_jax.core.hardware import PRESETS, detect, device_key
 from wavetune_jax.families.matmul.triton import ACC_PER_THREAD
 
+TRITON = MATMUL.backend("triton")
+
 H100 = get_hardware("h100")
 
 
@@ -68,7 +70,7 @@ def test_problem_validation():
                                    (4096, 4096, 14336), (16384, 128256, 4096)])
 def test_space_rules(m, n, k):
   p = MatmulProblem(m=m, n=n, k=k)
-  space = MATMUL.space(p, H100)
+  space = TRITON.space(p, H100)
   assert 10 < len(space) <= 1000
   assert len(set(space)) == len(space)
   for c in space:
@@ -79,12 +81,12 @@ def test_space_rules(m, n, k):
     if c.split_k > 1:
       assert tiles < H100.num_sms
   # The rule-of-thumb configs are members of the space.
-  assert MATMUL.heuristic(p, H100) in space
+  assert TRITON.heuristic(p, H100) in space
 
 
 def test_split_k_only_for_small_grids():
-  small = MATMUL.space(MatmulProblem(m=16, n=4096, k=4096), H100)
-  large = MATMUL.space(MatmulProblem(m=4096, n=4096, k=4096), H100)
+  small = TRITON.space(MatmulProblem(m=16, n=4096, k=4096), H100)
+  large = TRITON.space(MatmulProblem(m=4096, n=4096, k=4096), H100)
   assert any(c.split_k > 1 for c in small)
   assert all(c.split_k == 1 for c in large)
 
@@ -120,9 +122,9 @@ def test_coords():
 
 
 def test_heuristic_uses_split_k_for_small_m():
-  c = MATMUL.heuristic(MatmulProblem(m=16, n=4096, k=4096), H100)
+  c = TRITON.heuristic(MatmulProblem(m=16, n=4096, k=4096), H100)
   assert c.block_m == 16 and c.split_k > 1
-  c = MATMUL.heuristic(MatmulProblem(m=4096, n=4096, k=4096), H100)
+  c = TRITON.heuristic(MatmulProblem(m=4096, n=4096, k=4096), H100)
   assert (c.block_m, c.block_n, c.split_k) == (128, 256, 1)
 
 

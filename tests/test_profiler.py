@@ -7,7 +7,8 @@ import pytest
 
 from wavetune_jax.tuning import profiler
 from wavetune_jax import ATTENTION, AttentionProblem
-from wavetune_jax import MATMUL, MatmulProblem
+from synthetic import MATMUL
+from wavetune_jax import MatmulProblem
 
 
 @pytest.mark.parametrize("spec,problem", [

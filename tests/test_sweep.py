@@ -6,7 +6,8 @@ import os
 import pytest
 
 from synthetic import HW, FakeMeasure, header, wave_us
-from wavetune_jax import MATMUL, MatmulProblem
+from synthetic import MATMUL
+from wavetune_jax import MatmulProblem
 from wavetune_jax.tuning import report, sweep
 
 PROBLEMS = [MatmulProblem(m=m, n=256, k=512) for m in (1, 100, 1000)]

@@ -14,7 +14,8 @@ import pytest
 
 from synthetic import HW, FakeMeasure, wave_us, write_sweep
 import wavetune_jax as wt
-from wavetune_jax import MATMUL, MatmulProblem
+from synthetic import MATMUL
+from wavetune_jax import MatmulProblem
 from wavetune_jax.tuning import evaluate, tuner as tuning
 from wavetune_jax.runtime import selector, tables
 from wavetune_jax.cli import main as cli_main
@@ -285,7 +286,9 @@ def test_cli_tune_replay_select_and_plot(tmp_path, capsys, wave_ds):
   assert cli_main(["select", "matmul", "--m", "300", "--n", "384", "--k", "640",
                    "--device", "h100", "--table", out]) == 0
   text = capsys.readouterr().out
-  assert "answered by" in text and "block_m" in text
+  # The table models Triton configs only: the XLA default stays unless the
+  # model predicts a gain beyond the family's margin.
+  assert "answered by" in text and ("block_m" in text or "xla" in text)
   png = str(tmp_path / "p.png")
   assert cli_main(["plot", "matmul", "--sweep", sweep_path, "--table", out, "--set",
                    "n=384", "--set", "k=640", "--out", png]) == 0

@@ -355,7 +355,9 @@ def build_table(spec: Family, hw: Hardware, pool: Sequence, points: Sequence[tup
                 provenance: dict | None = None) -> tables.Table:
   """The dual table from measured ``(problem, config, us | None)`` points.
 
-  Model entries per variant; an exact entry for a pool problem where the best
+  Model entries per variant; an exact entry for a pool problem where the
+  family's heuristic config was measured too (an exact answer is a measured
+  win over the default, never a model's guess against it) and the best
   measured config is predicted to beat every unmeasured one.
   """
   entries = fit_entries(spec, hw, points, form=form, family_weight=family_weight)
@@ -369,6 +371,11 @@ def build_table(spec: Family, hw: Hardware, pool: Sequence, points: Sequence[tup
     meas = measured.get(p)
     if not meas:
       continue
+    try:
+      if spec.heuristic(p, hw) not in meas:
+        continue
+    except ValueError:  # no backend has a heuristic config for it
+      pass
     best = min(meas, key=meas.get)
     rest = [c for c in spec.space(p, hw) if c not in meas]
     if not rest or np.min(table.predict(p, rest)) >= meas[best]:
