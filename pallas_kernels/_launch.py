@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 #: tl.dot needs every block dimension >= 16.
 MIN_BLOCK = 16
 
@@ -34,3 +36,16 @@ def check_launch(config, block_fields: tuple[str, ...]) -> None:
     raise ValueError(f"{name}.num_warps={config.num_warps} must be a power of two <= 16")
   if not 1 <= config.num_stages <= 8:
     raise ValueError(f"{name}.num_stages={config.num_stages} must be in [1, 8]")
+
+
+def require_compute_capability(cc: str, kernel: str, instead: str):
+  """The default device; raises ``ValueError`` unless it is a GPU of compute
+  capability ``cc`` (``kernel`` and ``instead`` name the kernel and what to
+  use otherwise, for the message)."""
+  dev = jax.devices()[0]
+  got = getattr(dev, "compute_capability", None)
+  if dev.platform != "gpu" or got != cc:
+    raise ValueError(f"the {kernel} needs a GPU of compute capability {cc} (Hopper); the "
+                     f"default device is {dev.device_kind} (compute capability {got}); "
+                     f"{instead}")
+  return dev

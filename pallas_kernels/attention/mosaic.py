@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import check_ints
+from pallas_kernels._launch import check_ints, require_compute_capability
 from pallas_kernels.attention.common import check_call
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "COMPUTE_CAPABILITY", "NO_INTERPRET", "NUM_WARPS",
@@ -135,12 +135,8 @@ def check_shapes(q_shape, kv_shape, dtype, *, causal: bool) -> None:
 def check_device() -> None:
   """Raises ``ValueError`` unless the default device is a Hopper GPU (the
   kernel uses wgmma and TMA, compute capability 9.0 only)."""
-  dev = jax.devices()[0]
-  cc = getattr(dev, "compute_capability", None)
-  if dev.platform != "gpu" or cc != COMPUTE_CAPABILITY:
-    raise ValueError(f"the Mosaic GPU attention kernel needs a GPU of compute capability "
-                     f"{COMPUTE_CAPABILITY} (Hopper); the default device is {dev.device_kind} "
-                     f"(compute capability {cc}); use a Triton config")
+  require_compute_capability(COMPUTE_CAPABILITY, "Mosaic GPU attention kernel",
+                             "use a Triton config")
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttentionConfig,

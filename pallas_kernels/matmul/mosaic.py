@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import check_ints
+from pallas_kernels._launch import check_ints, require_compute_capability
 
 __all__ = ["BLOCK_K", "BLOCK_M", "BLOCK_N", "COMPUTE_CAPABILITY", "DTYPES", "NO_INTERPRET",
            "MosaicMatmulConfig", "check_shapes", "matmul", "smem_bytes", "wg_tile"]
@@ -134,10 +134,6 @@ def wg_tile(block_m: int, block_n: int) -> tuple[int, int]:
   return (block_m // 2, block_n) if block_m >= 128 else (block_m, block_n // 2)
 
 
-def _split_m(block_m: int) -> bool:
-  return block_m >= 128
-
-
 def k_steps(k: int, split_k: int) -> int:
   """Pipeline steps of one K split (the last split may run past K: zeros)."""
   return -(-(-(-k // BLOCK_K)) // split_k)
@@ -177,13 +173,8 @@ def check_shapes(m: int, n: int, k: int, dtype, out_dtype, config: MosaicMatmulC
 def check_device() -> int:
   """The SM count of the default device; raises ``ValueError`` unless it is
   a Hopper GPU."""
-  dev = jax.devices()[0]
-  cc = getattr(dev, "compute_capability", None)
-  if dev.platform != "gpu" or cc != COMPUTE_CAPABILITY:
-    raise ValueError(f"the Mosaic GPU GEMM needs a GPU of compute capability "
-                     f"{COMPUTE_CAPABILITY} (Hopper); the default device is "
-                     f"{dev.device_kind} (compute capability {cc}); use a Triton or XLA "
-                     f"config")
+  dev = require_compute_capability(COMPUTE_CAPABILITY, "Mosaic GPU GEMM",
+                                   "use a Triton or XLA config")
   return int(dev.core_count)
 
 
@@ -218,9 +209,7 @@ def matmul(x: jax.Array, w: jax.Array, *, config: MosaicMatmulConfig, out_dtype=
 
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
 def _matmul(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
-  (m, k), n = x.shape, w.shape[1]
-  sk = config.split_k
-  if sk == 1:
+  if config.split_k == 1:
     return _kernel_call(x, w, config=config, out_dtype=out_dtype, num_sms=num_sms)
   partials = _kernel_call(x, w, config=config, out_dtype=jnp.dtype(jnp.float32),
                           num_sms=num_sms)
@@ -236,7 +225,7 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
   sk = config.split_k
   bm, bn = config.block_m, config.block_n
   wm, wn = wg_tile(bm, bn)
-  split_m = _split_m(bm)
+  split_m = bm >= 128  # the consumer warpgroups split M (wg_tile)
   tiles_m, tiles_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
   steps = k_steps(k, sk)  # pipeline steps per split
   split_len = steps * BLOCK_K

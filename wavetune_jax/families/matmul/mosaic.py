@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +13,7 @@ from pallas_kernels.matmul.mosaic import MosaicMatmulConfig
 from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.matmul.problem import MatmulProblem
-from wavetune_jax.families.matmul.triton import _aux, _cdiv, _next_pow2
+from wavetune_jax.families.matmul.triton import _aux, _cdiv
 
 __all__ = ["MosaicMatmul", "MosaicMatmulConfig"]
 
@@ -45,8 +44,8 @@ PRUNED_ORDERS = ((1, 1), (0, 8))
 #  G6 stages:  pruned: 4, and 3 for the 128x256 and 256x128 tiles (the only
 #              two whose best ring depth differed, by up to 2.5%, in
 #              benchmarks/matmul_mosaic.py --set quick on an H100).
-#  G7 pruned:  where the 128x256 tile alone gives at least one wave, only the
-#              three largest tiles (BIG_TILES); elsewhere split_k is 1 or one
+#  G7 pruned:  where M >= 128 and the 128x256 tile alone gives at least one
+#              wave, only the three largest tiles (BIG_TILES); elsewhere split_k is 1 or one
 #              of the two largest splits that keep tiles * split_k <= SMs (the
 #              best split of every quick problem on the H100 was one of them).
 
@@ -125,7 +124,8 @@ class MosaicMatmul(Backend):
     if prune:
       np2 = 1 << np.ceil(np.log2(np.maximum(m, 1))).astype(np.int64)
       ok &= bm <= np.maximum(64, np2)  # G3
-      big = (-(-m // 128) * -(-n // 256)) >= hw.num_sms
+      # (only from M >= 128: below, G3 leaves 64-row tiles alone)
+      big = (m >= 128) & ((-(-m // 128) * -(-n // 256)) >= hw.num_sms)
       is_big = np.zeros(bm.shape, bool)
       for tm, tn in BIG_TILES:
         is_big |= (bm == tm) & (bn == tn)
@@ -170,10 +170,6 @@ class MosaicMatmul(Backend):
       raise ValueError(
           f"config {config} needs {self.smem_bytes(p, config)} bytes of shared "
           f"memory; {hw.name} allows {hw.smem_per_block} per block")
-
-  def heuristic(self, problem: MatmulProblem, hw: Hardware) -> MosaicMatmulConfig | None:
-    """None: without a table the XLA backend is the default."""
-    return None
 
   def occupancy_bound(self, problem, config, hw: Hardware) -> int:
     # One CTA per SM: the persistent grid has one, and the ring fills the SMEM.
