@@ -4,12 +4,14 @@ chosen at jit trace time."""
 from wavetune_jax.core.family import Backend, Family, Problem
 from wavetune_jax.core.hardware import Hardware, detect, device_key, get_hardware
 from wavetune_jax.core.registry import get_family, register, registered
-from wavetune_jax.families import ATTENTION, MATMUL
+from wavetune_jax.families import ATTENTION, MATMUL, RAGGED_DOT
 from wavetune_jax.families.attention import (AttentionProblem, MosaicAttentionConfig,
                                              TritonAttentionConfig)
 from wavetune_jax.families.matmul import (MatmulProblem, MosaicMatmulConfig,
                                           TritonMatmulConfig, XlaMatmulConfig)
-from wavetune_jax.ops import attention, matmul
+from wavetune_jax.families.ragged_dot import (MosaicRaggedDotConfig, RaggedDotProblem,
+                                              TritonRaggedDotConfig, XlaRaggedDotConfig)
+from wavetune_jax.ops import attention, matmul, ragged_dot
 from wavetune_jax.runtime.selector import (POLICIES, load_tables, policy, select, set_policy,
                                            use_config, use_tables)
 from wavetune_jax.runtime.tables import TableError
@@ -26,12 +28,17 @@ __all__ = [
     "MatmulProblem",
     "MosaicAttentionConfig",
     "MosaicMatmulConfig",
+    "MosaicRaggedDotConfig",
     "POLICIES",
     "Problem",
+    "RAGGED_DOT",
+    "RaggedDotProblem",
     "TableError",
     "TritonAttentionConfig",
     "TritonMatmulConfig",
+    "TritonRaggedDotConfig",
     "XlaMatmulConfig",
+    "XlaRaggedDotConfig",
     "attention",
     "detect",
     "device_key",
@@ -40,6 +47,7 @@ __all__ = [
     "load_tables",
     "matmul",
     "policy",
+    "ragged_dot",
     "register",
     "registered",
     "select",

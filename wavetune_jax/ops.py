@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 
 from wavetune_jax.core.op import tuned_call
-from wavetune_jax.families import ATTENTION, MATMUL
+from wavetune_jax.families import ATTENTION, MATMUL, RAGGED_DOT
 
-__all__ = ["matmul", "attention"]
+__all__ = ["matmul", "attention", "ragged_dot"]
 
 
 def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, config=None) -> jax.Array:
@@ -66,3 +66,35 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
       that cannot run this problem here.
   """
   return tuned_call(ATTENTION, q, k, v, causal=causal, scale=scale, config=config)
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=None,
+               config=None) -> jax.Array:
+  """Grouped GEMM with ``jax.lax.ragged_dot`` semantics, tuned like :func:`matmul`.
+
+  Rows of ``lhs`` are grouped contiguously: the first ``group_sizes[0]`` rows
+  are multiplied by ``rhs[0]``, the next ``group_sizes[1]`` by ``rhs[1]``, and
+  so on (the expert GEMMs of a mixture-of-experts layer, tokens sorted by
+  expert). ``group_sizes`` may be a traced array: the config is chosen from
+  the static shapes (rows, experts, K, N, dtypes), never from the sizes.
+
+  Args:
+    lhs: ``[M, K]`` bfloat16, float16 or float32.
+    rhs: ``[G, K, N]`` of the same dtype.
+    group_sizes: ``[G]`` integers. Rows past ``sum(group_sizes)`` come out as
+      zeros, as with ``lax.ragged_dot``; sizes that sum past ``M`` are clipped
+      at ``M`` (``lax.ragged_dot`` leaves that case undefined).
+    out_dtype: bfloat16, float16 or float32 (default ``lhs.dtype``);
+      accumulation is float32.
+    config: a backend's config (``MosaicRaggedDotConfig``,
+      ``TritonRaggedDotConfig``, ``XlaRaggedDotConfig``) or a dict
+      ``{"backend": name, **fields}``; ``None`` lets the selector choose.
+
+  Returns:
+    ``[M, N]`` array of ``out_dtype``.
+
+  Raises:
+    ValueError: wrong ranks, mismatched K or G, non-integer ``group_sizes``,
+      an unsupported dtype or out_dtype, or a config that cannot run here.
+  """
+  return tuned_call(RAGGED_DOT, lhs, rhs, group_sizes, out_dtype=out_dtype, config=config)

@@ -230,9 +230,6 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
   steps = k_steps(k, sk)  # pipeline steps per split
   split_len = steps * BLOCK_K
 
-  swizzle = 128
-  swizzle_elems = swizzle // dtype.itemsize
-  transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
   out_swizzle = plgpu.find_swizzle(EPI_TILE * out_dtype.itemsize * 8)
   out_elems = out_swizzle // out_dtype.itemsize
   out_transforms = (plgpu.TilingTransform((8, out_elems)), plgpu.SwizzleTransform(out_swizzle))
@@ -240,21 +237,8 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
   num_slots = min(2, (wm * wn) // (epi_m * epi_n))
 
   def get_pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(steps,),
-        memory_registers=_MEMORY_REGISTERS,
-        in_specs=[
-            plgpu.BlockSpec((bm, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
-                            memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((BLOCK_K, bn), lambda kk: (kk, 0), transforms=transforms,
-                            memory_space=plgpu.SMEM),
-        ],
-        wg_axis="wg",
-        num_compute_wgs=2,
-        max_concurrent_steps=min(config.num_stages, steps),
-        compute_context=compute_context,
-    )
+    return operand_pipeline(body, compute_context, block_m=bm, block_n=bn, steps=steps,
+                            num_stages=config.num_stages, dtype=dtype)
 
   def kernel(x_gmem, w_gmem, out_gmem):
     ignore = lambda *_, **__: None
@@ -318,13 +302,49 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_shape = (sk, m, n) if sk > 1 else (m, n)
+  return persistent_kernel(kernel, jax.ShapeDtypeStruct(out_shape, out_dtype),
+                           min(num_sms, tiles_m * tiles_n * sk))(x, w)
+
+
+def operand_pipeline(body, compute_context, *, block_m: int, block_n: int, steps: int,
+                     num_stages: int, dtype):
+  """The warp-specialized TMA ring both Mosaic GEMMs run: ``[block_m, 64]``
+  blocks of x and ``[64, block_n]`` blocks of w, 128-byte swizzle, one
+  producer and two consumer warpgroups (axis ``"wg"``)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  swizzle = 128
+  transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+                plgpu.SwizzleTransform(swizzle))
+  return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(steps,),
+      memory_registers=_MEMORY_REGISTERS,
+      in_specs=[
+          plgpu.BlockSpec((block_m, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
+                          memory_space=plgpu.SMEM),
+          plgpu.BlockSpec((BLOCK_K, block_n), lambda kk: (kk, 0), transforms=transforms,
+                          memory_space=plgpu.SMEM),
+      ],
+      wg_axis="wg",
+      num_compute_wgs=2,
+      max_concurrent_steps=min(num_stages, steps),
+      compute_context=compute_context,
+  )
+
+
+def persistent_kernel(kernel, out_type, ctas: int):
+  """``kernel`` on a persistent grid of ``ctas`` CTAs (axis ``"sm"``) of three
+  warpgroups (axis ``"wg"``)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
   return plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-      grid=(min(num_sms, tiles_m * tiles_n * sk),),
+      out_type=out_type,
+      grid=(ctas,),
       grid_names=("sm",),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-  )(x, w)
+  )

@@ -6,9 +6,10 @@ and one class per backend) plus a folder of kernels in ``pallas_kernels``;
 """
 
 from wavetune_jax.core import registry
-from wavetune_jax.families import attention, matmul
+from wavetune_jax.families import attention, matmul, ragged_dot
 
-__all__ = ["MATMUL", "ATTENTION"]
+__all__ = ["MATMUL", "ATTENTION", "RAGGED_DOT"]
 
 MATMUL = registry.register(matmul.make())
 ATTENTION = registry.register(attention.make())
+RAGGED_DOT = registry.register(ragged_dot.make())

@@ -8,7 +8,7 @@ import json
 import os
 from importlib import resources
 
-__all__ = ["load_suite"]
+__all__ = ["load_suite", "suite_entries"]
 
 
 def load_suite(name_or_path: str = "train") -> dict:
@@ -28,3 +28,18 @@ def load_suite(name_or_path: str = "train") -> dict:
     raise ValueError(f"no shape suite {name_or_path!r}: not a file and not a "
                      f"built-in suite (built-in: 'train')") from None
   return json.loads(text)
+
+
+def suite_entries(suite: dict, section: str, entries: str, names=None) -> dict:
+  """``suite[section][entries]`` (a dict by name), only ``names`` if given;
+  ``ValueError`` naming what is missing or unknown."""
+  try:
+    found = suite[section][entries]
+  except (KeyError, TypeError):
+    raise ValueError(f"the shape suite has no {section!r} section with {entries!r}") from None
+  if names:
+    unknown = sorted(set(names) - set(found))
+    if unknown:
+      raise ValueError(f"unknown {section} {entries} {unknown}; the suite has {sorted(found)}")
+    found = {k: found[k] for k in names}
+  return dict(found)

@@ -9,6 +9,7 @@ from pallas_kernels.attention.common import check_call
 from pallas_kernels.attention.reference import attention_reference
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.families.attention.problem import AttentionProblem
+from wavetune_jax.shapes import suite_entries
 
 __all__ = ["AttentionFamily", "attention_models"]
 
@@ -16,17 +17,8 @@ __all__ = ["AttentionFamily", "attention_models"]
 def attention_models(suite: dict, names=None) -> dict[str, dict]:
   """``{model name: {"q_heads", "kv_heads", "head_dim"}}`` of a suite's attention
   section, optionally filtered."""
-  try:
-    models = suite["attention"]["models"]
-  except (KeyError, TypeError):
-    raise ValueError("the shape suite has no 'attention' section with 'models'") from None
-  if names:
-    unknown = sorted(set(names) - set(models))
-    if unknown:
-      raise ValueError(f"unknown attention model(s) {unknown}; the suite has "
-                       f"{sorted(models)}")
-    models = {k: models[k] for k in names}
-  return dict(models)
+  found = suite_entries(suite, "attention", "models", names)
+  return found
 
 
 class AttentionFamily(Family):

@@ -11,22 +11,15 @@ from pallas_kernels.matmul.reference import matmul_reference
 from pallas_kernels.matmul.triton import SUPPORTED_DTYPES
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.families.matmul.problem import OUT_DTYPES, MatmulProblem
+from wavetune_jax.shapes import suite_entries
 
 __all__ = ["MatmulFamily", "gemm_weights"]
 
 
 def gemm_weights(suite: dict, names=None) -> dict[str, tuple[int, int]]:
   """``{weight name: (N, K)}`` of a suite's GEMM section, optionally filtered."""
-  try:
-    weights = suite["gemm"]["weights"]
-  except (KeyError, TypeError):
-    raise ValueError("the shape suite has no 'gemm' section with 'weights'") from None
-  if names:
-    unknown = sorted(set(names) - set(weights))
-    if unknown:
-      raise ValueError(f"unknown weight(s) {unknown}; the suite has {sorted(weights)}")
-    weights = {k: weights[k] for k in names}
-  return {k: (v["N"], v["K"]) for k, v in weights.items()}
+  found = suite_entries(suite, "gemm", "weights", names)
+  return {k: (v["N"], v["K"]) for k, v in found.items()}
 
 
 def _out_dtype(x_dtype, out_dtype) -> jnp.dtype:

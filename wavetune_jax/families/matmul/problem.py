@@ -35,14 +35,7 @@ class MatmulProblem(Problem):
   _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
 
   def __post_init__(self):
-    for name in ("m", "n", "k"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"MatmulProblem.{name}={v!r} must be an int >= 1")
-    object.__setattr__(self, "dtype", _dtype_name("dtype", self.dtype, DTYPES))
-    object.__setattr__(self, "out_dtype",
-                       _dtype_name("out_dtype", self.out_dtype or self.dtype, OUT_DTYPES))
-    self._freeze()
+    check_gemm_fields(self, ("m", "n", "k"), DTYPES)
 
   @property
   def itemsize(self) -> int:
@@ -53,11 +46,25 @@ class MatmulProblem(Problem):
     return 2 * self.m * self.n * self.k
 
 
+def check_gemm_fields(problem, dims, dtypes) -> None:
+  """Checks a GEMM-like problem's ``dims`` (ints >= 1) and dtypes, fills the
+  default ``out_dtype`` and freezes it."""
+  name = type(problem).__name__
+  for d in dims:
+    v = getattr(problem, d)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name}.{d}={v!r} must be an int >= 1")
+  object.__setattr__(problem, "dtype", _dtype_name(f"{name}.dtype", problem.dtype, dtypes))
+  object.__setattr__(problem, "out_dtype", _dtype_name(
+      f"{name}.out_dtype", problem.out_dtype or problem.dtype, OUT_DTYPES))
+  problem._freeze()
+
+
 def _dtype_name(field: str, value, allowed) -> str:
   try:
     name = jnp.dtype(value).name
   except TypeError:
     name = None
   if name not in allowed:
-    raise ValueError(f"MatmulProblem.{field}={value!r} must be one of {allowed}")
+    raise ValueError(f"{field}={value!r} must be one of {allowed}")
   return name

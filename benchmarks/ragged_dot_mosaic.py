@@ -1,0 +1,204 @@
+"""The grouped-GEMM backends side by side on one GPU: Mosaic (its space),
+Triton (a few configs) and XLA's ``lax.ragged_dot``.
+
+``--check`` first runs the Mosaic kernel on the edge cases of ragged rows
+(empty experts, all rows in one expert, ``sum(group_sizes) < M`` with NaN in
+the rows past the sum, M not a multiple of 8, 64 experts with most empty,
+split-K, both work orders) and compares every row with the float32
+reference, the tail rows with exact zeros.
+
+Then, per problem, every config is checked against the float32 reference
+before it is timed (CUPTI, L2 flushed, same process); prints the best time of
+each backend, its ratio to XLA (x > 1: faster than XLA) and the best Mosaic
+config. ``--skew`` also times the Mosaic space under a skewed router (a few hot
+experts) and prints whether the best config changes and what keeping the
+balanced-routing config costs there. ``--json`` writes every measurement.
+
+    python3 benchmarks/ragged_dot_mosaic.py [--check] [--set quick|suite]
+        [--skew] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from wavetune_jax import RAGGED_DOT, RaggedDotProblem
+from wavetune_jax.core import hardware
+from wavetune_jax.families.ragged_dot import MosaicRaggedDotConfig, routing
+from wavetune_jax.shapes import load_suite
+from wavetune_jax.tuning import evaluate, profiler
+
+# (weight, tokens): every model of the suite at decode, mid and prefill sizes.
+QUICK = [("mixtral_8x7b.w13", t) for t in (16, 64, 1024, 8192)] + \
+        [("mixtral_8x7b.w2", t) for t in (64, 1024, 8192)] + \
+        [("olmoe_1b_7b.w13", 4096), ("snowflake_arctic.w2", 1024),
+         ("snowflake_arctic.w2", 64), ("dbrx.w13", 777), ("phi_3_5_moe.w2", 3000),
+         ("llama4_scout.w13", 2048)]
+SKEW = [("mixtral_8x7b.w13", 1024), ("olmoe_1b_7b.w13", 4096), ("snowflake_arctic.w2", 1024),
+        ("dbrx.w13", 777)]
+TRITON = [dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3),
+          dict(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3),
+          dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)]
+
+
+def problem(weights: dict, name: str, tokens: int) -> RaggedDotProblem:
+  w = weights[name]
+  return RaggedDotProblem(m=tokens * w["top_k"], g=w["E"], k=w["K"], n=w["N"])
+
+
+def check_edges() -> int:
+  """Mosaic configs on ragged edge cases, row by row; returns the failures."""
+  fam = RAGGED_DOT
+  configs = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=3, split_k=sk,
+                                   grid_minor=gm)
+             for bm, bn, sk, gm in [(64, 128, 1, 1), (64, 256, 1, 0), (128, 128, 1, 1),
+                                    (128, 192, 1, 0), (128, 256, 1, 1), (256, 128, 1, 1), (128, 64, 2, 1),
+                                    (64, 128, 4, 1)]]
+  rng = np.random.default_rng(0)
+  cases = {
+      "empty experts": (1000, [0, 300, 0, 250, 0, 450, 0, 0]),
+      "all rows in one expert": (512, [0, 0, 0, 512, 0, 0, 0, 0]),
+      "sum < M, NaN past the sum": (1000, [100, 7, 0, 93, 200, 1, 0, 300]),
+      "M = 1554 (not a multiple of 8)": (1554, [200, 300, 54, 0, 400, 100, 300, 200]),
+      "M = 5": (5, [1, 0, 2, 0, 0, 1, 0, 1]),
+      "64 experts, most empty": (640, list(rng.multinomial(640, np.r_[np.ones(6), np.full(58, 1e-3)] / (6 + 0.058)))),
+  }
+  fails = 0
+  print("edge cases (Mosaic configs vs float32 reference, every row):", flush=True)
+  for name, (m, sizes) in cases.items():
+    g = len(sizes)
+    k, n = 256, 512
+    kx, kw = jax.random.split(jax.random.PRNGKey(1))
+    lhs = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(kw, (g, k, n), jnp.float32) / 16).astype(jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    total = min(int(np.sum(sizes)), m)
+    if total < m:
+      lhs = lhs.at[total:].set(jnp.nan)
+    ref = np.array(jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs,
+                                        precision=jax.lax.Precision.HIGHEST))
+    ref[total:] = 0.0
+    p = RaggedDotProblem(m=m, g=g, k=k, n=n)
+    bad = []
+    for c in configs:
+      try:
+        out = np.asarray(jax.jit(fam.build(p, c))(lhs, rhs, gs).astype(jnp.float32))
+      except Exception as e:  # noqa: BLE001
+        bad.append(f"{c.block_m}x{c.block_n}/k{c.split_k}: {type(e).__name__} {str(e)[:200]}")
+        continue
+      row_err = np.abs(out - ref).max(axis=1) / (np.abs(ref).max() + 1e-9)
+      wrong = np.nonzero(~(row_err <= 2e-2))[0]
+      tail_ok = total == m or np.all(out[total:] == 0.0)
+      if len(wrong) or not tail_ok:
+        bad.append(f"{c.block_m}x{c.block_n}/k{c.split_k}/o{c.grid_minor}: {len(wrong)} "
+                   f"wrong rows (first {wrong[:6].tolist()}), tail zeros {tail_ok}")
+    fails += len(bad)
+    print(f"  {name:<34} {len(configs) - len(bad)}/{len(configs)} configs right", flush=True)
+    for b in bad:
+      print(f"      {b}", flush=True)
+  return fails
+
+
+def measure(fam, p, cands, prof):
+  args = fam.inputs(p, jax.random.PRNGKey(0))
+  ref = fam.reference(p, *args)
+  fns = [fam.build(p, c) for c in cands]
+  return prof.measure_many(fns, args, reference=ref, tolerance=fam.tolerance(p),
+                           out_bytes=ref.size * 4)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--check", action="store_true", help="the ragged edge cases first")
+  ap.add_argument("--set", choices=("quick", "none"), default="quick")
+  ap.add_argument("--skew", action="store_true", help="also a skewed router (see doc)")
+  ap.add_argument("--iterations", type=int, default=10)
+  ap.add_argument("--json", default=None)
+  a = ap.parse_args()
+  dev = jax.devices()[0]
+  print(dev.device_kind, jax.__version__, flush=True)
+  hw = hardware.detect()
+  weights = load_suite("train")["grouped_gemm"]["weights"]
+  fam = RAGGED_DOT
+  out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": [], "skew": []}
+  if a.check:
+    out["edge_failures"] = check_edges()
+  prof = profiler.Profiler(iterations=a.iterations)
+  mosaic, triton, xla = (fam.backend(n) for n in ("mosaic", "triton", "xla"))
+
+  def dump():  # after every problem: a killed run keeps what it measured
+    if a.json:
+      with open(a.json, "w") as f:
+        json.dump(out, f)
+
+  ratios = []
+  t0 = time.time()
+  if a.set == "quick":
+    print(f"{'problem':<30}{'rows':>7}{'xla us':>10}{'mosaic':>10}{'triton':>10}{'mos/xla':>9}"
+          f"{'tri/xla':>9}  best mosaic config (TFLOP/s) [ok/bad]", flush=True)
+  for name, tokens in (QUICK if a.set == "quick" else []):
+    p = problem(weights, name, tokens)
+    tri = [triton.config_cls(**t) for t in TRITON] if triton.space(p, hw) else []
+    cands = list(mosaic.space(p, hw)) + tri + [xla.space(p, hw)[0]]
+    res = measure(fam, p, cands, prof)
+    best, nbad, first = {}, 0, None
+    for c, r in zip(cands, res):
+      b = fam.backend_of(c).name
+      out["rows"].append({"weight": name, "tokens": tokens, "problem": fam.problem_key(p),
+                          "config": fam.config_to_dict(c), "status": r.status,
+                          "us": r.median_us, "rel_error": r.rel_error,
+                          "error": (r.error or "")[:300]})
+      if r.status != "ok":
+        nbad += b == "mosaic"
+        first = first or f"{c}: {r.status} {(r.error or '')[:300]}"
+      elif b not in best or r.median_us < best[b][0]:
+        best[b] = (r.median_us, c)
+    x = best.get("xla", (math.nan,))[0]
+    tm, tt = best.get("mosaic", (math.nan, None)), best.get("triton", (math.nan, None))
+    rm, rt = x / tm[0], x / tt[0]
+    if rm == rm:
+      ratios.append(max(rm, rt) if rt == rt else rm)
+    c = tm[1]
+    cs = f"{c.block_m}x{c.block_n} s{c.num_stages} k{c.split_k} o{c.grid_minor}" if c else "-"
+    tf = p.flops / (tm[0] * 1e-6) / 1e12 if tm[0] == tm[0] else math.nan
+    n_ok = sum(1 for cc, r in zip(cands, res) if fam.backend_of(cc).name == "mosaic"
+               and r.status == "ok")
+    print(f"{name:<24}{tokens:>6}{p.m:>7}{x:10.1f}{tm[0]:10.1f}{tt[0]:10.1f}{rm:9.2f}{rt:9.2f}"
+          f"  {cs} ({tf:.0f}) [{n_ok}/{nbad}]", flush=True)
+    if first:
+      print(f"    first failure: {first}", flush=True)
+    dump()
+  if ratios:
+    big = [r for (n_, t), r in zip(QUICK, ratios) if t >= 1024]
+    print(f"elapsed {time.time() - t0:.0f} s; best Pallas vs lax.ragged_dot: geomean "
+          f"{evaluate._geomean(ratios):.2f}x (min {min(ratios):.2f}) over {len(ratios)}; "
+          f"at >= 1024 tokens {evaluate._geomean(big):.2f}x over {len(big)}", flush=True)
+  if a.skew:
+    print("router skew: best Mosaic config under balanced and skewed routing", flush=True)
+    skewed = fam.with_routing(routing.SKEWED)
+    for name, tokens in SKEW:
+      p = problem(weights, name, tokens)
+      cands = list(mosaic.space(p, hw)) + [xla.space(p, hw)[0]]
+      tb = [r.median_us if r.status == "ok" else math.inf for r in measure(fam, p, cands, prof)]
+      ts = [r.median_us if r.status == "ok" else math.inf
+            for r in measure(skewed, p, cands, prof)]
+      ib, is_ = int(np.argmin(tb[:-1])), int(np.argmin(ts[:-1]))
+      cost = ts[is_] / ts[ib]
+      out["skew"].append({"weight": name, "tokens": tokens, "balanced_us": tb, "skewed_us": ts,
+                          "configs": [fam.config_to_dict(c) for c in cands]})
+      print(f"  {name:<24}{tokens:>6}: balanced best {cands[ib]} {tb[ib]:.1f} us (xla "
+            f"{tb[-1]:.1f}); skewed best {cands[is_]} {ts[is_]:.1f} us (xla {ts[-1]:.1f}); "
+            f"balanced config under skew: {cost:.3f} of the skewed best", flush=True)
+      dump()
+  dump()
+
+
+if __name__ == "__main__":
+  main()

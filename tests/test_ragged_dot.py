@@ -1,0 +1,224 @@
+"""The grouped-GEMM family (``wt.ragged_dot``) on a CPU.
+
+The work list both Pallas kernels share is checked against a row-by-row
+model of it; the Triton kernel runs in interpret mode against the float32
+reference on the ragged edge cases; the Mosaic kernel (no interpret mode)
+must lower to a CUDA module for its configs, where Mosaic raises its layout,
+tiling and shared-memory errors. Its numerics are checked on a Hopper GPU
+(``benchmarks/ragged_dot_mosaic.py --check`` and every sweep row).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import wavetune_jax as wt
+from pallas_kernels.ragged_dot import mosaic as mosaic_kernel
+from pallas_kernels.ragged_dot.reference import ragged_dot_reference
+from pallas_kernels.ragged_dot.worklist import max_tasks, row_tasks
+from wavetune_jax import RAGGED_DOT, RaggedDotProblem, get_hardware
+from wavetune_jax.families.ragged_dot import routing
+from wavetune_jax.families.ragged_dot.mosaic import TILES
+from wavetune_jax.shapes import load_suite
+
+H100 = get_hardware("h100")
+MOSAIC = RAGGED_DOT.backend("mosaic")
+TRITON = RAGGED_DOT.backend("triton")
+SMALL = wt.TritonRaggedDotConfig(block_m=16, block_n=32, block_k=16)
+
+
+def _owner(sizes, m):
+  """Which group owns each row (len(sizes) for the tail)."""
+  ends = np.minimum(np.cumsum(np.maximum(sizes, 0)), m)
+  starts = np.r_[0, ends[:-1]]
+  own = np.full(m, len(sizes))
+  for i, (s, e) in enumerate(zip(starts, ends)):
+    own[s:e] = i
+  return own
+
+
+def test_work_list_covers_every_row_once():
+  rng = np.random.default_rng(0)
+  for trial in range(150):
+    m = int(rng.integers(1, 300))
+    g = int(rng.integers(1, 12))
+    bm = int(rng.choice([8, 16, 64, 128]))
+    sizes = rng.multinomial(int(rng.integers(0, m + 1)), np.ones(g) / g)
+    if trial % 5 == 0:
+      sizes[rng.integers(g)] += rng.integers(0, 50)  # past M: clipped
+    tasks, count = row_tasks(jnp.asarray(sizes, jnp.int32), m, bm)
+    tasks, c = np.asarray(tasks), int(count[0])
+    assert tasks.shape == (4, max_tasks(m, g, bm)) and c <= tasks.shape[1]
+    owner = np.full(m, -1)
+    for j in range(tasks.shape[1]):
+      grp, row0, start, size = tasks[:, j]
+      if j >= c:
+        assert size == 0
+        continue
+      assert size > 0 and row0 % 8 == 0 and 0 <= start and start + size <= bm
+      rows = np.arange(row0 + start, row0 + start + size)
+      assert (owner[rows] == -1).all()
+      owner[rows] = grp
+    np.testing.assert_array_equal(owner, _owner(sizes, m))
+
+
+CASES = {
+    "balanced": (50, [10, 15, 12, 13]),
+    "empty groups": (50, [0, 30, 0, 20]),
+    "all rows in one group": (40, [0, 40, 0]),
+    "sum < M": (45, [5, 0, 20, 3]),
+    "no rows routed": (20, [0, 0, 0]),
+    "one row": (1, [0, 1]),
+    "sum > M (clipped)": (30, [20, 20]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_matches_lax_ragged_dot(name):
+  m, sizes = CASES[name]
+  g, k, n = len(sizes), 40, 48
+  kx, kw = jax.random.split(jax.random.PRNGKey(0))
+  lhs = jax.random.normal(kx, (m, k), jnp.float32)
+  rhs = jax.random.normal(kw, (g, k, n), jnp.float32)
+  gs = jnp.asarray(sizes, jnp.int32)
+  total = min(sum(sizes), m)
+  if total < m:
+    lhs = lhs.at[total:].set(jnp.nan)  # must not reach the output
+  ref = np.array(ragged_dot_reference(jnp.nan_to_num(lhs), rhs, jnp.minimum(
+      gs, jnp.maximum(m - jnp.cumsum(gs) + gs, 0))))
+  ref[total:] = 0.0
+  out = jax.jit(lambda a, b, s: wt.ragged_dot(a, b, s, config=SMALL))(lhs, rhs, gs)
+  np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-4)
+  assert np.all(np.asarray(out)[total:] == 0.0)
+
+
+def test_op_default_is_lax_ragged_dot_off_hopper():
+  p_lhs = jax.random.normal(jax.random.PRNGKey(1), (64, 32), jnp.bfloat16)
+  p_rhs = jax.random.normal(jax.random.PRNGKey(2), (4, 32, 64), jnp.bfloat16)
+  gs = routing.group_sizes(jax.random.PRNGKey(3), 60, 4)
+  assert int(gs.sum()) == 60
+  with pytest.warns(UserWarning):
+    out = jax.jit(wt.ragged_dot)(p_lhs, p_rhs, gs)
+  ref = jax.lax.ragged_dot(p_lhs, p_rhs, gs)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+  # out_dtype and a config as a dict.
+  out = wt.ragged_dot(p_lhs, p_rhs, gs, out_dtype=jnp.float32,
+                      config={"backend": "triton", "block_m": 16, "block_n": 32,
+                              "block_k": 16, "num_warps": 4, "num_stages": 3})
+  assert out.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ragged_dot_reference(
+      p_lhs, p_rhs, gs, jnp.float32)), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("args,match", [
+    (((8, 4, 2), (2, 4, 8), (2,)), "lhs must have rank 2"),
+    (((8, 4), (4, 8), (2,)), "rhs must have rank 3"),
+    (((8, 4), (2, 5, 8), (2,)), "contracting dimensions differ"),
+    (((8, 4), (2, 4, 8), (3,)), "group_sizes must have shape"),
+])
+def test_op_rejects_bad_shapes(args, match):
+  ls, rs, gs = args
+  with pytest.raises(ValueError, match=match):
+    wt.ragged_dot(jnp.ones(ls), jnp.ones(rs), jnp.ones(gs, jnp.int32))
+
+
+def test_op_rejects_bad_dtypes_and_configs():
+  lhs, rhs = jnp.ones((8, 4)), jnp.ones((2, 4, 8))
+  with pytest.raises(ValueError, match="must be integers"):
+    wt.ragged_dot(lhs, rhs, jnp.ones((2,)))
+  with pytest.raises(ValueError, match="must be the same"):
+    wt.ragged_dot(lhs, rhs.astype(jnp.bfloat16), jnp.ones((2,), jnp.int32))
+  with pytest.raises(ValueError, match="out_dtype"):
+    wt.ragged_dot(lhs, rhs, jnp.ones((2,), jnp.int32), out_dtype=jnp.int8)
+  with pytest.raises(ValueError, match="cannot run here"):
+    wt.ragged_dot(jnp.ones((8, 64), jnp.bfloat16), jnp.ones((2, 64, 64), jnp.bfloat16),
+                  jnp.ones((2,), jnp.int32), config=wt.MosaicRaggedDotConfig())
+  with pytest.raises(ValueError, match="unknown"):
+    wt.ragged_dot(lhs, rhs, jnp.ones((2,), jnp.int32), config={"backend": "triton",
+                                                               "block_z": 4})
+  assert wt.ragged_dot(jnp.ones((0, 4)), rhs, jnp.zeros((2,), jnp.int32)).shape == (0, 8)
+
+
+def _lower(p, c):
+  shapes = (jax.ShapeDtypeStruct((p.m, p.k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((p.g, p.k, p.n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((p.g,), jnp.int32))
+  f = functools.partial(mosaic_kernel.ragged_dot, config=c, out_dtype=jnp.dtype(p.out_dtype),
+                        num_sms=H100.num_sms)
+  return jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("m,g,k,n,out", [(2048, 8, 4096, 28672, "bfloat16"),
+                                         (1554, 16, 1024, 2048, "float32"),
+                                         (5, 64, 2048, 1024, "bfloat16")])
+def test_mosaic_configs_lower_for_cuda(m, g, k, n, out):
+  p = RaggedDotProblem(m=m, g=g, k=k, n=n, out_dtype=out)
+  space = MOSAIC.space(p, H100, prune=False)
+  assert space
+  for c in space[:: max(1, len(space) // 5)]:
+    MOSAIC.validate(p, c, H100)
+    _lower(p, c)
+
+
+def test_mosaic_every_tile_lowers():
+  p = RaggedDotProblem(m=1000, g=8, k=512, n=1024)
+  for bm, bn in TILES:
+    c = wt.MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=2)
+    MOSAIC.validate(p, c, H100)
+    _lower(p, c)
+
+
+def test_mosaic_space_and_heuristic_rules():
+  mixtral = dict(g=8, k=4096, n=28672)
+  for m in (2, 32, 2048, 16384):
+    p = RaggedDotProblem(m=m, **mixtral)
+    for c in MOSAIC.space(p, H100):
+      assert MOSAIC.smem_bytes(p, c) <= H100.smem_per_block
+      assert c.block_m <= max(64, 1 << (max(1, -(-m // 8)) - 1).bit_length())
+  # Decode with every one of 8 experts busy: XLA; one token: Mosaic (reads
+  # 2 of 8 experts); prefill: big tiles; many experts: Mosaic.
+  assert isinstance(RAGGED_DOT.heuristic(RaggedDotProblem(m=64, **mixtral), H100),
+                    wt.XlaRaggedDotConfig)
+  assert isinstance(RAGGED_DOT.heuristic(RaggedDotProblem(m=2, **mixtral), H100),
+                    wt.MosaicRaggedDotConfig)
+  big = RAGGED_DOT.heuristic(RaggedDotProblem(m=2048, **mixtral), H100)
+  assert (big.block_m, big.block_n) == (128, 256)
+  arctic = RaggedDotProblem(m=128, g=128, k=4864, n=7168)
+  assert isinstance(RAGGED_DOT.heuristic(arctic, H100), wt.MosaicRaggedDotConfig)
+  # Off Hopper, and for shapes the kernel does not run: XLA.
+  assert isinstance(RAGGED_DOT.heuristic(RaggedDotProblem(m=2048, **mixtral),
+                                         get_hardware("a100")), wt.XlaRaggedDotConfig)
+  assert isinstance(RAGGED_DOT.heuristic(RaggedDotProblem(m=2048, g=8, k=100, n=256), H100),
+                    wt.XlaRaggedDotConfig)
+  g, l = RAGGED_DOT.coords(RaggedDotProblem(m=2048, **mixtral), big)
+  # 256 rows per expert, starting 4 rows past an aligned row on average: 3 tasks.
+  assert g == 8 * 3 * 112 and l == 64
+
+
+def test_suite_and_routing():
+  probs = RAGGED_DOT.problems_from_suite(load_suite("train"))
+  assert len(probs) == 216
+  assert len({RAGGED_DOT.problem_key(p) for p in probs}) == 216
+  assert {p.g for p in probs} == {8, 16, 64, 128}
+  key = jax.random.PRNGKey(0)
+  bal = np.asarray(routing.group_sizes(key, 4096, 64, routing.BALANCED))
+  skew = np.asarray(routing.group_sizes(key, 4096, 64, routing.SKEWED))
+  assert bal.sum() == skew.sum() == 4096
+  assert skew.max() > 2 * bal.max()
+  lhs, rhs, gs = RAGGED_DOT.with_routing(routing.SKEWED).inputs(
+      RaggedDotProblem(m=64, g=4, k=32, n=64), key)
+  assert lhs.shape == (64, 32) and rhs.shape == (4, 32, 64) and int(gs.sum()) == 64
+
+
+def test_moe_mlp_example_runs_on_cpu(capsys):
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parent.parent / "examples" / "moe_mlp.py"
+  spec = importlib.util.spec_from_file_location("moe_mlp", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  mod.main(["--small"])  # the pinned Triton kernel against lax.ragged_dot; raises if they differ
+  assert "tokens=16" in capsys.readouterr().out

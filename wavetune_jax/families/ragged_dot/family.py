@@ -1,0 +1,124 @@
+"""The grouped-GEMM family: ``lax.ragged_dot`` for mixture-of-experts layers."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.ragged_dot.reference import ragged_dot_reference
+from wavetune_jax.core.family import Call, Family
+from wavetune_jax.families.matmul.family import _out_dtype
+from wavetune_jax.families.ragged_dot import routing
+from wavetune_jax.families.ragged_dot.problem import DTYPES, RaggedDotProblem
+from wavetune_jax.shapes import suite_entries
+
+__all__ = ["RaggedDotFamily", "expert_weights"]
+
+
+def expert_weights(suite: dict, names=None) -> dict[str, dict]:
+  """``{weight name: {"E", "top_k", "K", "N"}}`` of a suite's ``grouped_gemm``
+  section, optionally filtered."""
+  found = suite_entries(suite, "grouped_gemm", "weights", names)
+  return found
+
+
+class RaggedDotFamily(Family):
+  """Grouped GEMM with fp32 accumulation, rows grouped contiguously by
+  expert; XLA's ``lax.ragged_dot`` is the baseline.
+
+  ``skew`` is the routing that :meth:`inputs` draws group sizes from
+  (:mod:`~wavetune_jax.families.ragged_dot.routing`; balanced by default):
+  sweeps and tables are measured with it.
+  """
+
+  name = "ragged_dot"
+  problem_cls = RaggedDotProblem
+  size_field = "m"
+  aux_names = ("split_k_launch", "split_k_partial_mb")
+  # The heuristic is the Mosaic kernel's rule on Hopper (XLA's ragged dot
+  # elsewhere); a model must predict a clear gain to replace it.
+  heuristic_margin = 0.3
+  baseline_name = "XLA"
+  skew = routing.BALANCED
+
+  def with_routing(self, skew: float) -> "RaggedDotFamily":
+    """A copy of this family whose inputs use router skew ``skew``."""
+    new = copy.copy(self)
+    new.skew = float(skew)
+    return new
+
+  # --- the call ------------------------------------------------------------------------
+  def bind(self, lhs, rhs, group_sizes, *, out_dtype=None):
+    """Checks ``lhs [M, K]``, ``rhs [G, K, N]`` and ``group_sizes [G]``."""
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    if lhs.ndim != 2:
+      raise ValueError(f"lhs must have rank 2 ([M, K]); got lhs.shape={lhs.shape}")
+    if rhs.ndim != 3:
+      raise ValueError(f"rhs must have rank 3 ([G, K, N]); got rhs.shape={rhs.shape}")
+    if lhs.shape[1] != rhs.shape[1]:
+      raise ValueError(f"contracting dimensions differ: lhs.shape={lhs.shape} and "
+                       f"rhs.shape={rhs.shape} (lhs.shape[1] must equal rhs.shape[1])")
+    if group_sizes.ndim != 1 or group_sizes.shape[0] != rhs.shape[0]:
+      raise ValueError(f"group_sizes must have shape [G] = ({rhs.shape[0]},) (G = "
+                       f"rhs.shape[0]); got group_sizes.shape={group_sizes.shape}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+      raise ValueError(f"group_sizes must be integers; got {group_sizes.dtype}")
+    if lhs.dtype != rhs.dtype:
+      raise ValueError(f"lhs.dtype={lhs.dtype} and rhs.dtype={rhs.dtype} must be the same")
+    if lhs.dtype.name not in DTYPES:
+      raise ValueError(f"lhs.dtype={lhs.dtype} is not supported; use one of {DTYPES}")
+    out = _out_dtype(lhs.dtype, out_dtype)
+    (m, k), (g, _, n) = lhs.shape, rhs.shape
+    if m == 0 or n == 0 or k == 0 or g == 0:
+      # What lax.ragged_dot gives: an empty result, or zeros.
+      return jnp.zeros((m, n), out)
+    problem = RaggedDotProblem(m=m, g=g, k=k, n=n, dtype=lhs.dtype.name, out_dtype=out.name)
+    return Call(problem, (lhs, rhs, group_sizes.astype(jnp.int32)), {})
+
+  # --- problems ------------------------------------------------------------------------
+  def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):
+    """``suite["grouped_gemm"]``: every expert weight at every token count;
+    a problem's rows are tokens x top_k (``sizes``, if given, are rows)."""
+    ws = expert_weights(suite, weights)
+    out = []
+    for w in ws.values():
+      rows = sizes if sizes is not None else [t * w["top_k"]
+                                              for t in suite["grouped_gemm"]["tokens"]]
+      out += [RaggedDotProblem(m=int(m), g=w["E"], k=w["K"], n=w["N"], dtype=dtype)
+              for m in rows]
+    return out
+
+  def problem_key(self, p: RaggedDotProblem) -> str:
+    return f"{p.m}x{p.g}x{p.k}x{p.n}:{p.dtype}:{p.out_dtype}"
+
+  def weight_of(self, p: RaggedDotProblem) -> tuple:
+    return (("dtype", p.dtype), ("g", p.g), ("k", p.k), ("n", p.n),
+            ("out_dtype", p.out_dtype))
+
+  def inputs(self, p: RaggedDotProblem, key: jax.Array):
+    kx, kw, kg = jax.random.split(key, 3)
+    dt = jnp.dtype(p.dtype)
+    lhs = jax.random.normal(kx, (p.m, p.k), jnp.float32).astype(dt)
+    rhs = (jax.random.normal(kw, (p.g, p.k, p.n), jnp.float32) / math.sqrt(p.k)).astype(dt)
+    return lhs, rhs, routing.group_sizes(kg, p.m, p.g, self.skew)
+
+  def reference(self, p: RaggedDotProblem, lhs, rhs, group_sizes):
+    return ragged_dot_reference(lhs, rhs, group_sizes, jnp.float32)
+
+  def baseline(self, p: RaggedDotProblem):
+    out_dtype = jnp.dtype(p.out_dtype)
+
+    def f(lhs, rhs, group_sizes):
+      return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
+    return f
+
+  def tolerance(self, p: RaggedDotProblem) -> float:
+    return 1e-3 if p.dtype == "float32" and p.out_dtype == "float32" else 1e-2
+
+  def default(self, p: RaggedDotProblem):
+    """The fixed config an untuned library would use."""
+    from wavetune_jax.families.ragged_dot.triton import TritonRaggedDotConfig
+    return TritonRaggedDotConfig()

@@ -1,0 +1,171 @@
+"""The Mosaic GPU backend of the grouped-GEMM family
+(``pallas_kernels.ragged_dot.mosaic``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.matmul.mosaic import k_steps
+from pallas_kernels.ragged_dot import mosaic as kernel
+from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig
+from wavetune_jax.core.family import Backend
+from wavetune_jax.core.hardware import Hardware
+from wavetune_jax.families.matmul.triton import _aux, _cdiv, _next_pow2
+from wavetune_jax.families.ragged_dot.problem import RaggedDotProblem
+from wavetune_jax.families.ragged_dot.routing import expected_tasks
+
+__all__ = ["MosaicRaggedDot", "MosaicRaggedDotConfig"]
+
+#: Task tiles (block_m, block_n).
+TILES = ((64, 128), (64, 256), (128, 64), (128, 128), (128, 192), (128, 256), (256, 64),
+         (256, 128))
+STAGES = (2, 3, 4, 5, 6)
+SPLIT_K = (1, 2, 4, 8)
+ORDERS = (1, 0)
+
+# The space (see MosaicRaggedDot.space), on compute capability 9.0 only:
+#  RG1 shape:  bfloat16/float16 inputs, N and K multiples of 64.
+#  RG2 smem:   the operand ring and the output tile fit the shared memory.
+#  RG3 size:   block_m <= max(64, next_pow2(rows per expert)) under balanced
+#              routing: taller tasks load rows of other experts.
+#  RG4 split:  split_k > 1 only while the expected tasks x column tiles
+#              fill less than one wave, with work * split_k <= 2 * SMs and
+#              at least 4 K steps per split.
+#  RG5 order:  both orders only where the work takes more than one wave.
+#  RG6 stages: pruned: 4, or the deepest ring that fits below 4.
+
+
+class MosaicRaggedDot(Backend):
+  """The persistent Mosaic GPU grouped GEMM (Hopper): a run-time work list of
+  8-row-aligned row tasks, TMA ring, wgmma, row-exact stores, split-K."""
+
+  name = "mosaic"
+  config_cls = MosaicRaggedDotConfig
+  macro_fields = ("block_m", "block_n", "split_k")
+  micro_fields = ("num_stages", "grid_minor")
+  folded_fields = ("split_k",)
+  interpret = False
+
+  def supported_on(self, hw: Hardware) -> bool:
+    return hw.compute_capability == kernel.COMPUTE_CAPABILITY
+
+  @staticmethod
+  def runs_shape(p: RaggedDotProblem) -> bool:
+    return (p.dtype in kernel.DTYPES and p.n % kernel.NK_MULTIPLE == 0
+            and p.k % kernel.NK_MULTIPLE == 0)
+
+  def smem_bytes(self, p: RaggedDotProblem, c: MosaicRaggedDotConfig) -> int:
+    return kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
+                             itemsize=p.itemsize,
+                             out_itemsize=4 if c.split_k > 1 else
+                             jnp.dtype(p.out_dtype).itemsize)
+
+  def space(self, p: RaggedDotProblem, hw: Hardware, *, prune: bool = True):
+    if not self.runs_shape(p):
+      return ()
+    out = []
+    for c in self._weight_candidates(p.g, p.n, p.k, p.dtype, p.out_dtype, hw, prune):
+      if self._keep(p, c, hw, prune):
+        out.append(c)
+    return tuple(out)
+
+  @functools.lru_cache(maxsize=256)
+  def _weight_candidates(self, g, n, k, dtype, out_dtype, hw: Hardware, prune: bool):
+    p = RaggedDotProblem(m=8, g=g, k=k, n=n, dtype=dtype, out_dtype=out_dtype)
+    out = []
+    for (bm, bn), sk, gm in itertools.product(TILES, SPLIT_K, ORDERS):
+      if sk > _cdiv(k, kernel.BLOCK_K) or (prune and sk > 1 and k_steps(k, sk) < 4):
+        continue  # validity, RG4 (K part)
+      if sk > 1 and gm != ORDERS[0]:
+        continue  # RG5: split-K runs in one wave or two
+      fits = [ns for ns in STAGES
+              if self.smem_bytes(p, MosaicRaggedDotConfig(
+                  block_m=bm, block_n=bn, num_stages=ns, split_k=sk)) <= hw.smem_per_block]
+      if not fits:
+        continue  # RG2
+      stages = [max(s for s in fits if s <= 4)] if prune and min(fits) <= 4 else fits
+      for ns in stages:  # RG6
+        out.append(MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
+                                         grid_minor=gm))
+    return tuple(out)
+
+  @staticmethod
+  def _keep(p: RaggedDotProblem, c: MosaicRaggedDotConfig, hw: Hardware, prune: bool) -> bool:
+    work = int(expected_tasks(p.m, p.g, c.block_m)) * _cdiv(p.n, c.block_n)
+    if c.split_k > 1 and not (work < hw.num_sms and work * c.split_k <= 2 * hw.num_sms):
+      return False  # RG4
+    if c.grid_minor != ORDERS[0] and work <= hw.num_sms:
+      return False  # RG5
+    if prune:
+      per = -(-p.m // min(p.g, p.m))
+      if c.block_m > max(64, _next_pow2(per)):
+        return False  # RG3
+    return True
+
+  def validate(self, p: RaggedDotProblem, config, hw: Hardware | None = None) -> None:
+    if not isinstance(config, MosaicRaggedDotConfig):
+      raise ValueError(f"config must be a MosaicRaggedDotConfig; got {config!r}")
+    if (config.block_m, config.block_n) not in TILES:
+      raise ValueError(f"the Mosaic GPU grouped GEMM runs the tiles {TILES}; got "
+                       f"{config.block_m}x{config.block_n}")
+    kernel.check_shapes(p.m, p.n, p.k, p.dtype, p.out_dtype, config)
+    if hw is not None and self.smem_bytes(p, config) > hw.smem_per_block:
+      raise ValueError(f"config {config} needs {self.smem_bytes(p, config)} bytes of shared "
+                       f"memory; {hw.name} allows {hw.smem_per_block} per block")
+
+  def heuristic(self, p: RaggedDotProblem, hw: Hardware) -> MosaicRaggedDotConfig | None:
+    """A rule from the H100 measurements (``data/probes/ragged_dot_mosaic_h100.txt``).
+
+    ``r`` = rows per expert under balanced routing. None (XLA's ragged dot)
+    where every one of fewer than 16 experts is likely busy and ``r < 32``:
+    both read all the weights at the memory's speed, and XLA was 0-5% faster
+    (Mixtral, 16-64 tokens). Elsewhere the Mosaic kernel: it reads only the
+    experts that have rows, and XLA's ragged dot slows down with many
+    experts (Arctic's 128: 8.1x). ``r >= 128``: 128 x 256 tiles, 3 stages
+    (the best or within 5% of it on every such problem), walking tasks first
+    (``grid_minor`` 0) where the weight has more than 16 column tiles and
+    column tiles first below (0.89-1.00 of the best). Below: 64 x 256, 4
+    stages, column tiles first.
+    """
+    if not (self.supported_on(hw) and self.runs_shape(p)):
+      return None
+    r = p.m / min(p.g, p.m)
+    likely_all_busy = p.m > p.g * np.log(p.g)
+    if p.g < 16 and likely_all_busy and r < 32:
+      return None
+    if r >= 128:
+      order = 0 if _cdiv(p.n, 256) > 16 else 1
+      c = MosaicRaggedDotConfig(block_m=128, block_n=256, num_stages=3, grid_minor=order)
+    else:
+      c = MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4, grid_minor=1)
+    while self.smem_bytes(p, c) > hw.smem_per_block and c.num_stages > 2:
+      c = dataclasses.replace(c, num_stages=c.num_stages - 1)
+    return c
+
+  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
+    return 1  # one persistent CTA per SM
+
+  def size_quantum(self, p: RaggedDotProblem) -> int | None:
+    return 1 if self.runs_shape(p) else None
+
+  def coords(self, p: RaggedDotProblem, macro: dict) -> tuple[int, int]:
+    """``G`` = expected row tasks (balanced routing) x column tiles x splits,
+    ``L`` = K steps of one split."""
+    tasks = int(expected_tasks(p.m, p.g, macro["block_m"]))
+    return (tasks * _cdiv(p.n, macro["block_n"]) * macro["split_k"],
+            k_steps(p.k, macro["split_k"]))
+
+  def aux(self, p: RaggedDotProblem, config) -> tuple[float, ...]:
+    return tuple(float(v) for v in _aux(p.m, p.n, config.split_k))
+
+  def run(self, p: RaggedDotProblem, config, lhs, rhs, group_sizes, *,
+          interpret: bool = False, num_sms: int | None = None):
+    if interpret:
+      raise NotImplementedError(kernel.NO_INTERPRET)
+    return kernel.ragged_dot(lhs, rhs, group_sizes, config=config,
+                             out_dtype=jnp.dtype(p.out_dtype), num_sms=num_sms)

@@ -1,0 +1,67 @@
+"""The XLA backend of the grouped-GEMM family: ``lax.ragged_dot``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from wavetune_jax.core.family import Backend
+from wavetune_jax.core.hardware import Hardware
+from wavetune_jax.families.ragged_dot.problem import RaggedDotProblem
+
+__all__ = ["XlaRaggedDot", "XlaRaggedDotConfig"]
+
+NOMINAL_M, NOMINAL_N, NOMINAL_K = 64, 128, 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class XlaRaggedDotConfig:
+  """``lax.ragged_dot(..., preferred_element_type=out_dtype)``: no launch parameters."""
+
+
+def _gl(m, g, n, k):
+  # A nominal tiling of the rows; L grows with the experts, as XLA's ragged
+  # dot does work per expert.
+  return -(-m // NOMINAL_M) * -(-n // NOMINAL_N), -(-k // NOMINAL_K) * g
+
+
+class XlaRaggedDot(Backend):
+  """XLA's ragged dot: the baseline, as a backend (the op's default with no table)."""
+
+  name = "xla"
+  config_cls = XlaRaggedDotConfig
+  macro_fields = ()
+  micro_fields = ()
+  interpret = True
+
+  def space(self, problem, hw: Hardware, *, prune: bool = True):
+    return (XlaRaggedDotConfig(),)
+
+  def validate(self, problem, config, hw: Hardware | None = None) -> None:
+    if not isinstance(config, XlaRaggedDotConfig):
+      raise ValueError(f"config must be an XlaRaggedDotConfig; got {config!r}")
+
+  def heuristic(self, problem, hw: Hardware) -> XlaRaggedDotConfig:
+    return XlaRaggedDotConfig()
+
+  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
+    return 1
+
+  def coords(self, p: RaggedDotProblem, macro: dict) -> tuple[int, int]:
+    return _gl(p.m, p.g, p.n, p.k)
+
+  def decision_arrays(self, p: RaggedDotProblem, sizes, hw: Hardware, n_aux: int,
+                      with_size=None):
+    m = np.asarray(sizes, np.int64).reshape(-1, 1)
+    g, l = _gl(m, p.g, p.n, p.k)
+    return ((XlaRaggedDotConfig(),), np.ones((len(m), 1), bool), g,
+            np.broadcast_to(np.asarray(l, np.float64), g.shape),
+            np.zeros((len(m), 1, n_aux), np.float32))
+
+  def run(self, p: RaggedDotProblem, config, lhs, rhs, group_sizes, *,
+          interpret: bool = False):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes,
+                              preferred_element_type=jnp.dtype(p.out_dtype))
