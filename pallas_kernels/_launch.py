@@ -49,3 +49,44 @@ def require_compute_capability(cc: str, kernel: str, instead: str):
                      f"default device is {dev.device_kind} (compute capability {got}); "
                      f"{instead}")
   return dev
+
+
+# --- inside jax.shard_map ---------------------------------------------------------
+# With check_vma (shard_map's default) every array carries the mesh axes it
+# varies over, and a kernel's output types must say theirs. A kernel's output
+# varies over every axis any of its inputs varies over.
+
+
+def _varying(a) -> frozenset:
+  t = jax.typeof(a)
+  mat = getattr(t, "manual_axis_type", None)
+  if mat is not None:
+    return frozenset(mat.varying)
+  return frozenset(getattr(t, "vma", None) or ())
+
+
+def match_varying(*arrays) -> tuple[tuple, frozenset]:
+  """``(arrays, axes)``: the mesh axes any of ``arrays`` varies over (empty
+  outside ``shard_map``), and the arrays cast to vary over all of them (a
+  kernel takes operands of one type)."""
+  axes = frozenset().union(*(_varying(a) for a in arrays))
+  if not axes:
+    return arrays, axes
+  pvary = getattr(jax.lax, "pvary", None)
+  out = []
+  for a in arrays:
+    missing = tuple(sorted(axes - _varying(a)))
+    if missing:
+      a = pvary(a, missing) if pvary is not None else jax.lax.pcast(a, missing, to="varying")
+    out.append(a)
+  return tuple(out), axes
+
+
+def out_struct(shape, dtype, axes: frozenset) -> jax.ShapeDtypeStruct:
+  """A kernel output's type, varying over the mesh axes ``axes``."""
+  if not axes:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  mat_cls = getattr(jax.sharding, "ManualAxisType", None)
+  if mat_cls is not None:
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat_cls(varying=axes))
+  return jax.ShapeDtypeStruct(shape, dtype, vma=axes)

@@ -6,7 +6,7 @@ from wavetune_jax.core.hardware import Hardware, detect, device_key, get_hardwar
 from wavetune_jax.core.registry import get_family, register, registered
 from wavetune_jax.families import ATTENTION, MATMUL, RAGGED_DOT
 from wavetune_jax.families.attention import (AttentionProblem, MosaicAttentionConfig,
-                                             TritonAttentionConfig)
+                                             TritonAttentionConfig, XlaAttentionConfig)
 from wavetune_jax.families.matmul import (MatmulProblem, MosaicMatmulConfig,
                                           TritonMatmulConfig, XlaMatmulConfig)
 from wavetune_jax.families.ragged_dot import (MosaicRaggedDotConfig, RaggedDotProblem,
@@ -37,6 +37,7 @@ __all__ = [
     "TritonAttentionConfig",
     "TritonMatmulConfig",
     "TritonRaggedDotConfig",
+    "XlaAttentionConfig",
     "XlaMatmulConfig",
     "XlaRaggedDotConfig",
     "attention",

@@ -52,7 +52,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import check_ints, require_compute_capability
+from pallas_kernels._launch import (check_ints, match_varying, out_struct,
+                                     require_compute_capability)
 from pallas_kernels.attention.common import check_call
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "COMPUTE_CAPABILITY", "NO_INTERPRET", "NUM_WARPS",
@@ -389,9 +390,10 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
         collective_axes="wg",
     )
 
+  (q, k, v), axes = match_varying(q, k, v)
   return plgpu.kernel(
       entry,
-      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      out_type=out_struct(q.shape, dtype, axes),
       grid=(num_q_heads, num_q_tiles, batch_size),
       grid_names=("heads", "q_seq", "batch"),
       num_threads=3,

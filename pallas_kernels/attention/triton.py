@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._launch import MIN_BLOCK as _MIN_BLOCK
-from pallas_kernels._launch import check_launch
+from pallas_kernels._launch import check_launch, match_varying, out_struct
 from pallas_kernels.attention.common import check_call
 
 __all__ = ["TritonAttentionConfig", "attention", "kv_blocks", "q_block_start",
@@ -242,12 +242,13 @@ def _attention(q, k, v, *, config: TritonAttentionConfig, causal: bool, scale: f
       group=q_heads // kv_heads, head_dim=head_dim, dp=dp, bq=c.block_q,
       bk=c.block_k, causal=causal, scale=scale)
   grid = (pl.cdiv(q_len, c.block_q), batch * q_heads)
+  (q, k, v), axes = match_varying(q, k, v)
   with warnings.catch_warnings():
     # JAX 0.11 deprecates the Triton backend of Pallas; it still works.
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        out_shape=out_struct(q.shape, q.dtype, axes),
         grid=grid,
         compiler_params=plgpu.CompilerParams(
             num_warps=c.num_warps, num_stages=c.num_stages),

@@ -50,7 +50,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import check_ints, require_compute_capability
+from pallas_kernels._launch import (check_ints, match_varying, out_struct,
+                                     require_compute_capability)
 
 __all__ = ["BLOCK_K", "BLOCK_M", "BLOCK_N", "COMPUTE_CAPABILITY", "DTYPES", "NO_INTERPRET",
            "MosaicMatmulConfig", "check_shapes", "matmul", "smem_bytes", "wg_tile"]
@@ -302,7 +303,8 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_shape = (sk, m, n) if sk > 1 else (m, n)
-  return persistent_kernel(kernel, jax.ShapeDtypeStruct(out_shape, out_dtype),
+  (x, w), axes = match_varying(x, w)
+  return persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
                            min(num_sms, tiles_m * tiles_n * sk))(x, w)
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._launch import check_launch
+from pallas_kernels._launch import check_launch, match_varying, out_struct
 
 __all__ = ["TritonMatmulConfig", "matmul", "check_operands", "SUPPORTED_DTYPES",
            "MAX_ELEMENTS"]
@@ -187,10 +187,11 @@ def _matmul(x, w, *, config: TritonMatmulConfig, out_dtype, interpret: bool):
   c = config
   k_steps = pl.cdiv(pl.cdiv(k, c.block_k), c.split_k)
   grid = (pl.cdiv(m, c.block_m) * pl.cdiv(n, c.block_n), c.split_k)
+  (x, w), axes = match_varying(x, w)
   if c.split_k > 1:
-    out_shape = jax.ShapeDtypeStruct((c.split_k, m, n), jnp.float32)
+    out_shape = out_struct((c.split_k, m, n), jnp.float32, axes)
   else:
-    out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+    out_shape = out_struct((m, n), out_dtype, axes)
   kernel = functools.partial(
       _matmul_kernel, m=m, n=n, k=k, bm=c.block_m, bn=c.block_n, bk=c.block_k,
       group_m=c.group_m, k_steps=k_steps, split_k=c.split_k,

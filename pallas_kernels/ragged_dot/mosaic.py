@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import check_ints
+from pallas_kernels._launch import check_ints, match_varying, out_struct
 from pallas_kernels.matmul import mosaic as gemm
 from pallas_kernels.ragged_dot import worklist
 
@@ -289,5 +289,6 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_shape = (sk, m, n) if sk > 1 else (m, n)
-  return gemm.persistent_kernel(kernel, jax.ShapeDtypeStruct(out_shape, out_dtype),
+  (tasks, count, x, w), axes = match_varying(tasks, count, x, w)
+  return gemm.persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
                                 min(num_sms, n_tasks * tiles_n * sk))(tasks, count, x, w)

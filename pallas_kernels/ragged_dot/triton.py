@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels._launch import check_launch
+from pallas_kernels._launch import check_launch, match_varying, out_struct
 from pallas_kernels.ragged_dot import worklist
 
 __all__ = ["TritonRaggedDotConfig", "ragged_dot"]
@@ -113,6 +113,7 @@ def _ragged_dot(lhs, rhs, group_sizes, *, config, out_dtype, interpret):
   c = config
   tasks, _ = worklist.row_tasks(group_sizes, m, c.block_m)
   grid = (tasks.shape[1], pl.cdiv(n, c.block_n))
+  (tasks, lhs, rhs), axes = match_varying(tasks, lhs, rhs)
   kernel = functools.partial(_kernel, groups=g, n=n, k=k, bm=c.block_m, bn=c.block_n,
                              bk=c.block_k, acc_dtype=jnp.float32)
   with warnings.catch_warnings():
@@ -120,7 +121,7 @@ def _ragged_dot(lhs, rhs, group_sizes, *, config, out_dtype, interpret):
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_shape=out_struct((m, n), out_dtype, axes),
         grid=grid,
         compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
                                              num_stages=c.num_stages),

@@ -94,6 +94,9 @@ class Backend(abc.ABC):
   folded_fields: ClassVar[tuple[str, ...]] = ()
   #: The kernel runs in Pallas interpret mode on a CPU.
   interpret: ClassVar[bool] = False
+  #: It also runs on a CPU inside ``jax.shard_map`` (Pallas interpret mode
+  #: does not handle the mesh axes a value varies over; XLA ops do).
+  interpret_in_shard_map: ClassVar[bool] = False
   #: Bumped whenever the kernel's code changes its performance: tables tuned
   #: for another revision are not used.
   revision: ClassVar[int] = 1
@@ -302,6 +305,12 @@ class Family(abc.ABC):
   @abc.abstractmethod
   def default(self, problem):
     """The one fixed config an untuned library would use."""
+
+  def partition_rule(self, problem):
+    """How the op partitions under sharded ``jax.jit``
+    (:class:`wavetune_jax.core.partition.PartitionRule`), or None: inputs
+    are then taken as they come (XLA gathers sharded ones)."""
+    return None
 
   def problem_to_dict(self, problem) -> dict:
     return {f.name: getattr(problem, f.name) for f in dataclasses.fields(problem) if f.init}

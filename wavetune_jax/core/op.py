@@ -9,10 +9,12 @@ raises a clear error: the ops are forward only.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 
-from wavetune_jax.core import hardware
+from pallas_kernels._launch import match_varying
+from wavetune_jax.core import hardware, partition
 from wavetune_jax.core.family import Call, Family
 
 __all__ = ["tuned_call", "choose"]
@@ -44,15 +46,54 @@ def choose(family: Family, problem, config=None, hw: hardware.Hardware | None = 
 
 
 def tuned_call(family: Family, *args, config=None, **kwargs) -> jax.Array:
-  """Runs ``family``'s op on ``args`` with a chosen config (see module doc)."""
+  """Runs ``family``'s op on ``args`` with a chosen config (see module doc).
+
+  With several devices, outside ``shard_map``, the call is partitioned like
+  its XLA counterpart (:mod:`wavetune_jax.core.partition`): the config is
+  then chosen for the per-shard shapes.
+  """
   call = family.bind(*args, **kwargs)
   if not isinstance(call, Call):
     return call  # nothing to compute (empty arrays)
+  rule = family.partition_rule(call.problem)
+  if rule is not None and partition.wants_partitioning(call.arrays):
+    local = functools.partial(_local_call, family, config=config)
+    return _forward_only(family.name, lambda *xs: partition.partitioned(
+        rule, local, xs, kwargs), *call.arrays)
+  return _local_call(family, *call.arrays, config=config, _call=call, **kwargs)
+
+
+def _local_call(family: Family, *args, config=None, _call: Call | None = None, **kwargs):
+  call = family.bind(*args, **kwargs) if _call is None else _call
+  if not isinstance(call, Call):
+    return call
   hw = hardware.current()
+  if hw.interpret and match_varying(*call.arrays)[1]:
+    config = _shard_map_on_cpu(family, call.problem, config, hw)
   backend, config = choose(family, call.problem, config, hw)
   fn = functools.partial(backend.run, call.problem, config, interpret=hw.interpret,
                          **call.options)
   return _forward_only(family.name, fn, *call.arrays)
+
+
+def _shard_map_on_cpu(family: Family, problem, config, hw):
+  """The config inside ``shard_map`` on a CPU: Pallas interpret mode cannot
+  run there, so the first backend that can (XLA's op) is used."""
+  ok = [b for b in family.available(hw) if b.interpret_in_shard_map]
+  if config is not None:
+    backend = family.backend_of(family.coerce_config(config))
+    if not backend.interpret_in_shard_map:
+      raise ValueError(
+          f"a {backend.name} {family.name} config cannot run inside jax.shard_map on a "
+          f"CPU: Pallas interpret mode does not support values that vary over mesh "
+          f"axes; use {[b.name for b in ok] or 'a GPU'} or check_vma=False")
+    return config
+  if not ok:
+    raise ValueError(f"no {family.name} backend runs inside jax.shard_map on a CPU")
+  warnings.warn(f"wavetune_jax.{family.name} inside jax.shard_map on a CPU: running the "
+                f"{ok[0].name} backend (Pallas interpret mode does not support values "
+                f"that vary over mesh axes)", stacklevel=4)
+  return ok[0].config_cls()
 
 
 def _forward_only(name: str, fn, *arrays):

@@ -4,11 +4,13 @@ from wavetune_jax.families.attention.family import AttentionFamily, attention_mo
 from wavetune_jax.families.attention.mosaic import MosaicAttention, MosaicAttentionConfig
 from wavetune_jax.families.attention.problem import AttentionProblem
 from wavetune_jax.families.attention.triton import TritonAttention, TritonAttentionConfig
+from wavetune_jax.families.attention.xla import XlaAttention, XlaAttentionConfig
 
 __all__ = ["AttentionFamily", "AttentionProblem", "MosaicAttention", "MosaicAttentionConfig",
-           "TritonAttention", "TritonAttentionConfig", "attention_models", "make"]
+           "TritonAttention", "TritonAttentionConfig", "XlaAttention", "XlaAttentionConfig",
+           "attention_models", "make"]
 
 
 def make() -> AttentionFamily:
   """The attention family with every backend, in order of preference."""
-  return AttentionFamily([MosaicAttention(), TritonAttention()])
+  return AttentionFamily([MosaicAttention(), TritonAttention(), XlaAttention()])

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from pallas_kernels.attention.common import check_call
 from pallas_kernels.attention.reference import attention_reference
 from wavetune_jax.core.family import Call, Family
+from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.attention.problem import AttentionProblem
 from wavetune_jax.shapes import suite_entries
 
@@ -56,6 +57,14 @@ class AttentionFamily(Family):
                                q_len=q_len, kv_len=k.shape[1], head_dim=head_dim,
                                causal=bool(causal), dtype=q.dtype.name)
     return Call(problem, (q, k, v), {"scale": scale})
+
+  def partition_rule(self, problem):
+    """Batch and heads split (a query head with its KV head: the KV heads
+    are the factor ``g``, each with ``r`` query heads); the sequence and
+    head_dim are gathered: a kernel needs every key of its query rows."""
+    return PartitionRule("b q (g r) d, b s g d, b s g d -> b q (g r) d",
+                         factor_sizes={"r": problem.q_heads // problem.kv_heads},
+                         replicated=("q", "s", "d"))
 
   # --- problems ------------------------------------------------------------------------
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from pallas_kernels.matmul.reference import matmul_reference
 from pallas_kernels.matmul.triton import SUPPORTED_DTYPES
 from wavetune_jax.core.family import Call, Family
+from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.matmul.problem import OUT_DTYPES, MatmulProblem
 from wavetune_jax.shapes import suite_entries
 
@@ -77,6 +78,11 @@ class MatmulFamily(Family):
       return jnp.zeros((m, n), out)
     problem = MatmulProblem(m=m, n=n, k=k, dtype=x.dtype.name, out_dtype=out.name)
     return Call(problem, (x, w), {})
+
+  def partition_rule(self, problem):
+    """Rows, columns and K split like XLA's dot: K partials summed in float32."""
+    return PartitionRule("m k, k n -> m n", reduction=("k",),
+                         partial_kwargs={"out_dtype": "float32"})
 
   # --- problems ------------------------------------------------------------------------
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):

@@ -42,6 +42,7 @@ class XlaMatmul(Backend):
   macro_fields = ()
   micro_fields = ()
   interpret = True
+  interpret_in_shard_map = True
 
   def space(self, problem: MatmulProblem, hw: Hardware, *, prune: bool = True):
     return (XlaMatmulConfig(),)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_dot.reference import ragged_dot_reference
 from wavetune_jax.core.family import Call, Family
+from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.matmul.family import _out_dtype
 from wavetune_jax.families.ragged_dot import routing
 from wavetune_jax.families.ragged_dot.problem import DTYPES, RaggedDotProblem
@@ -77,6 +78,14 @@ class RaggedDotFamily(Family):
       return jnp.zeros((m, n), out)
     problem = RaggedDotProblem(m=m, g=g, k=k, n=n, dtype=lhs.dtype.name, out_dtype=out.name)
     return Call(problem, (lhs, rhs, group_sizes.astype(jnp.int32)), {})
+
+  def partition_rule(self, problem):
+    """N (the experts' columns) and K split, K partials summed in float32;
+    rows and experts are gathered: a shard of rows would need its own group
+    sizes, a shard of experts the rows routed to them (expert parallelism
+    is an all-to-all around the op, left to the model)."""
+    return PartitionRule("m k, g k n, g -> m n", reduction=("k",), replicated=("m", "g"),
+                         partial_kwargs={"out_dtype": "float32"})
 
   # --- problems ------------------------------------------------------------------------
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):

@@ -36,6 +36,7 @@ class XlaRaggedDot(Backend):
   macro_fields = ()
   micro_fields = ()
   interpret = True
+  interpret_in_shard_map = True
 
   def space(self, problem, hw: Hardware, *, prune: bool = True):
     return (XlaRaggedDotConfig(),)

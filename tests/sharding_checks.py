@@ -1,0 +1,200 @@
+"""Multi-device checks run by tests/test_sharding.py in a subprocess with 4
+CPU devices (XLA_FLAGS must be set before JAX starts). Prints one line per
+check: ``OK <name>`` or ``FAIL <name>: <why>``."""
+
+import os
+import sys
+import traceback
+import warnings
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+warnings.simplefilter("ignore")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import wavetune_jax as wt  # noqa: E402
+
+MESH = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+SEEN = []  # problems the ops bound: the per-shard shapes
+for fam in (wt.MATMUL, wt.ATTENTION, wt.RAGGED_DOT):
+  bind = fam.bind
+
+  def recording(*a, _bind=bind, **k):
+    call = _bind(*a, **k)
+    SEEN.append(getattr(call, "problem", None))
+    return call
+  fam.bind = recording
+
+
+def put(x, spec):
+  return jax.device_put(x, NamedSharding(MESH, spec))
+
+
+def rnd(i, shape, dtype=jnp.float32):
+  return jax.random.normal(jax.random.PRNGKey(i), shape, jnp.float32).astype(dtype)
+
+
+TRITON_MM = wt.TritonMatmulConfig(block_m=16, block_n=32, block_k=32, split_k=1, group_m=8,
+                                  num_warps=4, num_stages=3)
+TRITON_RD = {"backend": "triton", "block_m": 16, "block_n": 32, "block_k": 32,
+             "num_warps": 4, "num_stages": 3}
+X, W = rnd(0, (64, 128)), rnd(1, (128, 96))
+Q, K = rnd(2, (4, 32, 8, 64), jnp.bfloat16), rnd(3, (4, 32, 2, 64), jnp.bfloat16)
+LHS, RHS, GS = rnd(4, (64, 128)), rnd(5, (4, 128, 96)), jnp.array([10, 20, 0, 30], jnp.int32)
+CHECKS = []
+
+
+def check(fn):
+  CHECKS.append(fn)
+  return fn
+
+
+def close(a, b, tol):
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  err = np.abs(a - b).max() / (np.abs(b).max() + 1e-9)
+  assert err <= tol, f"relative error {err:.3g} > {tol}"
+
+
+def hlo(f, *args):
+  return f.lower(*args).compile().as_text()
+
+
+@check
+def sharded_jit_matmul():
+  for cfg in (None, TRITON_MM):
+    for xs, ws, out, red in [(P("a", None), P(None, "b"), P("a", "b"), False),
+                             (P(None, "a"), P("a", None), P(), True),
+                             (P("a", "b"), P("b", None), P("a"), True)]:
+      f = jax.jit(lambda x, w, c=cfg: wt.matmul(x, w, config=c))
+      args = (put(X, xs), put(W, ws))
+      SEEN.clear()
+      y = f(*args)
+      close(y, X @ W, 1e-5)
+      assert y.sharding.spec == out, (xs, ws, y.sharding.spec)
+      text = hlo(f, *args)
+      assert "all-gather" not in text, (xs, ws, "gathers")
+      assert ("all-reduce" in text) == red, (xs, ws, "all-reduce")
+      want = (64 // (2 if xs[0] else 1), 96 // (2 if len(ws) > 1 and ws[1] else 1),
+              128 // (2 if len(xs) > 1 and xs[1] else 1))
+      seen = [(p.m, p.n, p.k) for p in SEEN if p is not None]
+      assert want in seen, ("selected on", seen, "want", want)
+
+
+@check
+def sharded_jit_attention_batch_and_heads():
+  f = jax.jit(lambda q, k, v: wt.attention(q, k, v))
+  spec = P("a", None, "b")
+  args = (put(Q, spec), put(K, spec), put(K, spec))
+  SEEN.clear()
+  y = f(*args)
+  close(y, jax.nn.dot_product_attention(Q, K, K, is_causal=True), 2e-2)
+  assert y.sharding.spec == P("a", None, "b"), y.sharding.spec
+  assert "all-gather" not in hlo(f, *args)
+  seen = [(p.batch, p.q_heads, p.kv_heads) for p in SEEN if p is not None]
+  assert (2, 4, 1) in seen, seen
+  # The sequence sharded: the documented fallback gathers it.
+  spec = P(None, "a")
+  y = f(put(Q, spec), put(K, spec), put(K, spec))
+  close(y, jax.nn.dot_product_attention(Q, K, K, is_causal=True), 2e-2)
+
+
+@check
+def sharded_jit_ragged_dot():
+  f = jax.jit(lambda a, b, c: wt.ragged_dot(a, b, c))
+  ref = jax.lax.ragged_dot(LHS, RHS, GS)
+  for ls, rs, out, red in [(P(), P(None, None, "a"), P(None, "a"), False),
+                           (P(None, "a"), P(None, "a", None), P(), True)]:
+    args = (put(LHS, ls), put(RHS, rs), GS)
+    y = f(*args)
+    try:
+      close(y, ref, 1e-5)
+    except AssertionError as e:
+      raise AssertionError(f"{ls} {rs}: {e}") from None
+    assert y.sharding.spec == out, y.sharding.spec
+    text = hlo(f, *args)
+    assert "all-gather" not in text and ("all-reduce" in text) == red, (ls, rs)
+  # Rows sharded: the documented fallback gathers them.
+  y = f(put(LHS, P("a")), put(RHS, P()), GS)
+  close(y, ref, 1e-5)
+
+
+@check
+def shard_map_default_check_vma():
+  mm = jax.shard_map(lambda x, w: wt.matmul(x, w), mesh=MESH, in_specs=(P("a"), P(None, "b")),
+                     out_specs=P("a", "b"))
+  close(jax.jit(mm)(put(X, P("a")), put(W, P(None, "b"))), X @ W, 1e-5)
+  at = jax.shard_map(lambda q, k, v: wt.attention(q, k, v), mesh=MESH,
+                     in_specs=(P("a", None, "b"),) * 3, out_specs=P("a", None, "b"))
+  spec = P("a", None, "b")
+  close(jax.jit(at)(put(Q, spec), put(K, spec), put(K, spec)),
+        jax.nn.dot_product_attention(Q, K, K, is_causal=True), 2e-2)
+  rd = jax.shard_map(lambda a, b, c: wt.ragged_dot(a, b, c), mesh=MESH,
+                     in_specs=(P(), P(None, None, "a"), P()), out_specs=P(None, "a"))
+  close(jax.jit(rd)(LHS, put(RHS, P(None, None, "a")), GS), jax.lax.ragged_dot(LHS, RHS, GS),
+        1e-5)
+
+
+@check
+def shard_map_pinned_pallas_on_cpu():
+  mm = jax.shard_map(lambda x, w: wt.matmul(x, w, config=TRITON_MM), mesh=MESH,
+                     in_specs=(P("a"), P()), out_specs=P("a"))
+  try:
+    jax.jit(mm)(put(X, P("a")), W)
+    raise AssertionError("no error")
+  except ValueError as e:
+    assert "cannot run inside jax.shard_map on a CPU" in str(e), e
+  mm = jax.shard_map(lambda x, w: wt.matmul(x, w, config=TRITON_MM), mesh=MESH,
+                     in_specs=(P("a"), P()), out_specs=P("a"), check_vma=False)
+  close(jax.jit(mm)(put(X, P("a")), W), X @ W, 1e-5)
+
+
+@check
+def shard_map_kernels_lower_for_cuda():
+  """The GPU path: every Pallas kernel inside shard_map (check_vma) declares
+  how its output varies; lowering for CUDA runs Mosaic's and Triton's checks."""
+  from pallas_kernels.attention import mosaic as am, triton as at
+  from pallas_kernels.matmul import mosaic as mm, triton as mt
+  from pallas_kernels.ragged_dot import mosaic as rm, triton as rt
+  sds = lambda shape, spec: jax.ShapeDtypeStruct(  # noqa: E731
+      shape, jnp.bfloat16, sharding=NamedSharding(MESH, spec))
+  cases = [
+      (lambda x, w: mm.matmul(x, w, config=mm.MosaicMatmulConfig(), num_sms=132),
+       (sds((512, 256), P("a")), sds((256, 512), P(None, "b"))), (P("a"), P(None, "b")),
+       P("a", "b")),
+      (lambda x, w: mt.matmul(x, w, config=TRITON_MM),
+       (sds((512, 256), P("a")), sds((256, 512), P())), (P("a"), P()), P("a")),
+      (lambda q, k, v: am._attention(q, k, v, block_q=128, block_k=128, num_stages=2,
+                                     causal=True, scale=0.1),
+       (sds((2, 256, 8, 128), P("a")),) + (sds((2, 256, 2, 128), P("a")),) * 2,
+       (P("a"),) * 3, P("a")),
+      (lambda q, k, v: at.attention(q, k, v, config=at.TritonAttentionConfig(), causal=True),
+       (sds((2, 256, 8, 128), P("a")),) + (sds((2, 256, 2, 128), P("a")),) * 2,
+       (P("a"),) * 3, P("a")),
+      (lambda a, b, c: rm.ragged_dot(a, b, c, config=rm.MosaicRaggedDotConfig(), num_sms=132),
+       (sds((512, 256), P()), sds((4, 256, 512), P(None, None, "a")),
+        jax.ShapeDtypeStruct((4,), jnp.int32, sharding=NamedSharding(MESH, P()))),
+       (P(), P(None, None, "a"), P()), P(None, "a")),
+      (lambda a, b, c: rt.ragged_dot(a, b, c, config=rt.TritonRaggedDotConfig()),
+       (sds((512, 256), P()), sds((4, 256, 512), P(None, None, "a")),
+        jax.ShapeDtypeStruct((4,), jnp.int32, sharding=NamedSharding(MESH, P()))),
+       (P(), P(None, None, "a"), P()), P(None, "a")),
+  ]
+  for fn, shapes, in_specs, out_spec in cases:
+    g = jax.shard_map(fn, mesh=MESH, in_specs=in_specs, out_specs=out_spec)
+    jax.jit(g).trace(*shapes).lower(lowering_platforms=("cuda",))
+
+
+if __name__ == "__main__":
+  assert jax.device_count() == 4, jax.device_count()
+  for fn in CHECKS:
+    try:
+      fn()
+      print(f"OK {fn.__name__}", flush=True)
+    except Exception as e:  # noqa: BLE001
+      print(f"FAIL {fn.__name__}: {type(e).__name__}: {str(e)[:500]}", flush=True)
+      traceback.print_exc(file=sys.stderr)

@@ -1,0 +1,58 @@
+"""The XLA backend of the attention family: ``jax.nn.dot_product_attention``
+with XLA's own implementation (no launch parameters)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from wavetune_jax.core.family import Backend
+from wavetune_jax.core.hardware import Hardware
+from wavetune_jax.families.attention.problem import AttentionProblem, coords
+
+__all__ = ["XlaAttention", "XlaAttentionConfig"]
+
+#: The nominal blocks of the wave model's (G, L).
+NOMINAL_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class XlaAttentionConfig:
+  """``jax.nn.dot_product_attention(..., implementation="xla")``."""
+
+
+class XlaAttention(Backend):
+  """XLA's attention. It runs when a config asks for it, and runs the op on
+  a CPU inside ``shard_map``, where Pallas interpret mode cannot. Its space
+  is empty until the attention sweeps measure it: the recorded sweeps have
+  no rows of it, and a backend in the space but not in a sweep would leave
+  every recorded problem incomplete."""
+
+  name = "xla"
+  config_cls = XlaAttentionConfig
+  macro_fields = ()
+  micro_fields = ()
+  interpret = True
+  interpret_in_shard_map = True
+
+  def space(self, problem, hw: Hardware, *, prune: bool = True):
+    return ()
+
+  def size_quantum(self, problem) -> None:
+    return None  # not a candidate of the tables yet (see the class doc)
+
+  def validate(self, problem, config, hw: Hardware | None = None) -> None:
+    if not isinstance(config, XlaAttentionConfig):
+      raise ValueError(f"config must be an XlaAttentionConfig; got {config!r}")
+
+  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
+    return 1
+
+  def coords(self, problem: AttentionProblem, macro: dict) -> tuple[int, float]:
+    return coords(problem, NOMINAL_BLOCK, NOMINAL_BLOCK)
+
+  def run(self, problem: AttentionProblem, config, q, k, v, *, interpret: bool = False,
+          scale: float | None = None):
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=problem.causal,
+                                        implementation="xla")
