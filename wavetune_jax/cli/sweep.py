@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -75,6 +76,7 @@ def _sweep(args) -> int:
   family = spec = get_family(args.family)
   if args.backends:
     spec = family.with_backends(args.backends.split(","))
+  devices = gpu_devices(args.devices, check=not args.worker_measure)
   hw = hardware.detect()
   out = args.out or f"data/sweeps/{hw.device_key}/{spec.name}_{args.dtype}.jsonl.gz"
   header = sweep.make_header(spec, hw, jax_version=jax.__version__,
@@ -84,13 +86,58 @@ def _sweep(args) -> int:
   probs = problems(spec, args)
   print(f"{hw.name}: {len(probs)} problems -> {out} ({f.n_rows} rows already there)",
         flush=True)
-  prof = profiler.Profiler(iterations=args.iterations, threads=args.threads)
   t0 = time.perf_counter()
-  counts = sweep.run_sweep(spec, probs, hw, f, sweep.gpu_measure(spec, prof),
-                           prune=not args.wide, progress=Progress(f"sweep {spec.name}"))
+  if len(devices) > 1:
+    from wavetune_jax.tuning import parallel
+    todo, skipped = sweep.plan_sweep(spec, probs, hw, f, prune=not args.wide)
+    print(f"{len(todo)} problems to measure on {len(devices)} GPUs ({', '.join(devices)}), "
+          f"one worker each", flush=True)
+    counts = parallel.run_parallel(
+        spec, todo, f, devices=devices,
+        worker_args={"iterations": args.iterations, "threads": args.threads},
+        progress=Progress(f"sweep {spec.name}"), measure=args.worker_measure)
+    counts["skipped"] = skipped
+    deaths = f", {counts['worker_deaths']} worker deaths" if counts["worker_deaths"] else ""
+  else:
+    prof = profiler.Profiler(iterations=args.iterations, threads=args.threads)
+    counts = sweep.run_sweep(spec, probs, hw, f, sweep.gpu_measure(spec, prof),
+                             prune=not args.wide, progress=Progress(f"sweep {spec.name}"))
+    deaths = ""
   print(f"measured {counts['measured']} ({counts['failed']} failed), skipped "
-        f"{counts['skipped']} already on file, {time.perf_counter() - t0:.0f} s")
+        f"{counts['skipped']} already on file{deaths}, {time.perf_counter() - t0:.0f} s")
   return 0
+
+
+def gpu_devices(spec: str, check: bool = True) -> list[str]:
+  """The ``--devices`` of sweep and tune, checked against this host's GPUs;
+  with several, this process leaves the GPUs' memory to the workers (call
+  before JAX starts its GPU client)."""
+  devices = _devices(spec)
+  if len(devices) > 1:
+    if check:
+      from wavetune_jax.tuning.parallel import local_gpu_count
+      have = local_gpu_count()
+      if max(int(d) for d in devices) >= have:
+        raise ValueError(f"--devices {spec}: this host has {have} GPU(s)")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  return devices
+
+
+def _devices(spec: str) -> list[str]:
+  """``--devices``: ``all`` (this host's GPUs), a count, or comma-separated ids."""
+  from wavetune_jax.tuning.parallel import local_gpu_count
+  if spec == "all":
+    n = local_gpu_count()
+    return [str(i) for i in range(n)] if n > 1 else ["0"]
+  if spec.isdigit():
+    if int(spec) < 1:
+      raise ValueError(f"--devices {spec}: need at least 1")
+    return [str(i) for i in range(int(spec))]
+  ids = [d.strip() for d in spec.split(",")]
+  if not all(d.isdigit() for d in ids) or len(set(ids)) != len(ids):
+    raise ValueError(f"--devices {spec!r}: give 'all', a count or distinct GPU ids "
+                     f"like 0,1")
+  return ids
 
 
 def _merge(args) -> int:
@@ -140,6 +187,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   sw.add_argument("--backends", help="comma-separated backends to sweep (default: all "
                   "that run on this GPU); rows already on file are kept, so a sweep of a "
                   "new backend can go into an existing file")
+  sw.add_argument("--devices", default="all",
+                  help="GPUs to sweep on, one worker process each: 'all' (default: "
+                  "this host's GPUs), a count, or ids like 0,1; one result file either way")
+  sw.add_argument("--worker-measure", help=argparse.SUPPRESS)  # tests: module:factory
   sw.set_defaults(func=_sweep)
   rp = sub.add_parser("report", help="tables and a wave plot of a sweep file",
                       description="Per problem: the oracle config and time, the "

@@ -43,8 +43,10 @@ def _tune(args) -> int:
     prov["source"] = args.replay
     progress = None
   else:
+    from wavetune_jax.cli.sweep import gpu_devices
     from wavetune_jax.core import hardware
     from wavetune_jax.tuning import profiler, sweep
+    devices = gpu_devices(args.devices)
     hw = hardware.detect()
     pool = problems(spec, args)
     log_path = args.anchors or f"data/anchors/{hw.device_key}/{spec.name}_{args.dtype}.jsonl.gz"
@@ -52,9 +54,17 @@ def _tune(args) -> int:
                                space="anchors")
     log = sweep.SweepFile(log_path, header, spec)
     progress = Progress(f"tune {spec.name}")
-    backend = tuning.GpuMeasurer(spec, profiler.Profiler(iterations=args.iterations,
-                                                        threads=args.threads),
-                                log=log, progress=progress)
+    if len(devices) > 1:
+      from wavetune_jax.tuning import parallel
+      backend = parallel.ParallelMeasurer(
+          spec, log, devices=devices, progress=progress,
+          worker_args={"iterations": args.iterations, "threads": args.threads})
+      print(f"measuring on {len(devices)} GPUs ({', '.join(devices)}), one worker each",
+            flush=True)
+    else:
+      backend = tuning.GpuMeasurer(spec, profiler.Profiler(iterations=args.iterations,
+                                                          threads=args.threads),
+                                  log=log, progress=progress)
     prov["source"] = log_path
     print(f"{hw.name}: {len(pool)} problems; anchors logged to {log_path} "
           f"({len(backend._known)} already there)", flush=True)
@@ -242,6 +252,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                   help="timed calls per anchor (default: 20)")
   tu.add_argument("--threads", type=positive_int, default=16,
                   help="parallel compile threads (default: 16)")
+  tu.add_argument("--devices", default="all",
+                  help="GPUs to measure on, one worker process each: 'all' (default: this "
+                  "host's GPUs), a count, or ids like 0,1")
   tu.set_defaults(func=_tune)
 
   se = sub.add_parser("select", help="the backend and config chosen for one problem",

@@ -31,8 +31,9 @@ import time
 import zlib
 from typing import Callable, Iterable, Iterator, Sequence
 
-__all__ = ["SCHEMA", "SweepFile", "read_sweep", "run_sweep", "row_key", "read_clocks",
-           "sweep_configs", "make_row", "recorded_family", "gpu_measure"]
+__all__ = ["SCHEMA", "SweepFile", "read_sweep", "run_sweep", "plan_sweep", "row_key",
+           "read_clocks", "sweep_configs", "make_row", "recorded_family", "gpu_measure",
+           "planned_measurements"]
 
 SCHEMA = 1
 _BATCH = 16
@@ -120,6 +121,11 @@ class SweepFile:
     os.replace(tmp, self.path)
 
   def append(self, rows: Sequence[dict]) -> None:
+    if not rows:
+      return
+    # A row already on file (a problem a dead worker left half done and
+    # another redid) is not written twice; timing rows are always new.
+    rows = [r for r in rows if r["key"] not in self.done]
     if not rows:
       return
     with open(self.path, "ab") as raw, gzip.GzipFile(fileobj=raw, mode="wb") as f:
@@ -245,6 +251,28 @@ def sweep_configs(spec, problem, hw, *, prune: bool = True) -> list:
   return configs
 
 
+def plan_sweep(spec, problems: Iterable, hw, out: SweepFile, *, prune: bool = True):
+  """``([(problem, configs not on file, baseline not on file)], rows skipped)``."""
+  todo = []
+  skipped = 0
+  for p in problems:
+    pk = spec.problem_key(p)
+    every = sweep_configs(spec, p, hw, prune=prune)
+    cfgs = [c for c in every
+            if row_key(pk, "pallas", spec.config_to_dict(c)) not in out.done]
+    skipped += len(every) - len(cfgs)
+    with_base = row_key(pk, "baseline", None) not in out.done
+    skipped += 0 if with_base else 1
+    if cfgs or with_base:
+      todo.append((p, cfgs, with_base))
+  return todo, skipped
+
+
+def planned_measurements(spec, todo) -> int:
+  """Measurements of a plan (configs, baselines), for progress."""
+  return sum(len(c) + b * (1 + len(spec.extra_baselines(p))) for p, c, b in todo)
+
+
 def run_sweep(spec, problems: Iterable, hw, out: SweepFile, measure: MeasureFn, *,
               prune: bool = True, progress=None) -> dict:
   """Measures every config of every problem not yet on file.
@@ -262,19 +290,8 @@ def run_sweep(spec, problems: Iterable, hw, out: SweepFile, measure: MeasureFn, 
   Returns:
     Counts: ``{"measured": n, "skipped": n, "failed": n}``.
   """
-  todo = []
-  skipped = 0
-  for p in problems:
-    pk = spec.problem_key(p)
-    every = sweep_configs(spec, p, hw, prune=prune)
-    cfgs = [c for c in every
-            if row_key(pk, "pallas", spec.config_to_dict(c)) not in out.done]
-    skipped += len(every) - len(cfgs)
-    with_base = row_key(pk, "baseline", None) not in out.done
-    skipped += 0 if with_base else 1
-    if cfgs or with_base:
-      todo.append((p, cfgs, with_base))
-  total = sum(len(c) + b * (1 + len(spec.extra_baselines(p))) for p, c, b in todo)
+  todo, skipped = plan_sweep(spec, problems, hw, out, prune=prune)
+  total = planned_measurements(spec, todo)
   counts = {"measured": 0, "skipped": skipped, "failed": 0}
   if progress is not None:
     progress.start(total)

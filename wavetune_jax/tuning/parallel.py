@@ -1,0 +1,305 @@
+"""Sweeps over all of a host's GPUs: one worker process per device.
+
+The parent (``wavetune sweep --devices N``) plans the sweep as a one-GPU run
+would (:func:`~wavetune_jax.tuning.sweep.plan_sweep`), then hands problems
+to workers, one at a time, each worker a process that sees one GPU
+(``CUDA_VISIBLE_DEVICES``). Workers send their rows back in batches as JSON
+lines; the parent is the only writer of the one sweep file, so rows are
+appended in crash-safe batches as in a one-GPU sweep, and a row already on
+file is never written twice. When a worker dies (a crash, a kernel that
+takes the GPU down, a kill), the rows it sent stay; the rest of its problem
+goes back on the queue for another worker, and the dead worker is restarted.
+A problem that kills two workers gets ``run_error`` rows for what is left, so
+the sweep ends. Rerunning the command resumes, as always.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, Sequence
+
+from wavetune_jax.tuning import sweep
+
+__all__ = ["run_parallel", "local_gpu_count", "worker_main", "ParallelMeasurer"]
+
+#: Deaths of workers on one problem before its remaining rows are recorded failed.
+MAX_DEATHS = 2
+
+
+def local_gpu_count() -> int:
+  """GPUs of this host, counted without starting JAX's GPU client here
+  (the workers need the memory)."""
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:
+    return len([d for d in visible.split(",") if d.strip()])
+  try:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+  except (OSError, subprocess.TimeoutExpired):
+    return 0
+  return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+@dataclasses.dataclass
+class _Job:
+  problem: object
+  configs: list
+  baseline: bool
+  deaths: int = 0
+
+
+def run_parallel(spec, todo: Sequence[tuple], out: sweep.SweepFile, *, devices: Sequence[str],
+                 worker_args: dict, progress=None, measure: str | None = None,
+                 on_rows: Callable | None = None) -> dict:
+  """Runs ``todo`` (from ``plan_sweep``) on one worker per device.
+
+  Args:
+    spec: the family (with the backends swept).
+    todo: ``[(problem, configs, with_baseline)]``.
+    out: the sweep file; the only writer is this process.
+    devices: device ids, one worker each (``CUDA_VISIBLE_DEVICES``).
+    worker_args: ``{"iterations": n, "threads": n}`` for the workers' profilers.
+    progress: as for ``run_sweep``.
+    measure: ``"module:function"``, a factory ``f(family, worker_args) ->
+      MeasureFn`` used by the workers instead of the GPU profiler (tests).
+    on_rows: called with every batch of rows received.
+
+  Returns:
+    ``{"measured": n, "failed": n, "worker_deaths": n}``.
+  """
+  jobs: queue.Queue = queue.Queue()
+  for p, cfgs, base in todo:
+    jobs.put(_Job(p, list(cfgs), base))
+  pending = [len(todo)]
+  lock = threading.Lock()
+  counts = {"measured": 0, "failed": 0, "worker_deaths": 0}
+  names = [b.name for b in spec.backends]
+  if progress is not None:
+    progress.start(sweep.planned_measurements(spec, todo))
+
+  def record(rows):
+    with lock:
+      out.append(rows)
+      if on_rows is not None:
+        on_rows(rows)
+      for r in rows:
+        if r["impl"] in ("timing",):
+          continue
+        counts["measured"] += 1
+        counts["failed"] += r["status"] != "ok"
+        if progress is not None and r["impl"] != "repeat":
+          progress.advance(r["status"])
+
+  def remaining(job: _Job) -> _Job:
+    pk = spec.problem_key(job.problem)
+    cfgs = [c for c in job.configs
+            if sweep.row_key(pk, "pallas", spec.config_to_dict(c)) not in out.done]
+    base = job.baseline and sweep.row_key(pk, "baseline", None) not in out.done
+    return _Job(job.problem, cfgs, base, job.deaths)
+
+  def finish(job):
+    with lock:
+      pending[0] -= 1
+      if pending[0] == 0:
+        for _ in devices:
+          jobs.put(None)
+
+  errors: list[str] = []
+
+  def serve(device: str):
+    proc = None
+    silent_deaths = 0
+    while True:
+      job = jobs.get()
+      if job is None:
+        break
+      if proc is None or proc.poll() is not None:
+        proc = _start_worker(spec.name, names, device, worker_args, measure)
+      t0 = time.perf_counter()
+      ok, replied = _run_job(proc, spec, job, record)
+      pk = spec.problem_key(job.problem)
+      record([{"type": "row", "key": f"{pk}|timing|{device}|{time.time_ns()}",
+               "problem": spec.problem_to_dict(job.problem), "impl": "timing",
+               "config": None, "status": "ok", "wall_s": time.perf_counter() - t0,
+               "device": device}])
+      if ok:
+        finish(job)
+        continue
+      with lock:
+        counts["worker_deaths"] += 1
+      proc = None
+      silent_deaths = 0 if replied else silent_deaths + 1
+      if silent_deaths >= 3:
+        # A worker that dies before a single row: it cannot start here.
+        with lock:
+          errors.append(f"the worker on device {device} died 3 times without a row "
+                        f"(see its messages above)")
+          for _ in devices:
+            jobs.put(None)
+        jobs.put(job)
+        break
+      rest = remaining(job)
+      rest.deaths += 1
+      if not (rest.configs or rest.baseline):
+        finish(job)
+      elif rest.deaths >= MAX_DEATHS:
+        _record_failed(spec, rest, record)
+        finish(job)
+      else:
+        jobs.put(rest)
+    if proc is not None and proc.poll() is None:
+      proc.stdin.close()
+      proc.wait(timeout=60)
+
+  if not todo:
+    return counts
+  threads = [threading.Thread(target=serve, args=(d,), daemon=True) for d in devices]
+  try:
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+  finally:
+    if progress is not None:
+      progress.stop()
+  if errors:
+    raise RuntimeError("; ".join(errors) + "; the rows measured so far are on file")
+  return counts
+
+
+class ParallelMeasurer:
+  """The tuner's measurer on several GPUs: each round's anchors, grouped by
+  problem, go to one worker per device (:func:`run_parallel`); every
+  measurement is appended to the anchor log, and anchors already there are
+  read, not re-timed (as :class:`wavetune_jax.tuning.tuner.GpuMeasurer`)."""
+
+  mode = "gpu"
+
+  def __init__(self, spec, log: sweep.SweepFile, *, devices: Sequence[str], worker_args: dict,
+               progress=None, measure: str | None = None):
+    import collections
+    self.spec, self.log, self.devices = spec, log, list(devices)
+    self.worker_args, self.progress, self._measure = worker_args, progress, measure
+    self.seconds = 0.0
+    self.phase_seconds = collections.Counter()
+    self._known: dict = {}
+    _, rows = sweep.read_sweep(log.path)
+    self._learn(rows)
+
+  def _learn(self, rows):
+    for r in rows:
+      if r.get("impl") == "pallas":
+        key = (self.spec.problem_from_dict(r["problem"]),
+               self.spec.config_from_dict(r["config"]))
+        self._known[key] = r["median_us"] if r["status"] == "ok" else None
+
+  def measure(self, points: Sequence[tuple]) -> list:
+    todo: dict = {}
+    for p, c in dict.fromkeys(points):
+      if (p, c) not in self._known:
+        todo.setdefault(p, []).append(c)
+    t0 = time.perf_counter()
+    if todo:
+      run_parallel(self.spec, [(p, cs, False) for p, cs in todo.items()], self.log,
+                   devices=self.devices, worker_args=self.worker_args,
+                   measure=self._measure, on_rows=self._on_rows)
+    self.seconds += time.perf_counter() - t0
+    return [self._known.get(pc) for pc in points]
+
+  def _on_rows(self, rows):
+    self._learn(rows)
+    if self.progress is not None:
+      for r in rows:
+        if r.get("impl") == "pallas":
+          self.progress.advance(r["status"])
+
+
+def _record_failed(spec, job: _Job, record):
+  from wavetune_jax.tuning.profiler import Measurement
+  m = Measurement(status="run_error",
+                  error=f"the worker died {job.deaths} times on this problem")
+  rows = [sweep.make_row(spec, job.problem, "pallas", c, m) for c in job.configs]
+  if job.baseline:
+    rows.append(sweep.make_row(spec, job.problem, "baseline", None, m))
+  record(rows)
+
+
+def _start_worker(family: str, backends: list, device: str, worker_args: dict,
+                  measure: str | None) -> subprocess.Popen:
+  env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(device))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  args = json.dumps({"family": family, "backends": backends, "measure": measure,
+                     **worker_args})
+  return subprocess.Popen([sys.executable, "-m", "wavetune_jax.tuning.parallel", args],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                          bufsize=1)
+
+
+def _run_job(proc, spec, job: _Job, record: Callable) -> tuple[bool, bool]:
+  """Sends one problem; records the rows as they come. ``(finished, replied)``:
+  not finished if the worker died."""
+  msg = {"problem": spec.problem_to_dict(job.problem),
+         "configs": [spec.config_to_dict(c) for c in job.configs],
+         "baseline": job.baseline}
+  try:
+    proc.stdin.write(json.dumps(msg) + "\n")
+    proc.stdin.flush()
+  except (BrokenPipeError, OSError):
+    return False, False
+  replied = False
+  for line in proc.stdout:
+    try:
+      reply = json.loads(line)
+    except json.JSONDecodeError:
+      continue  # a stray print of a library: not ours
+    if not isinstance(reply, dict):
+      continue
+    replied = True
+    if reply.get("rows"):
+      record(reply["rows"])
+    if reply.get("done"):
+      return True, True
+  proc.wait()
+  return False, replied
+
+
+def worker_main(argv: Sequence[str]) -> int:
+  """A worker: reads problems from stdin, writes rows to stdout (module doc)."""
+  args = json.loads(argv[0])
+  from wavetune_jax.core.registry import get_family
+  family = get_family(args["family"]).with_backends(args["backends"])
+  if args.get("measure"):
+    mod, fn = args["measure"].split(":")
+    measure = getattr(importlib.import_module(mod), fn)(family, args)
+  else:
+    from wavetune_jax.tuning import profiler
+    measure = sweep.gpu_measure(family, profiler.Profiler(
+        iterations=args.get("iterations", 20), threads=args.get("threads", 16)))
+  out = sys.stdout
+  sys.stdout = sys.stderr  # prints of libraries must not mix with the rows
+  for line in sys.stdin:
+    msg = json.loads(line)
+    p = family.problem_from_dict(msg["problem"])
+    configs = [family.config_from_dict(c) for c in msg["configs"]]
+    batch = []
+    for impl, config, m in measure(p, configs, msg["baseline"]):
+      batch.append(sweep.make_row(family, p, impl, config, m))
+      if len(batch) >= sweep._BATCH:
+        out.write(json.dumps({"rows": batch}) + "\n")
+        out.flush()
+        batch = []
+    out.write(json.dumps({"rows": batch, "done": True}) + "\n")
+    out.flush()
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(worker_main(sys.argv[1:]))
