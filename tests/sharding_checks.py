@@ -86,6 +86,33 @@ def sharded_jit_matmul():
 
 
 @check
+def sharded_jit_disagreeing_layouts():
+  """Operands whose shardings disagree (or name one axis twice) are resharded
+  to one consistent split: never a wrong result."""
+  f = jax.jit(lambda x, w: wt.matmul(x, w))
+  for xs, ws in [(P(None, "a"), P("b", None)), (P("a", "b"), P("a", None)), (P(), P("a", None)),
+                 (P(None, ("a", "b")), P("a", None)), (P(None, "a"), P(None, "a"))]:
+    try:
+      close(f(put(X, xs), put(W, ws)), X @ W, 1e-5)
+    except Exception as e:  # noqa: BLE001
+      raise AssertionError(f"matmul {xs} {ws}: {type(e).__name__}: {str(e)[:200]}") from None
+  g = jax.jit(lambda x, w: wt.matmul(x, w), out_shardings=NamedSharding(MESH, P("a", None)))
+  close(g(put(X, P(None, "a")), put(W, P("a", None))), X @ W, 1e-5)
+  r = jax.jit(lambda a, b, c: wt.ragged_dot(a, b, c))
+  for ls, rs in [(P(None, "a"), P(None, "b", None)), (P(), P(None, "a", None))]:
+    close(r(put(LHS, ls), put(RHS, rs), GS), jax.lax.ragged_dot(LHS, RHS, GS), 1e-5)
+  at = jax.jit(lambda q, k, v: wt.attention(q, k, v))
+  close(at(put(Q, P(None, None, "a")), K, K),
+        jax.nn.dot_product_attention(Q, K, K, is_causal=True), 2e-2)
+
+
+@check
+def vmap_on_several_devices():
+  y = jax.vmap(lambda x: wt.matmul(x, W))(X.reshape(4, 16, 128))
+  close(y.reshape(64, 96), X @ W, 1e-5)
+
+
+@check
 def sharded_jit_attention_batch_and_heads():
   f = jax.jit(lambda q, k, v: wt.attention(q, k, v))
   spec = P("a", None, "b")

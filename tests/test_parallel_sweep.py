@@ -82,3 +82,40 @@ def test_tuner_measurer_on_two_workers(tmp_path, monkeypatch):
   monkeypatch.setattr(parallel, "run_parallel", lambda *a, **k: pytest.fail("measured again"))
   assert parallel.ParallelMeasurer(FAM, _file(log.path), devices=["0", "1"], worker_args={},
                                    measure="x:y").measure(points) == got
+
+
+def test_a_config_that_kills_workers_is_recorded_failed(tmp_path, monkeypatch):
+  monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  monkeypatch.delenv("WAVETUNE_TEST_DIE_ON", raising=False)
+  monkeypatch.setenv("WAVETUNE_TEST_POISON", FAM.problem_key(PROBS[0]))
+  f = _file(str(tmp_path / "poison.jsonl.gz"))
+  todo, _ = sweep.plan_sweep(FAM, PROBS, HW, f)
+  counts = parallel.run_parallel(FAM, todo, f, devices=["0", "1"], worker_args={},
+                                 measure="tests.fake_measure:factory")
+  keys, rows = _keys(f.path)
+  failed = [r for r in rows if r["impl"] == "pallas" and r["status"] != "ok"]
+  assert counts["worker_deaths"] == parallel.MAX_DEATHS and len(failed) == 1
+  assert FAM.config_from_dict(failed[0]["config"]) == FAM.space(PROBS[0], HW)[0]
+  assert max(keys.values()) == 1 and len(keys) == sum(len(c) + b for _, c, b in todo)
+
+
+def test_a_worker_that_cannot_start_stops_the_sweep(tmp_path, monkeypatch):
+  monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  monkeypatch.setenv("WAVETUNE_TEST_BROKEN", "1")
+  f = _file(str(tmp_path / "broken.jsonl.gz"))
+  todo, _ = sweep.plan_sweep(FAM, PROBS, HW, f)
+  with pytest.raises(RuntimeError, match="before it was ready"):
+    parallel.run_parallel(FAM, todo, f, devices=["0", "1"], worker_args={},
+                          measure="tests.fake_measure:factory")
+
+
+def test_an_error_in_the_parent_does_not_hang(tmp_path, monkeypatch):
+  monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  f = _file(str(tmp_path / "full.jsonl.gz"))
+  todo, _ = sweep.plan_sweep(FAM, PROBS, HW, f)
+
+  def disk_full(rows):
+    raise OSError("No space left on device")
+  with pytest.raises(RuntimeError, match="No space left"):
+    parallel.run_parallel(FAM, todo, f, devices=["0", "1"], worker_args={},
+                          measure="tests.fake_measure:factory", on_rows=disk_full)

@@ -222,3 +222,17 @@ def test_moe_mlp_example_runs_on_cpu(capsys):
   spec.loader.exec_module(mod)
   mod.main(["--small"])  # the pinned Triton kernel against lax.ragged_dot; raises if they differ
   assert "tokens=16" in capsys.readouterr().out
+
+
+def test_work_list_never_overflows():
+  """Sizes near 2**31 (or negative) give the clipped groups, not an int32
+  wrap-around that would leave rows unwritten or write before row 0."""
+  for sizes, m in [([40, 2**31 - 1, 3], 40), ([2**31 - 1, 2**31 - 1, 0], 40),
+                   ([10, -5, 20], 50)]:
+    tasks, count = row_tasks(jnp.asarray(sizes, jnp.int32), m, 16)
+    tasks, c = np.asarray(tasks), int(count[0])
+    owner = np.full(m, -1)
+    for grp, row0, start, size in tasks[:, :c].T:
+      assert row0 >= 0
+      owner[row0 + start:row0 + start + size] = grp
+    np.testing.assert_array_equal(owner, _owner(sizes, m))

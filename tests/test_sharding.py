@@ -27,7 +27,9 @@ def results():
   return {l.split()[1].rstrip(":"): l for l in lines}, out.stderr
 
 
-@pytest.mark.parametrize("name", ["sharded_jit_matmul", "sharded_jit_attention_batch_and_heads",
+@pytest.mark.parametrize("name", ["sharded_jit_matmul", "sharded_jit_disagreeing_layouts",
+                                  "vmap_on_several_devices",
+                                  "sharded_jit_attention_batch_and_heads",
                                   "sharded_jit_ragged_dot", "shard_map_default_check_vma",
                                   "shard_map_pinned_pallas_on_cpu",
                                   "shard_map_kernels_lower_for_cuda"])

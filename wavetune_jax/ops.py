@@ -83,7 +83,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dt
     rhs: ``[G, K, N]`` of the same dtype.
     group_sizes: ``[G]`` integers. Rows past ``sum(group_sizes)`` come out as
       zeros, as with ``lax.ragged_dot``; sizes that sum past ``M`` are clipped
-      at ``M`` (``lax.ragged_dot`` leaves that case undefined).
+      at ``M`` and negative sizes count as 0 (``lax.ragged_dot`` leaves both
+      undefined).
     out_dtype: bfloat16, float16 or float32 (default ``lhs.dtype``);
       accumulation is float32.
     config: a backend's config (``MosaicRaggedDotConfig``,

@@ -48,8 +48,10 @@ def row_tasks(group_sizes: jax.Array, m: int, block_m: int,
     raise ValueError(f"block_m={block_m} must be a multiple of align={align}")
   g = group_sizes.shape[0]
   t = max_tasks(m, g, block_m, align)
-  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-  ends = jnp.minimum(jnp.cumsum(sizes), m)
+  # Sizes clipped to [0, m] and a saturating running sum: no int32 overflow
+  # whatever the sizes (each partial sum stays <= m).
+  sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
+  ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes) if g else sizes
   zero = jnp.zeros((1,), jnp.int32)
   starts = jnp.concatenate([zero, ends[:-1]]) if g else zero[:0]
   # The tail: rows past the last group.

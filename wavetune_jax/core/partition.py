@@ -17,6 +17,7 @@ explicit axes (sharding in types), where the op takes its inputs as they come.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Callable
 
@@ -47,14 +48,24 @@ class PartitionRule:
   replicated: tuple = ()
   partial_kwargs: dict = dataclasses.field(default_factory=dict)
 
-  def operand_factors(self) -> list[list[str | None]]:
-    """Per operand, then the result, per dimension: its factor name (None
-    for a compound one)."""
+  def operand_factors(self) -> list[list[str]]:
+    """Per operand, then the result, per dimension: the factor whose
+    sharding the dimension carries (of a compound dimension ``(g r)``, its
+    major factor ``g``: a block split of the dimension is a split of ``g``)."""
     lhs, rhs = self.rule.split("->")
     out = []
     for operand in lhs.split(",") + [rhs]:
       dims = re.findall(r"\([^)]*\)|\S+", operand.strip())
-      out.append([None if d.startswith("(") else d for d in dims])
+      out.append([d.strip("()").split()[0] for d in dims])
+    return out
+
+  def minor_sizes(self) -> dict[str, int]:
+    """For the major factor of each compound dimension, the product of the
+    sizes of the factors after it (``(g r)``: ``{"g": r}``)."""
+    out = {}
+    for d in re.findall(r"\([^)]*\)", self.rule):
+      names = d.strip("()").split()
+      out[names[0]] = math.prod(self.factor_sizes[n] for n in names[1:])
     return out
 
 
@@ -67,9 +78,19 @@ def _manual_or_explicit() -> bool:
   return explicit is not None and any(t == explicit for t in types)
 
 
+def _batched(arrays) -> bool:
+  # custom_partitioning has no batching rule: under jax.vmap the op is
+  # taken as it comes.
+  return any(type(a).__name__ == "BatchTracer" for a in arrays)
+
+
 def wants_partitioning(arrays) -> bool:
-  """Whether a call on ``arrays`` goes through ``custom_partitioning``."""
-  if jax.device_count() < 2 or _manual_or_explicit():
+  """Whether a call on ``arrays`` goes through ``custom_partitioning``:
+  several devices, Shardy (JAX's default partitioner), not inside
+  ``shard_map``, ``vmap`` or an explicit-axes mesh."""
+  if jax.device_count() < 2 or _manual_or_explicit() or _batched(arrays):
+    return False
+  if not jax.config.jax_use_shardy_partitioner:
     return False
   from pallas_kernels._launch import match_varying
   return not match_varying(*arrays)[1]
@@ -85,28 +106,41 @@ def partitioned(rule: PartitionRule, local_call: Callable, arrays, kwargs: dict)
 
   factors = rule.operand_factors()
 
-  def replicate(sharding, dims):
-    """``sharding`` with the dimensions of replicated factors unsharded."""
-    spec = tuple(sharding.spec) + (None,) * (len(dims) - len(sharding.spec))
-    spec = tuple(None if d in rule.replicated else a for d, a in zip(dims, spec))
-    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
-
   def partition(mesh, arg_shapes, result_shape):
-    # Shardy is asked to gather the replicated factors; what it hands over
-    # is checked here too, so a split of them can never reach a kernel.
-    arg_shardings = tuple(replicate(a.sharding, dims)
-                          for a, dims in zip(arg_shapes, factors))
-    reduce_axes = []
-    for f in rule.reduction:
-      for dims, s in zip(factors, arg_shardings):
-        if f in dims:
-          spec = tuple(s.spec) + (None,) * (len(dims) - len(s.spec))
-          axes = spec[dims.index(f)]
-          if axes:
-            reduce_axes += [axes] if isinstance(axes, str) else list(axes)
-          break
+    # One assignment of mesh axes to factors for every operand and the
+    # result, taken from the operands' shardings in order (then the
+    # result's): a factor keeps the first split that is valid (its size
+    # divisible, its axes not used by another factor); replicated factors
+    # are never split. Operands whose shardings disagree are resharded to
+    # it by the partitioner, so a kernel only ever sees consistent shards.
+    minor = rule.minor_sizes()
+    size: dict = {}
+    for a, dims in zip(arg_shapes, factors):
+      for d, n in zip(dims, a.shape):
+        size.setdefault(d, n // minor.get(d, 1))
+    assign: dict = {}
+    used: set = set()
+    for s, dims in [(a.sharding, dims) for a, dims in zip(arg_shapes, factors)] + [
+        (result_shape.sharding, factors[-1])]:
+      spec = tuple(s.spec) + (None,) * (len(dims) - len(s.spec))
+      for d, axes in zip(dims, spec):
+        if not axes or d in assign or d in rule.replicated:
+          continue
+        axes = (axes,) if isinstance(axes, str) else tuple(axes)
+        n = math.prod(mesh.shape[x] for x in axes)
+        if used & set(axes) or size.get(d, 0) % n:
+          continue
+        assign[d] = axes
+        used |= set(axes)
+
+    def sharding(dims):
+      spec = [assign.get(d) for d in dims]
+      spec = [a[0] if a is not None and len(a) == 1 else a for a in spec]
+      return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+    arg_shardings = tuple(sharding(dims) for dims in factors[:-1])
+    reduce_axes = tuple(x for f in rule.reduction for x in assign.get(f, ()))
     out_dtype = result_shape.dtype
-    reduce_axes = tuple(dict.fromkeys(reduce_axes))
 
     def lower(*xs):
       if not reduce_axes:
@@ -114,7 +148,7 @@ def partitioned(rule: PartitionRule, local_call: Callable, arrays, kwargs: dict)
       y = local_call(*xs, **{**kwargs, **rule.partial_kwargs})
       return jax.lax.psum(y, reduce_axes).astype(out_dtype)
 
-    return mesh, lower, replicate(result_shape.sharding, factors[-1]), arg_shardings
+    return mesh, lower, sharding(factors[-1]), arg_shardings
 
   # Shardy numbers factors in order of appearance and wants them sorted.
   order = {f: i for i, f in enumerate(dict.fromkeys(re.findall(r"\w+", rule.rule)))}

@@ -9,8 +9,12 @@ appended in crash-safe batches as in a one-GPU sweep, and a row already on
 file is never written twice. When a worker dies (a crash, a kernel that
 takes the GPU down, a kill), the rows it sent stay; the rest of its problem
 goes back on the queue for another worker, and the dead worker is restarted.
-A problem that kills two workers gets ``run_error`` rows for what is left, so
-the sweep ends. Rerunning the command resumes, as always.
+Rows come back one per line as measured, so the parent knows which config a
+worker died on: a config on which two workers died gets a ``run_error`` row
+and the rest of its problem goes on; a worker that dies three times before it
+is ready stops the sweep with an error; a worker silent for
+``WORKER_TIMEOUT_S`` is killed (hung). Rerunning the command resumes, as
+always.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from wavetune_jax.tuning import sweep
 
 __all__ = ["run_parallel", "local_gpu_count", "worker_main", "ParallelMeasurer"]
 
-#: Deaths of workers on one problem before its remaining rows are recorded failed.
+#: Deaths of workers on one config before it is recorded failed.
 MAX_DEATHS = 2
+#: Seconds a worker may go without sending a row before it is killed (hung).
+WORKER_TIMEOUT_S = 1800
 
 
 def local_gpu_count() -> int:
@@ -113,50 +119,74 @@ def run_parallel(spec, todo: Sequence[tuple], out: sweep.SweepFile, *, devices: 
 
   errors: list[str] = []
 
+  def stop_all(message: str):
+    with lock:
+      errors.append(message)
+      for _ in devices:
+        jobs.put(None)
+
   def serve(device: str):
     proc = None
-    silent_deaths = 0
-    while True:
-      job = jobs.get()
-      if job is None:
-        break
-      if proc is None or proc.poll() is not None:
-        proc = _start_worker(spec.name, names, device, worker_args, measure)
-      t0 = time.perf_counter()
-      ok, replied = _run_job(proc, spec, job, record)
-      pk = spec.problem_key(job.problem)
-      record([{"type": "row", "key": f"{pk}|timing|{device}|{time.time_ns()}",
-               "problem": spec.problem_to_dict(job.problem), "impl": "timing",
-               "config": None, "status": "ok", "wall_s": time.perf_counter() - t0,
-               "device": device}])
-      if ok:
-        finish(job)
-        continue
-      with lock:
-        counts["worker_deaths"] += 1
-      proc = None
-      silent_deaths = 0 if replied else silent_deaths + 1
-      if silent_deaths >= 3:
-        # A worker that dies before a single row: it cannot start here.
+    silent_deaths = 0  # deaths in a row before a worker said it was ready
+    try:
+      while not errors:
+        job = jobs.get()
+        if job is None:
+          break
+        if proc is None or proc.poll() is not None:
+          proc = _start_worker(spec.name, names, device, worker_args, measure)
+        t0 = time.perf_counter()
+        ok, ready = _run_job(proc, spec, job, record,
+                             timeout_s=worker_args.get("timeout_s", WORKER_TIMEOUT_S))
+        pk = spec.problem_key(job.problem)
+        record([{"type": "row", "key": f"{pk}|timing|{device}|{time.time_ns()}",
+                 "problem": spec.problem_to_dict(job.problem), "impl": "timing",
+                 "config": None, "status": "ok", "wall_s": time.perf_counter() - t0,
+                 "device": device}])
+        silent_deaths = 0 if ready else silent_deaths
+        if ok:
+          finish(job)
+          continue
         with lock:
-          errors.append(f"the worker on device {device} died 3 times without a row "
-                        f"(see its messages above)")
-          for _ in devices:
-            jobs.put(None)
-        jobs.put(job)
-        break
-      rest = remaining(job)
-      rest.deaths += 1
-      if not (rest.configs or rest.baseline):
-        finish(job)
-      elif rest.deaths >= MAX_DEATHS:
-        _record_failed(spec, rest, record)
-        finish(job)
-      else:
+          counts["worker_deaths"] += 1
+        proc = None
+        if not ready:
+          silent_deaths += 1
+          if silent_deaths >= 3:
+            jobs.put(job)
+            stop_all(f"the worker on device {device} died 3 times before it was ready "
+                     f"(see its messages above)")
+            break
+          jobs.put(job)
+          continue
+        rest = remaining(job)
+        rest.deaths += 1
+        if not (rest.configs or rest.baseline):
+          finish(job)
+          continue
+        if rest.deaths >= MAX_DEATHS:
+          # Rows come one by one in the order sent: the first one missing is
+          # the one the workers died on. It is recorded failed; the rest goes on.
+          culprit = _Job(rest.problem, rest.configs[:1], not rest.configs and rest.baseline,
+                         rest.deaths)
+          _record_failed(spec, culprit, record)
+          rest = remaining(rest)
+          rest.deaths = MAX_DEATHS - 1
+          if not (rest.configs or rest.baseline):
+            finish(job)
+            continue
         jobs.put(rest)
-    if proc is not None and proc.poll() is None:
-      proc.stdin.close()
-      proc.wait(timeout=60)
+    except BaseException as e:  # noqa: BLE001 - a serving thread must never die silently
+      stop_all(f"device {device}: {type(e).__name__}: {e}")
+      if proc is not None:
+        proc.kill()  # it may be mid-problem, blocked on a pipe no one reads
+    finally:
+      if proc is not None and proc.poll() is None:
+        try:
+          proc.stdin.close()
+          proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+          proc.kill()
 
   if not todo:
     return counts
@@ -233,6 +263,10 @@ def _record_failed(spec, job: _Job, record):
 
 def _start_worker(family: str, backends: list, device: str, worker_args: dict,
                   measure: str | None) -> subprocess.Popen:
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:  # ids are indices into this process's visible GPUs
+    ids = [d.strip() for d in visible.split(",") if d.strip()]
+    device = ids[int(device)] if int(device) < len(ids) else device
   env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(device))
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
@@ -243,32 +277,43 @@ def _start_worker(family: str, backends: list, device: str, worker_args: dict,
                           bufsize=1)
 
 
-def _run_job(proc, spec, job: _Job, record: Callable) -> tuple[bool, bool]:
-  """Sends one problem; records the rows as they come. ``(finished, replied)``:
-  not finished if the worker died."""
+def _run_job(proc, spec, job: _Job, record: Callable, *, timeout_s: float
+             ) -> tuple[bool, bool]:
+  """Sends one problem; records the rows as they come. ``(finished, ready)``:
+  not finished if the worker died (or hung for ``timeout_s`` and was killed);
+  ready once the worker said it started."""
   msg = {"problem": spec.problem_to_dict(job.problem),
          "configs": [spec.config_to_dict(c) for c in job.configs],
          "baseline": job.baseline}
+  ready = getattr(proc, "ready", False)
+  watchdog = [threading.Timer(timeout_s, proc.kill)]
+  watchdog[0].start()
   try:
-    proc.stdin.write(json.dumps(msg) + "\n")
-    proc.stdin.flush()
-  except (BrokenPipeError, OSError):
-    return False, False
-  replied = False
-  for line in proc.stdout:
     try:
-      reply = json.loads(line)
-    except json.JSONDecodeError:
-      continue  # a stray print of a library: not ours
-    if not isinstance(reply, dict):
-      continue
-    replied = True
-    if reply.get("rows"):
-      record(reply["rows"])
-    if reply.get("done"):
-      return True, True
-  proc.wait()
-  return False, replied
+      proc.stdin.write(json.dumps(msg) + "\n")
+      proc.stdin.flush()
+    except (BrokenPipeError, OSError):
+      return False, ready
+    for line in proc.stdout:
+      watchdog[0].cancel()
+      watchdog[0] = threading.Timer(timeout_s, proc.kill)
+      watchdog[0].start()
+      try:
+        reply = json.loads(line)
+      except json.JSONDecodeError:
+        continue  # a stray print of a library: not ours
+      if not isinstance(reply, dict):
+        continue
+      if reply.get("ready"):
+        ready = proc.ready = True
+      if reply.get("rows"):
+        record(reply["rows"])
+      if reply.get("done"):
+        return True, ready
+    proc.wait()
+    return False, ready
+  finally:
+    watchdog[0].cancel()
 
 
 def worker_main(argv: Sequence[str]) -> int:
@@ -285,18 +330,18 @@ def worker_main(argv: Sequence[str]) -> int:
         iterations=args.get("iterations", 20), threads=args.get("threads", 16)))
   out = sys.stdout
   sys.stdout = sys.stderr  # prints of libraries must not mix with the rows
+  out.write(json.dumps({"ready": True}) + "\n")
+  out.flush()
   for line in sys.stdin:
     msg = json.loads(line)
     p = family.problem_from_dict(msg["problem"])
     configs = [family.config_from_dict(c) for c in msg["configs"]]
-    batch = []
     for impl, config, m in measure(p, configs, msg["baseline"]):
-      batch.append(sweep.make_row(family, p, impl, config, m))
-      if len(batch) >= sweep._BATCH:
-        out.write(json.dumps({"rows": batch}) + "\n")
-        out.flush()
-        batch = []
-    out.write(json.dumps({"rows": batch, "done": True}) + "\n")
+      # One row per line, as soon as measured: when a worker dies, the
+      # parent knows which config it was on.
+      out.write(json.dumps({"rows": [sweep.make_row(family, p, impl, config, m)]}) + "\n")
+      out.flush()
+    out.write(json.dumps({"done": True}) + "\n")
     out.flush()
   return 0
 
