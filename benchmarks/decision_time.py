@@ -1,8 +1,9 @@
 """Decision time of the selector on this CPU, in microseconds.
 
 Three numbers, medians over many problems:
-  * new weight: the first decision for a weight (N, K) it has not seen; the
-    model is evaluated for a block of 64 M buckets at once (NumPy);
+  * new weight: the first decision for a weight (N, K) it has not seen (its
+    first size is decided alone; the second size of a block of 64 M buckets
+    evaluates the block at once, NumPy);
   * cold: a new M of a weight already seen, no per-problem memo (what
     ``wavetune eval`` reports as cold);
   * memoized: ``wavetune_jax.select`` for a problem decided before (mean
@@ -68,7 +69,7 @@ def main(argv=None):
       memo.append((ns() - t0) / 1e3 / len(batch))
   print(f"table {a.table} ({hw.name}), {len(table.entries)} variant models")
   print(f"{'decision':<34} {'median us':>10} {'p90 us':>8}")
-  for name, xs in (("new weight (block of 64 buckets)", new_w),
+  for name, xs in (("new weight (first size)", new_w),
                    ("cold (new M, weight seen)", cold), ("memoized select()", memo)):
     xs = sorted(xs)
     print(f"{name:<34} {statistics.median(xs):>10.2f} {xs[int(0.9 * len(xs))]:>8.2f}")

@@ -90,6 +90,30 @@ def test_decider_buckets_match_direct_prediction(wave_table):
     assert table.predict(p, [sel.config])[0] == pytest.approx(np.min(pred), rel=0.02)
 
 
+def test_decider_first_size_alone_equals_the_block():
+  """A weight's first size is decided alone, later ones from the block of 64
+  sizes: the same answers either way (shipped H200 GEMM table)."""
+  hw = wt.get_hardware("h200")
+  table = tables.load(os.path.join(os.path.dirname(__file__), "..", "tables", "nvidia_h200",
+                                   "matmul.json"), wt.MATMUL, hw)
+  for n, k in ((4160, 4096), (14400, 4096), (4096, 14400)):
+    ms = (1, 7, 16, 100, 333, 512, 1000, 1024)
+    alone = []
+    for m in ms:
+      d = selector.Decider(table, hw)  # fresh: m is decided alone
+      alone.append(d.decide(MatmulProblem(m=m, n=n, k=k)))
+    d = selector.Decider(table, hw)
+    d.decide(MatmulProblem(m=2000, n=n, k=k))  # seen: the next ones build blocks
+    d.decide(MatmulProblem(m=1, n=n, k=k))
+    for m, a in zip(ms, alone):
+      b = d.decide(MatmulProblem(m=m, n=n, k=k))
+      assert (a is None) == (b is None)
+      if a is not None:
+        assert (a.config, a.source) == (b.config, b.source)
+        assert a.predicted_us == b.predicted_us or a.predicted_us == pytest.approx(
+            b.predicted_us, rel=1e-6)
+
+
 def test_decider_keeps_the_heuristic_unless_the_model_wins_by_the_margin(wave_table):
   table = wave_table.table
   margin = MATMUL.heuristic_margin

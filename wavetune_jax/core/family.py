@@ -26,7 +26,7 @@ import numpy as np
 
 from wavetune_jax.core.hardware import Hardware
 
-__all__ = ["Problem", "Backend", "Family", "Call", "config_from_fields"]
+__all__ = ["Problem", "Backend", "Family", "Call", "config_from_fields", "interned"]
 
 
 class Problem:
@@ -65,6 +65,20 @@ class Call(NamedTuple):
   options: dict
 
 
+_INTERNED: dict = {}
+
+
+def interned(cls, **fields):
+  """``cls(**fields)``, one object per distinct config: candidate lists of
+  different weights share their configs, so trace-time lookups keyed by a
+  config find it by identity (no field-by-field comparison)."""
+  key = (cls, tuple(fields.items()))
+  c = _INTERNED.get(key)
+  if c is None:
+    c = _INTERNED[key] = cls(**fields)
+  return c
+
+
 def config_from_fields(cls, d: dict):
   """``cls(**d)``; unknown keys raise ``ValueError`` naming the valid fields."""
   names = {f.name for f in dataclasses.fields(cls)}
@@ -94,6 +108,9 @@ class Backend(abc.ABC):
   folded_fields: ClassVar[tuple[str, ...]] = ()
   #: The kernel runs in Pallas interpret mode on a CPU.
   interpret: ClassVar[bool] = False
+  #: ``heuristic`` answers the same for every size of a weight (XLA's op):
+  #: the selector then asks once per block of sizes, not once per size.
+  heuristic_size_free: ClassVar[bool] = False
   #: It also runs on a CPU inside ``jax.shard_map`` (Pallas interpret mode
   #: does not handle the mesh axes a value varies over; XLA ops do).
   interpret_in_shard_map: ClassVar[bool] = False
@@ -418,6 +435,16 @@ class Family(abc.ABC):
         return c
     raise ValueError(f"no {self.name} backend has a heuristic config for "
                      f"{self.problem_key(problem)} on {hw.name}")
+
+  def heuristics(self, problem, sizes, hw: Hardware) -> list:
+    """:meth:`heuristic` at each of ``sizes`` of ``problem``'s weight (one
+    call where the answering backend's heuristic does not depend on size)."""
+    first = next(iter(self.available(hw)), None)
+    if first is not None and first.heuristic_size_free:
+      h = first.heuristic(problem, hw)
+      if h is not None:
+        return [h] * len(sizes)
+    return [self.heuristic(self.with_size(problem, int(s)), hw) for s in sizes]
 
   def occupancy_bound(self, problem, config, hw: Hardware) -> int:
     return self.backend_of(config).occupancy_bound(problem, config, hw)

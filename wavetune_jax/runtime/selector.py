@@ -76,6 +76,7 @@ class Decider:
     self.margin = (table.family.heuristic_margin if heuristic_margin == "spec"
                    else heuristic_margin)
     self._weights: dict = {}
+    self._seen: set = set()
 
   def decide(self, problem) -> Selection | None:
     hit = self.table.exact.get(problem)
@@ -89,10 +90,20 @@ class Decider:
     # changes with the backends that run the problem (GEMM: M % 8 for Mosaic).
     key = (spec.weight_of(problem), q, block)
     vec = self._weights.get(key)
-    if vec is None:
-      vec = self._weights[key] = self._block(problem, block, q)
-    configs, idx, pred, kept = vec
     r = (bucket - 1) % _BLOCK
+    if vec is None:
+      if key not in self._seen:
+        # The first size of a block is decided alone (a new weight costs one
+        # size's evaluation at trace time); the second builds the block that
+        # answers every later size in microseconds. Rows are independent:
+        # the answers are the same either way.
+        self._seen.add(key)
+        vec = self._block(problem, np.array([bucket * q]))
+        r = 0
+      else:
+        sizes = (np.arange(block * _BLOCK, (block + 1) * _BLOCK) + 1) * q
+        vec = self._weights[key] = self._block(problem, sizes)
+    configs, idx, pred, kept = vec
     i = idx[r]
     if i < 0:
       return None
@@ -103,9 +114,8 @@ class Decider:
                             "heuristic_margin")
     return Selection(configs[i], "model", t)
 
-  def _block(self, problem, block: int, q: int):
+  def _block(self, problem, sizes: np.ndarray):
     spec = self.spec
-    sizes = (np.arange(block * _BLOCK, (block + 1) * _BLOCK) + 1) * q
     configs, valid, g, l, aux = spec.decision_arrays(problem, sizes, self.hw)
     pred = self.table.predict_arrays(configs, g, l, aux)
     pred = np.where(valid, pred, np.inf)
@@ -117,17 +127,22 @@ class Decider:
     if margin is None:
       return configs, idx.tolist(), best, kept
     configs = list(configs)
-    index = {c: j for j, c in enumerate(configs)}
+    heuristics = spec.heuristics(problem, sizes, self.hw)
+    # Each distinct heuristic config is looked up once (a size-free
+    # heuristic: once per block).
+    index: dict = {}
+    for h in dict.fromkeys(heuristics):
+      index[h] = next((j for j, c in enumerate(configs) if c == h), None)
     # The heuristic's config stays unless the model predicts a gain over it
     # larger than the spec's margin, with a trusted prediction for both: a
     # sparse model is most wrong where it is most optimistic.
     for r, s in enumerate(sizes):
       if idx[r] < 0:
         continue
-      p = spec.with_size(problem, int(s))
-      h = spec.heuristic(p, self.hw)
+      h = heuristics[r]
       j = index.get(h)
-      t_h = pred[r, j] if j is not None else self.table.predict(p, [h])[0]
+      t_h = (pred[r, j] if j is not None
+             else self.table.predict(spec.with_size(problem, int(s)), [h])[0])
       model_wins = np.isfinite(t_h) and best[r] * (1.0 + margin) < t_h
       if not model_wins:
         if j is None:

@@ -145,11 +145,11 @@ class Table:
     Configs without a model, or (``trusted=True``) outside their trust region,
     get ``inf``.
     """
-    coef, cap, lim, near = self._entry_arrays(tuple(configs))
+    coef, cap, lim, near = self._entry_arrays(configs)
     with np.errstate(invalid="ignore", divide="ignore"):
-      t = wave_model.predict(coef, g, l, cap, self.form, aux, xp=np).astype(np.float64)
+      t = wave_model.predict_np(coef, g, l, cap, self.form, aux).astype(np.float64)
       if trusted and self.distance_penalty:
-        d = self.anchor_distance(configs, g, l)
+        d = self.anchor_distance(configs, g, l, near=near)
         t = t * (1.0 + self.distance_penalty * np.where(np.isfinite(d), d, 0.0))
     min_g, max_g, min_l, max_l, aux_ok = lim
     bad = ~np.isfinite(cap)
@@ -161,12 +161,17 @@ class Table:
         bad = bad | np.any((aux != 0) & ~aux_ok, axis=-1)
     return np.where(bad, np.inf, t)
 
-  def anchor_distance(self, configs: Sequence, g: np.ndarray, l: np.ndarray) -> np.ndarray:
+  def anchor_distance(self, configs: Sequence, g: np.ndarray, l: np.ndarray, *,
+                      near: np.ndarray | None = None) -> np.ndarray:
     """L1 distance in ``(log G, log L)`` from each point ``[S, n]`` to the
     nearest anchor of its config's variant (``inf``: the variant has none)."""
-    near = self._entry_arrays(tuple(configs))[3]
+    if near is None:
+      near = self._entry_arrays(tuple(configs))[3]
     lg = np.log(np.maximum(g, 1.0)).astype(np.float32)
     ll = np.log(np.maximum(l, 1e-3)).astype(np.float32)
+    if lg.size * near.shape[1] <= 1 << 16:  # small (one size): all anchors at once
+      return np.min(np.abs(lg[..., None] - near[:, :, 0]) + np.abs(ll[..., None] - near[:, :, 1]),
+                    axis=-1)
     d = np.full(lg.shape, np.inf, np.float32)
     step = np.empty_like(d)
     for j in range(near.shape[1]):  # nearest anchor, one anchor slot at a time
@@ -178,36 +183,49 @@ class Table:
     return d
 
   def _entry_arrays(self, configs: tuple):
-    cache = self.__dict__.setdefault("_arrays", {})
-    hit = cache.get(configs)
+    rows = self._config_rows()
+    # Each config's row of the per-variant arrays (row 0: no model), through
+    # a memo keyed by the config object's id (it holds the config, so the id
+    # stays its own): configs are interned by the backends, so a new weight
+    # brings configs seen before, found without hashing their fields.
+    memo = rows["memo"]
+    idx = np.empty(len(configs), np.int64)
+    for i, c in enumerate(configs):
+      hit = memo.get(id(c))
+      if hit is None or hit[0] is not c:
+        hit = memo[id(c)] = (c, rows["row"].get(self.family.variant(c), 0))
+      idx[i] = hit[1]
+    a = rows["arrays"]
+    return (a["coef"][idx], a["cap"][idx],
+            (a["min_g"][idx], a["max_g"][idx], a["min_l"][idx], a["max_l"][idx],
+             a["aux_ok"][idx]), a["near"][idx])
+
+  def _config_rows(self) -> dict:
+    """Per-variant model arrays, row 0 for configs without a model."""
+    hit = self.__dict__.get("_rows")
     if hit is not None:
       return hit
+    variants = list(self.entries)
+    n = len(variants) + 1
     n_coef = wave_model.n_coef(self.form, len(self.family.aux_names))
-    coef = np.zeros((len(configs), n_coef), np.float32)
-    cap = np.full(len(configs), np.inf, np.float32)
-    min_g = np.zeros(len(configs)); max_g = np.zeros(len(configs))
-    min_l = np.zeros(len(configs))
-    max_l = np.zeros(len(configs))
-    aux_ok = np.zeros((len(configs), len(self.family.aux_names)), bool)
     pts = self._anchor_coords()
     k = max((len(v) for v in pts.values()), default=1)
-    near = np.full((len(configs), k, 2), np.inf, np.float32)  # (log G, log L) of anchors
-    for i, c in enumerate(configs):
-      e = self.entries.get(self.family.variant(c))
-      if e is None:
-        continue
-      a = pts.get(e.variant)
-      if a is not None:
-        near[i, :len(a)] = a
-      coef[i] = e.coef
-      cap[i] = e.occupancy * self.num_sms
-      min_g[i], max_g[i], min_l[i], max_l[i] = e.min_g, e.max_g, e.min_l, e.max_l
-      aux_ok[i] = e.aux_seen
-    out = (coef, cap, (min_g, max_g, min_l, max_l, aux_ok), near)
-    if len(cache) > 1024:
-      cache.clear()
-    cache[configs] = out
-    return out
+    a = {"coef": np.zeros((n, n_coef), np.float32), "cap": np.full(n, np.inf, np.float32),
+         "min_g": np.zeros(n), "max_g": np.zeros(n), "min_l": np.zeros(n),
+         "max_l": np.zeros(n), "aux_ok": np.zeros((n, len(self.family.aux_names)), bool),
+         "near": np.full((n, k, 2), np.inf, np.float32)}  # (log G, log L) of anchors
+    for i, v in enumerate(variants, start=1):
+      e = self.entries[v]
+      if v in pts:
+        a["near"][i, :len(pts[v])] = pts[v]
+      a["coef"][i] = e.coef
+      a["cap"][i] = e.occupancy * self.num_sms
+      a["min_g"][i], a["max_g"][i], a["min_l"][i], a["max_l"][i] = (
+          e.min_g, e.max_g, e.min_l, e.max_l)
+      a["aux_ok"][i] = e.aux_seen
+    hit = self.__dict__["_rows"] = {"arrays": a, "memo": {},
+                                    "row": {v: i for i, v in enumerate(variants, start=1)}}
+    return hit
 
   def _anchor_coords(self) -> dict:
     """variant -> ``[n, 2]`` (log G, log L) of its measured anchors."""

@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["FORMS", "n_coef", "waves", "features", "fit", "predict", "FitResult",
+__all__ = ["FORMS", "n_coef", "waves", "features", "fit", "predict", "predict_np", "FitResult",
            "fit_occupancy", "fit_occupancy_batch", "rel_errors"]
 
 FORMS = ("bilinear", "step", "tied")
@@ -184,6 +184,39 @@ def fit(g, l, t, c, *, mask=None, aux=None, form: str = "bilinear",
 def predict(coef, g, l, c, form: str = "bilinear", aux=None, xp=jnp):
   """Predicted latency at ``(g, l)`` for coefficients ``coef [..., n_coef]``."""
   return xp.sum(features(g, l, c, form, aux, xp) * coef, axis=-1)
+
+
+def predict_np(coef, g, l, c, form: str = "bilinear", aux=None) -> np.ndarray:
+  """:func:`predict` in NumPy without building the design matrix (trace-time
+  selection evaluates thousands of points at once): ``coef [n, n_coef]``,
+  ``g, l [S, n]``, ``c [n]``, ``aux [S, n, n_aux]``; float32 throughout."""
+  coef = np.asarray(coef, np.float32)
+  c = np.asarray(c, np.float32)
+  g = np.asarray(g, np.float32)
+  l = np.asarray(l, np.float32)
+  w = np.ceil(g / c)
+  r = g - (w - 1.0) * c
+  w1 = w - 1.0
+  if form == "bilinear":
+    we = w1 + r / c
+    cols = (we * l, None, we, l, w1 * l, w1)
+  elif form == "tied":
+    frac = r / c
+    we = w1 + frac
+    cols = (we * l, None, we, l * (1.0 - frac))
+  elif form == "step":
+    cols = (w * l, None, w, l)
+  else:
+    raise ValueError(f"unknown model form {form!r}; forms are {FORMS}")
+  t = np.broadcast_to(coef[:, 1], w.shape).astype(np.float32)  # the constant column
+  for k, col in enumerate(cols):
+    if col is not None:
+      t = t + coef[:, k] * col
+  if aux is not None:
+    aux = np.asarray(aux, np.float32)
+    for k in range(aux.shape[-1]):
+      t = t + coef[:, len(cols) + k] * aux[..., k]
+  return t
 
 
 def rel_errors(pred, t):

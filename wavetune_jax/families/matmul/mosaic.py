@@ -10,7 +10,7 @@ import numpy as np
 
 from pallas_kernels.matmul import mosaic as kernel
 from pallas_kernels.matmul.mosaic import MosaicMatmulConfig
-from wavetune_jax.core.family import Backend
+from wavetune_jax.core.family import Backend, interned
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.matmul.problem import MatmulProblem
 from wavetune_jax.families.matmul.triton import _aux, _cdiv
@@ -50,6 +50,12 @@ PRUNED_ORDERS = ((1, 1), (0, 8))
 #              best split of every quick problem on the H100 was one of them).
 
 
+def _rep(n: int, k: int) -> tuple[int, int]:
+  """``(n, k)`` with the same candidates (one cache entry for every large
+  weight): N does not enter them, K only through min(K blocks, 64)."""
+  return 64, min(k, 64 * kernel.BLOCK_K)
+
+
 class MosaicMatmul(Backend):
   """The persistent, warp-specialized Mosaic GPU GEMM (Hopper: TMA ring,
   wgmma, one producer and two consumer warpgroups, split-K with fp32
@@ -84,7 +90,7 @@ class MosaicMatmul(Backend):
     """Rules G1-G6 (``prune=False``: G1, G2, G4's validity, all orders and stages)."""
     if not self.runs_shape(problem):
       return ()
-    cands, arr = self._weight_candidates(problem.n, problem.k, problem.dtype,
+    cands, arr = self._weight_candidates(*_rep(problem.n, problem.k), problem.dtype,
                                          problem.out_dtype, hw, prune)
     mask = self._size_mask(np.array([[problem.m]]), problem.n, arr, hw, prune)[0]
     return tuple(c for c, ok in zip(cands, mask) if ok)
@@ -104,8 +110,8 @@ class MosaicMatmul(Backend):
         continue  # G5: split-K runs in one wave or two
       if prune and ns == 3 and bm * bn < 128 * 256:
         continue  # G6
-      c = MosaicMatmulConfig(block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
-                             grid_minor=gm, grid_width=gw)
+      c = interned(MosaicMatmulConfig, block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
+                   grid_minor=gm, grid_width=gw)
       if self.smem_bytes(p, c) > hw.smem_per_block:
         continue  # G2
       out.append(c)
@@ -146,7 +152,7 @@ class MosaicMatmul(Backend):
 
   def decision_arrays(self, problem: MatmulProblem, sizes, hw: Hardware, n_aux: int,
                       with_size=None):
-    cands, arr = self._weight_candidates(problem.n, problem.k, problem.dtype,
+    cands, arr = self._weight_candidates(*_rep(problem.n, problem.k), problem.dtype,
                                          problem.out_dtype, hw, True)
     m = np.asarray(sizes, np.int64).reshape(-1, 1)
     valid = self._size_mask(m, problem.n, arr, hw, True)

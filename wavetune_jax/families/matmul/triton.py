@@ -12,7 +12,7 @@ import numpy as np
 
 from pallas_kernels.matmul.triton import TritonMatmulConfig
 from pallas_kernels.matmul.triton import matmul as triton_matmul
-from wavetune_jax.core.family import Backend
+from wavetune_jax.core.family import Backend, interned
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families import _triton
 from wavetune_jax.families.matmul.problem import MatmulProblem
@@ -84,6 +84,14 @@ ACC_PER_THREAD = (16, 128)
 
 
 
+def _rep(n: int, k: int) -> tuple[int, int]:
+  """``(n, k)`` with the same candidates (one cache entry for every large
+  weight): N enters them only through min(next_pow2(N), 256) (R1), K through
+  min(next_pow2(K), 128) (R1) and min(K blocks, 32) per block_k (split-K
+  validity and R4), all saturated from K = 32 * 128."""
+  return min(n, BLOCK_N[-1]), min(k, 32 * BLOCK_K[-1])
+
+
 class TritonMatmul(Backend):
   """Pallas Triton GEMM: masked edges (any M, N, K), grouped tile order,
   split-K with fp32 partials summed by one XLA reduction."""
@@ -110,7 +118,7 @@ class TritonMatmul(Backend):
     With ``prune=False`` only validity (R2 and split-K <= K blocks) applies;
     that wide space exists to check the pruning rules against measurements.
     """
-    cands, arr = self._weight_candidates(problem.n, problem.k, problem.dtype, hw, prune)
+    cands, arr = self._weight_candidates(*_rep(problem.n, problem.k), problem.dtype, hw, prune)
     mask = self._size_mask(np.array([[problem.m]]), problem.n, arr, hw, prune)[0]
     return tuple(c for c, ok in zip(cands, mask) if ok)
 
@@ -133,8 +141,8 @@ class TritonMatmul(Backend):
         if prune and sk > 1 and _cdiv(k_blocks[bk], sk) < 2:
           continue  # R4 (K part; the tile-grid part in _size_mask)
         for gm, nw, ns in itertools.product(groups, NUM_WARPS, stages):
-          c = TritonMatmulConfig(block_m=bm, block_n=bn, block_k=bk, split_k=sk,
-                           group_m=gm, num_warps=nw, num_stages=ns)
+          c = interned(TritonMatmulConfig, block_m=bm, block_n=bn, block_k=bk, split_k=sk,
+                       group_m=gm, num_warps=nw, num_stages=ns)
           if self.smem_bytes(p, c) > hw.smem_per_block:
             continue  # R2
           acc = bm * bn // (32 * nw)
@@ -167,7 +175,7 @@ class TritonMatmul(Backend):
 
   def decision_arrays(self, problem: MatmulProblem, sizes, hw: Hardware, n_aux: int,
                       with_size=None):
-    cands, arr = self._weight_candidates(problem.n, problem.k, problem.dtype, hw, True)
+    cands, arr = self._weight_candidates(*_rep(problem.n, problem.k), problem.dtype, hw, True)
     m = np.asarray(sizes, np.int64).reshape(-1, 1)
     valid = self._size_mask(m, problem.n, arr, hw, True)
     g, l = _gl(m, problem.n, problem.k, arr["block_m"], arr["block_n"], arr["block_k"],

@@ -43,6 +43,7 @@ class XlaMatmul(Backend):
   micro_fields = ()
   interpret = True
   interpret_in_shard_map = True
+  heuristic_size_free = True
 
   def space(self, problem: MatmulProblem, hw: Hardware, *, prune: bool = True):
     return (XlaMatmulConfig(),)

@@ -37,6 +37,7 @@ class XlaRaggedDot(Backend):
   micro_fields = ()
   interpret = True
   interpret_in_shard_map = True
+  heuristic_size_free = True
 
   def space(self, problem, hw: Hardware, *, prune: bool = True):
     return (XlaRaggedDotConfig(),)
