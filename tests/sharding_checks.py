@@ -124,6 +124,16 @@ def sharded_jit_attention_batch_and_heads():
   assert "all-gather" not in hlo(f, *args)
   seen = [(p.batch, p.q_heads, p.kv_heads) for p in SEEN if p is not None]
   assert (2, 4, 1) in seen, seen
+  # A KV cache: per-sequence lengths split with the batch.
+  lens = jnp.array([5, 32, 1, 17], jnp.int32)
+  g = jax.jit(lambda q, k, v, l: wt.attention(q, k, v, kv_lengths=l,
+                                              causal_align="bottom_right"))
+  args = (put(Q[:, :4], spec), put(K, spec), put(K, spec), put(lens, P("a")))
+  y = g(*args)
+  from pallas_kernels.attention.reference import attention_reference
+  close(y, attention_reference(Q[:, :4], K, K, kv_lengths=lens, causal_align="bottom_right",
+                               out_dtype=jnp.float32), 2e-2)
+  assert "all-gather" not in hlo(g, *args)
   # The sequence sharded: the documented fallback gathers it.
   spec = P(None, "a")
   y = f(put(Q, spec), put(K, spec), put(K, spec))

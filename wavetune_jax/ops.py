@@ -39,7 +39,8 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, config=None) -> jax.Ar
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
-              scale: float | None = None, config=None) -> jax.Array:
+              scale: float | None = None, kv_lengths=None, causal_align: str = "top_left",
+              config=None) -> jax.Array:
   """Flash attention forward with a tuned kernel and launch config.
 
   Works inside ``jax.jit`` like :func:`matmul`.
@@ -49,9 +50,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     k, v: ``[batch, kv_len, kv_heads, head_dim]`` of the same dtype;
       ``kv_heads`` divides ``q_heads`` (grouped-query attention reads the
       shared K/V in place).
-    causal: a Python bool: mask keys after the query, top-left aligned (query
-      ``i`` sees keys ``j <= i``), as ``jax.nn.dot_product_attention(is_causal=True)``.
+    causal: a Python bool: mask keys after the query.
     scale: softmax scale, a Python float (default ``1 / sqrt(head_dim)``).
+    kv_lengths: ``[batch]`` integers, the valid KV length of each sequence (a
+      KV cache): keys at or past it are neither seen nor read, as
+      ``key_value_seq_lengths`` of ``jax.nn.dot_product_attention``; lengths
+      are clipped to ``[0, kv_len]``. None: every key is valid.
+    causal_align: where the causal diagonal sits when the queries do not
+      start at key 0. ``"top_left"`` (default): query ``i`` sees keys
+      ``j <= i``, as ``jax.nn.dot_product_attention(is_causal=True)``.
+      ``"bottom_right"``: the queries are the last ``q_len`` positions of
+      each sequence, query ``i`` sees keys ``j <= i + L - q_len`` (``L`` its
+      valid length), as FlashAttention 2.1+: decode (``q_len = 1`` sees the
+      whole cache) and chunked prefill. A query that sees no key gives zeros.
     config: a backend's config (``TritonAttentionConfig``,
       ``MosaicAttentionConfig``) or a dict ``{"backend": name, **fields}``;
       ``None`` lets the selector choose.
@@ -62,10 +73,13 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
   Raises:
     ValueError: wrong ranks; batch, head_dim or dtype mismatches; ``kv_heads``
       not dividing ``q_heads``; an unsupported dtype or head_dim (> 256); an
-      empty KV sequence; ``causal`` or ``scale`` of the wrong type; or a config
-      that cannot run this problem here.
+      empty KV sequence; ``causal`` or ``scale`` of the wrong type;
+      ``kv_lengths`` not ``[batch]`` integers; an unknown ``causal_align``; or
+      a config that cannot run this problem here (the Mosaic backend has no
+      KV lengths or bottom-right alignment yet).
   """
-  return tuned_call(ATTENTION, q, k, v, causal=causal, scale=scale, config=config)
+  return tuned_call(ATTENTION, q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths,
+                    causal_align=causal_align, config=config)
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=None,

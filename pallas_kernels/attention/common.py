@@ -7,7 +7,16 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["SUPPORTED_DTYPES", "MAX_HEAD_DIM", "check_qkv", "check_call"]
+__all__ = ["SUPPORTED_DTYPES", "MAX_HEAD_DIM", "ALIGNS", "check_qkv", "check_call",
+           "check_lengths", "check_align"]
+
+#: Where the causal diagonal sits when q_len != kv_len (or the valid KV length
+#: of a sequence differs from q_len): "top_left", query i sees keys j <= i
+#: (``jax.nn.dot_product_attention(is_causal=True)``); "bottom_right", the
+#: last query sees the last valid key, query i sees keys
+#: j <= i + L - q_len (FlashAttention 2.1+, a KV cache with new queries at
+#: its end: decode and chunked prefill).
+ALIGNS = ("top_left", "bottom_right")
 
 #: Input dtypes the kernels accept (q, k and v share one).
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -58,3 +67,37 @@ def check_call(q, k, v, scale) -> float:
   if not math.isfinite(scale):
     raise ValueError(f"scale={scale} must be finite")
   return float(scale)
+
+
+def check_align(causal_align) -> str:
+  if causal_align not in ALIGNS:
+    raise ValueError(f"causal_align={causal_align!r} must be one of {ALIGNS}")
+  return causal_align
+
+
+def check_lengths(kv_lengths, batch: int):
+  """``kv_lengths`` as an int32 ``[batch]`` array, or None."""
+  if kv_lengths is None:
+    return None
+  kv_lengths = jnp.asarray(kv_lengths)
+  if kv_lengths.shape != (batch,):
+    raise ValueError(f"kv_lengths must have shape [batch] = ({batch},); got "
+                     f"{kv_lengths.shape}")
+  if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
+    raise ValueError(f"kv_lengths must be integers; got {kv_lengths.dtype}")
+  return kv_lengths.astype(jnp.int32)
+
+
+def valid_keys(kv_lengths, kv_len: int, q_len: int, *, causal: bool, causal_align: str,
+               batch: int):
+  """``[batch, q_len, kv_len]`` bool: which keys each query sees (the mask
+  every backend implements; XLA's backend and the reference use it)."""
+  lens = (jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None
+          else jnp.clip(kv_lengths, 0, kv_len))
+  cols = jnp.arange(kv_len)[None, None, :]
+  ok = cols < lens[:, None, None]
+  if causal:
+    shift = (lens - q_len) if causal_align == "bottom_right" else jnp.zeros_like(lens)
+    rows = jnp.arange(q_len)[None, :, None]
+    ok = ok & (cols <= rows + shift[:, None, None])
+  return jnp.broadcast_to(ok, (batch, q_len, kv_len))

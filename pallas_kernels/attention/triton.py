@@ -46,7 +46,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._launch import MIN_BLOCK as _MIN_BLOCK
 from pallas_kernels._launch import check_launch, match_varying, out_struct
-from pallas_kernels.attention.common import check_call
+from pallas_kernels.attention.common import check_align, check_call, check_lengths
 
 __all__ = ["TritonAttentionConfig", "attention", "kv_blocks", "q_block_start",
            "MAX_ELEMENTS"]
@@ -117,8 +117,26 @@ def kv_blocks(q_block, *, q_len: int, kv_len: int, block_q: int, block_k: int,
   return full, total
 
 
-def _attention_kernel(q_ref, k_ref, v_ref, o_ref, *, q_len, kv_len, q_heads, group,
-                      head_dim, dp, bq, bk, causal, scale):
+def kv_range(first_row, end_row, *, valid, shift, q_len: int, block_k: int, causal: bool):
+  """``(full, total)`` KV blocks of the query rows ``[first_row, end_row)``
+  with ``valid`` keys and the diagonal at ``col <= row + shift`` (traced
+  values; the general form of :func:`kv_blocks`)."""
+  last_row = jnp.minimum(end_row, q_len) - 1
+  full = valid // block_k
+  total = (valid + block_k - 1) // block_k
+  if causal:
+    full = jnp.minimum(full, jnp.maximum(first_row + shift + 1, 0) // block_k)
+    total = jnp.minimum(total, (jnp.maximum(last_row + shift + 1, 0) + block_k - 1) // block_k)
+  total = jnp.maximum(total, 0)
+  return jnp.minimum(full, total), total
+
+
+def _attention_kernel(*refs, q_len, kv_len, q_heads, group, head_dim, dp, bq, bk, causal,
+                      scale, has_lengths, bottom_right):
+  if has_lengths:
+    q_ref, k_ref, v_ref, len_ref, o_ref = refs
+  else:
+    q_ref, k_ref, v_ref, o_ref = refs
   n_q = pl.cdiv(q_len, bq)
   pid_q = pl.program_id(0)
   q_block = (n_q - 1 - pid_q) if causal else pid_q
@@ -139,13 +157,22 @@ def _attention_kernel(q_ref, k_ref, v_ref, o_ref, *, q_len, kv_len, q_heads, gro
                  other=None if q_mask is None else 0.0)
   kv_mask = None if mask_d is None else mask_d[None, :]
   qk_scale = scale * _LOG2E  # exp(x) = exp2(x * log2(e))
+  # The valid keys of this sequence, and where the causal diagonal sits:
+  # query row r sees keys c <= r + shift.
+  if has_lengths:
+    valid = jnp.clip(len_ref[b], 0, kv_len).astype(jnp.int32)
+  else:
+    valid = kv_len
+  shift = (valid - q_len) if bottom_right else 0
 
   def step(j, carry, *, edge: bool):
     acc, m_i, l_i = carry
     ks = pl.ds(j * bk, bk)
-    # Rows past kv_len are only read in edge blocks; masked to zero there.
-    if edge and kv_len % bk:
-      col_ok = (j * bk + jnp.arange(bk)) < kv_len
+    # Keys past the valid length are only read in edge blocks; loaded as
+    # zeros there (NaN in a cache past a sequence's length never reaches the
+    # output).
+    if edge and (has_lengths or kv_len % bk):
+      col_ok = (j * bk + jnp.arange(bk)) < valid
       ld_mask = _outer_and(col_ok, mask_d)
     else:
       col_ok = None
@@ -158,7 +185,7 @@ def _attention_kernel(q_ref, k_ref, v_ref, o_ref, *, q_len, kv_len, q_heads, gro
       col_ids = j * bk + jnp.arange(bk)
       mask = None
       if causal:
-        mask = row_ids[:, None] >= col_ids[None, :]
+        mask = (row_ids[:, None] + shift) >= col_ids[None, :]
       if col_ok is not None:
         mask = col_ok[None, :] if mask is None else mask & col_ok[None, :]
       if mask is not None:
@@ -172,15 +199,26 @@ def _attention_kernel(q_ref, k_ref, v_ref, o_ref, *, q_len, kv_len, q_heads, gro
                                              preferred_element_type=jnp.float32)
     return acc, m_next, l_next
 
-  full, total = kv_blocks(q_block, q_len=q_len, kv_len=kv_len, block_q=bq,
-                          block_k=bk, causal=causal)
+  if has_lengths or bottom_right:
+    full, total = kv_range(start, start + bq, valid=valid, shift=shift, q_len=q_len,
+                           block_k=bk, causal=causal)
+    full, total = full.astype(jnp.int32), total.astype(jnp.int32)
+  else:
+    full, total = kv_blocks(q_block, q_len=q_len, kv_len=kv_len, block_q=bq,
+                            block_k=bk, causal=causal)
   carry = (jnp.zeros((bq, dp), jnp.float32),
            jnp.full((bq,), -jnp.inf, jnp.float32),
            jnp.zeros((bq,), jnp.float32))
-  carry = jax.lax.fori_loop(0, full, functools.partial(step, edge=False), carry)
+  zero = jnp.int32(0) if isinstance(full, jax.Array) else 0
+  carry = jax.lax.fori_loop(zero, full, functools.partial(step, edge=False), carry)
   acc, m_i, l_i = jax.lax.fori_loop(full, total, functools.partial(step, edge=True),
                                     carry)
   out = acc / l_i[:, None]
+  if has_lengths or bottom_right:
+    # A query that sees no key (an empty sequence, or a row before the
+    # diagonal's start) gives zeros.
+    sees = (row_ids + shift >= 0) & (valid > 0) if causal else jnp.full((bq,), valid > 0)
+    out = jnp.where(sees[:, None], out, 0.0)
   plgpu.store(o_ref.at[b, rows, h, cols], out.astype(o_ref.dtype), mask=q_mask)
 
 
@@ -195,8 +233,8 @@ def _outer_and(a, b):
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: TritonAttentionConfig,
-              causal: bool = True, scale: float | None = None,
-              interpret: bool = False) -> jax.Array:
+              causal: bool = True, scale: float | None = None, kv_lengths=None,
+              causal_align: str = "top_left", interpret: bool = False) -> jax.Array:
   """Flash attention forward with the Pallas Triton kernel.
 
   Args:
@@ -204,9 +242,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: TritonAttenti
     k, v: ``[batch, kv_len, kv_heads, head_dim]``, same dtype; ``kv_heads``
       divides ``q_heads``.
     config: launch parameters; used as given, never changed.
-    causal: mask keys after the query (top-left aligned: query ``i`` sees
-      keys ``j <= i``).
+    causal: mask keys after the query, aligned as ``causal_align`` says.
     scale: softmax scale (default ``1 / sqrt(head_dim)``).
+    kv_lengths: ``[batch]`` int valid KV length per sequence (keys past it
+      are neither seen nor read), or None (all ``kv_len``).
+    causal_align: ``"top_left"`` (query ``i`` sees keys ``j <= i``) or
+      ``"bottom_right"`` (``j <= i + L - q_len``, L the valid length): see
+      ``pallas_kernels.attention.common.ALIGNS``. A query that sees no key
+      gives zeros.
     interpret: run in Pallas interpret mode (CPU; for tests).
 
   Returns:
@@ -226,13 +269,16 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: TritonAttenti
     if a.size > MAX_ELEMENTS:
       raise ValueError(f"{name} holds {a.size} elements, more than the kernel's "
                        f"32-bit offsets allow ({MAX_ELEMENTS})")
-  return _attention(q, k, v, config=config, causal=bool(causal), scale=scale,
-                    interpret=interpret)
+  kv_lengths = check_lengths(kv_lengths, q.shape[0])
+  return _attention(q, k, v, kv_lengths, config=config, causal=bool(causal), scale=scale,
+                    bottom_right=check_align(causal_align) == "bottom_right"
+                    and bool(causal), interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "causal", "scale", "interpret"))
-def _attention(q, k, v, *, config: TritonAttentionConfig, causal: bool, scale: float,
-               interpret: bool):
+@functools.partial(jax.jit, static_argnames=("config", "causal", "scale", "bottom_right",
+                                             "interpret"))
+def _attention(q, k, v, kv_lengths, *, config: TritonAttentionConfig, causal: bool,
+               scale: float, bottom_right: bool, interpret: bool):
   batch, q_len, q_heads, head_dim = q.shape
   kv_len, kv_heads = k.shape[1], k.shape[2]
   c = config
@@ -240,9 +286,11 @@ def _attention(q, k, v, *, config: TritonAttentionConfig, causal: bool, scale: f
   kernel = functools.partial(
       _attention_kernel, q_len=q_len, kv_len=kv_len, q_heads=q_heads,
       group=q_heads // kv_heads, head_dim=head_dim, dp=dp, bq=c.block_q,
-      bk=c.block_k, causal=causal, scale=scale)
+      bk=c.block_k, causal=causal, scale=scale, has_lengths=kv_lengths is not None,
+      bottom_right=bottom_right and q_len != kv_len or bottom_right and kv_lengths is not None)
   grid = (pl.cdiv(q_len, c.block_q), batch * q_heads)
-  (q, k, v), axes = match_varying(q, k, v)
+  args = (q, k, v) if kv_lengths is None else (q, k, v, kv_lengths)
+  args, axes = match_varying(*args)
   with warnings.catch_warnings():
     # JAX 0.11 deprecates the Triton backend of Pallas; it still works.
     warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -254,4 +302,4 @@ def _attention(q, k, v, *, config: TritonAttentionConfig, causal: bool, scale: f
             num_warps=c.num_warps, num_stages=c.num_stages),
         interpret=interpret,
         name=f"wavetune_attention_{c.block_q}x{c.block_k}",
-    )(q, k, v)
+    )(*args)

@@ -58,11 +58,14 @@ class Problem:
 
 class Call(NamedTuple):
   """A bound op call: the problem, the arrays the kernel takes and the
-  options (static, not part of the problem) its ``run`` takes."""
+  options (static, not part of the problem) its ``run`` takes.
+  ``kw_arrays`` names the keyword arguments of the op whose arrays end
+  ``arrays`` (attention's ``kv_lengths``), in that order."""
 
   problem: Any
   arrays: tuple
   options: dict
+  kw_arrays: tuple = ()
 
 
 _INTERNED: dict = {}

@@ -57,9 +57,16 @@ def tuned_call(family: Family, *args, config=None, **kwargs) -> jax.Array:
     return call  # nothing to compute (empty arrays)
   rule = family.partition_rule(call.problem)
   if rule is not None and partition.wants_partitioning(call.arrays):
-    local = functools.partial(_local_call, family, config=config)
+    # Every array is an operand of the partitioned op (the ones passed as
+    # keywords too); the other keywords are static.
+    n = len(call.arrays) - len(call.kw_arrays)
+    static = {k: v for k, v in kwargs.items() if k not in call.kw_arrays}
+
+    def local(*xs, **kw):
+      return _local_call(family, *xs[:n], config=config, **kw,
+                         **dict(zip(call.kw_arrays, xs[n:])))
     return _forward_only(family.name, lambda *xs: partition.partitioned(
-        rule, local, xs, kwargs), *call.arrays)
+        rule, local, xs, static), *call.arrays)
   return _local_call(family, *call.arrays, config=config, _call=call, **kwargs)
 
 

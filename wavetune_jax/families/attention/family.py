@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.common import check_call
+from pallas_kernels.attention.common import check_align, check_call, check_lengths
 from pallas_kernels.attention.reference import attention_reference
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
@@ -43,26 +43,34 @@ class AttentionFamily(Family):
   legacy_backends = {0: "triton", 1: "mosaic"}
 
   # --- the call ------------------------------------------------------------------------
-  def bind(self, q, k, v, *, causal: bool = True, scale: float | None = None):
-    """Checks ``q [batch, q_len, q_heads, head_dim]`` and ``k, v [batch,
-    kv_len, kv_heads, head_dim]``; the problem of the call."""
+  def bind(self, q, k, v, *, causal: bool = True, scale: float | None = None,
+           kv_lengths=None, causal_align: str = "top_left"):
+    """Checks ``q [batch, q_len, q_heads, head_dim]``, ``k, v [batch,
+    kv_len, kv_heads, head_dim]`` and ``kv_lengths [batch]``; the problem of
+    the call."""
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     if not isinstance(causal, (bool, jnp.bool_)) or isinstance(causal, jax.Array):
       raise ValueError(f"causal={causal!r} must be a Python bool (a static value)")
     scale = check_call(q, k, v, scale)
+    check_align(causal_align)
     batch, q_len, q_heads, head_dim = q.shape
+    lengths = check_lengths(kv_lengths, batch)
     if batch == 0 or q_len == 0 or q_heads == 0:
       return jnp.zeros(q.shape, q.dtype)
     problem = AttentionProblem(batch=batch, q_heads=q_heads, kv_heads=k.shape[2],
                                q_len=q_len, kv_len=k.shape[1], head_dim=head_dim,
-                               causal=bool(causal), dtype=q.dtype.name)
-    return Call(problem, (q, k, v), {"scale": scale})
+                               causal=bool(causal), dtype=q.dtype.name,
+                               lengths=lengths is not None, causal_align=causal_align)
+    if lengths is None:
+      return Call(problem, (q, k, v), {"scale": scale})
+    return Call(problem, (q, k, v, lengths), {"scale": scale}, ("kv_lengths",))
 
   def partition_rule(self, problem):
     """Batch and heads split (a query head with its KV head: the KV heads
     are the factor ``g``, each with ``r`` query heads); the sequence and
     head_dim are gathered: a kernel needs every key of its query rows."""
-    return PartitionRule("b q (g r) d, b s g d, b s g d -> b q (g r) d",
+    lengths = ", b" if problem.lengths else ""
+    return PartitionRule(f"b q (g r) d, b s g d, b s g d{lengths} -> b q (g r) d",
                          factor_sizes={"r": problem.q_heads // problem.kv_heads},
                          replicated=("q", "s", "d"))
 
@@ -79,8 +87,10 @@ class AttentionFamily(Family):
 
   def problem_key(self, problem: AttentionProblem) -> str:
     p = problem
+    extra = (":lengths" if p.lengths else "") + (
+        ":bottom_right" if p.causal_align == "bottom_right" else "")
     return (f"b{p.batch}:h{p.q_heads}/{p.kv_heads}:q{p.q_len}:kv{p.kv_len}:d{p.head_dim}:"
-            f"{'causal' if p.causal else 'full'}:{p.dtype}")
+            f"{'causal' if p.causal else 'full'}:{p.dtype}{extra}")
 
   def with_size(self, problem: AttentionProblem, size: int) -> AttentionProblem:
     """Prefill grows q_len and kv_len together (self-attention)."""
@@ -88,14 +98,16 @@ class AttentionFamily(Family):
     return problem.__class__(batch=problem.batch, q_heads=problem.q_heads,
                              kv_heads=problem.kv_heads, q_len=int(size), kv_len=kv,
                              head_dim=problem.head_dim, causal=problem.causal,
-                             dtype=problem.dtype)
+                             dtype=problem.dtype, lengths=problem.lengths,
+                             causal_align=problem.causal_align)
 
   def weight_of(self, problem: AttentionProblem) -> tuple:
     """Every field but the lengths; self-attention (kv_len = q_len) is its own kind."""
     kv = "=q" if problem.kv_len == problem.q_len else problem.kv_len
     return (("batch", problem.batch), ("causal", problem.causal), ("dtype", problem.dtype),
             ("head_dim", problem.head_dim), ("kv_heads", problem.kv_heads),
-            ("kv_len", kv), ("q_heads", problem.q_heads))
+            ("kv_len", kv), ("q_heads", problem.q_heads), ("lengths", problem.lengths),
+            ("causal_align", problem.causal_align))
 
   def inputs(self, problem: AttentionProblem, key: jax.Array):
     p = problem
@@ -104,10 +116,15 @@ class AttentionFamily(Family):
     q = jax.random.normal(kq, (p.batch, p.q_len, p.q_heads, p.head_dim), jnp.float32)
     k = jax.random.normal(kk, (p.batch, p.kv_len, p.kv_heads, p.head_dim), jnp.float32)
     v = jax.random.normal(kv, (p.batch, p.kv_len, p.kv_heads, p.head_dim), jnp.float32)
-    return q.astype(dt), k.astype(dt), v.astype(dt)
+    out = (q.astype(dt), k.astype(dt), v.astype(dt))
+    if p.lengths:  # a KV cache: valid lengths from 1 to kv_len
+      lens = jax.random.randint(jax.random.fold_in(key, 1), (p.batch,), 1, p.kv_len + 1)
+      out += (lens.astype(jnp.int32),)
+    return out
 
-  def reference(self, problem: AttentionProblem, q, k, v):
-    return attention_reference(q, k, v, causal=problem.causal, out_dtype=jnp.float32)
+  def reference(self, problem: AttentionProblem, q, k, v, kv_lengths=None):
+    return attention_reference(q, k, v, causal=problem.causal, out_dtype=jnp.float32,
+                               kv_lengths=kv_lengths, causal_align=problem.causal_align)
 
   def baseline(self, problem: AttentionProblem):
     """cuDNN's fused attention through ``jax.nn.dot_product_attention``."""
@@ -118,8 +135,13 @@ class AttentionFamily(Family):
 
   @staticmethod
   def _jax_nn(problem, implementation):
-    def f(q, k, v):
+    if problem.shifted:  # a bottom-right diagonal: an explicit mask, XLA's implementation
+      from wavetune_jax.families.attention.xla import masked_attention
+      return lambda *a: masked_attention(problem, *a)
+
+    def f(q, k, v, kv_lengths=None):
       return jax.nn.dot_product_attention(q, k, v, is_causal=problem.causal,
+                                          key_value_seq_lengths=kv_lengths,
                                           implementation=implementation)
     return f
 

@@ -45,7 +45,8 @@ class MosaicAttention(Backend):
   @staticmethod
   def _runs_shape(p: AttentionProblem) -> bool:
     return (p.head_dim % 64 == 0 and p.q_len % kernel.SEQ_MULTIPLE == 0
-            and p.kv_len % kernel.SEQ_MULTIPLE == 0 and not (p.causal and p.q_len > p.kv_len))
+            and p.kv_len % kernel.SEQ_MULTIPLE == 0 and not (p.causal and p.q_len > p.kv_len)
+            and not p.lengths and not p.shifted)
 
   def smem_bytes(self, problem: AttentionProblem, c: MosaicAttentionConfig) -> int:
     return kernel.smem_bytes(block_q=c.block_q, block_k=c.block_k, num_stages=c.num_stages,
@@ -79,13 +80,17 @@ class MosaicAttention(Backend):
   def size_quantum(self, problem: AttentionProblem) -> int | None:
     """The space changes at multiples of 8 (rule M1) and the speed with the
     ragged part of the last blocks: each length is decided on its own."""
-    return 1 if problem.head_dim % 64 == 0 else None
+    p = problem
+    return 1 if p.head_dim % 64 == 0 and not p.lengths and not p.shifted else None
 
   def validate(self, problem: AttentionProblem, config: MosaicAttentionConfig,
                hw: Hardware | None = None) -> None:
     if not isinstance(config, MosaicAttentionConfig):
       raise ValueError(f"config must be a MosaicAttentionConfig; got {config!r}")
     p = problem
+    if p.lengths or p.shifted:
+      raise ValueError("the Mosaic GPU attention kernel has no per-sequence KV lengths and "
+                       "no bottom-right causal alignment yet (use a Triton or XLA config)")
     kernel.check_shapes((p.batch, p.q_len, p.q_heads, p.head_dim),
                         (p.batch, p.kv_len, p.kv_heads, p.head_dim), p.dtype, causal=p.causal)
     if hw is not None and self.smem_bytes(p, config) > hw.smem_per_block:
@@ -115,8 +120,8 @@ class MosaicAttention(Backend):
     """The Triton kernel's mapping: one program per ``block_q`` query rows."""
     return coords(problem, macro["block_q"], macro["block_k"])
 
-  def run(self, problem: AttentionProblem, config: MosaicAttentionConfig, q, k, v, *,
-          interpret: bool = False, scale: float | None = None):
+  def run(self, problem: AttentionProblem, config: MosaicAttentionConfig, q, k, v,
+          kv_lengths=None, *, interpret: bool = False, scale: float | None = None):
     if interpret:
       raise NotImplementedError(kernel.NO_INTERPRET)
     return kernel.attention(q, k, v, config=config, causal=problem.causal, scale=scale)

@@ -8,7 +8,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention.common import MAX_HEAD_DIM
+from pallas_kernels.attention.common import MAX_HEAD_DIM, check_align
 from pallas_kernels.attention.triton import kv_blocks
 from wavetune_jax.core.family import Problem
 
@@ -26,8 +26,12 @@ class AttentionProblem(Problem):
       ``q_heads``.
     q_len, kv_len: query and key/value lengths (``kv_len=0`` means ``q_len``:
       self-attention prefill).
-    causal: causal mask (top-left aligned).
+    causal: causal mask.
     dtype: ``"bfloat16"`` or ``"float16"``.
+    lengths: the call gives per-sequence valid KV lengths (their values are
+      run-time data, not part of the problem).
+    causal_align: ``"top_left"`` or ``"bottom_right"`` (see
+      ``pallas_kernels.attention.common.ALIGNS``).
   """
 
   batch: int
@@ -38,6 +42,8 @@ class AttentionProblem(Problem):
   head_dim: int = 128
   causal: bool = True
   dtype: str = "bfloat16"
+  lengths: bool = False
+  causal_align: str = "top_left"
   _key: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
   _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
 
@@ -58,7 +64,16 @@ class AttentionProblem(Problem):
     if dtype not in DTYPES:
       raise ValueError(f"AttentionProblem.dtype={self.dtype!r} must be one of {DTYPES}")
     object.__setattr__(self, "dtype", dtype)
+    if not isinstance(self.lengths, bool):
+      raise ValueError(f"AttentionProblem.lengths={self.lengths!r} must be a bool")
+    check_align(self.causal_align)
     self._freeze()
+
+  @property
+  def shifted(self) -> bool:
+    """The causal diagonal is not the top-left one for some sequence."""
+    return self.causal and self.causal_align == "bottom_right" and (
+        self.lengths or self.q_len != self.kv_len)
 
   @property
   def padded_head_dim(self) -> int:

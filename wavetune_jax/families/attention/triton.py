@@ -117,7 +117,8 @@ class TritonAttention(Backend):
   def coords(self, problem: AttentionProblem, macro: dict) -> tuple[int, float]:
     return coords(problem, macro["block_q"], macro["block_k"])
 
-  def run(self, problem: AttentionProblem, config: TritonAttentionConfig, q, k, v, *,
-          interpret: bool = False, scale: float | None = None):
+  def run(self, problem: AttentionProblem, config: TritonAttentionConfig, q, k, v,
+          kv_lengths=None, *, interpret: bool = False, scale: float | None = None):
     return triton_attention(q, k, v, config=config, causal=problem.causal, scale=scale,
+                            kv_lengths=kv_lengths, causal_align=problem.causal_align,
                             interpret=interpret)

@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
+from pallas_kernels.attention.common import valid_keys
 from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.attention.problem import AttentionProblem, coords
 
-__all__ = ["XlaAttention", "XlaAttentionConfig"]
+__all__ = ["XlaAttention", "XlaAttentionConfig", "masked_attention"]
 
 #: The nominal blocks of the wave model's (G, L).
 NOMINAL_BLOCK = 128
@@ -52,7 +54,24 @@ class XlaAttention(Backend):
   def coords(self, problem: AttentionProblem, macro: dict) -> tuple[int, float]:
     return coords(problem, NOMINAL_BLOCK, NOMINAL_BLOCK)
 
-  def run(self, problem: AttentionProblem, config, q, k, v, *, interpret: bool = False,
-          scale: float | None = None):
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=problem.causal,
-                                        implementation="xla")
+  def run(self, problem: AttentionProblem, config, q, k, v, kv_lengths=None, *,
+          interpret: bool = False, scale: float | None = None):
+    if kv_lengths is None and not problem.shifted:
+      return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=problem.causal,
+                                          implementation="xla")
+    return masked_attention(problem, q, k, v, kv_lengths, scale=scale)
+
+
+def masked_attention(problem: AttentionProblem, q, k, v, kv_lengths=None, *, scale=None):
+  """XLA's attention with the op's mask (valid lengths, either causal
+  alignment): keys past a sequence's length are zeroed before use (NaN there
+  never reaches the output) and a query that sees no key gives zeros."""
+  ok = valid_keys(kv_lengths, k.shape[1], q.shape[1], causal=problem.causal,
+                  causal_align=problem.causal_align, batch=q.shape[0])
+  seen = jnp.any(ok, axis=1)[:, :, None, None]
+  k = jnp.where(seen, k, jnp.zeros((), k.dtype))
+  v = jnp.where(seen, v, jnp.zeros((), v.dtype))
+  out = jax.nn.dot_product_attention(q, k, v, scale=scale, mask=ok[:, None],
+                                     implementation="xla")
+  sees = jnp.any(ok, axis=2)[:, :, None, None]
+  return jnp.where(sees, out, jnp.zeros((), out.dtype))
