@@ -16,6 +16,11 @@ balanced-routing config costs there. ``--json`` writes every measurement.
 
     python3 benchmarks/ragged_dot_mosaic.py [--check] [--set quick|suite]
         [--skew] [--json out.json]
+    python3 benchmarks/ragged_dot_mosaic.py --summarize out.json [--device h100]   # CPU
+
+``--summarize`` reads the rows of a run (no GPU): per problem XLA, the best
+Mosaic config and the ratio, the geomean from 1,024 tokens, and the config
+the Hopper heuristic picks, as a fraction of the best and against XLA.
 """
 
 from __future__ import annotations
@@ -114,14 +119,61 @@ def measure(fam, p, cands, prof):
                            out_bytes=ref.size * 4)
 
 
+def summarize(path: str, device: str = "h100") -> dict:
+  """Prints and returns the summary of a ``--json`` file (module doc)."""
+  from wavetune_jax import get_hardware
+  with open(path) as f:
+    rows = json.load(f)["rows"]
+  hw = get_hardware(device)
+  by: dict = {}
+  for r in rows:
+    if r["status"] == "ok":
+      by.setdefault((r["weight"], r["tokens"], r["problem"]), {})[
+          json.dumps(r["config"], sort_keys=True)] = r["us"]
+  fam = RAGGED_DOT
+  out = {"speedup": {}, "heuristic_of_best": {}, "heuristic_vs_xla": {}}
+  print(f"{'weight':<24}{'tokens':>7}{'xla us':>10}{'mosaic':>10}{'speedup':>9}"
+        f"{'heur/best':>10}{'heur/xla':>9}  best mosaic config")
+  for (w, t, key), times in by.items():
+    x = times.get(json.dumps({"backend": "xla"}))
+    mos = {c: us for c, us in times.items() if json.loads(c)["backend"] == "mosaic"}
+    if x is None or not mos:
+      continue
+    best_c = min(mos, key=mos.get)
+    m, g, k, n = (int(v) for v in key.split(":")[0].split("x"))
+    h = fam.heuristic(RaggedDotProblem(m=m, g=g, k=k, n=n), hw)
+    t_h = times.get(json.dumps(fam.config_to_dict(h), sort_keys=True), math.nan)
+    best = min(times.values())
+    out["speedup"][(w, t)] = x / mos[best_c]
+    out["heuristic_of_best"][(w, t)] = best / t_h
+    out["heuristic_vs_xla"][(w, t)] = x / t_h
+    c = json.loads(best_c)
+    print(f"{w:<24}{t:>7}{x:10.1f}{mos[best_c]:10.1f}{x / mos[best_c]:9.2f}"
+          f"{best / t_h:10.2f}{x / t_h:9.2f}  {c['block_m']}x{c['block_n']} "
+          f"s{c['num_stages']} k{c['split_k']} o{c['grid_minor']}")
+  big = [v for (w, t), v in out["speedup"].items() if t >= 1024]
+  hb = list(out["heuristic_of_best"].values())
+  print(f"best Mosaic vs lax.ragged_dot from 1,024 tokens: {min(big):.2f}-{max(big):.2f}x, "
+        f"geomean {evaluate._geomean(big):.2f}x over {len(big)}")
+  print(f"heuristic: within 5% of the best on {sum(v >= 0.95 for v in hb)} of {len(hb)}, "
+        f"min {min(hb):.2f}, geomean {evaluate._geomean(hb):.3f}; vs XLA min "
+        f"{min(out['heuristic_vs_xla'].values()):.2f}x")
+  return out
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--summarize", metavar="JSON", help="summarize a run's rows (CPU)")
+  ap.add_argument("--device", default="h100", help="GPU preset of --summarize's heuristic")
   ap.add_argument("--check", action="store_true", help="the ragged edge cases first")
   ap.add_argument("--set", choices=("quick", "none"), default="quick")
   ap.add_argument("--skew", action="store_true", help="also a skewed router (see doc)")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   a = ap.parse_args()
+  if a.summarize:
+    summarize(a.summarize, a.device)
+    return
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__, flush=True)
   hw = hardware.detect()

@@ -142,13 +142,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   """
   if not isinstance(config, MosaicRaggedDotConfig):
     raise ValueError(f"config must be a MosaicRaggedDotConfig; got {type(config).__name__}")
-  if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
-    raise ValueError(f"need lhs [M, K] and rhs [G, K, N]; got lhs.shape={lhs.shape}, "
-                     f"rhs.shape={rhs.shape}")
-  if group_sizes.shape != (rhs.shape[0],):
-    raise ValueError(f"group_sizes must have shape ({rhs.shape[0]},); got {group_sizes.shape}")
-  if lhs.dtype != rhs.dtype:
-    raise ValueError(f"lhs.dtype={lhs.dtype} and rhs.dtype={rhs.dtype} must be the same")
+  worklist.check_operands(lhs, rhs, group_sizes)
   out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
   (m, k), n = lhs.shape, rhs.shape[2]
   check_shapes(m, n, k, lhs.dtype, out_dtype, config)

@@ -92,11 +92,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   """
   if not isinstance(config, TritonRaggedDotConfig):
     raise ValueError(f"config must be a TritonRaggedDotConfig; got {type(config).__name__}")
-  if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
-    raise ValueError(f"need lhs [M, K] and rhs [G, K, N]; got lhs.shape={lhs.shape}, "
-                     f"rhs.shape={rhs.shape}")
-  if group_sizes.shape != (rhs.shape[0],):
-    raise ValueError(f"group_sizes must have shape ({rhs.shape[0]},); got {group_sizes.shape}")
+  worklist.check_operands(lhs, rhs, group_sizes)
   for name, size in (("lhs", lhs.size), ("rhs", rhs.size),
                      ("output", lhs.shape[0] * rhs.shape[2])):
     if size > MAX_ELEMENTS:

@@ -23,12 +23,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ALIGN", "max_tasks", "row_tasks", "GROUP", "ROW0", "START", "SIZE"]
+__all__ = ["ALIGN", "check_operands", "max_tasks", "row_tasks", "GROUP", "ROW0", "START",
+           "SIZE"]
 
 #: Task blocks start at multiples of this many rows.
 ALIGN = 8
 #: Rows of ``tasks``.
 GROUP, ROW0, START, SIZE = 0, 1, 2, 3
+
+
+def check_operands(lhs, rhs, group_sizes) -> None:
+  """Raises ``ValueError`` unless ``lhs [M, K]``, ``rhs [G, K, N]`` and
+  ``group_sizes [G]`` form a grouped GEMM of one input dtype (every kernel
+  checks this)."""
+  if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+    raise ValueError(f"need lhs [M, K] and rhs [G, K, N]; got lhs.shape={lhs.shape}, "
+                     f"rhs.shape={rhs.shape}")
+  if group_sizes.shape != (rhs.shape[0],):
+    raise ValueError(f"group_sizes must have shape ({rhs.shape[0]},); got {group_sizes.shape}")
+  if lhs.dtype != rhs.dtype:
+    raise ValueError(f"lhs.dtype={lhs.dtype} and rhs.dtype={rhs.dtype} must be the same")
 
 
 def max_tasks(m: int, groups: int, block_m: int, align: int = ALIGN) -> int:
