@@ -3,6 +3,7 @@ checks of the op, selection, the mapping and the tuner on the recorded sweeps
 (each backend's own tests: test_attention_backends.py)."""
 
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ import wavetune_jax as wt
 from test_attention_backends import qkv
 from pallas_kernels.attention.reference import attention_reference
 from pallas_kernels.attention.triton import kv_blocks, q_block_start
-from wavetune_jax import ATTENTION, AttentionProblem, MosaicAttentionConfig, TritonAttentionConfig, get_hardware
+from wavetune_jax import ATTENTION, AttentionProblem, CudnnAttentionConfig, MosaicAttentionConfig, TritonAttentionConfig, get_hardware
 from wavetune_jax.runtime import selector
 from wavetune_jax.tuning import evaluate
 from wavetune_jax.tuning.profiler import rel_error
@@ -88,8 +89,8 @@ def test_bad_dtype_and_config():
     wt.attention(q, q, q, config={"backend": "triton", "block_q": 48})
   with pytest.raises(ValueError, match="unknown TritonAttentionConfig"):
     wt.attention(q, q, q, config={"backend": "triton", "block_m": 64})
-  with pytest.raises(ValueError, match="no backend 'cudnn'"):
-    wt.attention(q, q, q, config={"backend": "cudnn"})
+  with pytest.raises(ValueError, match="no backend 'flash3'"):
+    wt.attention(q, q, q, config={"backend": "flash3"})
   with pytest.raises(ValueError, match="TritonMatmulConfig"):
     wt.attention(q, q, q, config=wt.TritonMatmulConfig())
 
@@ -117,10 +118,10 @@ def test_on_a_cpu_the_op_picks_an_interpret_capable_backend():
   sel = selector.select(ATTENTION, AttentionProblem(batch=2, q_heads=32, kv_heads=8,
                                                     q_len=3000), hw)
   assert isinstance(sel.config, TritonAttentionConfig)
-  # The same problem for a named GPU answers with the Mosaic backend.
+  # The same problem for a named GPU answers with a GPU-only backend.
   sel = selector.select(ATTENTION, AttentionProblem(batch=2, q_heads=32, kv_heads=8,
                                                     q_len=3000), get_hardware("h100"))
-  assert isinstance(sel.config, MosaicAttentionConfig)
+  assert isinstance(sel.config, (MosaicAttentionConfig, CudnnAttentionConfig))
   with pytest.raises(ValueError, match="cannot run here"):
     wt.attention(q[:, :256], q[:, :256], q[:, :256], config=MosaicAttentionConfig())
 
@@ -143,7 +144,8 @@ def test_spec_space_mapping_and_shipped_table():
   p = AttentionProblem(batch=2, q_heads=32, kv_heads=8, q_len=3000, head_dim=128)
   assert p.kv_len == 3000
   space = ATTENTION.space(p, H200)
-  assert space and {ATTENTION.backend_of(c).name for c in space} == {"triton", "mosaic"}
+  assert space and {ATTENTION.backend_of(c).name for c in space} == {"cudnn", "triton", "mosaic",
+                                                                     "xla"}
   g, l = ATTENTION.coords(p, AttentionConfig(block_q=128, block_k=64))
   assert g == 2 * 32 * 24
   # Causal: mean KV blocks over query blocks, about half of the full row.
@@ -173,7 +175,7 @@ def test_cli_select_attention(capsys):
   assert cli_main(["select", "attention", "--m", "3000", "--set", "batch=2",
                    "--set", "q_heads=32", "--set", "kv_heads=8", "--device", "h200"]) == 0
   text = capsys.readouterr().out
-  assert "block_q" in text and "answered by" in text and "G=1536" in text
+  assert "config" in text and "answered by" in text and "G=1536" in text
   assert cli_main(["select", "attention", "--m", "3000", "--device", "h200"]) == 2
   assert "not a attention problem" in capsys.readouterr().err
 
@@ -197,9 +199,12 @@ def test_mosaic_selected_only_where_it_runs_with_the_shipped_tables(gpu):
       p = ATTENTION.with_size(base, q)
       sel = selector.select(ATTENTION, p, hw)
       ATTENTION.validate(p, sel.config, hw)  # raises for a Mosaic config it cannot run
-      assert isinstance(sel.config, AttentionConfig if q % 8 else MOSAIC)
+      assert not (q % 8 and isinstance(sel.config, MOSAIC))
     p = AttentionProblem(batch=1, q_heads=8, kv_heads=1, q_len=256)  # 16 programs
     assert isinstance(selector.select(ATTENTION, p, hw).config, AttentionConfig)
+    # cuDNN's 128-row tiles fill the GPU: cuDNN, or a Mosaic config predicted faster.
+    p = AttentionProblem(batch=4, q_heads=32, kv_heads=8, q_len=4096)
+    assert isinstance(selector.select(ATTENTION, p, hw).config, (MOSAIC, CudnnAttentionConfig))
 
 
 def test_recorded_space_of_a_file_that_predates_mosaic(tmp_path):
@@ -215,11 +220,16 @@ def test_recorded_space_of_a_file_that_predates_mosaic(tmp_path):
   ds = evaluate.load_dataset(old)
   assert len(ds.times) == 90
   p = next(iter(ds.times))
-  assert all(isinstance(c, AttentionConfig) for c in ds.family.space(p, ds.hw))
+  # Triton configs, and cuDNN and XLA (measured by the baseline rows).
+  assert {ds.family.backend_of(c).name for c in ds.family.space(p, ds.hw)} == {
+      "triton", "cudnn", "xla"}
   assert any(isinstance(c, MOSAIC) for c in ATTENTION.space(p, ds.hw))
   for path in (H100_SWEEP, H200_SWEEP):
-    full = evaluate.load_dataset(path)
-    assert len(full.times) == 90
+    with warnings.catch_warnings():  # the H100 file lacks one XLA baseline row
+      warnings.simplefilter("ignore")
+      full = evaluate.load_dataset(path)
+    assert len(full.times) >= 89
     oracles = {p: full.oracle(p) for p in full.times}
-    assert sum(isinstance(c, MOSAIC) for c in oracles.values()) > len(oracles) // 2
+    assert sum(isinstance(c, MOSAIC) for c in oracles.values()) > len(oracles) // 4
+    assert sum(isinstance(c, CudnnAttentionConfig) for c in oracles.values()) > len(oracles) // 4
     assert any(isinstance(c, MOSAIC) for p, c in oracles.items() if p.q_len in (1000, 3000))

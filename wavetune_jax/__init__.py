@@ -5,8 +5,9 @@ from wavetune_jax.core.family import Backend, Family, Problem
 from wavetune_jax.core.hardware import Hardware, detect, device_key, get_hardware
 from wavetune_jax.core.registry import get_family, register, registered
 from wavetune_jax.families import ATTENTION, MATMUL, RAGGED_DOT
-from wavetune_jax.families.attention import (AttentionProblem, MosaicAttentionConfig,
-                                             TritonAttentionConfig, XlaAttentionConfig)
+from wavetune_jax.families.attention import (AttentionProblem, CudnnAttentionConfig,
+                                             MosaicAttentionConfig, TritonAttentionConfig,
+                                             XlaAttentionConfig)
 from wavetune_jax.families.matmul import (MatmulProblem, MosaicMatmulConfig,
                                           TritonMatmulConfig, XlaMatmulConfig)
 from wavetune_jax.families.ragged_dot import (MosaicRaggedDotConfig, RaggedDotProblem,
@@ -25,6 +26,7 @@ __all__ = [
     "Family",
     "Hardware",
     "MATMUL",
+    "CudnnAttentionConfig",
     "MatmulProblem",
     "MosaicAttentionConfig",
     "MosaicMatmulConfig",

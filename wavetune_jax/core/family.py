@@ -120,6 +120,11 @@ class Backend(abc.ABC):
   #: Bumped whenever the kernel's code changes its performance: tables tuned
   #: for another revision are not used.
   revision: ClassVar[int] = 1
+  #: The sweep row whose measurement is this backend's one config (a backend
+  #: that runs exactly what the family's baseline runs: ``"baseline"`` or
+  #: ``"baseline_<name>"``). Sweeps do not time it twice; readers of sweep
+  #: files turn those rows into its config rows (``sweep.with_recorded_backends``).
+  recorded_as: ClassVar[str | None] = None
   #: Fields that files recorded before the backend had its own config class
   #: hold, with the one value they could have; read and dropped.
   dropped_fields: ClassVar[dict] = {}

@@ -70,8 +70,9 @@ def load_dataset(path: str) -> Dataset:
   would be the best of a part of the space. One warning names them.
   """
   header, rows = sweep.read_sweep(path, strict=True)
-  spec = sweep.recorded_family(get_family(header["kernel"]), rows)
   hw = report.hardware_of(header)
+  rows = sweep.with_recorded_backends(get_family(header["kernel"]), hw, rows)
+  spec = sweep.recorded_family(get_family(header["kernel"]), rows)
   times: dict = collections.defaultdict(dict)
   failed: dict = collections.defaultdict(set)
   baseline, walls, counts = {}, collections.Counter(), collections.Counter()

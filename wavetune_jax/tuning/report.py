@@ -109,6 +109,7 @@ def _fields(spec) -> str:
 def render(path: str, *, plot: str | None = None) -> str:
   """The report of a sweep file as text (and a PNG when ``plot`` is given)."""
   header, rows = sweep.read_sweep(path)
+  rows = sweep.with_recorded_backends(get_family(header["kernel"]), hardware_of(header), rows)
   spec = sweep.recorded_family(get_family(header["kernel"]), rows)
   summaries, facts = summarize(header, rows)
   fields = _fields(spec)

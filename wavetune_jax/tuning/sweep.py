@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 __all__ = ["SCHEMA", "SweepFile", "read_sweep", "run_sweep", "plan_sweep", "row_key",
            "read_clocks", "sweep_configs", "make_row", "recorded_family", "gpu_measure",
+           "with_recorded_backends",
            "planned_measurements"]
 
 SCHEMA = 1
@@ -239,7 +240,8 @@ MeasureFn = Callable[[object, Sequence, bool], Iterator[tuple[str, object, objec
 
 def sweep_configs(spec, problem, hw, *, prune: bool = True) -> list:
   """The space, plus the default and heuristic configs where pruning dropped
-  them (policies that use them are evaluated on every problem)."""
+  them (policies that use them are evaluated on every problem); not the
+  configs of backends a baseline row measures (``Backend.recorded_as``)."""
   configs = list(spec.space(problem, hw, prune=prune))
   for extra in (spec.default(problem), spec.heuristic(problem, hw)):
     if extra not in configs:
@@ -248,7 +250,34 @@ def sweep_configs(spec, problem, hw, *, prune: bool = True) -> list:
       except ValueError:
         continue
       configs.append(extra)
-  return configs
+  return [c for c in configs if spec.backend_of(c).recorded_as is None]
+
+
+def with_recorded_backends(family, hw, rows: Sequence[dict]) -> list[dict]:
+  """``rows`` plus a config row for each baseline row that measured a
+  backend's one config (``Backend.recorded_as``: the same call, timed the
+  same way), where the config is in the backend's space and the problem has
+  no row of it of its own. Readers of sweep files (evaluation, tuning by
+  replay, reports) see those backends like any other."""
+  backends = [b for b in family.backends if b.recorded_as is not None]
+  if not backends:
+    return list(rows)
+  own = {(r["key"].split("|", 1)[0], (r.get("config") or {}).get("backend"))
+         for r in rows if r.get("impl") == "pallas"}
+  extra = []
+  for r in rows:
+    for b in backends:
+      if r.get("impl") != b.recorded_as:
+        continue
+      pk = r["key"].split("|", 1)[0]
+      if (pk, b.name) in own:
+        continue
+      space = b.space(family.problem_from_dict(r["problem"]), hw)
+      if len(space) != 1:
+        continue
+      cfg = family.config_to_dict(space[0])
+      extra.append({**r, "key": row_key(pk, "pallas", cfg), "impl": "pallas", "config": cfg})
+  return list(rows) + extra
 
 
 def plan_sweep(spec, problems: Iterable, hw, out: SweepFile, *, prune: bool = True):

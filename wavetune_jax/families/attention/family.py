@@ -135,7 +135,8 @@ class AttentionFamily(Family):
 
   @staticmethod
   def _jax_nn(problem, implementation):
-    if problem.shifted:  # a bottom-right diagonal: an explicit mask, XLA's implementation
+    if problem.shifted or (problem.lengths and implementation == "xla"):
+      # An explicit mask, XLA's implementation: what the XLA backend runs.
       from wavetune_jax.families.attention.xla import masked_attention
       return lambda *a: masked_attention(problem, *a)
 

@@ -25,11 +25,9 @@ class XlaAttentionConfig:
 
 
 class XlaAttention(Backend):
-  """XLA's attention. It runs when a config asks for it, and runs the op on
-  a CPU inside ``shard_map``, where Pallas interpret mode cannot. Its space
-  is empty until the attention sweeps measure it: the recorded sweeps have
-  no rows of it, and a backend in the space but not in a sweep would leave
-  every recorded problem incomplete."""
+  """XLA's attention: every shape, mask and length, and the op's path on a
+  CPU inside ``shard_map``, where Pallas interpret mode cannot run. Its sweep
+  rows are the family's ``baseline_xla`` rows (the same call)."""
 
   name = "xla"
   config_cls = XlaAttentionConfig
@@ -37,12 +35,14 @@ class XlaAttention(Backend):
   micro_fields = ()
   interpret = True
   interpret_in_shard_map = True
+  heuristic_size_free = True
+  recorded_as = "baseline_xla"
 
   def space(self, problem, hw: Hardware, *, prune: bool = True):
-    return ()
+    return (XlaAttentionConfig(),)
 
-  def size_quantum(self, problem) -> None:
-    return None  # not a candidate of the tables yet (see the class doc)
+  def size_quantum(self, problem) -> int:
+    return NOMINAL_BLOCK
 
   def validate(self, problem, config, hw: Hardware | None = None) -> None:
     if not isinstance(config, XlaAttentionConfig):

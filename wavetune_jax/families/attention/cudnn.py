@@ -1,0 +1,107 @@
+"""The cuDNN backend of the attention family: cuDNN's fused flash attention
+through ``jax.nn.dot_product_attention(..., implementation="cudnn")``.
+
+It has no launch parameters: one variant, modelled on the nominal tiling of
+XLA's attention backend. Its sweep rows are the family's baseline rows (the
+same call, timed the same way; see ``Backend.recorded_as``), so every
+recorded attention sweep already measured it. With no table it is the
+default wherever cuDNN runs the shape: the op is then exactly cuDNN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from wavetune_jax.core.family import Backend
+from wavetune_jax.core.hardware import Hardware
+from wavetune_jax.families.attention.problem import AttentionProblem, coords
+from wavetune_jax.families.attention.xla import NOMINAL_BLOCK
+
+__all__ = ["CudnnAttention", "CudnnAttentionConfig"]
+
+#: cuDNN's fused attention needs an Ampere or newer GPU.
+MIN_COMPUTE_CAPABILITY = 8.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CudnnAttentionConfig:
+  """``jax.nn.dot_product_attention(..., implementation="cudnn")``."""
+
+
+def _capability(hw: Hardware) -> float:
+  try:
+    return float(hw.compute_capability)
+  except (TypeError, ValueError):
+    return 0.0
+
+
+class CudnnAttention(Backend):
+  """cuDNN's flash attention: 16-bit inputs, head_dim a multiple of 8 up to
+  256 on Hopper (128 before), causal top-left (JAX's ``is_causal``) or none.
+  Per-sequence KV lengths and the bottom-right diagonal go to the other
+  backends: JAX exposes no bottom-right mask for cuDNN, and cuDNN's handling
+  of non-finite values past a sequence's length has not been measured."""
+
+  name = "cudnn"
+  config_cls = CudnnAttentionConfig
+  macro_fields = ()
+  micro_fields = ()
+  heuristic_size_free = True
+  recorded_as = "baseline"
+
+  def supported_on(self, hw: Hardware) -> bool:
+    return _capability(hw) >= MIN_COMPUTE_CAPABILITY
+
+  @staticmethod
+  def head_dim_max(hw: Hardware | None) -> int:
+    return 256 if hw is None or _capability(hw) >= 9.0 else 128
+
+  def _why_not(self, p: AttentionProblem, hw: Hardware | None) -> str | None:
+    if p.dtype not in ("bfloat16", "float16"):
+      return f"cuDNN attention takes bfloat16 or float16, not {p.dtype}"
+    hmax = self.head_dim_max(hw)
+    if p.head_dim % 8 or p.head_dim > hmax:
+      return f"cuDNN attention needs head_dim a multiple of 8 up to {hmax}; got {p.head_dim}"
+    if p.lengths or p.shifted:
+      return ("the cuDNN backend takes no per-sequence KV lengths and no bottom-right "
+              "causal alignment (use a Triton or XLA config)")
+    return None
+
+  def space(self, problem: AttentionProblem, hw: Hardware, *, prune: bool = True):
+    return () if self._why_not(problem, hw) else (CudnnAttentionConfig(),)
+
+  def size_quantum(self, problem: AttentionProblem) -> int | None:
+    return None if self._why_not(problem, None) else NOMINAL_BLOCK
+
+  def validate(self, problem: AttentionProblem, config, hw: Hardware | None = None) -> None:
+    if not isinstance(config, CudnnAttentionConfig):
+      raise ValueError(f"config must be a CudnnAttentionConfig; got {config!r}")
+    why = self._why_not(problem, hw)
+    if why:
+      raise ValueError(why)
+
+  def heuristic(self, problem: AttentionProblem, hw: Hardware) -> CudnnAttentionConfig | None:
+    """cuDNN wherever it runs the shape and its 128-row query tiles make
+    more than one wave; None (a Pallas kernel with smaller tiles) where they
+    do not fill the SMs. On the H100 and H200 sweeps every problem of one
+    wave or less ran 1.0-1.27x faster with a Pallas kernel, and cuDNN won at
+    most sizes above."""
+    if self._why_not(problem, hw):
+      return None
+    g, _ = coords(problem, NOMINAL_BLOCK, NOMINAL_BLOCK)
+    return None if g <= hw.num_sms else CudnnAttentionConfig()
+
+  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
+    return 1
+
+  def coords(self, problem: AttentionProblem, macro: dict) -> tuple[int, float]:
+    return coords(problem, NOMINAL_BLOCK, NOMINAL_BLOCK)
+
+  def run(self, problem: AttentionProblem, config, q, k, v, kv_lengths=None, *,
+          interpret: bool = False, scale: float | None = None):
+    if interpret:
+      raise NotImplementedError("cuDNN attention runs on an NVIDIA GPU only")
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=problem.causal,
+                                        implementation="cudnn")
