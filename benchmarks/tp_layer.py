@@ -69,6 +69,24 @@ def layer(params, x, *, dims, matmul, attention):
   return x + matmul(m, params["wd"]).reshape(b, s, hidden)
 
 
+def choices(dims, *, tp: int, dp: int, batch: int, seq: int) -> str:
+  """The backend each wt op picks for its per-device shapes, e.g.
+  ``qkv:xla o:mosaic ... attn:cudnn``."""
+  from wavetune_jax import ATTENTION, MATMUL, AttentionProblem, MatmulProblem
+  from wavetune_jax.runtime import selector
+  hidden, inter, hq, hkv, d = dims
+  m = batch // dp * seq
+  gemms = {"q": (hidden, hq * d // tp), "kv": (hidden, hkv * d // tp),
+           "o": (hq * d // tp, hidden), "gate_up": (hidden, inter // tp),
+           "down": (inter // tp, hidden)}
+  out = [f"{name}:{MATMUL.backend_of(selector.select(MATMUL, MatmulProblem(m=m, n=n, k=k)).config).name}"
+         for name, (k, n) in gemms.items()]
+  att = AttentionProblem(batch=batch // dp, q_heads=hq // tp, kv_heads=hkv // tp, q_len=seq,
+                         head_dim=d)
+  out.append(f"attn:{ATTENTION.backend_of(selector.select(ATTENTION, att).config).name}")
+  return " ".join(out)
+
+
 def versions(on_gpu: bool):
   import jax
   import jax.numpy as jnp
@@ -131,7 +149,7 @@ def main(argv=None):
       res = Profiler(iterations=10).measure_many(list(steps.values()), (params, x))
       t = {name: r.median_us for name, r in zip(steps, res)}
       line += f"; step: wt {t['wt']:.1f} us, XLA + cuDNN {t['xla']:.1f} us, " \
-              f"{t['xla'] / t['wt']:.3f}x"
+              f"{t['xla'] / t['wt']:.3f}x; wt picks {choices(dims, tp=a.tp, dp=a.dp, batch=batch, seq=seq)}"
     print(line, flush=True)
     if err > 5e-2:
       sys.exit(f"wt and XLA differ: {err:.3g}")
