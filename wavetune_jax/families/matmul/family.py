@@ -80,9 +80,10 @@ class MatmulFamily(Family):
     return Call(problem, (x, w), {})
 
   def partition_rule(self, problem):
-    """Rows, columns and K split like XLA's dot: K partials summed in float32."""
-    return PartitionRule("m k, k n -> m n", reduction=("k",),
-                         partial_kwargs={"out_dtype": "float32"})
+    """Rows, columns and K split like XLA's dot; K partials summed in the
+    output dtype, as XLA's partitioner sums a dot's (float32 partials
+    doubled the all-reduce of a tensor-parallel layer's row-parallel GEMMs)."""
+    return PartitionRule("m k, k n -> m n", reduction=("k",))
 
   # --- problems ------------------------------------------------------------------------
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):

@@ -84,8 +84,7 @@ class RaggedDotFamily(Family):
     rows and experts are gathered: a shard of rows would need its own group
     sizes, a shard of experts the rows routed to them (expert parallelism
     is an all-to-all around the op, left to the model)."""
-    return PartitionRule("m k, g k n, g -> m n", reduction=("k",), replicated=("m", "g"),
-                         partial_kwargs={"out_dtype": "float32"})
+    return PartitionRule("m k, g k n, g -> m n", reduction=("k",), replicated=("m", "g"))
 
   # --- problems ------------------------------------------------------------------------
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):
