@@ -23,7 +23,7 @@ from wavetune_jax.tuning import evaluate, sweep
 
 
 def _geo(xs):
-  return math.exp(sum(math.log(x) for x in xs) / len(xs))
+  return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def main(argv=None):
@@ -56,7 +56,8 @@ def main(argv=None):
   print(f"{ds.header['device_kind']}: {n} problems, table {a.table}")
   print(f"efficiency vs oracle: geomean {_geo(eff):.3f}, min {min(eff):.3f}, "
         f"within 5% {sum(e >= 1 / 1.05 for e in eff) / n:.2f}; not measured: {missing}")
-  print(f"speed vs {spec.baseline_name} {_geo(xla):.3f}x, vs fixed default {_geo(dflt):.3f}x")
+  print(f"speed vs {spec.baseline_name} {_geo(xla):.3f}x (min {min(xla, default=math.nan):.3f}x), "
+        f"vs fixed default {_geo(dflt):.3f}x")
   print(f"answered by: {dict(src)}")
   by_size = collections.defaultdict(list)
   for p, t in zip(ds.problems, chosen_us):

@@ -130,7 +130,8 @@ class MosaicRaggedDot(Backend):
     (the best or within 5% of it on every such problem), walking tasks first
     (``grid_minor`` 0) where the weight has more than 16 column tiles and
     column tiles first below (0.89-1.00 of the best). Below: 64 x 256, 4
-    stages, column tiles first.
+    stages, column tiles first, split-K where the tiles fill at most half
+    the SMs.
     """
     if not (self.supported_on(hw) and self.runs_shape(p)):
       return None
@@ -142,7 +143,12 @@ class MosaicRaggedDot(Backend):
       order = 0 if _cdiv(p.n, 256) > 16 else 1
       c = MosaicRaggedDotConfig(block_m=128, block_n=256, num_stages=3, grid_minor=order)
     else:
-      c = MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4, grid_minor=1)
+      # Split-K where the expected work tiles fill at most half the SMs and
+      # each split keeps at least 16 K steps (Mixtral's w2 at one token:
+      # split 4 ran 2.1x faster than split 1 on the H200).
+      work = int(expected_tasks(p.m, p.g, 64)) * _cdiv(p.n, 256)
+      sk = next((s for s in (4, 2) if work * s <= hw.num_sms and k_steps(p.k, s) >= 16), 1)
+      c = MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4, split_k=sk, grid_minor=1)
     while self.smem_bytes(p, c) > hw.smem_per_block and c.num_stages > 2:
       c = dataclasses.replace(c, num_stages=c.num_stages - 1)
     return c
