@@ -7,7 +7,9 @@ Three numbers, medians over many problems:
   * cold: a new M of a weight already seen, no per-problem memo (what
     ``wavetune eval`` reports as cold);
   * memoized: ``wavetune_jax.select`` for a problem decided before (mean
-    per call over batches of 100 calls; median and p90 over batches).
+    per call over batches of 100 calls; median and p90 over batches);
+  * attention, new shape: the first decision for attention shapes outside
+    the suite (heads, batch, head_dim, length), the same GPU's table.
 
   python3 benchmarks/decision_time.py [--table tables/nvidia_h200/matmul.json]
 """
@@ -19,7 +21,7 @@ import random
 import statistics
 import time
 
-from wavetune_jax import MATMUL, MatmulProblem, get_hardware, shapes
+from wavetune_jax import ATTENTION, MATMUL, AttentionProblem, MatmulProblem, get_hardware, shapes
 from wavetune_jax.families.matmul import gemm_weights
 from wavetune_jax.runtime import selector, tables
 
@@ -67,10 +69,21 @@ def main(argv=None):
       for p in batch:
         sel(MATMUL, p, hw)
       memo.append((ns() - t0) / 1e3 / len(batch))
+  # Attention: first decisions for head counts, batches, head_dims and
+  # lengths outside the suite (the attention table of the same GPU).
+  att_table = tables.load(a.table.replace("matmul.json", "attention.json"), ATTENTION, hw)
+  att_new = []
+  for _ in range(200):
+    p = AttentionProblem(batch=rng.choice([1, 3, 5, 6, 12]), q_heads=rng.choice([12, 24, 28, 40]),
+                         kv_heads=4, q_len=rng.randint(64, 16384),
+                         head_dim=rng.choice([64, 96, 128, 256]))
+    d = selector.Decider(att_table, hw)
+    t0 = ns(); d.decide(p); att_new.append((ns() - t0) / 1e3)
   print(f"table {a.table} ({hw.name}), {len(table.entries)} variant models")
   print(f"{'decision':<34} {'median us':>10} {'p90 us':>8}")
   for name, xs in (("new weight (first size)", new_w),
-                   ("cold (new M, weight seen)", cold), ("memoized select()", memo)):
+                   ("cold (new M, weight seen)", cold), ("memoized select()", memo),
+                   ("attention: new shape", att_new)):
     xs = sorted(xs)
     print(f"{name:<34} {statistics.median(xs):>10.2f} {xs[int(0.9 * len(xs))]:>8.2f}")
 

@@ -145,11 +145,23 @@ class Table:
     Configs without a model, or (``trusted=True``) outside their trust region,
     get ``inf``.
     """
-    coef, cap, lim, near = self._entry_arrays(configs)
+    idx = self._config_idx(configs)
+    # Only the configs whose variant has a model are evaluated (a new
+    # weight's candidates are mostly without one): the rest are inf.
+    cols = np.flatnonzero(idx)
+    g, l, aux = (np.broadcast_to(g, np.shape(l)) if np.ndim(g) < np.ndim(l) else g), l, aux
+    out = np.full(np.broadcast_shapes(np.shape(g), np.shape(l)), np.inf)
+    if cols.size == 0:
+      return out
+    full = cols.size == len(idx)
+    pick = (lambda x: x) if full else (lambda x: x[..., cols])  # noqa: E731
+    g, l = pick(np.broadcast_to(g, out.shape)), pick(np.broadcast_to(l, out.shape))
+    aux = aux if full else aux[..., cols, :]
+    coef, cap, lim, near = self._arrays_at(idx[cols])
     with np.errstate(invalid="ignore", divide="ignore"):
       t = wave_model.predict_np(coef, g, l, cap, self.form, aux).astype(np.float64)
       if trusted and self.distance_penalty:
-        d = self.anchor_distance(configs, g, l, near=near)
+        d = self._distance(g, l, near)
         t = t * (1.0 + self.distance_penalty * np.where(np.isfinite(d), d, 0.0))
     min_g, max_g, min_l, max_l, aux_ok = lim
     bad = ~np.isfinite(cap)
@@ -159,7 +171,11 @@ class Table:
       bad = bad | (l * self.trust < min_l)
       if aux.shape[-1]:
         bad = bad | np.any((aux != 0) & ~aux_ok, axis=-1)
-    return np.where(bad, np.inf, t)
+    t = np.where(bad, np.inf, t)
+    if full:
+      return t
+    out[..., cols] = t
+    return out
 
   def anchor_distance(self, configs: Sequence, g: np.ndarray, l: np.ndarray, *,
                       near: np.ndarray | None = None) -> np.ndarray:
@@ -167,6 +183,10 @@ class Table:
     nearest anchor of its config's variant (``inf``: the variant has none)."""
     if near is None:
       near = self._entry_arrays(tuple(configs))[3]
+    return self._distance(g, l, near)
+
+  @staticmethod
+  def _distance(g: np.ndarray, l: np.ndarray, near: np.ndarray) -> np.ndarray:
     lg = np.log(np.maximum(g, 1.0)).astype(np.float32)
     ll = np.log(np.maximum(l, 1e-3)).astype(np.float32)
     if lg.size * near.shape[1] <= 1 << 16:  # small (one size): all anchors at once
@@ -183,6 +203,16 @@ class Table:
     return d
 
   def _entry_arrays(self, configs: tuple):
+    return self._arrays_at(self._config_idx(configs))
+
+  def _arrays_at(self, idx: np.ndarray):
+    a = self._config_rows()["arrays"]
+    return (a["coef"][idx], a["cap"][idx],
+            (a["min_g"][idx], a["max_g"][idx], a["min_l"][idx], a["max_l"][idx],
+             a["aux_ok"][idx]), a["near"][idx])
+
+  def _config_idx(self, configs) -> np.ndarray:
+    """Each config's row of the per-variant arrays (0: no model)."""
     rows = self._config_rows()
     # Each config's row of the per-variant arrays (row 0: no model), through
     # a memo keyed by the config object's id (it holds the config, so the id
@@ -195,10 +225,7 @@ class Table:
       if hit is None or hit[0] is not c:
         hit = memo[id(c)] = (c, rows["row"].get(self.family.variant(c), 0))
       idx[i] = hit[1]
-    a = rows["arrays"]
-    return (a["coef"][idx], a["cap"][idx],
-            (a["min_g"][idx], a["max_g"][idx], a["min_l"][idx], a["max_l"][idx],
-             a["aux_ok"][idx]), a["near"][idx])
+    return idx
 
   def _config_rows(self) -> dict:
     """Per-variant model arrays, row 0 for configs without a model."""

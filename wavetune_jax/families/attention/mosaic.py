@@ -58,7 +58,10 @@ class MosaicAttention(Backend):
     p = problem
     if not self._runs_shape(p):
       return ()
-    return self._space(p.q_len, p.kv_len, p.head_dim, p.dtype, hw)
+    # Rule M1 sees the lengths only through next_pow2, capped at the largest
+    # block: problems of any other length share one cached space.
+    return self._space(min(next_pow2(p.q_len), kernel.BLOCK_Q[-1]),
+                       min(next_pow2(p.kv_len), kernel.BLOCK_K[-1]), p.head_dim, p.dtype, hw)
 
   @functools.lru_cache(maxsize=1024)
   def _space(self, q_len, kv_len, head_dim, dtype, hw):

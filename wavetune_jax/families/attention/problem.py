@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
@@ -115,6 +116,13 @@ def coords(problem: AttentionProblem, block_q: int, block_k: int,
   g = p.batch * p.q_heads * n_q
   if not p.causal:
     return g, float(-(-p.kv_len // block_k))
-  _, total = kv_blocks(np.arange(n_q), q_len=p.q_len, kv_len=p.kv_len, block_q=block_q,
-                       block_k=block_k, causal=True)
-  return g, float(np.max(total) if causal_l == "max" else np.mean(total))
+  return g, _causal_l(p.q_len, p.kv_len, block_q, block_k, causal_l)
+
+
+@functools.lru_cache(maxsize=4096)
+def _causal_l(q_len: int, kv_len: int, block_q: int, block_k: int, causal_l: str) -> float:
+  """KV blocks per program under a causal mask (cached: a decision asks for
+  the same block pairs of many configs)."""
+  _, total = kv_blocks(np.arange(-(-q_len // block_q)), q_len=q_len, kv_len=kv_len,
+                       block_q=block_q, block_k=block_k, causal=True)
+  return float(np.max(total) if causal_l == "max" else np.mean(total))

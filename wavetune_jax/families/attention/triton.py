@@ -55,7 +55,11 @@ class TritonAttention(Backend):
             prune: bool = True) -> tuple[TritonAttentionConfig, ...]:
     """Valid configs pruned by rules A1-A4 (``prune=False``: A2 only)."""
     p = problem
-    return self._space(p.q_len, p.kv_len, p.padded_head_dim, p.dtype, hw, prune)
+    # Rule A1 sees the lengths only through next_pow2, capped at the largest
+    # block: problems of any other length share one cached space.
+    return self._space(min(next_pow2(p.q_len), BLOCK_Q[-1]),
+                       min(next_pow2(p.kv_len), BLOCK_K[-1]), p.padded_head_dim, p.dtype,
+                       hw, prune)
 
   @functools.lru_cache(maxsize=1024)
   def _space(self, q_len, kv_len, dp, dtype, hw, prune):
