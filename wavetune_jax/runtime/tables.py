@@ -67,6 +67,10 @@ DEFAULT_TRUST = 1.5
 DEFAULT_DISTANCE_PENALTY = 0.3
 
 
+
+#: Anchor slots searched for most variants (see ``Table._distance``).
+_FEW_ANCHORS = 8
+
 class TableError(ValueError):
   """A table file that cannot be used (missing, corrupt, foreign, stale)."""
 
@@ -157,11 +161,11 @@ class Table:
     pick = (lambda x: x) if full else (lambda x: x[..., cols])  # noqa: E731
     g, l = pick(np.broadcast_to(g, out.shape)), pick(np.broadcast_to(l, out.shape))
     aux = aux if full else aux[..., cols, :]
-    coef, cap, lim, near = self._arrays_at(idx[cols])
+    coef, cap, lim, near, n_near = self._arrays_at(idx[cols])
     with np.errstate(invalid="ignore", divide="ignore"):
       t = wave_model.predict_np(coef, g, l, cap, self.form, aux).astype(np.float64)
       if trusted and self.distance_penalty:
-        d = self._distance(g, l, near)
+        d = self._distance(g, l, near, n_near)
         t = t * (1.0 + self.distance_penalty * np.where(np.isfinite(d), d, 0.0))
     min_g, max_g, min_l, max_l, aux_ok = lim
     bad = ~np.isfinite(cap)
@@ -185,8 +189,21 @@ class Table:
       near = self._entry_arrays(tuple(configs))[3]
     return self._distance(g, l, near)
 
-  @staticmethod
-  def _distance(g: np.ndarray, l: np.ndarray, near: np.ndarray) -> np.ndarray:
+  @classmethod
+  def _distance(cls, g: np.ndarray, l: np.ndarray, near: np.ndarray,
+                n_near: np.ndarray | None = None) -> np.ndarray:
+    # A few variants (XLA's op, measured at every anchored problem) have many
+    # anchors; the rest a handful: pad each group to its own width.
+    few = _FEW_ANCHORS
+    if n_near is not None and near.shape[1] > few and np.any(n_near <= few):
+      small = n_near <= few
+      d = np.empty(np.broadcast_shapes(np.shape(g), np.shape(l)), np.float32)
+      g, l = np.broadcast_to(g, d.shape), np.broadcast_to(l, d.shape)
+      d[..., small] = cls._distance(g[..., small], l[..., small], near[small, :few])
+      if not small.all():
+        big = ~small
+        d[..., big] = cls._distance(g[..., big], l[..., big], near[big])
+      return d
     lg = np.log(np.maximum(g, 1.0)).astype(np.float32)
     ll = np.log(np.maximum(l, 1e-3)).astype(np.float32)
     if lg.size * near.shape[1] <= 1 << 16:  # small (one size): all anchors at once
@@ -203,13 +220,13 @@ class Table:
     return d
 
   def _entry_arrays(self, configs: tuple):
-    return self._arrays_at(self._config_idx(configs))
+    return self._arrays_at(self._config_idx(configs))[:4]
 
   def _arrays_at(self, idx: np.ndarray):
     a = self._config_rows()["arrays"]
     return (a["coef"][idx], a["cap"][idx],
             (a["min_g"][idx], a["max_g"][idx], a["min_l"][idx], a["max_l"][idx],
-             a["aux_ok"][idx]), a["near"][idx])
+             a["aux_ok"][idx]), a["near"][idx], a["n_near"][idx])
 
   def _config_idx(self, configs) -> np.ndarray:
     """Each config's row of the per-variant arrays (0: no model)."""
@@ -240,11 +257,13 @@ class Table:
     a = {"coef": np.zeros((n, n_coef), np.float32), "cap": np.full(n, np.inf, np.float32),
          "min_g": np.zeros(n), "max_g": np.zeros(n), "min_l": np.zeros(n),
          "max_l": np.zeros(n), "aux_ok": np.zeros((n, len(self.family.aux_names)), bool),
-         "near": np.full((n, k, 2), np.inf, np.float32)}  # (log G, log L) of anchors
+         "near": np.full((n, k, 2), np.inf, np.float32),  # (log G, log L) of anchors
+         "n_near": np.zeros(n, np.int64)}
     for i, v in enumerate(variants, start=1):
       e = self.entries[v]
       if v in pts:
         a["near"][i, :len(pts[v])] = pts[v]
+        a["n_near"][i] = len(pts[v])
       a["coef"][i] = e.coef
       a["cap"][i] = e.occupancy * self.num_sms
       a["min_g"][i], a["max_g"][i], a["min_l"][i], a["max_l"][i] = (
