@@ -29,17 +29,24 @@ def _geo(xs):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("sweep")
-  ap.add_argument("table")
+  ap.add_argument("table", nargs="?", help="a table file (not with --heuristic)")
+  ap.add_argument("--heuristic", action="store_true",
+                  help="score the family's heuristic (no table) instead")
+  ap.add_argument("--min-size", type=int, default=None,
+                  help="also print the speed over problems of at least this size")
   eval_cli.add_margin_arg(ap)
   a = ap.parse_args(argv)
+  if a.heuristic == (a.table is not None):
+    ap.error("give a table, or --heuristic")
   ds = evaluate.load_dataset(a.sweep)
   spec, hw = ds.family, ds.hw
-  d = selector.Decider(tables.load(a.table, spec, hw), hw, heuristic_margin=a.heuristic_margin)
+  d = None if a.heuristic else selector.Decider(tables.load(a.table, spec, hw), hw,
+                                                heuristic_margin=a.heuristic_margin)
   eff, xla, dflt, src, missing = [], [], [], collections.Counter(), 0
   chosen_us = []
   for p in ds.problems:
     ts = ds.times[p]
-    sel = d.decide(p)
+    sel = None if d is None else d.decide(p)
     c = spec.heuristic(p, hw) if sel is None else sel.config
     src["heuristic" if sel is None else sel.source] += 1
     t = ts.get(c)
@@ -53,12 +60,18 @@ def main(argv=None):
     if spec.default(p) in ts:
       dflt.append(ts[spec.default(p)] / t)
   n = len(eff)
-  print(f"{ds.header['device_kind']}: {n} problems, table {a.table}")
+  print(f"{ds.header['device_kind']}: {n} problems, "
+        f"{'the heuristic' if d is None else 'table ' + a.table}")
   print(f"efficiency vs oracle: geomean {_geo(eff):.3f}, min {min(eff):.3f}, "
         f"within 5% {sum(e >= 1 / 1.05 for e in eff) / n:.2f}; not measured: {missing}")
   print(f"speed vs {spec.baseline_name} {_geo(xla):.3f}x (min {min(xla, default=math.nan):.3f}x), "
         f"vs fixed default {_geo(dflt):.3f}x")
   print(f"answered by: {dict(src)}")
+  if a.min_size is not None:
+    big = [ds.baseline[p] / t for p, t in zip(ds.problems, chosen_us)
+           if p in ds.baseline and spec.size_of(p) >= a.min_size]
+    print(f"speed vs {spec.baseline_name} at {spec.size_field} >= {a.min_size}: "
+          f"{_geo(big):.3f}x over {len(big)} problems (min {min(big, default=math.nan):.3f}x)")
   by_size = collections.defaultdict(list)
   for p, t in zip(ds.problems, chosen_us):
     if p in ds.baseline:

@@ -153,7 +153,6 @@ class Table:
     # Only the configs whose variant has a model are evaluated (a new
     # weight's candidates are mostly without one): the rest are inf.
     cols = np.flatnonzero(idx)
-    g, l, aux = (np.broadcast_to(g, np.shape(l)) if np.ndim(g) < np.ndim(l) else g), l, aux
     out = np.full(np.broadcast_shapes(np.shape(g), np.shape(l)), np.inf)
     if cols.size == 0:
       return out

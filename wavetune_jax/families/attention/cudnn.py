@@ -14,10 +14,9 @@ import dataclasses
 
 import jax
 
-from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.attention.problem import AttentionProblem, coords
-from wavetune_jax.families.attention.xla import NOMINAL_BLOCK
+from wavetune_jax.families.attention.xla import NOMINAL_BLOCK, LibraryAttention
 
 __all__ = ["CudnnAttention", "CudnnAttentionConfig"]
 
@@ -37,7 +36,7 @@ def _capability(hw: Hardware) -> float:
     return 0.0
 
 
-class CudnnAttention(Backend):
+class CudnnAttention(LibraryAttention):
   """cuDNN's flash attention: 16-bit inputs, head_dim a multiple of 8 up to
   256 on Hopper (128 before), causal top-left (JAX's ``is_causal``) or none.
   Per-sequence KV lengths and the bottom-right diagonal go to the other
@@ -46,9 +45,6 @@ class CudnnAttention(Backend):
 
   name = "cudnn"
   config_cls = CudnnAttentionConfig
-  macro_fields = ()
-  micro_fields = ()
-  heuristic_size_free = True
   recorded_as = "baseline"
 
   def supported_on(self, hw: Hardware) -> bool:
@@ -92,12 +88,6 @@ class CudnnAttention(Backend):
       return None
     g, _ = coords(problem, NOMINAL_BLOCK, NOMINAL_BLOCK)
     return None if g <= hw.num_sms else CudnnAttentionConfig()
-
-  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
-    return 1
-
-  def coords(self, problem: AttentionProblem, macro: dict) -> tuple[int, float]:
-    return coords(problem, NOMINAL_BLOCK, NOMINAL_BLOCK)
 
   def run(self, problem: AttentionProblem, config, q, k, v, kv_lengths=None, *,
           interpret: bool = False, scale: float | None = None):

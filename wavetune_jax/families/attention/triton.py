@@ -98,9 +98,8 @@ class TritonAttention(Backend):
     """128x64 tiles with 4 warps when they fill two waves, else 64-row query
     blocks (32 rows when even those leave most SMs idle), 3 stages; where
     the whole KV sequence fits one 128-key block, or 32-row programs are
-    few, 128-key blocks (2 stages up to 256 keys). On the H100 and H200
-    sweeps this took the one-wave problems the Triton kernel runs best from
-    0.93 and 0.91 of their best config to 0.97 and 0.96 (geomean)."""
+    few, 128-key blocks (2 stages up to 256 keys): the best Triton configs
+    of the one-wave problems of the H100 and H200 sweeps."""
     p = problem
     ctas = lambda bq: p.batch * p.q_heads * -(-p.q_len // bq)  # noqa: E731
     bk = min(64, max(32, next_pow2(p.kv_len)))

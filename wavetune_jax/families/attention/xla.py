@@ -13,7 +13,7 @@ from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.attention.problem import AttentionProblem, coords
 
-__all__ = ["XlaAttention", "XlaAttentionConfig", "masked_attention"]
+__all__ = ["LibraryAttention", "XlaAttention", "XlaAttentionConfig", "masked_attention"]
 
 #: The nominal blocks of the wave model's (G, L).
 NOMINAL_BLOCK = 128
@@ -24,18 +24,30 @@ class XlaAttentionConfig:
   """``jax.nn.dot_product_attention(..., implementation="xla")``."""
 
 
-class XlaAttention(Backend):
+class LibraryAttention(Backend):
+  """A library's attention (XLA's, cuDNN's): one config with no launch
+  parameters, one variant modelled on a nominal 128 x 128 tiling."""
+
+  macro_fields = ()
+  micro_fields = ()
+  heuristic_size_free = True
+
+  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
+    return 1
+
+  def coords(self, problem: AttentionProblem, macro: dict) -> tuple[int, float]:
+    return coords(problem, NOMINAL_BLOCK, NOMINAL_BLOCK)
+
+
+class XlaAttention(LibraryAttention):
   """XLA's attention: every shape, mask and length, and the op's path on a
   CPU inside ``shard_map``, where Pallas interpret mode cannot run. Its sweep
   rows are the family's ``baseline_xla`` rows (the same call)."""
 
   name = "xla"
   config_cls = XlaAttentionConfig
-  macro_fields = ()
-  micro_fields = ()
   interpret = True
   interpret_in_shard_map = True
-  heuristic_size_free = True
   recorded_as = "baseline_xla"
 
   def space(self, problem, hw: Hardware, *, prune: bool = True):
@@ -47,12 +59,6 @@ class XlaAttention(Backend):
   def validate(self, problem, config, hw: Hardware | None = None) -> None:
     if not isinstance(config, XlaAttentionConfig):
       raise ValueError(f"config must be an XlaAttentionConfig; got {config!r}")
-
-  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
-    return 1
-
-  def coords(self, problem: AttentionProblem, macro: dict) -> tuple[int, float]:
-    return coords(problem, NOMINAL_BLOCK, NOMINAL_BLOCK)
 
   def run(self, problem: AttentionProblem, config, q, k, v, kv_lengths=None, *,
           interpret: bool = False, scale: float | None = None):

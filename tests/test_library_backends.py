@@ -1,0 +1,72 @@
+"""cuDNN and XLA as attention backends (rows recorded as baselines), their
+heuristic rule, and the grouped GEMM's split-K rule."""
+
+import os
+
+import pytest
+
+from wavetune_jax import (ATTENTION, RAGGED_DOT, AttentionProblem, CudnnAttentionConfig,
+                          XlaAttentionConfig, get_hardware)
+from wavetune_jax.families.ragged_dot.problem import RaggedDotProblem
+from wavetune_jax.tuning import report, sweep
+
+H200_SWEEP = os.path.join(os.path.dirname(__file__), "..", "data", "sweeps", "nvidia_h200",
+                          "attention_bfloat16.jsonl.gz")
+H200 = get_hardware("h200")
+
+
+def test_baseline_rows_become_config_rows_of_the_recorded_backends():
+  header, rows = sweep.read_sweep(H200_SWEEP)
+  hw = report.hardware_of(header)
+  out = sweep.with_recorded_backends(ATTENTION, hw, rows)
+  base = {(r["key"].split("|")[0], r["impl"]): r for r in rows
+          if r["impl"] in ("baseline", "baseline_xla")}
+  derived = [r for r in out[len(rows):]]
+  assert derived and all(r["impl"] == "pallas" for r in derived)
+  for r in derived:
+    impl = "baseline" if r["config"] == {"backend": "cudnn"} else "baseline_xla"
+    assert r["config"] in ({"backend": "cudnn"}, {"backend": "xla"})
+    src = base[(r["key"].split("|")[0], impl)]
+    assert (r["median_us"], r["status"]) == (src["median_us"], src["status"])
+  assert len(derived) == len(base)
+  # A problem with a row of its own for a backend gets no derived row for it.
+  again = sweep.with_recorded_backends(ATTENTION, hw, out)
+  assert len(again) == len(out)
+
+
+def test_sweeps_do_not_time_recorded_backends_twice():
+  p = AttentionProblem(batch=2, q_heads=32, kv_heads=8, q_len=3000, head_dim=128)
+  space = ATTENTION.space(p, H200)
+  assert CudnnAttentionConfig() in space and XlaAttentionConfig() in space
+  configs = sweep.sweep_configs(ATTENTION, p, H200)
+  assert configs and not any(isinstance(c, (CudnnAttentionConfig, XlaAttentionConfig))
+                             for c in configs)
+
+
+@pytest.mark.parametrize("batch,q_len,cudnn", [(1, 128, False), (1, 512, False),
+                                               (8, 512, True), (1, 16384, True)])
+def test_cudnn_where_its_tiles_make_more_than_one_wave(batch, q_len, cudnn):
+  p = AttentionProblem(batch=batch, q_heads=32, kv_heads=8, q_len=q_len, head_dim=128)
+  # 32 heads x ceil(q_len / 128) x batch query tiles against 132 SMs.
+  assert isinstance(ATTENTION.heuristic(p, H200), CudnnAttentionConfig) == cudnn
+
+
+def test_cudnn_refuses_what_it_does_not_run():
+  for p in (AttentionProblem(batch=8, q_heads=32, kv_heads=8, q_len=4096, head_dim=100),
+            AttentionProblem(batch=8, q_heads=32, kv_heads=8, q_len=4096, lengths=True),
+            AttentionProblem(batch=8, q_heads=32, kv_heads=8, q_len=4096,
+                             causal_align="bottom_right", kv_len=8192)):
+    assert CudnnAttentionConfig() not in ATTENTION.space(p, H200)
+    assert not isinstance(ATTENTION.heuristic(p, H200), CudnnAttentionConfig)
+    with pytest.raises(ValueError):
+      ATTENTION.validate(p, CudnnAttentionConfig(), H200)
+  assert not ATTENTION.backend("cudnn").runs_on(get_hardware(None))  # no GPU here
+
+
+def test_grouped_gemm_splits_k_only_where_tiles_leave_most_sms_idle():
+  w2 = RaggedDotProblem(m=2, g=8, k=14336, n=4096)  # Mixtral w2, one token: 32 tiles
+  w13 = RaggedDotProblem(m=2, g=8, k=4096, n=28672)  # 224 tiles
+  assert RAGGED_DOT.heuristic(w2, H200).split_k == 4
+  assert RAGGED_DOT.heuristic(w13, H200).split_k == 1
+  for p in (w2, w13):
+    assert RAGGED_DOT.heuristic(p, H200) in RAGGED_DOT.space(p, H200)
