@@ -4,15 +4,17 @@ chosen at jit trace time."""
 from wavetune_jax.core.family import Backend, Family, Problem
 from wavetune_jax.core.hardware import Hardware, detect, device_key, get_hardware
 from wavetune_jax.core.registry import get_family, register, registered
-from wavetune_jax.families import ATTENTION, MATMUL, RAGGED_DOT
+from wavetune_jax.families import ATTENTION, DECODE, MATMUL, RAGGED_DOT
 from wavetune_jax.families.attention import (AttentionProblem, CudnnAttentionConfig,
                                              MosaicAttentionConfig, TritonAttentionConfig,
                                              XlaAttentionConfig)
+from wavetune_jax.families.decode import (CudnnDecodeConfig, DecodeProblem, TritonDecodeConfig,
+                                          XlaDecodeConfig)
 from wavetune_jax.families.matmul import (MatmulProblem, MosaicMatmulConfig,
                                           TritonMatmulConfig, XlaMatmulConfig)
 from wavetune_jax.families.ragged_dot import (MosaicRaggedDotConfig, RaggedDotProblem,
                                               TritonRaggedDotConfig, XlaRaggedDotConfig)
-from wavetune_jax.ops import attention, matmul, ragged_dot
+from wavetune_jax.ops import attention, decode_attention, matmul, ragged_dot
 from wavetune_jax.runtime.selector import (POLICIES, load_tables, policy, select, set_policy,
                                            use_config, use_tables)
 from wavetune_jax.runtime.tables import TableError
@@ -27,6 +29,9 @@ __all__ = [
     "Hardware",
     "MATMUL",
     "CudnnAttentionConfig",
+    "CudnnDecodeConfig",
+    "DECODE",
+    "DecodeProblem",
     "MatmulProblem",
     "MosaicAttentionConfig",
     "MosaicMatmulConfig",
@@ -37,12 +42,15 @@ __all__ = [
     "RaggedDotProblem",
     "TableError",
     "TritonAttentionConfig",
+    "TritonDecodeConfig",
     "TritonMatmulConfig",
     "TritonRaggedDotConfig",
     "XlaAttentionConfig",
+    "XlaDecodeConfig",
     "XlaMatmulConfig",
     "XlaRaggedDotConfig",
     "attention",
+    "decode_attention",
     "detect",
     "device_key",
     "get_family",

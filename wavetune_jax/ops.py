@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 
 from wavetune_jax.core.op import tuned_call
-from wavetune_jax.families import ATTENTION, MATMUL, RAGGED_DOT
+from wavetune_jax.families import ATTENTION, DECODE, MATMUL, RAGGED_DOT
 
-__all__ = ["matmul", "attention", "ragged_dot"]
+__all__ = ["matmul", "attention", "decode_attention", "ragged_dot"]
 
 
 def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, config=None) -> jax.Array:
@@ -80,6 +80,46 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
   """
   return tuned_call(ATTENTION, q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths,
                     causal_align=causal_align, config=config)
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lengths=None,
+                     causal: bool = True, scale: float | None = None, config=None) -> jax.Array:
+  """Attention of a few new queries per sequence against a KV cache
+  (flash-decoding: the cache split across programs), tuned like :func:`matmul`.
+
+  The queries are the newest ``q_len`` positions of each sequence: query
+  ``t`` sees keys ``j <= t + L - q_len`` (``L`` the sequence's valid length),
+  the bottom-right causal alignment of FlashAttention 2.1+ and
+  ``wavetune_jax.attention(..., causal_align="bottom_right")``. One query
+  sees the whole valid cache. The grouped query heads of a KV head are
+  computed together, so a shared KV head is read once per group.
+
+  Args:
+    q: ``[batch, q_len, q_heads, head_dim]``, bfloat16 or float16, ``q_len``
+      from 1 to 64.
+    k, v: ``[batch, kv_len, kv_heads, head_dim]``, the cache, same dtype;
+      ``kv_heads`` divides ``q_heads``.
+    kv_lengths: ``[batch]`` integers, the valid length of each sequence
+      (clipped to ``[0, kv_len]``); keys at or past it are never read, so
+      NaN or Inf there never reaches the output. None: every key is valid.
+    causal: a Python bool; False: every query sees every valid key.
+    scale: softmax scale, a Python float (default ``1 / sqrt(head_dim)``).
+    config: a backend's config (``TritonDecodeConfig``, ``XlaDecodeConfig``,
+      ``CudnnDecodeConfig``) or a dict ``{"backend": name, **fields}``;
+      ``None`` lets the selector choose.
+
+  Returns:
+    ``[batch, q_len, q_heads, head_dim]`` of ``q.dtype``; a query that sees
+    no key (a sequence of length 0) gives zeros.
+
+  Raises:
+    ValueError: wrong ranks; batch, head_dim or dtype mismatches; ``kv_heads``
+      not dividing ``q_heads``; ``q_len`` above 64; an unsupported dtype or
+      head_dim (> 256); ``kv_lengths`` not ``[batch]`` integers; or a config
+      that cannot run here (cuDNN takes no ``kv_lengths``).
+  """
+  return tuned_call(DECODE, q, k, v, kv_lengths=kv_lengths, causal=causal, scale=scale,
+                    config=config)
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=None,

@@ -6,10 +6,11 @@ and one class per backend) plus a folder of kernels in ``pallas_kernels``;
 """
 
 from wavetune_jax.core import registry
-from wavetune_jax.families import attention, matmul, ragged_dot
+from wavetune_jax.families import attention, decode, matmul, ragged_dot
 
-__all__ = ["MATMUL", "ATTENTION", "RAGGED_DOT"]
+__all__ = ["MATMUL", "ATTENTION", "RAGGED_DOT", "DECODE"]
 
 MATMUL = registry.register(matmul.make())
 ATTENTION = registry.register(attention.make())
 RAGGED_DOT = registry.register(ragged_dot.make())
+DECODE = registry.register(decode.make())

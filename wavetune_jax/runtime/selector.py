@@ -141,7 +141,9 @@ class Decider:
         continue
       h = heuristics[r]
       j = index.get(h)
-      t_h = (pred[r, j] if j is not None
+      # (A heuristic config outside the candidates has no column: it is
+      # predicted on its own, at each size.)
+      t_h = (pred[r, j] if j is not None and j < pred.shape[1]
              else self.table.predict(spec.with_size(problem, int(s)), [h])[0])
       model_wins = np.isfinite(t_h) and best[r] * (1.0 + margin) < t_h
       if not model_wins:

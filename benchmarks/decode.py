@@ -1,0 +1,99 @@
+"""Decode attention on a GPU: the flash-decoding kernel against cuDNN and XLA.
+
+For a few decode problems of the training models (one new query per sequence,
+or four under a causal mask), checks and times with CUPTI (L2 flushed): the
+Triton kernel's heuristic config and its neighbours in ``num_splits``, the
+op's XLA backend (NaN-safe), and the two baselines a JAX user would write
+(``jax.nn.dot_product_attention`` with ``key_value_seq_lengths``, cuDNN and
+XLA). Each problem runs with random per-sequence lengths and with a full
+cache. A NaN/Inf check runs the heuristic config with NaN in K and Inf in V
+past every sequence's length. Prints microseconds and the speedup of the
+best Triton config and of the heuristic over the faster baseline.
+
+    python3 benchmarks/decode.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from wavetune_jax import DECODE, DecodeProblem, get_hardware
+from wavetune_jax.families.decode.triton import splits_of
+from wavetune_jax.tuning import profiler
+
+# (q_heads, kv_heads, batch, kv_len, q_len)
+PROBLEMS = [(32, 8, 8, 4096, 1), (32, 8, 8, 16384, 1), (32, 8, 32, 4096, 1),
+            (32, 8, 32, 16384, 1), (32, 8, 1, 32768, 1), (32, 8, 128, 2048, 1),
+            (8, 1, 8, 32768, 1), (48, 8, 8, 8192, 1), (16, 16, 32, 4096, 1),
+            (32, 8, 8, 8192, 4)]
+
+
+def nan_check(p: DecodeProblem, config) -> float:
+  """Largest |out - ref| with NaN in K and Inf in V past every length."""
+  q, k, v, lens = DECODE.inputs(p, jax.random.PRNGKey(1))
+  past = jnp.arange(p.kv_len)[None, :, None, None] >= lens[:, None, None, None]
+  k = jnp.where(past, jnp.nan, k)
+  v = jnp.where(past, jnp.inf, v)
+  out = jax.jit(DECODE.build(p, config))(q, k, v, lens)
+  ref = DECODE.reference(p, q, k, v, lens)
+  return float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--quick", action="store_true", help="the first 4 problems only")
+  ap.add_argument("--iterations", type=int, default=20)
+  a = ap.parse_args()
+  dev = jax.devices()[0]
+  print(dev.device_kind, jax.__version__)
+  hw = get_hardware()
+  prof = profiler.Profiler(iterations=a.iterations)
+  tri = DECODE.backend("triton")
+  xla = DECODE.backend("xla")
+  print(f"{'problem':<44}{'cache':>6}{'heur':>9}{'best':>9}{'(splits)':>9}{'xla-be':>9}"
+        f"{'cudnn':>9}{'xla':>9}{'best/base':>10}{'heur/base':>10}  nan-err")
+  rows = []
+  for hq, hkv, b, s, t in PROBLEMS[:4] if a.quick else PROBLEMS:
+    for lengths in (True, False):
+      p = DecodeProblem(batch=b, q_heads=hq, kv_heads=hkv, kv_len=s, q_len=t, lengths=lengths)
+      h = tri.heuristic(p, hw)
+      cands = [h]
+      for ns in (1, h.num_splits // 2, h.num_splits * 2, h.num_splits * 4):
+        if ns >= 1 and splits_of(s, ns, h.block_k) == ns:
+          c = dataclasses.replace(h, num_splits=ns)
+          if c not in cands:
+            cands.append(c)
+      args = DECODE.inputs(p, jax.random.PRNGKey(0))
+      ref = DECODE.reference(p, *args)
+      fns = ([DECODE.build(p, c) for c in cands] + [DECODE.build(p, xla.config_cls())]
+             + [DECODE.baseline(p), DECODE.extra_baselines(p)["xla"]])
+      res = prof.measure_many(fns, args, reference=ref, tolerance=DECODE.tolerance(p),
+                              out_bytes=ref.size * 4)
+      us = [m.median_us if m.status == "ok" else np.inf for m in res]
+      n = len(cands)
+      best = int(np.argmin(us[:n]))
+      base = min(us[n + 1], us[n + 2])
+      bad = [f"{i}:{m.status}" for i, m in enumerate(res) if m.status != "ok"]
+      err = nan_check(p, h) if lengths else float("nan")
+      name = f"b{b} h{hq}/{hkv} kv{s} q{t}"
+      print(f"{name:<44}{'ragged' if lengths else 'full':>6}{us[0]:9.1f}{us[best]:9.1f}"
+            f"{cands[best].num_splits:>9}{us[n]:9.1f}{us[n + 1]:9.1f}{us[n + 2]:9.1f}"
+            f"{base / us[best]:10.3f}{base / us[0]:10.3f}  {err:.2e} {' '.join(bad)}",
+            flush=True)
+      rows.append((b, s, lengths, base / us[best], base / us[0]))
+  for lengths in (True, False):
+    sel = [r for r in rows if r[2] == lengths]
+    big = [r for r in sel if r[0] >= 8 and r[1] >= 4096]
+    g = lambda xs, i: float(np.exp(np.mean(np.log([x[i] for x in xs])))) if xs else float("nan")  # noqa: E731
+    print(f"{'ragged' if lengths else 'full'} caches: best/base geomean {g(sel, 3):.3f} "
+          f"(min {min(r[3] for r in sel):.3f}), heuristic {g(sel, 4):.3f}; batch >= 8 and "
+          f"kv >= 4096: best {g(big, 3):.3f}, heuristic {g(big, 4):.3f}")
+
+
+if __name__ == "__main__":
+  main()

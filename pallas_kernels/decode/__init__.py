@@ -1,0 +1,1 @@
+"""Flash-decoding kernels (a few queries per sequence against a KV cache)."""

@@ -1,0 +1,173 @@
+"""The decode family: flash-decoding against a KV cache.
+
+The Triton kernel runs in interpret mode against the float32 reference for
+per-sequence lengths (0, 1, the full cache), GQA and MHA, head_dim 64/96/
+128/256, one and several queries (bottom-right causal), one chunk and
+several, with NaN in K and Inf in V past each sequence's length; the space,
+(G, L), heuristic and the op's errors are checked on the H100 preset.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import wavetune_jax as wt
+from pallas_kernels.attention.reference import attention_reference
+from pallas_kernels.decode.triton import TritonDecodeConfig, chunk_len, decode_attention
+from wavetune_jax import DECODE, DecodeProblem, get_hardware
+from wavetune_jax.families.decode.triton import coords_aux, splits_of
+from wavetune_jax.shapes import load_suite
+
+H100 = get_hardware("h100")
+
+
+def _cache(b, t, hq, hkv, s, d, lengths, seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = jax.random.normal(ks[0], (b, t, hq, d), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.float32).astype(jnp.bfloat16)
+  if lengths is not None:  # NaN / Inf past each sequence's length must not leak
+    past = jnp.arange(s)[None, :, None, None] >= lengths[:, None, None, None]
+    k = jnp.where(past, jnp.nan, k).astype(k.dtype)
+    v = jnp.where(past, jnp.inf, v).astype(v.dtype)
+  return q, k, v
+
+
+CASES = [
+    # (b, q_len, q_heads, kv_heads, kv_len, head_dim, block_k, splits, lengths, causal)
+    (3, 1, 8, 2, 90, 64, 16, 1, (1, 90, 0), True),
+    (3, 1, 8, 2, 90, 96, 32, 3, (1, 90, 47), True),
+    (2, 3, 6, 2, 70, 128, 16, 4, (70, 2), True),     # rows 9: one masked row block
+    (2, 2, 4, 4, 50, 256, 16, 2, (17, 50), True),    # MHA
+    (2, 4, 32, 1, 40, 64, 16, 2, None, True),       # 128 rows: two 64-row blocks
+    (2, 2, 4, 2, 45, 64, 16, 3, (30, 45), False),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_reference(case):
+  b, t, hq, hkv, s, d, bk, ns, lens, causal = case
+  lengths = None if lens is None else jnp.array(lens, jnp.int32)
+  q, k, v = _cache(b, t, hq, hkv, s, d, lengths)
+  bh = min(64, max(16, 1 << (t * hq // hkv - 1).bit_length()))
+  cfg = TritonDecodeConfig(block_h=bh, block_k=bk, num_splits=ns)
+  y = decode_attention(q, k, v, config=cfg, causal=causal, kv_lengths=lengths,
+                       interpret=True)
+  r = attention_reference(q, k, v, causal=causal, kv_lengths=lengths,
+                          causal_align="bottom_right", out_dtype=jnp.float32)
+  y = np.asarray(y, np.float32)
+  assert np.all(np.isfinite(y))
+  np.testing.assert_allclose(y, np.asarray(r), atol=2e-2, rtol=2e-2)
+  if lens is not None and 0 in lens:
+    assert np.all(y[lens.index(0)] == 0)
+
+
+def test_op_under_jit_every_backend_on_cpu():
+  lengths = jnp.array([5, 64], jnp.int32)
+  q, k, v = _cache(2, 1, 8, 2, 64, 64, lengths, seed=1)
+  ref = np.asarray(attention_reference(q, k, v, kv_lengths=lengths,
+                                       causal_align="bottom_right", out_dtype=jnp.float32))
+  for cfg in (None, wt.XlaDecodeConfig(), {"backend": "triton", "block_k": 32,
+                                           "num_splits": 2}):
+    f = jax.jit(lambda a, b_, c, l, cfg=cfg: wt.decode_attention(a, b_, c, kv_lengths=l,
+                                                                 config=cfg))
+    y = np.asarray(f(q, k, v, lengths), np.float32)
+    np.testing.assert_allclose(y, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_op_equals_attention_bottom_right():
+  """Decode is the last rows of chunked prefill: the same answer as
+  ``wt.attention(..., causal_align="bottom_right")``."""
+  lengths = jnp.array([3, 33], jnp.int32)
+  q, k, v = _cache(2, 3, 4, 2, 33, 64, lengths, seed=2)
+  a = wt.decode_attention(q, k, v, kv_lengths=lengths)
+  b = wt.attention(q, k, v, kv_lengths=lengths, causal_align="bottom_right")
+  np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=2e-2)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda q, k: wt.decode_attention(q[:, :, 0], k, k), "rank 4"),
+    (lambda q, k: wt.decode_attention(jnp.zeros((2, 65, 8, 64), jnp.bfloat16), k, k),
+     "at most 64 new queries"),
+    (lambda q, k: wt.decode_attention(q, k, k, kv_lengths=jnp.ones((3,), jnp.int32)),
+     r"\[batch\]"),
+    (lambda q, k: wt.decode_attention(q, k, k, kv_lengths=jnp.ones((2,))), "integers"),
+    (lambda q, k: wt.decode_attention(q, k, k, causal=jnp.bool_(True)), "Python bool"),
+    (lambda q, k: wt.decode_attention(q, jnp.concatenate([k, k[:, :, :1]], 2),
+                                      jnp.concatenate([k, k[:, :, :1]], 2)), "divide"),
+    (lambda q, k: wt.decode_attention(q, k, k, config=wt.CudnnDecodeConfig(),
+                                      kv_lengths=jnp.ones((2,), jnp.int32)),
+     "per-sequence lengths|cannot run here"),
+    (lambda q, k: wt.decode_attention(q, k, k, config={"backend": "triton", "block_k": 48}),
+     "power of two"),
+    (lambda q, k: wt.decode_attention(q, k, k, config={"backend": "triton", "num_splits": 0}),
+     r"num_splits=0 must be in \[1, 256\]"),
+])
+def test_bad_input_one_line_error(call, match):
+  q = jnp.zeros((2, 1, 8, 64), jnp.bfloat16)
+  k = jnp.zeros((2, 32, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=match):
+    call(q, k)
+
+
+def test_chunks_and_splits():
+  assert chunk_len(1000, 4, 128) == 256 and splits_of(1000, 4, 128) == 4
+  # 3 blocks cannot make 4 chunks: the space keeps only num_splits that hold keys.
+  assert splits_of(300, 4, 128) == 3
+  for s in (33, 100, 1000, 4097, 131072):
+    for ns in (1, 2, 4, 8, 16, 32, 64):
+      for bk in (32, 64, 128, 256):
+        c = chunk_len(s, ns, bk)
+        assert c % bk == 0 and splits_of(s, ns, bk) * c >= s > (splits_of(s, ns, bk) - 1) * c
+
+
+def test_space_rules_and_coords():
+  p = DecodeProblem(batch=8, q_heads=32, kv_heads=8, kv_len=4096)
+  space = DECODE.space(p, H100)
+  tri = [c for c in space if isinstance(c, TritonDecodeConfig)]
+  assert tri and {type(c).__name__ for c in space} == {"TritonDecodeConfig", "XlaDecodeConfig"}
+  for c in tri:
+    assert c.block_h == 16  # D1: 4 rows per KV head
+    assert c.num_splits == 1 or 64 * c.num_splits <= 4 * H100.num_sms  # D3
+    assert c.num_warps == 4 or c.block_k == 256  # D4
+    g, l, aux = coords_aux(p, c.block_h, c.block_k, c.num_splits)
+    assert g == 64 * c.num_splits and l == chunk_len(4096, c.num_splits, c.block_k) / c.block_k
+    assert (aux[0] > 0) == (c.num_splits > 1)
+  # A full cache without lengths: cuDNN is a candidate; with lengths it is not.
+  full = DecodeProblem(batch=8, q_heads=32, kv_heads=8, kv_len=4096, lengths=False)
+  assert wt.CudnnDecodeConfig() in DECODE.space(full, H100)
+  assert wt.CudnnDecodeConfig() not in DECODE.space(p, H100)
+  # Sizes within one 32-key quantum share the space.
+  q = DecodeProblem(batch=8, q_heads=32, kv_heads=8, kv_len=4096 - 31)
+  assert DECODE.size_quantum(p) == 32 and DECODE.space(q, H100) == space
+
+
+def test_heuristic_splits_by_programs_and_expected_keys():
+  def h(**kw):
+    return DECODE.heuristic(DecodeProblem(q_heads=32, kv_heads=8, **kw), H100)
+  # One sequence, 8 programs: 8 splits make 64 programs; 16,384 expected
+  # keys (half of the cache) need 32 chunks of at most 512 (64-key blocks).
+  one = h(batch=1, kv_len=32768)
+  assert (one.num_splits, one.block_k) == (32, 64)
+  # 512 programs already fill four waves of 132 SMs: no split.
+  assert h(batch=64, kv_len=32768).num_splits == 1
+  # Short caches: chunks keep at least 64 expected keys, in 64-key blocks.
+  short = h(batch=1, kv_len=1000)
+  assert (short.num_splits, short.block_k) == (4, 64)
+  # A full cache (no lengths) expects twice the keys.
+  assert DECODE.heuristic(DecodeProblem(batch=1, q_heads=32, kv_heads=8, kv_len=32768,
+                                        lengths=False), H100).num_splits == 64
+  for p in DECODE.problems_from_suite(load_suite()):
+    c = DECODE.heuristic(p, H100)
+    DECODE.validate(p, c, H100)
+    assert c in DECODE.space(p, H100)
+
+
+def test_suite_and_keys():
+  ps = DECODE.problems_from_suite(load_suite())
+  assert len(ps) == len(set(ps)) > 40
+  assert all(p.batch * p.kv_len <= 1 << 20 and p.lengths for p in ps)
+  for p in ps[:5]:
+    assert DECODE.problem_from_dict(DECODE.problem_to_dict(p)) == p
+  assert DECODE.problem_key(ps[0]).startswith("b1:h32/8:q1:kv1000:d128:causal")

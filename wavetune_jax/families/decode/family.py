@@ -1,0 +1,147 @@
+"""The decode family: attention of a few new queries per sequence against a
+KV cache (flash-decoding)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.attention.common import check_call, check_lengths
+from pallas_kernels.attention.reference import attention_reference
+from wavetune_jax.core.family import Call, Family
+from wavetune_jax.core.partition import PartitionRule
+from wavetune_jax.families.decode.library import library_attention, plain_mask
+from wavetune_jax.families.decode.problem import MAX_Q_LEN, DecodeProblem
+from wavetune_jax.shapes import suite_entries
+
+__all__ = ["DecodeFamily", "decode_models"]
+
+
+def decode_models(suite: dict, names=None) -> dict[str, dict]:
+  """``{model name: {"q_heads", "kv_heads", "head_dim"}}`` of a suite's
+  ``decode`` section, optionally filtered."""
+  return suite_entries(suite, "decode", "models", names)
+
+
+class DecodeFamily(Family):
+  """Decode attention, layout ``[batch, seq, heads, head_dim]``, GQA, per-
+  sequence valid lengths; the size is the cache length. cuDNN
+  (``jax.nn.dot_product_attention`` with ``key_value_seq_lengths``) is the
+  baseline, XLA's attention the second one."""
+
+  name = "decode"
+  problem_cls = DecodeProblem
+  size_field = "kv_len"
+  aux_names = ("split_launch", "split_partial_mb")
+  # The wave model sees the cache length, not the run-time lengths, so it
+  # is trusted over the heuristic only for a large predicted gain: held out
+  # (seed 0) a 0.3 margin scored 0.970 / 0.956 of the oracle (H100 / H200),
+  # 0.5 scored 0.976 / 0.965, the heuristic alone 0.975 / 0.966.
+  heuristic_margin = 0.5
+  baseline_name = "cuDNN"
+
+  # --- the call ------------------------------------------------------------------------
+  def bind(self, q, k, v, *, kv_lengths=None, causal: bool = True, scale=None):
+    """Checks ``q [batch, q_len, q_heads, head_dim]`` (q_len at most
+    :data:`MAX_Q_LEN`), ``k, v [batch, kv_len, kv_heads, head_dim]`` and
+    ``kv_lengths [batch]``; the problem of the call."""
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    if not isinstance(causal, (bool, jnp.bool_)) or isinstance(causal, jax.Array):
+      raise ValueError(f"causal={causal!r} must be a Python bool (a static value)")
+    scale = check_call(q, k, v, scale)
+    batch, q_len, q_heads, head_dim = q.shape
+    if q_len > MAX_Q_LEN:
+      raise ValueError(f"decode_attention takes at most {MAX_Q_LEN} new queries per "
+                       f"sequence; got q_len={q_len} (use wavetune_jax.attention with "
+                       f"causal_align='bottom_right' for longer chunks)")
+    lengths = check_lengths(kv_lengths, batch)
+    if batch == 0 or q_len == 0 or q_heads == 0:
+      return jnp.zeros(q.shape, q.dtype)
+    problem = DecodeProblem(batch=batch, q_heads=q_heads, kv_heads=k.shape[2],
+                            kv_len=k.shape[1], q_len=q_len, head_dim=head_dim,
+                            dtype=q.dtype.name, lengths=lengths is not None,
+                            causal=bool(causal))
+    if lengths is None:
+      return Call(problem, (q, k, v), {"scale": scale})
+    return Call(problem, (q, k, v, lengths), {"scale": scale}, ("kv_lengths",))
+
+  def partition_rule(self, problem: DecodeProblem):
+    """Batch and heads split (a KV head with its query heads); the sequence
+    and head_dim are gathered."""
+    lengths = ", b" if problem.lengths else ""
+    return PartitionRule(f"b q (g r) d, b s g d, b s g d{lengths} -> b q (g r) d",
+                         factor_sizes={"r": problem.group}, replicated=("q", "s", "d"))
+
+  # --- problems ------------------------------------------------------------------------
+  def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):
+    """``suite["decode"]``: every model at every batch, cache length and
+    query count, with per-sequence lengths, keeping ``batch * kv_len <=
+    max_tokens`` (the caches of one GPU)."""
+    models = decode_models(suite, weights)
+    d = suite["decode"]
+    cap = d.get("max_tokens")
+    lens = d["kv_len"] if sizes is None else sizes
+    return [DecodeProblem(batch=b, q_heads=m["q_heads"], kv_heads=m["kv_heads"], kv_len=s,
+                          q_len=t, head_dim=m["head_dim"], dtype=dtype, lengths=True)
+            for m in models.values() for t in d.get("q_len", [1]) for b in d["batch"]
+            for s in lens if cap is None or b * s <= cap]
+
+  def problem_key(self, problem: DecodeProblem) -> str:
+    p = problem
+    return (f"b{p.batch}:h{p.q_heads}/{p.kv_heads}:q{p.q_len}:kv{p.kv_len}:d{p.head_dim}:"
+            f"{'causal' if p.causal else 'full'}:{p.dtype}{':lengths' if p.lengths else ''}")
+
+  def inputs(self, problem: DecodeProblem, key: jax.Array):
+    p = problem
+    kq, kk, kv = jax.random.split(key, 3)
+    dt = jnp.dtype(p.dtype)
+    q = jax.random.normal(kq, (p.batch, p.q_len, p.q_heads, p.head_dim), jnp.float32)
+    k = jax.random.normal(kk, (p.batch, p.kv_len, p.kv_heads, p.head_dim), dt)
+    v = jax.random.normal(kv, (p.batch, p.kv_len, p.kv_heads, p.head_dim), dt)
+    out = (q.astype(dt), k, v)
+    if p.lengths:
+      out += (self.lengths(p, jax.random.fold_in(key, 1)),)
+    return out
+
+  @staticmethod
+  def lengths(problem: DecodeProblem, key: jax.Array) -> jax.Array:
+    """Valid lengths of a cache whose sequences are spread evenly over
+    ``[q_len, kv_len]`` (quantiles of the uniform distribution, in random
+    order): the batch holds the same mix of short and long sequences at
+    every draw, so sweeps at neighbouring sizes see the same work (a random
+    draw of one sequence's length would be noise to the model)."""
+    p = problem
+    lo = min(p.q_len, p.kv_len)
+    lens = lo + ((p.kv_len - lo) * (2 * np.arange(p.batch) + 1)) // (2 * p.batch)
+    return jax.random.permutation(key, jnp.asarray(lens, jnp.int32))
+
+  def reference(self, problem: DecodeProblem, q, k, v, kv_lengths=None):
+    # All queries in one chunk: no padding rows, so the float32 scores stay
+    # [batch, heads, q_len, kv_len].
+    return attention_reference(q, k, v, causal=problem.causal, out_dtype=jnp.float32,
+                               kv_lengths=kv_lengths, causal_align="bottom_right",
+                               q_chunk=problem.q_len)
+
+  def baseline(self, problem: DecodeProblem):
+    """cuDNN through ``jax.nn.dot_product_attention`` (lengths as
+    ``key_value_seq_lengths``); XLA where JAX's cuDNN path has no such mask
+    (several causal queries) or head_dim."""
+    impl = "cudnn" if plain_mask(problem) and problem.head_dim % 8 == 0 else "xla"
+    return lambda *a: library_attention(problem, impl, *a)
+
+  def extra_baselines(self, problem: DecodeProblem) -> dict:
+    return {"xla": lambda *a: library_attention(problem, "xla", *a)}
+
+  def tolerance(self, problem: DecodeProblem) -> float:
+    return 1e-2
+
+  def default(self, problem: DecodeProblem):
+    """The fixed config of an untuned library: the defaults of JAX's own
+    Pallas decode attention (16 query rows, 128-key blocks, 16 splits, 4
+    warps, 2 stages), rows and splits fitted to the problem."""
+    from wavetune_jax.families.decode.triton import _rows_block, splits_of
+    from pallas_kernels.decode.triton import TritonDecodeConfig
+    return TritonDecodeConfig(block_h=_rows_block(problem.rows), block_k=128,
+                              num_splits=splits_of(problem.kv_len, 16, 128), num_warps=4,
+                              num_stages=2)

@@ -1,0 +1,141 @@
+"""The library backends of the decode family: XLA's and cuDNN's attention
+through ``jax.nn.dot_product_attention`` (no launch parameters)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.attention.common import valid_keys
+from wavetune_jax.core.family import Backend
+from wavetune_jax.core.hardware import Hardware
+from wavetune_jax.families.attention.cudnn import MIN_COMPUTE_CAPABILITY, _capability
+from wavetune_jax.families.decode.problem import DecodeProblem
+
+__all__ = ["XlaDecode", "XlaDecodeConfig", "CudnnDecode", "CudnnDecodeConfig",
+           "library_attention", "NOMINAL_BLOCK"]
+
+#: Keys per nominal block of the library backends' (G, L).
+NOMINAL_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class XlaDecodeConfig:
+  """``jax.nn.dot_product_attention(..., implementation="xla")``."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CudnnDecodeConfig:
+  """``jax.nn.dot_product_attention(..., implementation="cudnn")``."""
+
+
+def plain_mask(p: DecodeProblem) -> bool:
+  """The mask is JAX's own (valid lengths, no diagonal): one query, or none causal."""
+  return p.q_len == 1 or not p.causal
+
+
+def library_attention(p: DecodeProblem, implementation: str, q, k, v, kv_lengths=None, *,
+                      scale=None, safe: bool = False):
+  """``jax.nn.dot_product_attention`` for a decode problem. ``safe``: values
+  past a sequence's length are zeroed first, so NaN or Inf there never reaches
+  the output (JAX masks the scores, but ``0 * NaN`` in ``p @ V`` is NaN)."""
+  if plain_mask(p):
+    if safe and kv_lengths is not None:
+      ok = jnp.arange(p.kv_len)[None, :] < kv_lengths[:, None]
+      v = jnp.where(ok[:, :, None, None], v, jnp.zeros((), v.dtype))
+    return jax.nn.dot_product_attention(q, k, v, scale=scale,
+                                        key_value_seq_lengths=kv_lengths,
+                                        implementation=implementation)
+  ok = valid_keys(kv_lengths, p.kv_len, p.q_len, causal=True, causal_align="bottom_right",
+                  batch=p.batch)
+  if safe:
+    seen = jnp.any(ok, axis=1)[:, :, None, None]
+    v = jnp.where(seen, v, jnp.zeros((), v.dtype))
+  out = jax.nn.dot_product_attention(q, k, v, scale=scale, mask=ok[:, None],
+                                     implementation="xla")
+  return jnp.where(jnp.any(ok, axis=2)[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+class _Library(Backend):
+  macro_fields = ()
+  micro_fields = ()
+  heuristic_size_free = True
+
+  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
+    return 1
+
+  def coords(self, problem: DecodeProblem, macro: dict) -> tuple[int, float]:
+    return problem.batch * problem.kv_heads, float(-(-problem.kv_len // NOMINAL_BLOCK))
+
+  def size_quantum(self, problem) -> int | None:
+    return None if self._why_not(problem, None) else NOMINAL_BLOCK
+
+  def decision_arrays(self, problem: DecodeProblem, sizes, hw: Hardware, n_aux: int,
+                      with_size=None):
+    kv = np.asarray(sizes, np.int64).reshape(-1, 1)
+    ok = not self._why_not(problem, hw)
+    return ((self.config_cls(),), np.full((len(kv), 1), ok),
+            np.full((len(kv), 1), problem.batch * problem.kv_heads, np.int64),
+            (-(-kv // NOMINAL_BLOCK)).astype(np.float64),
+            np.zeros((len(kv), 1, n_aux), np.float32))
+
+  def _why_not(self, p: DecodeProblem, hw) -> str | None:
+    return None
+
+  def space(self, problem, hw: Hardware, *, prune: bool = True):
+    return () if self._why_not(problem, hw) else (self.config_cls(),)
+
+  def validate(self, problem, config, hw: Hardware | None = None) -> None:
+    if not isinstance(config, self.config_cls):
+      raise ValueError(f"config must be a {self.config_cls.__name__}; got {config!r}")
+    why = self._why_not(problem, hw)
+    if why:
+      raise ValueError(why)
+
+
+class XlaDecode(_Library):
+  """XLA's attention with the decode mask; values past a sequence's length
+  are zeroed first (NaN-safe). Runs everywhere, also inside ``shard_map`` on
+  a CPU. Where nothing needs zeroing (no lengths) and JAX's mask is the
+  problem's, it is the family's ``baseline_xla`` call."""
+
+  name = "xla"
+  config_cls = XlaDecodeConfig
+  interpret = True
+  interpret_in_shard_map = True
+
+  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, *,
+          interpret: bool = False, scale: float | None = None):
+    return library_attention(problem, "xla", q, k, v, kv_lengths, scale=scale, safe=True)
+
+
+class CudnnDecode(_Library):
+  """cuDNN's attention for a full cache (no per-sequence lengths: its
+  handling of non-finite values past a length is not known) with JAX's own
+  mask (one query, or not causal); head_dim a multiple of 8 up to 256."""
+
+  name = "cudnn"
+  config_cls = CudnnDecodeConfig
+  recorded_as = "baseline"
+
+  def supported_on(self, hw: Hardware) -> bool:
+    return _capability(hw) >= MIN_COMPUTE_CAPABILITY
+
+  def _why_not(self, p: DecodeProblem, hw) -> str | None:
+    if p.head_dim % 8 or p.head_dim > 256:
+      return f"cuDNN attention needs head_dim a multiple of 8 up to 256; got {p.head_dim}"
+    if p.lengths:
+      return ("the cuDNN decode backend takes no per-sequence lengths (use a Triton or "
+              "XLA config)")
+    if not plain_mask(p):
+      return "cuDNN has no bottom-right causal mask in JAX (use a Triton or XLA config)"
+    return None
+
+  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, *,
+          interpret: bool = False, scale: float | None = None):
+    if interpret:
+      raise NotImplementedError("cuDNN attention runs on an NVIDIA GPU only")
+    return library_attention(problem, "cudnn", q, k, v, None, scale=scale)

@@ -1,0 +1,88 @@
+"""The decode problem: a few new queries per sequence against a KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from pallas_kernels.attention.common import MAX_HEAD_DIM
+from wavetune_jax.core.family import Problem
+
+__all__ = ["DecodeProblem", "DTYPES", "MAX_Q_LEN"]
+
+DTYPES = ("bfloat16", "float16")
+#: Most new queries per sequence (decode, speculative decoding's drafts);
+#: longer chunks are prefill (``wt.attention``).
+MAX_Q_LEN = 64
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class DecodeProblem(Problem):
+  """Static facts of one decode-attention call.
+
+  Attributes:
+    batch, q_heads, kv_heads, head_dim: as in the arrays (``kv_heads``
+      divides ``q_heads``).
+    q_len: new queries per sequence, 1 to :data:`MAX_Q_LEN`.
+    kv_len: the cache's length (the arrays' sequence axis).
+    dtype: ``"bfloat16"`` or ``"float16"``.
+    lengths: the call gives per-sequence valid lengths (run-time values).
+    causal: the queries are the last ``q_len`` positions (bottom-right
+      diagonal); False: each query sees every valid key.
+  """
+
+  batch: int
+  q_heads: int
+  kv_heads: int
+  kv_len: int
+  q_len: int = 1
+  head_dim: int = 128
+  dtype: str = "bfloat16"
+  lengths: bool = True
+  causal: bool = True
+  _key: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
+  _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
+
+  def __post_init__(self):
+    for name in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"DecodeProblem.{name}={v!r} must be an int >= 1")
+    if self.q_heads % self.kv_heads:
+      raise ValueError(f"kv_heads={self.kv_heads} must divide q_heads={self.q_heads}")
+    if self.q_len > MAX_Q_LEN:
+      raise ValueError(f"DecodeProblem.q_len={self.q_len} must be <= {MAX_Q_LEN}")
+    if self.head_dim > MAX_HEAD_DIM:
+      raise ValueError(f"head_dim={self.head_dim} must be <= {MAX_HEAD_DIM}")
+    for name in ("lengths", "causal"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"DecodeProblem.{name}={getattr(self, name)!r} must be a bool")
+    dtype = jnp.dtype(self.dtype).name
+    if dtype not in DTYPES:
+      raise ValueError(f"DecodeProblem.dtype={self.dtype!r} must be one of {DTYPES}")
+    object.__setattr__(self, "dtype", dtype)
+    self._freeze()
+
+  @property
+  def group(self) -> int:
+    return self.q_heads // self.kv_heads
+
+  @property
+  def rows(self) -> int:
+    """Query rows per KV head: the group's heads at every new position."""
+    return self.q_len * self.group
+
+  @property
+  def padded_head_dim(self) -> int:
+    return max(16, 1 << math.ceil(math.log2(self.head_dim)))
+
+  @property
+  def itemsize(self) -> int:
+    return jnp.dtype(self.dtype).itemsize
+
+  @property
+  def cache_bytes(self) -> int:
+    """Bytes of K and V in the cache (what a full-length call reads)."""
+    return 2 * self.batch * self.kv_len * self.kv_heads * self.head_dim * self.itemsize

@@ -1,0 +1,218 @@
+"""The Triton backend of the decode family (``pallas_kernels.decode.triton``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import numpy as np
+
+from pallas_kernels.decode.triton import MAX_SPLITS, TritonDecodeConfig, chunk_len, decode_attention
+from wavetune_jax.core.family import Backend, interned
+from wavetune_jax.core.hardware import Hardware
+from wavetune_jax.families import _triton
+from wavetune_jax.families.decode.problem import DecodeProblem
+
+__all__ = ["TritonDecode", "TritonDecodeConfig", "splits_of", "coords_aux"]
+
+# Candidate values (``prune=False`` adds the UNPRUNED_* ones).
+BLOCK_H = (16, 32, 64)
+BLOCK_K = (64, 128, 256)
+UNPRUNED_BLOCK_K = (32,)
+NUM_SPLITS = (1, 2, 4, 8, 16, 32, 64)
+NUM_WARPS = (4, 8)
+NUM_STAGES = (2, 3)
+
+# Pruning rules of the space (see TritonDecode.space):
+#  D1 rows:      one block_h, the next power of two of the rows per KV head
+#                (16 to 64): a smaller block reads the KV chunk again per
+#                row block, a larger one only masks.
+#  D2 smem:      (num_stages * 2 * block_k + block_h) * head_dim_padded *
+#                itemsize <= shared memory per block.
+#  D3 splits:    num_splits as the chunks that hold keys (fewer than asked
+#                where the blocks do not divide: each once), and programs (batch * kv_heads * row blocks *
+#                splits) <= 4 waves' worth of SMs unless num_splits = 1:
+#                beyond that the chunks only add partials to combine.
+#  D4 warps:     8 warps only with 256-key blocks.
+#  D5 registers: fp32 scores and output per thread,
+#                block_h * (block_k + head_dim_padded) / (32 * num_warps),
+#                at most 160.
+
+
+def splits_of(kv_len: int, num_splits: int, block_k: int) -> int:
+  """Chunks that hold keys when ``num_splits`` is asked for (chunks are
+  whole blocks, so fewer than asked where the blocks do not divide)."""
+  return -(-kv_len // chunk_len(kv_len, num_splits, block_k))
+
+
+def coords_aux(p: DecodeProblem, block_h: int, block_k: int, num_splits: int):
+  """``(G, L, aux)``: programs, key blocks per program (of the full cache)
+  and ``[splits > 1, MB of fp32 partials]``."""
+  s = splits_of(p.kv_len, num_splits, block_k)
+  g = p.batch * p.kv_heads * -(-p.rows // block_h) * s
+  l = chunk_len(p.kv_len, num_splits, block_k) // block_k
+  mb = s * p.batch * p.kv_heads * p.rows * p.head_dim * 4 / 1e6 if s > 1 else 0.0
+  return g, float(l), (float(s > 1), mb)
+
+
+def _rows_block(rows: int) -> int:
+  return min(64, max(16, 1 << (rows - 1).bit_length()))
+
+
+class TritonDecode(Backend):
+  """Pallas Triton flash-decoding: any length, head_dim up to 256 (padded in
+  the kernel), per-sequence lengths, bottom-right causal, CPU interpret mode."""
+
+  name = "triton"
+  config_cls = TritonDecodeConfig
+  macro_fields = ("block_h", "block_k", "num_splits")
+  micro_fields = ("num_warps", "num_stages")
+  # (G, L) and the partials column absorb the split completely.
+  folded_fields = ("num_splits",)
+  interpret = True
+
+  def smem_bytes(self, p: DecodeProblem, c: TritonDecodeConfig) -> int:
+    return (c.num_stages * 2 * c.block_k + c.block_h) * p.padded_head_dim * p.itemsize
+
+  def space(self, problem: DecodeProblem, hw: Hardware, *, prune: bool = True) -> tuple:
+    p = problem
+    return self._space(p.batch * p.kv_heads, p.rows, -(-p.kv_len // 32), p.padded_head_dim,
+                       p.itemsize, hw, prune)
+
+  @functools.lru_cache(maxsize=2048)
+  def _space(self, heads, rows, kv_blocks32, dp, itemsize, hw, prune):
+    kv_len = kv_blocks32 * 32  # the space sees kv_len through its 32-key blocks
+    out = []
+    bhs = (_rows_block(rows),) if prune else BLOCK_H
+    bks = BLOCK_K if prune else UNPRUNED_BLOCK_K + BLOCK_K
+    seen = set()
+    for bh, bk, ns, nw, st in itertools.product(bhs, bks, NUM_SPLITS, NUM_WARPS, NUM_STAGES):
+      if (st * 2 * bk + bh) * dp * itemsize > hw.smem_per_block:
+        continue  # D2
+      ns = splits_of(kv_len, ns, bk)  # D3: the chunks that hold keys
+      if prune:
+        if ns > 1 and heads * -(-rows // bh) * ns > 4 * hw.num_sms:
+          continue  # D3
+        if nw == 8 and bk < 256:
+          continue  # D4
+        if bh * (bk + dp) // (32 * nw) > 160:
+          continue  # D5
+      key = (bh, bk, ns, nw, st)
+      if key in seen:
+        continue
+      seen.add(key)
+      out.append(TritonDecodeConfig(block_h=bh, block_k=bk, num_splits=ns, num_warps=nw,
+                                    num_stages=st))
+    return tuple(out)
+
+  @functools.lru_cache(maxsize=256)
+  def _combos(self, rows, dp, itemsize, hw):
+    """The pruned space's (block_h, block_k, num_splits asked, warps,
+    stages) before the size-dependent part of rule D3."""
+    p_rows = _rows_block(rows)
+    out = []
+    for bk, ns, nw, st in itertools.product(BLOCK_K, NUM_SPLITS, NUM_WARPS, NUM_STAGES):
+      if ((st * 2 * bk + p_rows) * dp * itemsize > hw.smem_per_block  # D2
+          or (nw == 8 and bk < 256)  # D4
+          or p_rows * (bk + dp) // (32 * nw) > 160):  # D5
+        continue
+      out.append((p_rows, bk, ns, nw, st))
+    return tuple(out)
+
+  def decision_arrays(self, problem: DecodeProblem, sizes, hw: Hardware, n_aux: int,
+                      with_size=None):
+    """The pruned space at many cache lengths at once, in array code (the
+    same configs, (G, L) and aux as :meth:`space` and :func:`coords_aux`)."""
+    p = problem
+    kv = np.asarray(sizes, np.int64)[:, None]                    # [S, 1]
+    combos = self._combos(p.rows, p.padded_head_dim, p.itemsize, hw)
+    bh, bk, ns, nw, st = (np.array(c, np.int64) for c in zip(*combos))  # [C]
+    heads = p.batch * p.kv_heads * -(-p.rows // bh)
+    chunk = -(-(-(-kv // ns)) // bk) * bk                        # [S, C]
+    eff = -(-kv // chunk)
+    ok = (eff == 1) | (heads * eff <= 4 * hw.num_sms)
+    # One column per (combo, effective splits); asked splits that give the
+    # same chunks share it.
+    code = (np.arange(len(combos)) * (MAX_SPLITS + 1) + eff)[ok]
+    uniq, col_of = np.unique(code, return_inverse=True)
+    ci, e = np.divmod(uniq, MAX_SPLITS + 1)
+    key = np.stack([bh[ci], bk[ci], e, nw[ci], st[ci]], axis=1)
+    key, remap = np.unique(key, axis=0, return_inverse=True)
+    remap = remap.reshape(-1)
+    configs = tuple(interned(TritonDecodeConfig, block_h=int(a), block_k=int(b),
+                             num_splits=int(c), num_warps=int(d), num_stages=int(f))
+                    for a, b, c, d, f in key)
+    rows_i, combo_i = np.nonzero(ok)
+    cols = remap[col_of]
+    shape = (len(kv), len(configs))
+    valid = np.zeros(shape, bool)
+    g = np.ones(shape, np.int64)
+    l = np.ones(shape, np.float64)
+    aux = np.zeros(shape + (n_aux,), np.float32)
+    e_ok = eff[ok]
+    valid[rows_i, cols] = True
+    g[rows_i, cols] = (heads[combo_i] * e_ok)
+    l[rows_i, cols] = (chunk // bk)[ok]
+    multi = e_ok > 1
+    aux[rows_i, cols, 0] = multi
+    aux[rows_i, cols, 1] = np.where(multi, e_ok * p.batch * p.kv_heads * p.rows * p.head_dim
+                                    * 4 / 1e6, 0.0)
+    return configs, valid, g, l, aux
+
+  def size_quantum(self, problem: DecodeProblem) -> int:
+    """The space and (G, L) see kv_len only through ``ceil(kv_len / 32)``."""
+    return 32
+
+  def validate(self, problem: DecodeProblem, config, hw: Hardware | None = None) -> None:
+    if not isinstance(config, TritonDecodeConfig):
+      raise ValueError(f"config must be a TritonDecodeConfig; got {config!r}")
+    if hw is not None and self.smem_bytes(problem, config) > hw.smem_per_block:
+      raise ValueError(
+          f"config {config} needs {self.smem_bytes(problem, config)} bytes of shared "
+          f"memory; {hw.name} allows {hw.smem_per_block} per block")
+
+  def heuristic(self, problem: DecodeProblem, hw: Hardware) -> TritonDecodeConfig:
+    """Splits from the programs and the keys a sequence is expected to hold
+    (half the cache with per-sequence lengths): enough programs for about 64
+    (one sequence) or two waves (several, whose lengths differ), at most 16
+    splits for that; at most 512 expected keys per chunk; at least 64; at
+    most four waves of programs. 64-key blocks where chunks are under 1,024
+    keys, else 128 (64 above head_dim 128); 4 warps, 3 stages. Read off the
+    H100 and H200 decode sweeps (docs/results.md, "Decode")."""
+    p = problem
+    bh = _rows_block(p.rows)
+    programs = p.batch * p.kv_heads * -(-p.rows // bh)
+    keys = p.kv_len / 2 if p.lengths else p.kv_len
+    target = 64 if p.batch == 1 else 2 * hw.num_sms
+    ns = 1
+    while programs * ns * 2 <= target and ns < 16:
+      ns *= 2
+    while keys / ns > 512 and ns < 64:
+      ns *= 2
+    while ns > 1 and (programs * ns > 4 * hw.num_sms or keys / ns < 64):
+      ns //= 2
+    bk = 64 if keys / ns < 1024 or p.padded_head_dim > 128 else 128
+    c = TritonDecodeConfig(block_h=bh, block_k=bk, num_splits=splits_of(p.kv_len, ns, bk),
+                           num_warps=4, num_stages=3)
+    while self.smem_bytes(p, c) > hw.smem_per_block and c.num_stages > 1:
+      c = dataclasses.replace(c, num_stages=c.num_stages - 1)
+    return c
+
+  def occupancy_bound(self, problem: DecodeProblem, config, hw: Hardware) -> int:
+    threads = 32 * config.num_warps
+    live = config.block_h * (config.block_k + problem.padded_head_dim) // threads
+    return _triton.occupancy_bound(hw, smem_bytes=self.smem_bytes(problem, config),
+                                   threads=threads, acc_per_thread=live)
+
+  def coords(self, problem: DecodeProblem, macro: dict) -> tuple[int, float]:
+    g, l, _ = coords_aux(problem, macro["block_h"], macro["block_k"], macro["num_splits"])
+    return g, l
+
+  def aux(self, problem: DecodeProblem, config) -> tuple[float, ...]:
+    return coords_aux(problem, config.block_h, config.block_k, config.num_splits)[2]
+
+  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, *,
+          interpret: bool = False, scale: float | None = None):
+    return decode_attention(q, k, v, config=config, causal=problem.causal, scale=scale,
+                            kv_lengths=kv_lengths, interpret=interpret)
