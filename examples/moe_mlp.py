@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import wavetune_jax as wt
+from wavetune_jax.models import moe_mlp  # the MLP itself: router, sort, w13, SwiGLU, w2
 
 # hidden, intermediate, experts, top_k (public configs).
 MODELS = {"mixtral_8x7b": (4096, 14336, 8, 2), "olmoe_1b_7b": (2048, 1024, 64, 8),
@@ -35,25 +36,6 @@ def init(key, hidden, inter, experts, dtype=jnp.bfloat16):
       "w2": (jax.random.normal(k2, (experts, inter, hidden), jnp.float32)
              / inter ** 0.5).astype(dtype),
   }
-
-
-def moe_mlp(params, x, *, top_k: int, gemm):
-  """``x [tokens, hidden]`` through the MoE MLP; ``gemm`` is a ragged dot."""
-  tokens, _ = x.shape
-  experts = params["w13"].shape[0]
-  logits = x.astype(jnp.float32) @ params["router"]
-  weights, chosen = jax.lax.top_k(logits, top_k)                # [tokens, k]
-  weights = jax.nn.softmax(weights, axis=-1)
-  flat = chosen.reshape(-1)                                     # [tokens * k]
-  order = jnp.argsort(flat, stable=True)                        # rows grouped by expert
-  rows = x[order // top_k]
-  group_sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
-  h = gemm(rows, params["w13"], group_sizes)                    # [tokens * k, 2 * inter]
-  gate, up = jnp.split(h, 2, axis=-1)
-  h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-  y = gemm(h, params["w2"], group_sizes)                        # [tokens * k, hidden]
-  y = jnp.zeros_like(y).at[order].set(y).reshape(tokens, top_k, -1)
-  return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights).astype(x.dtype)
 
 
 GEMMS = {"wt": wt.ragged_dot, "xla": jax.lax.ragged_dot}
@@ -86,7 +68,10 @@ def main(argv=None):
     line = f"{model} tokens={tokens}: max |wt - xla| / max |xla| = {err:.2e}"
     if on_gpu and not a.small:
       from wavetune_jax.tuning.profiler import Profiler
-      res = Profiler(iterations=10).measure_many(list(fns.values()), (params, x))
+      leaves, tree = jax.tree_util.tree_flatten(params)
+      flat = [lambda *a, f=f: f(jax.tree_util.tree_unflatten(tree, a[:-1]), a[-1])
+              for f in fns.values()]
+      res = Profiler(iterations=10).measure_many(flat, (*leaves, x))
       times = {name: r.median_us for name, r in zip(fns, res)}
       line += (f"; layer: wt {times['wt']:.1f} us, lax.ragged_dot {times['xla']:.1f} us, "
                f"{times['xla'] / times['wt']:.2f}x")

@@ -10,7 +10,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from wavetune_jax.cli import demo, eval as eval_cli, sweep, tune
+  from wavetune_jax.cli import bench, demo, eval as eval_cli, sweep, tune
   ap = argparse.ArgumentParser(
       prog="wavetune",
       description="Fast launch configs for LLM kernels in JAX: choose, tune, evaluate.")
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
   sweep.add_commands(sub)
   tune.add_commands(sub)
   eval_cli.add_commands(sub)
+  bench.add_commands(sub)
   return ap
 
 

@@ -1,0 +1,60 @@
+"""The decoders of ``wavetune_jax.models`` and ``wavetune bench model`` on a CPU.
+
+Each setting of the op switch runs the same model (the wavetune ops in Pallas
+interpret mode); the bench command checks every setting's logits against the
+xla setting's and fails above 5%, so a wrong op or a wrong cache update fails
+it. A decode step after prefill must equal the prefill of the longer prompt.
+"""
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from wavetune_jax import models as M
+from wavetune_jax.cli.main import main
+
+
+def test_bench_model_runs_and_checks_every_setting(tmp_path, capsys):
+  out = tmp_path / "bench.json"
+  rc = main(["bench", "model", "--model", "small_moe", "--layers", "1", "--prompt", "12",
+             "--decode-batch", "2", "--cache", "20", "--ops", "heuristic,default",
+             "--json", str(out)])
+  assert rc == 0
+  text = capsys.readouterr().out
+  assert "[6/6] TPOT default" in text
+  rows = json.loads(out.read_text())["rows"]
+  assert {(r["setting"], r["kind"]) for r in rows} == {
+      (s, k) for s in ("xla", "heuristic", "default") for k in ("prefill", "decode")}
+  assert all(r["rel_diff_vs_xla"] < 5e-2 and r["compile_s"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--ops", "xla,fast"], "choose from"),
+    (["--model", "llama3_8b"], "needs a GPU"),
+])
+def test_bench_model_bad_arguments(argv, msg, capsys):
+  assert main(["bench", "model", "--prompt", "8", "--cache", "8"] + argv) == 2
+  assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["small", "small_moe"])
+def test_decode_step_continues_the_prompt(name):
+  """Prefill of 9 tokens then one decode step = prefill of the 10 tokens."""
+  cfg = M.MODELS[name].with_layers(1)
+  ops = M.make_ops("xla")
+  params = M.init(jax.random.PRNGKey(0), cfg, dtype=jnp.float32)
+  toks = jax.random.randint(jax.random.PRNGKey(1), (2, 10), 0, cfg.vocab)
+  full, _, _ = M.prefill(params, toks, cfg=cfg, ops=ops, max_len=10)
+  _, kc, vc = M.prefill(params, toks[:, :9], cfg=cfg, ops=ops, max_len=12)
+  step, kc2, _ = M.decode_step(params, kc, vc, jnp.array([9, 9]), toks[:, 9], cfg=cfg, ops=ops)
+  np.testing.assert_allclose(np.asarray(step), np.asarray(full), rtol=2e-3, atol=2e-3)
+  assert not np.allclose(np.asarray(kc2[:, :, 9]), 0)
+
+
+def test_unknown_setting():
+  with pytest.raises(ValueError, match="unknown ops"):
+    M.make_ops("fast")

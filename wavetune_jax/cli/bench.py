@@ -1,0 +1,176 @@
+"""``wavetune bench model``: a decoder end to end with each setting of the op switch."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import time
+
+from wavetune_jax.cli.common import CliError, positive_int
+
+__all__ = ["add_commands"]
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+  from wavetune_jax.models import MODELS, OPS
+  bench = sub.add_parser("bench", help="end-to-end benchmarks (bench model)")
+  bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
+  m = bsub.add_parser(
+      "model", help="TTFT and TPOT of a decoder with XLA + cuDNN or the wavetune ops",
+      description="Runs a decoder (random weights, real shapes) with each setting of the "
+      "op switch: xla (jnp.dot, cuDNN attention, lax.ragged_dot) and the wavetune ops "
+      "under the tables, heuristic or default (fixed) policy. Per setting: the first "
+      "trace + compile of a new prompt length (wall clock), TTFT (prefill) per prompt "
+      "length and TPOT (one decode step) per batch and cache length, both CUPTI over "
+      "the whole jitted step. Every setting's logits are checked against the xla "
+      "setting's. Without a GPU: compile times and checks only (small models).")
+  m.add_argument("--model", choices=sorted(MODELS), default="llama3_8b")
+  m.add_argument("--layers", type=positive_int, default=None,
+                 help="decoder layers (default: 4, or the model's for small models)")
+  m.add_argument("--ops", default=",".join(OPS),
+                 help=f"comma-separated settings among {','.join(OPS)} (default: all)")
+  m.add_argument("--prompt", type=positive_int, nargs="+", metavar="LEN",
+                 default=[128, 512, 1000, 2048, 3000, 4096, 8192, 16384],
+                 help="prompt lengths (TTFT)")
+  m.add_argument("--batch", type=positive_int, default=1, help="prefill batch (default: 1)")
+  m.add_argument("--decode-batch", type=positive_int, nargs="+", default=[1, 8, 32],
+                 metavar="B", help="decode batch sizes (TPOT)")
+  m.add_argument("--cache", type=positive_int, nargs="+", default=[1024, 4096, 16384],
+                 metavar="LEN", help="cache lengths of the decode steps (TPOT)")
+  m.add_argument("--iterations", type=positive_int, default=10,
+                 help="timed calls per step, median reported (default: 10)")
+  m.add_argument("--json", metavar="PATH", help="write every row here as it is measured")
+  m.add_argument("--plot", metavar="PNG", help="TTFT against prompt length (matplotlib)")
+  m.set_defaults(func=_bench_model)
+
+
+def _settings(text: str):
+  from wavetune_jax.models import OPS
+  names = [s.strip() for s in text.split(",") if s.strip()]
+  bad = [s for s in names if s not in OPS]
+  if bad or not names:
+    raise CliError(f"--ops {text!r}: choose from {','.join(OPS)}")
+  return list(dict.fromkeys(["xla"] + names)) if "xla" not in names else names
+
+
+def _bench_model(a) -> int:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from wavetune_jax import models as M
+  cfg = M.MODELS[a.model]
+  small = a.model.startswith("small")
+  cfg = cfg.with_layers(a.layers or (cfg.layers if small else 4))
+  settings = _settings(a.ops)
+  on_gpu = jax.devices()[0].platform == "gpu"
+  if not on_gpu and not small:
+    raise CliError(f"--model {a.model} needs a GPU; on a CPU use --model small or small_moe")
+  prof = None
+  if on_gpu:
+    from wavetune_jax.tuning.profiler import Profiler
+    prof = Profiler(iterations=a.iterations)
+  print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers, settings "
+        f"{','.join(settings)}", flush=True)
+  params = M.init(jax.random.PRNGKey(0), cfg)
+  leaves, tree = jax.tree_util.tree_flatten(params)
+  n = len(leaves)
+  rows = []
+  work = ([("prefill", s, a.batch) for s in a.prompt]
+          + [("decode", c, b) for b in a.decode_batch for c in a.cache])
+  total = len(work) * len(settings)
+  done = 0
+  for kind, length, batch in work:
+    if kind == "prefill":
+      extra = (jax.random.randint(jax.random.PRNGKey(length), (batch, length), 0, cfg.vocab),)
+    else:
+      shape = (cfg.layers, batch, length + 1, cfg.kv_heads, cfg.head_dim)
+      kc = jax.random.normal(jax.random.PRNGKey(1), shape, jnp.bfloat16)
+      extra = (kc, kc, jnp.full((batch,), length, jnp.int32),
+               jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab))
+    ref = None
+    for name in settings:
+      ops = M.make_ops(name)
+      if kind == "prefill":
+        step = functools.partial(M.prefill, cfg=cfg, ops=ops, max_len=length)
+      else:
+        step = functools.partial(M.decode_step, cfg=cfg, ops=ops)
+
+      def fn(*xs, step=step):
+        return step(jax.tree_util.tree_unflatten(tree, xs[:n]), *xs[n:])[0]
+
+      args = tuple(leaves) + extra
+      t0 = time.perf_counter()
+      exe = jax.jit(fn).lower(*args).compile()
+      compile_s = time.perf_counter() - t0
+      logits = np.asarray(exe(*args), np.float32)
+      if ref is None:
+        ref = logits
+      err = float(np.max(np.abs(logits - ref)) / (np.max(np.abs(ref)) + 1e-6))
+      us = None
+      if prof is not None:
+        (meas,) = prof.measure_many([fn], args)
+        us = meas.median_us if meas.status == "ok" else None
+      done += 1
+      row = {"setting": name, "kind": kind, "length": length, "batch": batch,
+             "us": us, "compile_s": compile_s, "rel_diff_vs_xla": err}
+      rows.append(row)
+      if a.json:
+        with open(a.json, "w") as f:
+          json.dump({"device": jax.devices()[0].device_kind, "model": cfg.name,
+                     "layers": cfg.layers, "rows": rows}, f, indent=1)
+      t = f"{us:10.1f} us" if us else f"{'-':>13}"
+      what = "TTFT" if kind == "prefill" else "TPOT"
+      print(f"[{done}/{total}] {what} {name:<9} batch {batch:<4} "
+            f"{'prompt' if kind == 'prefill' else 'cache'} {length:<6} {t}  trace+compile "
+            f"{compile_s:6.2f} s  max|diff| vs xla {err:.1e}", flush=True)
+      if err > 5e-2:
+        raise CliError(f"{name} differs from xla by {err:.3g} ({kind}, length {length})")
+  _summary(rows, settings)
+  if a.plot:
+    _plot(rows, settings, a.plot, cfg.name)
+  return 0
+
+
+def _summary(rows, settings) -> None:
+  import numpy as np
+  for kind in ("prefill", "decode"):
+    base = {(r["length"], r["batch"]): r["us"] for r in rows
+            if r["kind"] == kind and r["setting"] == "xla" and r["us"]}
+    if not base:
+      continue
+    for name in settings[1:]:
+      ratio = [base[(r["length"], r["batch"])] / r["us"] for r in rows
+               if r["kind"] == kind and r["setting"] == name and r["us"]
+               and (r["length"], r["batch"]) in base]
+      if ratio:
+        print(f"{'TTFT' if kind == 'prefill' else 'TPOT'} {name} vs xla: geomean "
+              f"{float(np.exp(np.mean(np.log(ratio)))):.3f}x, min {min(ratio):.3f}x, "
+              f"max {max(ratio):.3f}x", flush=True)
+
+
+def _plot(rows, settings, path: str, model: str) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    raise CliError("--plot needs matplotlib (pip install -e '.[report]')") from None
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for name in settings:
+    pts = sorted((r["length"], r["us"] if r["us"] else r["compile_s"] * 1e6) for r in rows
+                 if r["kind"] == "prefill" and r["setting"] == name)
+    if pts:
+      ax.plot([p[0] for p in pts], [p[1] / 1e3 for p in pts], marker="o", label=name)
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xlabel("prompt length (tokens)")
+  ax.set_ylabel("TTFT, ms (CUPTI; trace+compile on a CPU)")
+  ax.set_title(model)
+  ax.legend()
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}", flush=True)

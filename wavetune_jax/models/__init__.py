@@ -1,0 +1,8 @@
+"""LLM decoders in plain JAX whose GEMMs and attention go through one switch
+(XLA + cuDNN, or the wavetune ops under a policy): what the ops buy a model
+end to end (``wavetune bench model``)."""
+
+from wavetune_jax.models.decoder import (MODELS, OPS, ModelConfig, decode_step, init,
+                                         make_ops, moe_mlp, prefill)
+
+__all__ = ["MODELS", "OPS", "ModelConfig", "decode_step", "init", "make_ops", "moe_mlp", "prefill"]

@@ -1,0 +1,205 @@
+"""A Llama-style decoder (dense or mixture-of-experts MLP) with a KV cache.
+
+Real shapes, random weights, bf16. Per layer: RMSNorm, q/k/v projections,
+causal attention with GQA (prefill) or decode attention against the cache
+(one new token per sequence, per-sequence lengths), output projection, then
+SwiGLU: dense (gate and up as one fused GEMM, down) or routed to experts
+(router top-k, tokens sorted by expert, grouped GEMMs w13 and w2, weighted
+unsort). Layers share one ``lax.scan`` (one compiled layer). Rotary
+embeddings are left out: elementwise, the same in every configuration.
+
+``make_ops(name)`` is the one switch: ``"xla"`` is what a JAX user writes
+(``jnp.dot``, ``jax.nn.dot_product_attention`` (cuDNN where it runs),
+``lax.ragged_dot``); ``"tables"``, ``"heuristic"`` and ``"default"`` run the
+wavetune ops under the policy of that name (``"default"``: the fixed config
+of an untuned library).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["ModelConfig", "MODELS", "OPS", "Ops", "make_ops", "init", "prefill",
+           "decode_step", "moe_mlp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes of a decoder (public configs). ``experts = 0``: a dense MLP."""
+
+  name: str
+  hidden: int
+  inter: int
+  q_heads: int
+  kv_heads: int
+  head_dim: int
+  layers: int
+  vocab: int
+  experts: int = 0
+  top_k: int = 0
+
+  def with_layers(self, layers: int) -> "ModelConfig":
+    if layers < 1:
+      raise ValueError(f"layers={layers} must be >= 1")
+    return dataclasses.replace(self, layers=layers)
+
+
+MODELS = {m.name: m for m in (
+    ModelConfig("llama3_8b", 4096, 14336, 32, 8, 128, 32, 128256),
+    ModelConfig("llama3_70b", 8192, 28672, 64, 8, 128, 80, 128256),
+    ModelConfig("mixtral_8x7b", 4096, 14336, 32, 8, 128, 32, 32000, experts=8, top_k=2),
+    # Tiny versions of both kinds, for CPU tests (Pallas interpret mode).
+    ModelConfig("small", 64, 128, 4, 2, 32, 2, 256),
+    ModelConfig("small_moe", 64, 64, 4, 2, 32, 2, 256, experts=4, top_k=2),
+)}
+
+#: The op switch's settings.
+OPS = ("xla", "tables", "heuristic", "default")
+
+
+class Ops(NamedTuple):
+  """The four ops a decoder calls, and the context its trace runs in."""
+
+  name: str
+  matmul: Callable
+  attention: Callable         # (q, k, v) -> causal prefill attention
+  decode_attention: Callable  # (q, k_cache, v_cache, lengths) -> one token's attention
+  ragged_dot: Callable
+  context: Callable           # () -> context manager active while tracing
+
+
+def make_ops(name: str) -> Ops:
+  """The ops of one setting of the switch (see the module doc)."""
+  import wavetune_jax as wt
+  if name == "xla":
+    return Ops("xla", lambda x, w: jnp.dot(x, w),
+               lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
+               lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v,
+                                                               key_value_seq_lengths=n),
+               jax.lax.ragged_dot, contextlib.nullcontext)
+  policy = {"tables": "tables", "heuristic": "heuristic", "default": "fixed"}.get(name)
+  if policy is None:
+    raise ValueError(f"unknown ops {name!r}; choose from {OPS}")
+  return Ops(name, wt.matmul, lambda q, k, v: wt.attention(q, k, v, causal=True),
+             lambda q, k, v, n: wt.decode_attention(q, k, v, kv_lengths=n),
+             wt.ragged_dot, lambda: wt.policy(policy))
+
+
+def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
+  """Random weights (scaled normal), layers stacked on a leading axis."""
+  h, d = cfg.hidden, cfg.head_dim
+  shapes = {"wqkv": (h, (cfg.q_heads + 2 * cfg.kv_heads) * d), "wo": (cfg.q_heads * d, h)}
+  if cfg.experts:
+    shapes.update(router=(h, cfg.experts), w13=(cfg.experts, h, 2 * cfg.inter),
+                  w2=(cfg.experts, cfg.inter, h))
+  else:
+    shapes.update(w13=(h, 2 * cfg.inter), w2=(cfg.inter, h))
+  keys = jax.random.split(key, len(shapes) + 2)
+
+  def normal(k, shape, fan_in, dt=dtype):
+    return (jax.random.normal(k, shape, jnp.float32) / fan_in ** 0.5).astype(dt)
+
+  layers = {n: normal(k, (cfg.layers,) + s, s[-2],
+                      jnp.float32 if n == "router" else dtype)
+            for k, (n, s) in zip(keys, shapes.items())}
+  return {"embed": normal(keys[-2], (cfg.vocab, h), 1), "layers": layers,
+          "lm_head": normal(keys[-1], (h, cfg.vocab), h)}
+
+
+def _norm(x):
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5)).astype(x.dtype)
+
+
+def _mlp(p, h, cfg: ModelConfig, ops: Ops):
+  """``h [tokens, hidden]`` through the SwiGLU MLP (dense or experts)."""
+  if not cfg.experts:
+    g, u = jnp.split(ops.matmul(h, p["w13"]), 2, axis=-1)
+    m = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
+    return ops.matmul(m, p["w2"])
+  return moe_mlp(p, h, top_k=cfg.top_k, gemm=ops.ragged_dot)
+
+
+def moe_mlp(params, x, *, top_k: int, gemm):
+  """``x [tokens, hidden]`` through a mixture-of-experts SwiGLU MLP:
+  router top-k -> the (token, expert) pairs sorted by expert -> ``gemm``
+  (a ragged dot) with the fused gate/up weights ``w13 [experts, hidden, 2 *
+  inter]`` -> SiLU(gate) * up -> ``gemm`` with ``w2`` -> unsort -> the sum
+  over each token's experts weighted by the router's softmax."""
+  tokens = x.shape[0]
+  experts = params["w13"].shape[0]
+  logits = x.astype(jnp.float32) @ params["router"]
+  weights, chosen = jax.lax.top_k(logits, top_k)             # [tokens, k]
+  weights = jax.nn.softmax(weights, axis=-1)
+  flat = chosen.reshape(-1)                                   # [tokens * k]
+  order = jnp.argsort(flat, stable=True)                      # rows grouped by expert
+  rows = x[order // top_k]
+  sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
+  g, u = jnp.split(gemm(rows, params["w13"], sizes), 2, axis=-1)
+  m = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
+  y = gemm(m, params["w2"], sizes)                            # [tokens * k, hidden]
+  y = jnp.zeros_like(y).at[order].set(y).reshape(tokens, top_k, -1)
+  return jnp.einsum("tkh,tk->th", y.astype(jnp.float32), weights).astype(x.dtype)
+
+
+def _qkv(p, x, cfg: ModelConfig, ops: Ops):
+  b, s, _ = x.shape
+  d = cfg.head_dim
+  qkv = ops.matmul(_norm(x).reshape(b * s, cfg.hidden), p["wqkv"])
+  q, k, v = jnp.split(qkv, [cfg.q_heads * d, (cfg.q_heads + cfg.kv_heads) * d], axis=-1)
+  return (q.reshape(b, s, cfg.q_heads, d), k.reshape(b, s, cfg.kv_heads, d),
+          v.reshape(b, s, cfg.kv_heads, d))
+
+
+def _finish(p, x, a, cfg: ModelConfig, ops: Ops):
+  b, s, _ = x.shape
+  x = x + ops.matmul(a.reshape(b * s, -1), p["wo"]).reshape(x.shape)
+  return x + _mlp(p, _norm(x).reshape(b * s, cfg.hidden), cfg, ops).reshape(x.shape)
+
+
+def prefill(params, tokens, *, cfg: ModelConfig, ops: Ops, max_len: int):
+  """The prompt ``tokens [batch, seq]`` through the model: ``(logits of the
+  last position [batch, vocab], k cache, v cache)``, caches ``[layers,
+  batch, max_len, kv_heads, head_dim]`` holding the prompt."""
+  b, s = tokens.shape
+  if s > max_len:
+    raise ValueError(f"prompt length {s} exceeds max_len={max_len}")
+  with ops.context():
+    x = params["embed"][tokens]
+
+    def layer(x, p):
+      q, k, v = _qkv(p, x, cfg, ops)
+      x = _finish(p, x, ops.attention(q, k, v), cfg, ops)
+      pad = ((0, 0), (0, max_len - s), (0, 0), (0, 0))
+      return x, (jnp.pad(k, pad), jnp.pad(v, pad))
+
+    x, (kc, vc) = jax.lax.scan(layer, x, params["layers"])
+    logits = ops.matmul(_norm(x[:, -1]), params["lm_head"])
+  return logits, kc, vc
+
+
+def decode_step(params, kc, vc, lengths, tokens, *, cfg: ModelConfig, ops: Ops):
+  """One new token per sequence: ``tokens [batch]`` at positions ``lengths
+  [batch]`` (each sequence's filled cache); returns ``(logits [batch,
+  vocab], k cache, v cache)`` with the new keys and values written."""
+  b = tokens.shape[0]
+  rows = jnp.arange(b)
+  with ops.context():
+    x = params["embed"][tokens][:, None]
+
+    def layer(x, inputs):
+      p, kl, vl = inputs
+      q, k, v = _qkv(p, x, cfg, ops)
+      kl = kl.at[rows, lengths].set(k[:, 0])
+      vl = vl.at[rows, lengths].set(v[:, 0])
+      a = ops.decode_attention(q, kl, vl, lengths + 1)
+      return _finish(p, x, a, cfg, ops), (kl, vl)
+
+    x, (kc, vc) = jax.lax.scan(layer, x, (params["layers"], kc, vc))
+    logits = ops.matmul(_norm(x[:, 0]), params["lm_head"])
+  return logits, kc, vc
