@@ -86,8 +86,13 @@ def test_every_option_of_every_command_has_help():
   from wavetune_jax.cli.main import build_parser
   sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
   assert set(sub.choices) == {"demo", "sweep", "report", "merge", "tune", "select", "plot",
-                              "eval"}
-  for name, parser in sub.choices.items():
+                              "eval", "bench"}
+  parsers = dict(sub.choices)
+  for name, parser in list(parsers.items()):  # nested commands: "bench model"
+    for action in parser._actions:
+      if isinstance(action, argparse._SubParsersAction):
+        parsers.update({f"{name} {n}": p for n, p in action.choices.items()})
+  for name, parser in parsers.items():
     for action in parser._actions:
       if isinstance(action, argparse._HelpAction):
         continue

@@ -16,7 +16,8 @@ __all__ = ["add_commands"]
 def add_commands(sub: argparse._SubParsersAction) -> None:
   from wavetune_jax.models import MODELS, OPS
   bench = sub.add_parser("bench", help="end-to-end benchmarks (bench model)")
-  bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
+  bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT",
+                              help="what to benchmark: model")
   m = bsub.add_parser(
       "model", help="TTFT and TPOT of a decoder with XLA + cuDNN or the wavetune ops",
       description="Runs a decoder (random weights, real shapes) with each setting of the "
@@ -26,19 +27,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
       "length and TPOT (one decode step) per batch and cache length, both CUPTI over "
       "the whole jitted step. Every setting's logits are checked against the xla "
       "setting's. Without a GPU: compile times and checks only (small models).")
-  m.add_argument("--model", choices=sorted(MODELS), default="llama3_8b")
+  m.add_argument("--model", choices=sorted(MODELS), default="llama3_8b",
+                 help="decoder shapes (default: llama3_8b; small, small_moe run on a CPU)")
   m.add_argument("--layers", type=positive_int, default=None,
                  help="decoder layers (default: 4, or the model's for small models)")
   m.add_argument("--ops", default=",".join(OPS),
                  help=f"comma-separated settings among {','.join(OPS)} (default: all)")
   m.add_argument("--prompt", type=positive_int, nargs="+", metavar="LEN",
                  default=[128, 512, 1000, 2048, 3000, 4096, 8192, 16384],
-                 help="prompt lengths (TTFT)")
+                 help="prompt lengths of the TTFT rows (default: 128 512 1000 2048 3000 "
+                 "4096 8192 16384)")
   m.add_argument("--batch", type=positive_int, default=1, help="prefill batch (default: 1)")
   m.add_argument("--decode-batch", type=positive_int, nargs="+", default=[1, 8, 32],
-                 metavar="B", help="decode batch sizes (TPOT)")
+                 metavar="B", help="batch sizes of the TPOT rows (default: 1 8 32)")
   m.add_argument("--cache", type=positive_int, nargs="+", default=[1024, 4096, 16384],
-                 metavar="LEN", help="cache lengths of the decode steps (TPOT)")
+                 metavar="LEN", help="cache lengths of the TPOT rows (default: 1024 4096 "
+                 "16384)")
   m.add_argument("--iterations", type=positive_int, default=10,
                  help="timed calls per step, median reported (default: 10)")
   m.add_argument("--json", metavar="PATH", help="write every row here as it is measured")
