@@ -164,6 +164,17 @@ def test_heuristic_splits_by_programs_and_expected_keys():
     assert c in DECODE.space(p, H100)
 
 
+def test_caches_beyond_32_bit_offsets_go_to_xla():
+  big = DecodeProblem(batch=256, q_heads=32, kv_heads=8, kv_len=131072)  # 2^35 elements
+  assert DECODE.heuristic(big, H100) == wt.XlaDecodeConfig()
+  assert all(not isinstance(c, TritonDecodeConfig) for c in DECODE.space(big, H100))
+  with pytest.raises(ValueError, match="32-bit offsets"):
+    DECODE.validate(big, TritonDecodeConfig(), H100)
+  # The table's decision arrays agree: no Triton candidate at that size.
+  configs, valid, *_ = DECODE.decision_arrays(big, [131072], H100)
+  assert not any(v for c, v in zip(configs, valid[0]) if isinstance(c, TritonDecodeConfig))
+
+
 def test_suite_and_keys():
   ps = DECODE.problems_from_suite(load_suite())
   assert len(ps) == len(set(ps)) > 40

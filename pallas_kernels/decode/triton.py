@@ -44,7 +44,11 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels._launch import MIN_BLOCK, check_launch, match_varying, out_struct
 from pallas_kernels.attention.common import check_call, check_lengths
 
-__all__ = ["TritonDecodeConfig", "decode_attention", "chunk_len", "MAX_SPLITS"]
+__all__ = ["TritonDecodeConfig", "decode_attention", "chunk_len", "MAX_SPLITS", "MAX_ELEMENTS"]
+
+#: Most elements of one cache array: the kernel's 32-bit offsets reach
+#: ``size - 1`` (the sweeps' caches of exactly 2**31 elements pass the check).
+MAX_ELEMENTS = 2**31
 
 #: Most KV chunks per sequence.
 MAX_SPLITS = 256
@@ -204,12 +208,19 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Triton
 
   Returns:
     ``[batch, q_len, q_heads, head_dim]`` of ``q.dtype``.
+
+  Raises:
+    ValueError: as :func:`pallas_kernels.attention.triton.attention`, and a
+      cache of more than ``2**31`` elements per array.
   """
   if not isinstance(config, TritonDecodeConfig):
     raise ValueError(f"config must be a TritonDecodeConfig; got {type(config).__name__}")
   scale = check_call(q, k, v, scale)
   if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
     return jnp.zeros(q.shape, q.dtype)
+  if k.size > MAX_ELEMENTS:
+    raise ValueError(f"the KV cache holds {k.size} elements per array, more than the "
+                     f"kernel's 32-bit offsets allow ({MAX_ELEMENTS}); use the xla backend")
   kv_lengths = check_lengths(kv_lengths, q.shape[0])
   return _decode(q, k, v, kv_lengths, config=config, causal=bool(causal), scale=scale,
                  interpret=interpret)

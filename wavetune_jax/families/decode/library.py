@@ -107,6 +107,11 @@ class XlaDecode(_Library):
   interpret = True
   interpret_in_shard_map = True
 
+  def heuristic(self, problem: DecodeProblem, hw: Hardware) -> XlaDecodeConfig:
+    """Where the Triton kernel's rule does not answer (a cache beyond its
+    32-bit offsets)."""
+    return XlaDecodeConfig()
+
   def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, *,
           interpret: bool = False, scale: float | None = None):
     return library_attention(problem, "xla", q, k, v, kv_lengths, scale=scale, safe=True)

@@ -8,7 +8,8 @@ import itertools
 
 import numpy as np
 
-from pallas_kernels.decode.triton import MAX_SPLITS, TritonDecodeConfig, chunk_len, decode_attention
+from pallas_kernels.decode.triton import (MAX_ELEMENTS, MAX_SPLITS, TritonDecodeConfig,
+                                          chunk_len, decode_attention)
 from wavetune_jax.core.family import Backend, interned
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families import _triton
@@ -75,8 +76,15 @@ class TritonDecode(Backend):
   def smem_bytes(self, p: DecodeProblem, c: TritonDecodeConfig) -> int:
     return (c.num_stages * 2 * c.block_k + c.block_h) * p.padded_head_dim * p.itemsize
 
+  @staticmethod
+  def runs_shape(p: DecodeProblem) -> bool:
+    """The kernel addresses the cache with 32-bit offsets."""
+    return p.batch * p.kv_len * p.kv_heads * p.head_dim <= MAX_ELEMENTS
+
   def space(self, problem: DecodeProblem, hw: Hardware, *, prune: bool = True) -> tuple:
     p = problem
+    if not self.runs_shape(p):
+      return ()
     return self._space(p.batch * p.kv_heads, p.rows, -(-p.kv_len // 32), p.padded_head_dim,
                        p.itemsize, hw, prune)
 
@@ -131,7 +139,8 @@ class TritonDecode(Backend):
     heads = p.batch * p.kv_heads * -(-p.rows // bh)
     chunk = -(-(-(-kv // ns)) // bk) * bk                        # [S, C]
     eff = -(-kv // chunk)
-    ok = (eff == 1) | (heads * eff <= 4 * hw.num_sms)
+    ok = ((eff == 1) | (heads * eff <= 4 * hw.num_sms)) & (
+        p.batch * kv * p.kv_heads * p.head_dim <= MAX_ELEMENTS)
     # One column per (combo, effective splits); asked splits that give the
     # same chunks share it.
     code = (np.arange(len(combos)) * (MAX_SPLITS + 1) + eff)[ok]
@@ -167,12 +176,15 @@ class TritonDecode(Backend):
   def validate(self, problem: DecodeProblem, config, hw: Hardware | None = None) -> None:
     if not isinstance(config, TritonDecodeConfig):
       raise ValueError(f"config must be a TritonDecodeConfig; got {config!r}")
+    if not self.runs_shape(problem):
+      raise ValueError(f"the Triton decode kernel addresses the cache with 32-bit offsets: "
+                       f"at most {MAX_ELEMENTS} elements per array; use the xla backend")
     if hw is not None and self.smem_bytes(problem, config) > hw.smem_per_block:
       raise ValueError(
           f"config {config} needs {self.smem_bytes(problem, config)} bytes of shared "
           f"memory; {hw.name} allows {hw.smem_per_block} per block")
 
-  def heuristic(self, problem: DecodeProblem, hw: Hardware) -> TritonDecodeConfig:
+  def heuristic(self, problem: DecodeProblem, hw: Hardware) -> TritonDecodeConfig | None:
     """Splits from the programs and the keys a sequence is expected to hold
     (half the cache with per-sequence lengths): enough programs for about 64
     (one sequence) or two waves (several, whose lengths differ), at most 16
@@ -181,6 +193,8 @@ class TritonDecode(Backend):
     keys, else 128 (64 above head_dim 128); 4 warps, 3 stages. Read off the
     H100 and H200 decode sweeps (docs/results.md, "Decode")."""
     p = problem
+    if not self.runs_shape(p):
+      return None  # XLA's answers
     bh = _rows_block(p.rows)
     programs = p.batch * p.kv_heads * -(-p.rows // bh)
     keys = p.kv_len / 2 if p.lengths else p.kv_len
