@@ -185,8 +185,9 @@ def prefill(params, tokens, *, cfg: ModelConfig, ops: Ops, max_len: int):
 
 def decode_step(params, kc, vc, lengths, tokens, *, cfg: ModelConfig, ops: Ops):
   """One new token per sequence: ``tokens [batch]`` at positions ``lengths
-  [batch]`` (each sequence's filled cache); returns ``(logits [batch,
-  vocab], k cache, v cache)`` with the new keys and values written."""
+  [batch]`` (each sequence's filled cache, below the cache's length: JAX
+  drops a write past the end); returns ``(logits [batch, vocab], k cache,
+  v cache)`` with the new keys and values written."""
   b = tokens.shape[0]
   rows = jnp.arange(b)
   with ops.context():
