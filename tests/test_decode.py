@@ -126,7 +126,8 @@ def test_space_rules_and_coords():
   p = DecodeProblem(batch=8, q_heads=32, kv_heads=8, kv_len=4096)
   space = DECODE.space(p, H100)
   tri = [c for c in space if isinstance(c, TritonDecodeConfig)]
-  assert tri and {type(c).__name__ for c in space} == {"TritonDecodeConfig", "XlaDecodeConfig"}
+  assert tri and {type(c).__name__ for c in space} == {"TritonDecodeConfig", "XlaDecodeConfig",
+                                                       "CudnnDecodeConfig"}
   for c in tri:
     assert c.block_h == 16  # D1: 4 rows per KV head
     assert c.num_splits == 1 or 64 * c.num_splits <= 4 * H100.num_sms  # D3
@@ -134,18 +135,27 @@ def test_space_rules_and_coords():
     g, l, aux = coords_aux(p, c.block_h, c.block_k, c.num_splits)
     assert g == 64 * c.num_splits and l == chunk_len(4096, c.num_splits, c.block_k) / c.block_k
     assert (aux[0] > 0) == (c.num_splits > 1)
-  # A full cache without lengths: cuDNN is a candidate; with lengths it is not.
+  # cuDNN: a candidate for a full cache, and with lengths for one query only.
   full = DecodeProblem(batch=8, q_heads=32, kv_heads=8, kv_len=4096, lengths=False)
   assert wt.CudnnDecodeConfig() in DECODE.space(full, H100)
-  assert wt.CudnnDecodeConfig() not in DECODE.space(p, H100)
+  assert wt.CudnnDecodeConfig() in DECODE.space(p, H100)
+  chunked = DecodeProblem(batch=8, q_heads=32, kv_heads=8, q_len=4, kv_len=4096, causal=False)
+  assert wt.CudnnDecodeConfig() not in DECODE.space(chunked, H100)
   # Sizes within one 32-key quantum share the space.
   q = DecodeProblem(batch=8, q_heads=32, kv_heads=8, kv_len=4096 - 31)
   assert DECODE.size_quantum(p) == 32 and DECODE.space(q, H100) == space
 
 
 def test_heuristic_splits_by_programs_and_expected_keys():
+  triton = DECODE.backend_of(TritonDecodeConfig())
+
   def h(**kw):
-    return DECODE.heuristic(DecodeProblem(q_heads=32, kv_heads=8, **kw), H100)
+    return triton.heuristic(DecodeProblem(q_heads=32, kv_heads=8, **kw), H100)
+  # The family sends few (sequence, KV head) pairs on long caches to cuDNN.
+  assert DECODE.heuristic(DecodeProblem(batch=1, q_heads=32, kv_heads=8, kv_len=32768),
+                          H100) == wt.CudnnDecodeConfig()
+  assert isinstance(DECODE.heuristic(DecodeProblem(batch=8, q_heads=32, kv_heads=8,
+                                                   kv_len=32768), H100), TritonDecodeConfig)
   # One sequence, 8 programs: 8 splits make 64 programs; 16,384 expected
   # keys (half of the cache) need 32 chunks of at most 512 (64-key blocks).
   one = h(batch=1, kv_len=32768)
@@ -156,7 +166,7 @@ def test_heuristic_splits_by_programs_and_expected_keys():
   short = h(batch=1, kv_len=1000)
   assert (short.num_splits, short.block_k) == (4, 64)
   # A full cache (no lengths) expects twice the keys.
-  assert DECODE.heuristic(DecodeProblem(batch=1, q_heads=32, kv_heads=8, kv_len=32768,
+  assert triton.heuristic(DecodeProblem(batch=1, q_heads=32, kv_heads=8, kv_len=32768,
                                         lengths=False), H100).num_splits == 64
   for p in DECODE.problems_from_suite(load_suite()):
     c = DECODE.heuristic(p, H100)
@@ -182,3 +192,14 @@ def test_suite_and_keys():
   for p in ps[:5]:
     assert DECODE.problem_from_dict(DECODE.problem_to_dict(p)) == p
   assert DECODE.problem_key(ps[0]).startswith("b1:h32/8:q1:kv1000:d128:causal")
+
+
+def test_split_partials_beyond_32_bit_offsets_are_refused():
+  # 64 x 64 heads x 64 queries x 128: 2^25 elements per split.
+  p = DecodeProblem(batch=64, q_heads=64, kv_heads=8, q_len=64, kv_len=16384)
+  with pytest.raises(ValueError, match="partials"):
+    DECODE.validate(p, TritonDecodeConfig(block_h=64, block_k=64, num_splits=128), H100)
+  DECODE.validate(p, TritonDecodeConfig(block_h=64, block_k=64, num_splits=32), H100)
+  # The space never offers such a config.
+  for c in DECODE.space(p, H100):
+    DECODE.validate(p, c, H100)

@@ -8,6 +8,7 @@ it. A decode step after prefill must equal the prefill of the longer prompt.
 
 import functools
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,9 @@ def test_bench_model_runs_and_checks_every_setting(tmp_path, capsys):
   out = tmp_path / "bench.json"
   rc = main(["bench", "model", "--model", "small_moe", "--layers", "1", "--prompt", "12",
              "--decode-batch", "2", "--cache", "20", "--ops", "heuristic,default",
-             "--json", str(out)])
+             "--json", str(out), "--compile-cache", str(tmp_path / "cache")])
   assert rc == 0
+  assert os.listdir(tmp_path / "cache"), "the persistent compilation cache stayed empty"
   text = capsys.readouterr().out
   assert "[6/6] TPOT default" in text
   rows = json.loads(out.read_text())["rows"]
@@ -41,6 +43,12 @@ def test_bench_model_bad_arguments(argv, msg, capsys):
   assert msg in capsys.readouterr().err
 
 
+def test_bench_model_autotune_level_needs_a_fresh_backend(capsys):
+  jax.devices()  # the backend has started: XLA_FLAGS can no longer take effect
+  assert main(["bench", "model", "--model", "small", "--xla-autotune", "0"]) == 2
+  assert "already started" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("name", ["small", "small_moe"])
 def test_decode_step_continues_the_prompt(name):
   """Prefill of 9 tokens then one decode step = prefill of the 10 tokens."""
@@ -52,7 +60,31 @@ def test_decode_step_continues_the_prompt(name):
   _, kc, vc = M.prefill(params, toks[:, :9], cfg=cfg, ops=ops, max_len=12)
   step, kc2, _ = M.decode_step(params, kc, vc, jnp.array([9, 9]), toks[:, 9], cfg=cfg, ops=ops)
   np.testing.assert_allclose(np.asarray(step), np.asarray(full), rtol=2e-3, atol=2e-3)
-  assert not np.allclose(np.asarray(kc2[:, :, 9]), 0)
+  assert not np.allclose(np.asarray(kc2[0][:, 9]), 0)
+  # Without the write: the same logits when the cache already holds the token.
+  kc2, vc2 = M.decode_step(params, kc, vc, jnp.array([9, 9]), toks[:, 9], cfg=cfg, ops=ops)[1:]
+  again, kc3, _ = M.decode_step(params, kc2, vc2, jnp.array([9, 9]), toks[:, 9], cfg=cfg,
+                                ops=ops, write_cache=False)
+  np.testing.assert_allclose(np.asarray(again), np.asarray(step), rtol=1e-5, atol=1e-5)
+  assert kc3[0] is kc2[0]
+
+
+@pytest.mark.parametrize("change,msg", [
+    (lambda kc, n, t: (kc, n[:1], t), "must both be"),
+    (lambda kc, n, t: (kc, n.astype(jnp.float32), t), "integers"),
+    (lambda kc, n, t: (kc, n + 3, t), "cache's length"),
+    (lambda kc, n, t: (kc, n - 10, t), "cache's length"),
+    (lambda kc, n, t: (kc[:1], n, t), "caches"),
+    (lambda kc, n, t: ([c[:, :, :1] for c in kc], n, t), "kv_heads"),
+])
+def test_decode_step_bad_input(change, msg):
+  cfg = M.MODELS["small"].with_layers(2)
+  params = M.init(jax.random.PRNGKey(0), cfg, dtype=jnp.float32)
+  toks = jnp.zeros((2, 9), jnp.int32)
+  _, kc, vc = M.prefill(params, toks, cfg=cfg, ops=M.make_ops("xla"), max_len=12)
+  kc, n, t = change(kc, jnp.array([9, 9]), toks[:, 0])
+  with pytest.raises(ValueError, match=msg):
+    M.decode_step(params, kc, kc, n, t, cfg=cfg, ops=M.make_ops("xla"))
 
 
 def test_unknown_setting():

@@ -259,6 +259,9 @@ def _decode(q, k, v, kv_lengths, *, config: TritonDecodeConfig, causal: bool, sc
   chunk = chunk_len(kv_len, c.num_splits, c.block_k)
   splits = -(-kv_len // chunk)  # chunks that hold keys
   split = splits > 1
+  if split and splits * batch * q_heads * q_len * head_dim > MAX_ELEMENTS:
+    raise ValueError(f"{splits} splits: the float32 partials pass the kernel's 32-bit "
+                     f"offsets ({MAX_ELEMENTS} elements); use fewer splits")
   qg = group_rows(q, kv_heads)
   kernel = functools.partial(
       _decode_kernel, q_len=q_len, kv_len=kv_len, rows=rows, group=group,

@@ -24,9 +24,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
       "op switch: xla (jnp.dot, cuDNN attention, lax.ragged_dot) and the wavetune ops "
       "under the tables, heuristic or default (fixed) policy. Per setting: the first "
       "trace + compile of a new prompt length (wall clock), TTFT (prefill) per prompt "
-      "length and TPOT (one decode step) per batch and cache length, both CUPTI over "
-      "the whole jitted step. Every setting's logits are checked against the xla "
-      "setting's. Without a GPU: compile times and checks only (small models).")
+      "length and TPOT (one decode step, every sequence at the cache length; the new "
+      "token's keys and values are not written, as a serving loop writes them in place) "
+      "per batch and cache length, both CUPTI over the whole jitted step. Every "
+      "setting's logits are checked against the xla setting's. Run twice with "
+      "--compile-cache for a second process's compile times. Without a GPU: compile "
+      "times and checks only (small models).")
   m.add_argument("--model", choices=sorted(MODELS), default="llama3_8b",
                  help="decoder shapes (default: llama3_8b; small, small_moe run on a CPU)")
   m.add_argument("--layers", type=positive_int, default=None,
@@ -46,6 +49,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   m.add_argument("--iterations", type=positive_int, default=10,
                  help="timed calls per step, median reported (default: 10)")
   m.add_argument("--json", metavar="PATH", help="write every row here as it is measured")
+  m.add_argument("--compile-cache", metavar="DIR",
+                 help="JAX's persistent compilation cache (and XLA's autotune results) in DIR; "
+                 "run the command twice to time the second process (default: off)")
+  m.add_argument("--xla-autotune", type=int, choices=range(0, 5), metavar="LEVEL",
+                 help="XLA's GPU autotune level, 0 (off) to 4 (default: XLA's own, 4)")
+  m.add_argument("--breakdown", type=positive_int, default=0, metavar="N",
+                 help="on a GPU, also print each step's N longest kernels (CUPTI; default: 0)")
   m.add_argument("--plot", metavar="PNG", help="TTFT against prompt length (matplotlib)")
   m.set_defaults(func=_bench_model)
 
@@ -56,7 +66,7 @@ def _settings(text: str):
   bad = [s for s in names if s not in OPS]
   if bad or not names:
     raise CliError(f"--ops {text!r}: choose from {','.join(OPS)}")
-  return list(dict.fromkeys(["xla"] + names)) if "xla" not in names else names
+  return list(dict.fromkeys(["xla"] + names))  # xla first: the reference
 
 
 def _bench_model(a) -> int:
@@ -69,6 +79,7 @@ def _bench_model(a) -> int:
   small = a.model.startswith("small")
   cfg = cfg.with_layers(a.layers or (cfg.layers if small else 4))
   settings = _settings(a.ops)
+  _configure_xla(a)
   on_gpu = jax.devices()[0].platform == "gpu"
   if not on_gpu and not small:
     raise CliError(f"--model {a.model} needs a GPU; on a CPU use --model small or small_moe")
@@ -79,8 +90,6 @@ def _bench_model(a) -> int:
   print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers, settings "
         f"{','.join(settings)}", flush=True)
   params = M.init(jax.random.PRNGKey(0), cfg)
-  leaves, tree = jax.tree_util.tree_flatten(params)
-  n = len(leaves)
   rows = []
   work = ([("prefill", s, a.batch) for s in a.prompt]
           + [("decode", c, b) for b in a.decode_batch for c in a.cache])
@@ -89,53 +98,90 @@ def _bench_model(a) -> int:
   for kind, length, batch in work:
     if kind == "prefill":
       extra = (jax.random.randint(jax.random.PRNGKey(length), (batch, length), 0, cfg.vocab),)
-    else:
-      shape = (cfg.layers, batch, length + 1, cfg.kv_heads, cfg.head_dim)
-      kc = jax.random.normal(jax.random.PRNGKey(1), shape, jnp.bfloat16)
+    else:  # every sequence at `length`; the step attends over length + 1 positions
+      shape = (batch, length + 1, cfg.kv_heads, cfg.head_dim)
+      kc = [jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16)
+            for i in range(cfg.layers)]
       extra = (kc, kc, jnp.full((batch,), length, jnp.int32),
                jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab))
+    # One flat list of arrays: the profiler times f(*arrays).
+    args, tree = jax.tree_util.tree_flatten((params,) + extra)
     ref = None
     for name in settings:
       ops = M.make_ops(name)
       if kind == "prefill":
         step = functools.partial(M.prefill, cfg=cfg, ops=ops, max_len=length)
       else:
-        step = functools.partial(M.decode_step, cfg=cfg, ops=ops)
+        step = functools.partial(M.decode_step, cfg=cfg, ops=ops, write_cache=False)
 
-      def fn(*xs, step=step):
-        return step(jax.tree_util.tree_unflatten(tree, xs[:n]), *xs[n:])[0]
+      def fn(*xs, step=step, tree=tree):
+        return step(*jax.tree_util.tree_unflatten(tree, xs))[0]
 
-      args = tuple(leaves) + extra
       t0 = time.perf_counter()
       exe = jax.jit(fn).lower(*args).compile()
       compile_s = time.perf_counter() - t0
       logits = np.asarray(exe(*args), np.float32)
       if ref is None:
         ref = logits
-      err = float(np.max(np.abs(logits - ref)) / (np.max(np.abs(ref)) + 1e-6))
+      # Relative RMS: a wrong op is off everywhere (about 1). A mixture-of-
+      # experts router may flip a near tie under other rounding upstream, and
+      # a flip at the last token moves its logits by some 10% (measured), so
+      # MoE models are held to 25%, dense ones to 5%. Every op is also checked
+      # alone against float32 references (tests, sweeps).
+      err = float(np.sqrt(np.mean((logits - ref) ** 2) / (np.mean(ref ** 2) + 1e-12)))
       us = None
       if prof is not None:
         (meas,) = prof.measure_many([fn], args)
         us = meas.median_us if meas.status == "ok" else None
+      kernels = []
+      if prof is not None and a.breakdown:
+        kernels = prof.kernel_breakdown(fn, args)[:a.breakdown]
       done += 1
       row = {"setting": name, "kind": kind, "length": length, "batch": batch,
-             "us": us, "compile_s": compile_s, "rel_diff_vs_xla": err}
+             "us": us, "compile_s": compile_s, "rel_diff_vs_xla": err, "kernels": kernels}
       rows.append(row)
-      if a.json:
-        with open(a.json, "w") as f:
+      if a.json:  # rewritten whole after every row (a crash keeps the rows so far)
+        with open(a.json + ".tmp", "w") as f:
           json.dump({"device": jax.devices()[0].device_kind, "model": cfg.name,
-                     "layers": cfg.layers, "rows": rows}, f, indent=1)
+                     "layers": cfg.layers, "xla_autotune": a.xla_autotune,
+                     "compile_cache": bool(a.compile_cache), "rows": rows}, f, indent=1)
+        os.replace(a.json + ".tmp", a.json)
       t = f"{us:10.1f} us" if us else f"{'-':>13}"
       what = "TTFT" if kind == "prefill" else "TPOT"
       print(f"[{done}/{total}] {what} {name:<9} batch {batch:<4} "
             f"{'prompt' if kind == 'prefill' else 'cache'} {length:<6} {t}  trace+compile "
-            f"{compile_s:6.2f} s  max|diff| vs xla {err:.1e}", flush=True)
-      if err > 5e-2:
+            f"{compile_s:6.2f} s  rel. RMS diff vs xla {err:.1e}", flush=True)
+      for kname, kus in kernels:
+        print(f"      {kus:10.1f} us  {kname[:90]}", flush=True)
+      if err > (25e-2 if cfg.experts else 5e-2):
         raise CliError(f"{name} differs from xla by {err:.3g} ({kind}, length {length})")
   _summary(rows, settings)
   if a.plot:
     _plot(rows, settings, a.plot, cfg.name)
   return 0
+
+
+def _configure_xla(a) -> None:
+  """``--xla-autotune`` and ``--compile-cache``, set before JAX starts its backend."""
+  import jax
+  from jax._src import xla_bridge
+  if a.xla_autotune is not None:
+    if xla_bridge.backends_are_initialized():
+      raise CliError("--xla-autotune: JAX's backend already started; set "
+                     "XLA_FLAGS=--xla_gpu_autotune_level=N in the environment instead")
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_gpu_autotune_level")]
+    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_gpu_autotune_level={a.xla_autotune}"])
+  if a.compile_cache:
+    os.makedirs(a.compile_cache, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", a.compile_cache)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    try:
+      jax.config.update("jax_persistent_cache_enable_xla_caches",
+                        "xla_gpu_per_fusion_autotune_cache_dir")
+    except (AttributeError, ValueError):  # an older JAX: its compilation cache only
+      pass
 
 
 def _summary(rows, settings) -> None:

@@ -3,6 +3,8 @@
 end to end (``wavetune bench model``)."""
 
 from wavetune_jax.models.decoder import (MODELS, OPS, ModelConfig, decode_step, init,
-                                         make_ops, moe_mlp, prefill)
+                                         library_attention_impl, make_ops, moe_mlp,
+                                         prefill)
 
-__all__ = ["MODELS", "OPS", "ModelConfig", "decode_step", "init", "make_ops", "moe_mlp", "prefill"]
+__all__ = ["MODELS", "OPS", "ModelConfig", "decode_step", "init", "library_attention_impl",
+           "make_ops", "moe_mlp", "prefill"]

@@ -5,12 +5,13 @@ causal attention with GQA (prefill) or decode attention against the cache
 (one new token per sequence, per-sequence lengths), output projection, then
 SwiGLU: dense (gate and up as one fused GEMM, down) or routed to experts
 (router top-k, tokens sorted by expert, grouped GEMMs w13 and w2, weighted
-unsort). Layers share one ``lax.scan`` (one compiled layer). Rotary
-embeddings are left out: elementwise, the same in every configuration.
+unsort). Layers are unrolled, each with weights and a cache of its own (no
+stacked arrays sliced per layer, so no setting pays for slicing copies).
+Rotary embeddings are left out: elementwise, the same in every configuration.
 
 ``make_ops(name)`` is the one switch: ``"xla"`` is what a JAX user writes
-(``jnp.dot``, ``jax.nn.dot_product_attention`` (cuDNN where it runs),
-``lax.ragged_dot``); ``"tables"``, ``"heuristic"`` and ``"default"`` run the
+(``jnp.dot``, ``jax.nn.dot_product_attention`` with cuDNN where it runs the
+shape, ``lax.ragged_dot``); ``"tables"``, ``"heuristic"`` and ``"default"`` run the
 wavetune ops under the policy of that name (``"default"``: the fixed config
 of an untuned library).
 """
@@ -25,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["ModelConfig", "MODELS", "OPS", "Ops", "make_ops", "init", "prefill",
-           "decode_step", "moe_mlp"]
+           "decode_step", "moe_mlp", "library_attention_impl"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +74,32 @@ class Ops(NamedTuple):
   context: Callable           # () -> context manager active while tracing
 
 
+def library_attention_impl(q: jax.Array) -> str | None:
+  """``implementation=`` for ``jax.nn.dot_product_attention`` as a JAX user
+  sets it: ``"cudnn"`` on a GPU where cuDNN runs the shape (16-bit, head_dim
+  a multiple of 8 up to 128, or 256 on Hopper), else ``"xla"``; ``None`` off
+  a GPU. (JAX's ``implementation=None`` means XLA's unfused attention, whose
+  scores take O(length^2) memory.)"""
+  if jax.default_backend() != "gpu":
+    return None
+  d = q.shape[-1]
+  try:
+    hopper = float(jax.devices()[0].compute_capability) >= 9.0
+  except (AttributeError, TypeError, ValueError):
+    hopper = False
+  fits = d % 8 == 0 and d <= (256 if hopper else 128)
+  return "cudnn" if fits and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+
+
 def make_ops(name: str) -> Ops:
   """The ops of one setting of the switch (see the module doc)."""
   import wavetune_jax as wt
   if name == "xla":
     return Ops("xla", lambda x, w: jnp.dot(x, w),
-               lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True),
-               lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v,
-                                                               key_value_seq_lengths=n),
+               lambda q, k, v: jax.nn.dot_product_attention(
+                   q, k, v, is_causal=True, implementation=library_attention_impl(q)),
+               lambda q, k, v, n: jax.nn.dot_product_attention(
+                   q, k, v, key_value_seq_lengths=n, implementation=library_attention_impl(q)),
                jax.lax.ragged_dot, contextlib.nullcontext)
   policy = {"tables": "tables", "heuristic": "heuristic", "default": "fixed"}.get(name)
   if policy is None:
@@ -91,7 +110,8 @@ def make_ops(name: str) -> Ops:
 
 
 def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
-  """Random weights (scaled normal), layers stacked on a leading axis."""
+  """Random weights (scaled normal); ``"layers"`` is a list, one dict of
+  arrays per layer."""
   h, d = cfg.hidden, cfg.head_dim
   shapes = {"wqkv": (h, (cfg.q_heads + 2 * cfg.kv_heads) * d), "wo": (cfg.q_heads * d, h)}
   if cfg.experts:
@@ -104,9 +124,9 @@ def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
   def normal(k, shape, fan_in, dt=dtype):
     return (jax.random.normal(k, shape, jnp.float32) / fan_in ** 0.5).astype(dt)
 
-  layers = {n: normal(k, (cfg.layers,) + s, s[-2],
-                      jnp.float32 if n == "router" else dtype)
-            for k, (n, s) in zip(keys, shapes.items())}
+  stacked = {n: normal(k, (cfg.layers,) + s, s[-2], jnp.float32 if n == "router" else dtype)
+             for k, (n, s) in zip(keys, shapes.items())}
+  layers = [{n: w[i] for n, w in stacked.items()} for i in range(cfg.layers)]
   return {"embed": normal(keys[-2], (cfg.vocab, h), 1), "layers": layers,
           "lm_head": normal(keys[-1], (h, cfg.vocab), h)}
 
@@ -164,43 +184,72 @@ def _finish(p, x, a, cfg: ModelConfig, ops: Ops):
 
 def prefill(params, tokens, *, cfg: ModelConfig, ops: Ops, max_len: int):
   """The prompt ``tokens [batch, seq]`` through the model: ``(logits of the
-  last position [batch, vocab], k cache, v cache)``, caches ``[layers,
-  batch, max_len, kv_heads, head_dim]`` holding the prompt."""
+  last position [batch, vocab], k caches, v caches)``, one cache per layer,
+  ``[batch, max_len, kv_heads, head_dim]``, holding the prompt."""
   b, s = tokens.shape
   if s > max_len:
     raise ValueError(f"prompt length {s} exceeds max_len={max_len}")
+  kc, vc = [], []
   with ops.context():
     x = params["embed"][tokens]
-
-    def layer(x, p):
+    pad = ((0, 0), (0, max_len - s), (0, 0), (0, 0))
+    for p in params["layers"]:
       q, k, v = _qkv(p, x, cfg, ops)
       x = _finish(p, x, ops.attention(q, k, v), cfg, ops)
-      pad = ((0, 0), (0, max_len - s), (0, 0), (0, 0))
-      return x, (jnp.pad(k, pad), jnp.pad(v, pad))
-
-    x, (kc, vc) = jax.lax.scan(layer, x, params["layers"])
+      kc.append(jnp.pad(k, pad))
+      vc.append(jnp.pad(v, pad))
     logits = ops.matmul(_norm(x[:, -1]), params["lm_head"])
   return logits, kc, vc
 
 
-def decode_step(params, kc, vc, lengths, tokens, *, cfg: ModelConfig, ops: Ops):
+def _check_step(params, kc, vc, lengths, tokens, cfg: ModelConfig) -> None:
+  n = len(params["layers"])
+  if len(kc) != n or len(vc) != n:
+    raise ValueError(f"{n} layers need {n} k and v caches; got {len(kc)} and {len(vc)}")
+  if tokens.ndim != 1 or lengths.shape != tokens.shape:
+    raise ValueError(f"tokens and lengths must both be [batch]; got {tokens.shape} and "
+                     f"{lengths.shape}")
+  if not (jnp.issubdtype(tokens.dtype, jnp.integer)
+          and jnp.issubdtype(lengths.dtype, jnp.integer)):
+    raise ValueError(f"tokens and lengths must be integers; got {tokens.dtype} and "
+                     f"{lengths.dtype}")
+  want = (tokens.shape[0], None, cfg.kv_heads, cfg.head_dim)
+  for c in list(kc) + list(vc):
+    if (c.ndim != 4 or c.shape != kc[0].shape
+        or any(w is not None and w != g for w, g in zip(want, c.shape))):
+      raise ValueError(f"caches must all be [batch={want[0]}, max_len, kv_heads="
+                       f"{cfg.kv_heads}, head_dim={cfg.head_dim}]; got {c.shape}")
+  if not isinstance(lengths, jax.core.Tracer):
+    lo, hi = int(jnp.min(lengths)), int(jnp.max(lengths))
+    if lo < 0 or hi >= kc[0].shape[1]:
+      raise ValueError(f"lengths must be in [0, {kc[0].shape[1]}) (the cache's length); "
+                       f"got {lo}..{hi}")
+
+
+def decode_step(params, kc, vc, lengths, tokens, *, cfg: ModelConfig, ops: Ops,
+                write_cache: bool = True):
   """One new token per sequence: ``tokens [batch]`` at positions ``lengths
-  [batch]`` (each sequence's filled cache, below the cache's length: JAX
-  drops a write past the end); returns ``(logits [batch, vocab], k cache,
-  v cache)`` with the new keys and values written."""
+  [batch]`` (each sequence's filled cache, below the cache's length); returns
+  ``(logits [batch, vocab], k caches, v caches)`` with the new keys and
+  values written, one cache per layer.
+
+  ``write_cache=False`` leaves the caches as they are and attends over
+  ``lengths + 1`` positions as if the new token's keys and values were
+  there: the step a benchmark times. (A serving loop writes them in place
+  into a donated cache; a step called again on the same, undonated buffers
+  makes XLA copy every layer's whole cache, for every setting alike.)"""
+  _check_step(params, kc, vc, lengths, tokens, cfg)
   b = tokens.shape[0]
   rows = jnp.arange(b)
+  kc, vc = list(kc), list(vc)
   with ops.context():
     x = params["embed"][tokens][:, None]
-
-    def layer(x, inputs):
-      p, kl, vl = inputs
+    for i, p in enumerate(params["layers"]):
       q, k, v = _qkv(p, x, cfg, ops)
-      kl = kl.at[rows, lengths].set(k[:, 0])
-      vl = vl.at[rows, lengths].set(v[:, 0])
-      a = ops.decode_attention(q, kl, vl, lengths + 1)
-      return _finish(p, x, a, cfg, ops), (kl, vl)
-
-    x, (kc, vc) = jax.lax.scan(layer, x, (params["layers"], kc, vc))
+      if write_cache:
+        kc[i] = kc[i].at[rows, lengths].set(k[:, 0])
+        vc[i] = vc[i].at[rows, lengths].set(v[:, 0])
+      a = ops.decode_attention(q, kc[i], vc[i], lengths + 1)
+      x = _finish(p, x, a, cfg, ops)
     logits = ops.matmul(_norm(x[:, 0]), params["lm_head"])
   return logits, kc, vc

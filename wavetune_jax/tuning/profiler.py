@@ -290,6 +290,29 @@ class Profiler:
     _, timings = mgpu_profiler.measure(exe, aggregate=False)(self._buf(), *args)
     return [name for name, _ in (timings or [])]
 
+  def kernel_breakdown(self, fn: Callable, args: Sequence, *, iterations: int = 5
+                       ) -> list[tuple[str, float]]:
+    """Per-kernel microseconds of one call of ``fn`` (median over
+    ``iterations`` calls, L2 flushed, flush excluded), kernels of one name
+    summed, longest first; for diagnostics."""
+    from jax.experimental.mosaic.gpu import profiler as mgpu_profiler
+    exe, _ = self.compile(fn, args)
+    buf = self._buf()
+    jax.block_until_ready(exe(buf, *args))
+    _, timings = mgpu_profiler.measure(exe, aggregate=False, iterations=iterations)(buf, *args)
+    if iterations == 1:
+      timings = [timings]
+    per_call = []
+    for kernels in timings or []:
+      d: dict[str, float] = {}
+      for name, ms in kernels:
+        if _FLUSH_NAME not in name:
+          d[name] = d.get(name, 0.0) + 1e3 * ms
+      per_call.append(d)
+    names = {n for d in per_call for n in d}
+    med = {n: float(np.median([d.get(n, 0.0) for d in per_call])) for n in names}
+    return sorted(med.items(), key=lambda kv: -kv[1])
+
   @staticmethod
   def summarize(samples: Sequence[float]) -> tuple[float, float]:
     a = np.asarray(samples, np.float64)

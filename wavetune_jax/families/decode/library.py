@@ -118,9 +118,12 @@ class XlaDecode(_Library):
 
 
 class CudnnDecode(_Library):
-  """cuDNN's attention for a full cache (no per-sequence lengths: its
-  handling of non-finite values past a length is not known) with JAX's own
-  mask (one query, or not causal); head_dim a multiple of 8 up to 256."""
+  """cuDNN's attention with JAX's own mask (one query, or not causal);
+  head_dim a multiple of 8 up to 256. Per-sequence lengths with one query
+  only: there NaN and Inf past a sequence's length stayed out of the output
+  in every case of ``benchmarks/cudnn_lengths_nan.py`` (5 on an H200, 2 on
+  an H100: lengths 1, full and off block boundaries, head_dim 64/128/256),
+  while with 300 queries and a length of 1 they reached it (H200)."""
 
   name = "cudnn"
   config_cls = CudnnDecodeConfig
@@ -132,9 +135,9 @@ class CudnnDecode(_Library):
   def _why_not(self, p: DecodeProblem, hw) -> str | None:
     if p.head_dim % 8 or p.head_dim > 256:
       return f"cuDNN attention needs head_dim a multiple of 8 up to 256; got {p.head_dim}"
-    if p.lengths:
-      return ("the cuDNN decode backend takes no per-sequence lengths (use a Triton or "
-              "XLA config)")
+    if p.lengths and p.q_len > 1:
+      return ("the cuDNN decode backend takes per-sequence lengths with one query only "
+              "(use a Triton or XLA config)")
     if not plain_mask(p):
       return "cuDNN has no bottom-right causal mask in JAX (use a Triton or XLA config)"
     return None
@@ -143,4 +146,5 @@ class CudnnDecode(_Library):
           interpret: bool = False, scale: float | None = None):
     if interpret:
       raise NotImplementedError("cuDNN attention runs on an NVIDIA GPU only")
-    return library_attention(problem, "cudnn", q, k, v, None, scale=scale)
+    return library_attention(problem, "cudnn", q, k, v,
+                             kv_lengths if problem.lengths else None, scale=scale)

@@ -179,6 +179,13 @@ class TritonDecode(Backend):
     if not self.runs_shape(problem):
       raise ValueError(f"the Triton decode kernel addresses the cache with 32-bit offsets: "
                        f"at most {MAX_ELEMENTS} elements per array; use the xla backend")
+    from pallas_kernels.decode.triton import chunk_len
+    p = problem
+    splits = -(-p.kv_len // chunk_len(p.kv_len, config.num_splits, config.block_k))
+    partials = splits * p.batch * p.q_heads * p.q_len * p.head_dim
+    if splits > 1 and partials > MAX_ELEMENTS:
+      raise ValueError(f"config {config}: its float32 partials ({partials} elements) pass the "
+                       f"kernel's 32-bit offsets ({MAX_ELEMENTS}); use fewer splits")
     if hw is not None and self.smem_bytes(problem, config) > hw.smem_per_block:
       raise ValueError(
           f"config {config} needs {self.smem_bytes(problem, config)} bytes of shared "
