@@ -74,15 +74,9 @@ def _make(case: str, lib: str, s: dict):
 
 def worker(a) -> None:
   import jax
+  from wavetune_jax.tuning.profiler import enable_persistent_cache
   if a.cache:
-    jax.config.update("jax_compilation_cache_dir", a.cache)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    try:
-      jax.config.update("jax_persistent_cache_enable_xla_caches",
-                        "xla_gpu_per_fusion_autotune_cache_dir")
-    except (AttributeError, ValueError):
-      pass
+    enable_persistent_cache(a.cache)
   on_gpu = jax.devices()[0].platform == "gpu"
   prof = None
   if on_gpu:

@@ -163,7 +163,6 @@ def _bench_model(a) -> int:
 
 def _configure_xla(a) -> None:
   """``--xla-autotune`` and ``--compile-cache``, set before JAX starts its backend."""
-  import jax
   from jax._src import xla_bridge
   if a.xla_autotune is not None:
     if xla_bridge.backends_are_initialized():
@@ -173,15 +172,8 @@ def _configure_xla(a) -> None:
              if not f.startswith("--xla_gpu_autotune_level")]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_gpu_autotune_level={a.xla_autotune}"])
   if a.compile_cache:
-    os.makedirs(a.compile_cache, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", a.compile_cache)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    try:
-      jax.config.update("jax_persistent_cache_enable_xla_caches",
-                        "xla_gpu_per_fusion_autotune_cache_dir")
-    except (AttributeError, ValueError):  # an older JAX: its compilation cache only
-      pass
+    from wavetune_jax.tuning.profiler import enable_persistent_cache
+    enable_persistent_cache(a.compile_cache)
 
 
 def _summary(rows, settings) -> None:

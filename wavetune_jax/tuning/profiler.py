@@ -29,6 +29,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import math
+import os
 import time
 import warnings
 from typing import Callable, Iterator, Sequence
@@ -163,6 +164,21 @@ def _flush_fn():
 def _short(e: BaseException, limit: int = 400) -> str:
   msg = f"{type(e).__name__}: {e}".strip().replace("\n", " ")
   return msg if len(msg) <= limit else msg[:limit] + "..."
+
+
+def enable_persistent_cache(path: str) -> None:
+  """JAX's persistent compilation cache in ``path`` for every compile (no
+  size or time threshold), with XLA's per-fusion autotune results there too
+  where this JAX has that option. Call before the first compile."""
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  try:
+    jax.config.update("jax_persistent_cache_enable_xla_caches",
+                      "xla_gpu_per_fusion_autotune_cache_dir")
+  except (AttributeError, ValueError):  # an older JAX: its compilation cache only
+    pass
 
 
 class Profiler:
