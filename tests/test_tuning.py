@@ -57,10 +57,13 @@ def test_replay_respects_budget_and_pool(wave_ds, wave_table):
 
 
 def test_synthetic_wave_latency_is_learned(wave_ds, wave_table):
-  """The synthetic latency is a wave model: the table must pick near-oracle
-  configs for problems it never measured (new M values of every weight)."""
-  d = selector.Decider(wave_table.table, HW)
-  effs = []
+  """The synthetic latency is a wave model: the models must pick near-oracle
+  configs for problems it never measured (new M values of every weight);
+  with the heuristic guard, the decisions are at least as good as the
+  heuristic's."""
+  d = selector.Decider(wave_table.table, HW, heuristic_margin=None)
+  guarded = selector.Decider(wave_table.table, HW)
+  effs, effs_guarded, effs_heuristic = [], [], []
   for n, k in WEIGHTS:
     for m in (8, 100, 500, 1500):
       p = MatmulProblem(m=m, n=n, k=k)
@@ -69,7 +72,11 @@ def test_synthetic_wave_latency_is_learned(wave_ds, wave_table):
       sel = d.decide(p)
       assert sel is not None and sel.config in space
       effs.append(best / wave_us(p, sel.config))
-  assert math.exp(np.mean(np.log(effs))) > 0.97, effs
+      effs_guarded.append(best / wave_us(p, guarded.decide(p).config))
+      effs_heuristic.append(best / wave_us(p, MATMUL.heuristic(p, HW)))
+  geo = lambda xs: math.exp(np.mean(np.log(xs)))
+  assert geo(effs) > 0.97, effs
+  assert geo(effs_guarded) >= geo(effs_heuristic) - 1e-9
 
 
 def test_decider_buckets_match_direct_prediction(wave_table):
@@ -129,18 +136,42 @@ def test_decider_keeps_the_heuristic_unless_the_model_wins_by_the_margin(wave_ta
         assert sel is None
         continue
       sources.add(sel.source)
+      if sel.source == "exact":  # a measured win (the heuristic measured too)
+        assert table.exact[p][0] == sel.config
+        continue
       h = MATMUL.heuristic(p, HW)
       t_h = table.predict(p, [h])[0]
-      if np.isfinite(t_h) and np.min(pred) * (1.0 + margin) < t_h:
+      floor = d._floor(p, np.array([m]))[0]
+      if np.isfinite(t_h) and max(np.min(pred), floor) * (1.0 + margin) < t_h:
         assert table.predict(p, [sel.config])[0] == pytest.approx(np.min(pred), rel=0.02)
-        assert sel.source in ("model", "exact")
+        assert sel.source == "model"
         seen.add("model")
       else:
-        assert sel.config == h and sel.source in ("heuristic", "exact")
+        assert sel.config == h and sel.source == "heuristic"
         assert sel.predicted_us is None or np.isfinite(sel.predicted_us)
         seen.add("heuristic")
   assert seen == {"model", "heuristic"}
   assert {"model", "heuristic"} <= sources  # both kinds of decision, not only exact hits
+
+
+def test_decider_believes_no_claim_below_the_measured_rates(wave_table):
+  """The floor: the fastest FLOP and byte rates of the table's anchors. A
+  model claim below it cannot replace the heuristic."""
+  table = wave_table.table
+  d = selector.Decider(table, HW)
+  assert d.rates is not None
+  for p, _, us in table.anchors:  # no anchor beats its own floor
+    assert d._floor(p, np.array([p.m]))[0] <= us * (1 + 1e-9)
+  probs = [p for p in (MatmulProblem(m=m, n=n, k=k)
+                       for n, k in ((384, 640), (4096, 4096), (1280, 8192))
+                       for m in (16, 128, 1024, 4096, 8192)) if d.decide(p) is not None]
+  assert any(d.decide(p).source == "model" for p in probs)
+  slow = selector.Decider(table, HW)
+  slow.rates = tuple(r / 1e6 for r in d.rates)  # a floor far above every prediction
+  for p in probs:
+    sel = slow.decide(p)
+    assert sel.source == "exact" or (sel.config == MATMUL.heuristic(p, HW)
+                                     and sel.source == "heuristic")
 
 
 def test_table_round_trip_and_validation(tmp_path, wave_table):

@@ -117,6 +117,10 @@ class Backend(abc.ABC):
   #: It also runs on a CPU inside ``jax.shard_map`` (Pallas interpret mode
   #: does not handle the mesh axes a value varies over; XLA ops do).
   interpret_in_shard_map: ClassVar[bool] = False
+  #: A Pallas kernel: the op keeps its lowered form on disk
+  #: (:mod:`wavetune_jax.core.kernel_cache`) so later processes skip the
+  #: lowering. Library backends (XLA, cuDNN) leave it False.
+  kernel_cache: ClassVar[bool] = False
   #: Bumped whenever the kernel's code changes its performance: tables tuned
   #: for another revision are not used.
   revision: ClassVar[int] = 1
@@ -352,6 +356,13 @@ class Family(abc.ABC):
 
   def size_of(self, problem) -> int:
     return getattr(problem, self.size_field)
+
+  def work(self, problem) -> tuple[float, float] | None:
+    """``(flops, bytes)`` every kernel of the problem must at least do and
+    move, or None (unknown). The selector divides them by the fastest rates
+    any anchor of the table reached: a prediction below that floor is an
+    extrapolation, and is not believed against the heuristic."""
+    return None
 
   def with_size(self, problem, size: int):
     return dataclasses.replace(problem, **{self.size_field: int(size)})

@@ -77,6 +77,7 @@ class Decider:
                    else heuristic_margin)
     self._weights: dict = {}
     self._seen: set = set()
+    self.rates = _peak_rates(table)
 
   def decide(self, problem) -> Selection | None:
     hit = self.table.exact.get(problem)
@@ -135,7 +136,10 @@ class Decider:
       index[h] = next((j for j, c in enumerate(configs) if c == h), None)
     # The heuristic's config stays unless the model predicts a gain over it
     # larger than the spec's margin, with a trusted prediction for both: a
-    # sparse model is most wrong where it is most optimistic.
+    # sparse model is most wrong where it is most optimistic. Nor is a claim
+    # believed below the floor of the fastest FLOP and byte rates any anchor
+    # of the table reached (a measured roofline).
+    floor = self._floor(problem, sizes)
     for r, s in enumerate(sizes):
       if idx[r] < 0:
         continue
@@ -145,13 +149,41 @@ class Decider:
       # predicted on its own, at each size.)
       t_h = (pred[r, j] if j is not None and j < pred.shape[1]
              else self.table.predict(spec.with_size(problem, int(s)), [h])[0])
-      model_wins = np.isfinite(t_h) and best[r] * (1.0 + margin) < t_h
+      model_wins = np.isfinite(t_h) and max(best[r], floor[r]) * (1.0 + margin) < t_h
       if not model_wins:
         if j is None:
           j = index[h] = len(configs)
           configs.append(h)
         idx[r], best[r], kept[r] = j, t_h, True
     return tuple(configs), idx.tolist(), best, kept
+
+
+  def _floor(self, problem, sizes) -> np.ndarray:
+    """Per size, the least time the table's measured rates allow (0: unknown)."""
+    if self.rates is None:
+      return np.zeros(len(sizes))
+    flops_rate, bytes_rate = self.rates
+    out = np.zeros(len(sizes))
+    for r, s in enumerate(sizes):
+      w = self.spec.work(self.spec.with_size(problem, int(s)))
+      if w is not None:
+        out[r] = max(w[0] / flops_rate, w[1] / bytes_rate)
+    return out
+
+
+def _peak_rates(table) -> tuple[float, float] | None:
+  """The fastest FLOP/us and byte/us any anchor of ``table`` reached, or
+  None (a family without :meth:`Family.work`, or no anchors)."""
+  flops_rate = bytes_rate = 0.0
+  for p, _, us in table.anchors:
+    w = table.family.work(p) if us and us > 0 else None
+    if w is None:
+      continue
+    flops_rate = max(flops_rate, w[0] / us)
+    bytes_rate = max(bytes_rate, w[1] / us)
+  if flops_rate <= 0 or bytes_rate <= 0:
+    return None
+  return flops_rate, bytes_rate
 
 
 # --- state -------------------------------------------------------------------------------

@@ -376,16 +376,34 @@ def _num(v) -> float:
   return float(v)
 
 
-def _record(r, family: Family, hw: Hardware | None, kind: str):
+def _parsed(memo: dict | None, kind: str, d, parse):
+  """``parse(d)``, memoized on the dict's items (records repeat problems and
+  configs: a table's anchors visit a few hundred problems)."""
+  if memo is None or not isinstance(d, dict):
+    return parse(d)
+  try:
+    key = (kind, tuple(sorted(d.items())))
+    hash(key)
+  except TypeError:  # unhashable values: parse (and fail) as usual
+    return parse(d)
+  if key not in memo:
+    memo[key] = parse(d)
+  return memo[key]
+
+
+def _record(r, family: Family, hw: Hardware | None, kind: str, memo: dict | None = None):
   """``(problem, config, us)`` of an exact or anchor record, checked."""
   if not isinstance(r, dict):
     raise TableError(f"{kind} entry {r!r} is not an object")
   where = f"{kind} entry {r.get('problem')}"
   try:
-    p = family.problem_from_dict(r["problem"])
-    c = family.config_from_dict(r["config"])
+    p = _parsed(memo, "problem", r["problem"], family.problem_from_dict)
+    c = _parsed(memo, "config", r["config"], family.config_from_dict)
     us = _num(r["us"])
-    family.validate(p, c, hw)
+    if memo is None or (p, c, hw) not in memo:
+      family.validate(p, c, hw)
+      if memo is not None:
+        memo[(p, c, hw)] = True
   except (KeyError, TypeError, ValueError) as err:
     raise TableError(f"{where}: {type(err).__name__}: {err}") from None
   if not (math.isfinite(us) and us > 0):
@@ -440,13 +458,14 @@ def from_json(d, family: Family, hw: Hardware | None, where: str = "table") -> T
                          f"in the table")
       entries[entry.variant] = entry
     exact = {}
+    memo: dict = {}
     for r in _require(d, "exact", list, where):
-      p, c, us = _record(r, spec, hw, "exact")
+      p, c, us = _record(r, spec, hw, "exact", memo)
       if spec.backend_of(c).name not in revisions:
         raise TableError(f"exact entry {r.get('problem')}: its backend has no revision "
                          f"in the table")
       exact[p] = (c, us)
-    anchors = [_record(r, spec, None, "anchor") for r in d.get("anchors", [])]
+    anchors = [_record(r, spec, None, "anchor", memo) for r in d.get("anchors", [])]
   except TableError as e:
     raise TableError(f"{where}: {e}") from None
   trust = model.get("trust", DEFAULT_TRUST)

@@ -251,6 +251,7 @@ def tune(spec: Family, hw: Hardware, pool: Sequence, measurer, *, budget: int | 
          distance_penalty: float = tables.DEFAULT_DISTANCE_PENALTY,
          trust: float = tables.DEFAULT_TRUST, family_weight: float = 0.0,
          provenance: dict | None = None, per_round: int = 2,
+         paired: bool | None = None,
          log: Callable[[str], None] | None = None) -> TuneResult:
   """Builds a table from at most ``budget`` measurements of ``pool`` problems.
 
@@ -269,6 +270,13 @@ def tune(spec: Family, hw: Hardware, pool: Sequence, measurer, *, budget: int | 
     provenance: extra facts recorded in the table.
     per_round: targeted anchors per pool problem and round (on a GPU every
       problem visited costs inputs and a reference, so a few at once).
+    paired: also measure the family's heuristic config at every problem
+      visited (one more measurement per problem, within the budget): the
+      heuristic's model, which guards every decision, gets a point wherever
+      the others do, and a visited problem can get an exact entry. Default:
+      where the budget holds at least two measurements per pool problem
+      (with fewer, the pairs take the anchors the models need; held-out data
+      in docs/design.md).
     log: called with one line per phase (progress output).
   """
   say = log or (lambda s: None)
@@ -278,9 +286,28 @@ def tune(spec: Family, hw: Hardware, pool: Sequence, measurer, *, budget: int | 
   if budget is None:
     budget = max(1, round(DEFAULT_BUDGET_FRACTION * space_size))
   measured: dict = {}  # (problem, config) -> us | None
+  if paired is None:
+    paired = budget >= 2 * len(pool)
+
+  heuristic_of: dict = {}
+
+  def paired_with(points):
+    if not paired:
+      return points
+    out = []
+    for p, c in points:
+      if p not in heuristic_of:
+        try:
+          heuristic_of[p] = spec.heuristic(p, hw)
+        except ValueError:  # no backend has a heuristic config for it
+          heuristic_of[p] = None
+        if heuristic_of[p] is not None:
+          out.append((p, heuristic_of[p]))
+      out.append((p, c))
+    return out
 
   def run(points):
-    points = [pc for pc in dict.fromkeys(points) if pc not in measured]
+    points = [pc for pc in dict.fromkeys(paired_with(points)) if pc not in measured]
     points = points[:budget - len(measured)]
     if points:
       for pc, us in zip(points, measurer.measure(points)):
@@ -331,7 +358,8 @@ def tune(spec: Family, hw: Hardware, pool: Sequence, measurer, *, budget: int | 
     if got == 0:
       break
 
-  prov = {"mode": measurer.mode, "budget": budget, "gpu_seconds": round(measurer.seconds, 2),
+  prov = {"mode": measurer.mode, "budget": budget, "paired": paired,
+          "gpu_seconds": round(measurer.seconds, 2),
           "rounds": rounds, "seed": seed}
   phases = getattr(measurer, "phase_seconds", None)
   if phases:

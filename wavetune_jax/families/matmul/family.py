@@ -55,6 +55,13 @@ class MatmulFamily(Family):
   # Triton configs only.
   legacy_default_backend = "triton"
 
+  def work(self, p: MatmulProblem) -> tuple[float, float]:
+    """FLOPs, and the bytes of the operands read once and the output
+    written once."""
+    return (2.0 * p.m * p.n * p.k,
+            float((p.m * p.k + p.k * p.n) * p.itemsize
+                  + p.m * p.n * jnp.dtype(p.out_dtype).itemsize))
+
   # --- the call ------------------------------------------------------------------------
   def bind(self, x, w, *, out_dtype=None):
     """Checks ``x [M, K]`` and ``w [K, N]``; the problem of ``x @ w``."""

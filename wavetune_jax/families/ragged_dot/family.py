@@ -45,6 +45,13 @@ class RaggedDotFamily(Family):
   baseline_name = "XLA"
   skew = routing.BALANCED
 
+  def work(self, p) -> tuple[float, float]:
+    """FLOPs, and the bytes of the rows, of the experts that at least one
+    row can reach (at most ``m`` of them) and of the output."""
+    return (2.0 * p.m * p.n * p.k,
+            float((p.m * p.k + min(p.g, p.m) * p.k * p.n) * p.itemsize
+                  + p.m * p.n * jnp.dtype(p.out_dtype).itemsize))
+
   def with_routing(self, skew: float) -> "RaggedDotFamily":
     """A copy of this family whose inputs use router skew ``skew``."""
     new = copy.copy(self)
