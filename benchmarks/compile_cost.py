@@ -14,9 +14,12 @@ fresh processes of its own (XLA's in-process autotune results would otherwise
 serve the other's XLA-backed calls): XLA's default autotuning and
 ``--xla_gpu_autotune_level=0``, each with an empty persistent compilation
 cache (cold) and then again with the cache the cold process filled (warm). XLA's per-fusion autotune results go
-into the same cache directory (``jax_persistent_cache_enable_xla_caches``).
+into the same cache directory (``jax_persistent_cache_enable_xla_caches``), and
+so do wavetune's lowered Pallas kernels (``wavetune_jax.core.kernel_cache``;
+``--no-kernel-cache`` times the ops without it).
 
   python3 benchmarks/compile_cost.py [--json out.json]          # GPU
+  python3 benchmarks/compile_cost.py --cases grouped --levels default --no-kernel-cache
   python3 benchmarks/compile_cost.py --small                     # CPU, tiny shapes
 """
 
@@ -101,14 +104,19 @@ def worker(a) -> None:
         if prof is not None:
           (meas,) = prof.measure_many([fn], args)
           us = meas.median_us if meas.status == "ok" else None
+        from wavetune_jax.core import kernel_cache
         rows.append(dict(case=case, lib=lib, shape=s, nth=i, trace_ms=ph[0], lower_ms=ph[1],
-                         compile_ms=ph[2], first_ms=ph[3], kernel_us=us))
+                         compile_ms=ph[2], first_ms=ph[3], kernel_us=us,
+                         kernel_cache=kernel_cache.stats()))
   json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows},
             sys.stdout)
 
 
-def _run(level: str, lib: str, cache: str, small: bool, cases: str) -> dict:
+def _run(level: str, lib: str, cache: str, small: bool, cases: str,
+         kernel_cache: bool = True) -> dict:
   env = dict(os.environ)
+  if not kernel_cache:
+    env["WAVETUNE_KERNEL_CACHE"] = "off"
   if level != "default":
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_gpu_autotune_level={level}").strip()
   cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--cache", cache,
@@ -130,6 +138,8 @@ def main(argv=None) -> None:
   ap.add_argument("--cases", default="gemm,attention,grouped",
                   help="comma-separated among gemm,attention,grouped (default: all)")
   ap.add_argument("--json", metavar="PATH", help="write every row here")
+  ap.add_argument("--no-kernel-cache", action="store_true",
+                  help="lower wavetune's Pallas kernels in every process (the cache off)")
   ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
   ap.add_argument("--lib", default="xla,wt", help=argparse.SUPPRESS)
   ap.add_argument("--cache", help=argparse.SUPPRESS)
@@ -144,11 +154,13 @@ def main(argv=None) -> None:
       with tempfile.TemporaryDirectory() as cache:
         for state in ("cold", "warm"):
           t0 = time.perf_counter()
-          r = _run(level, lib, cache, a.small, a.cases)
-          r.update(level=level, lib=lib, state=state, process_s=time.perf_counter() - t0)
+          r = _run(level, lib, cache, a.small, a.cases, not a.no_kernel_cache)
+          r.update(level=level, lib=lib, state=state, process_s=time.perf_counter() - t0,
+                   kernel_cache=not a.no_kernel_cache)
           runs.append(r)
           print(f"{r['device']}: {lib}, autotune {level}, {state} cache: process "
                 f"{r['process_s']:.1f} s", flush=True)
+  print(f"\nwavetune's kernel cache: {'off' if a.no_kernel_cache else 'on'}")
   print(f"\n{'case':<9} {'op':<3} {'shape':<28} {'autotune':>8} {'cache':>5} {'trace':>7} "
         f"{'lower':>7} {'compile':>8} {'first':>7} {'total ms':>9} {'kernel us':>10}")
   for r in runs:

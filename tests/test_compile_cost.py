@@ -29,3 +29,7 @@ def test_compile_cost_small(tmp_path):
   # XLA's compiles are served from the cache the first process filled.
   for case in ("gemm", "attention", "grouped"):
     assert warm[(case, "xla", 1)] < 0.5 * cold[(case, "xla", 1)], (case, cold, warm)
+  # wavetune's Pallas kernels: exported by the first process, loaded (not
+  # lowered) by the second.
+  wt_cold, wt_warm = (r["rows"][-1]["kernel_cache"] for r in runs[2:])
+  assert wt_warm["misses"] == 0 and wt_warm["loads"] == wt_cold["misses"], (wt_cold, wt_warm)

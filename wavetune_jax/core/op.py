@@ -14,7 +14,7 @@ import warnings
 import jax
 
 from pallas_kernels._launch import match_varying
-from wavetune_jax.core import hardware, partition
+from wavetune_jax.core import hardware, kernel_cache, partition
 from wavetune_jax.core.family import Call, Family
 
 __all__ = ["tuned_call", "choose"]
@@ -75,11 +75,19 @@ def _local_call(family: Family, *args, config=None, _call: Call | None = None, *
   if not isinstance(call, Call):
     return call
   hw = hardware.current()
-  if hw.interpret and match_varying(*call.arrays)[1]:
+  varying = match_varying(*call.arrays)[1]
+  if hw.interpret and varying:
     config = _shard_map_on_cpu(family, call.problem, config, hw)
   backend, config = choose(family, call.problem, config, hw)
   fn = functools.partial(backend.run, call.problem, config, interpret=hw.interpret,
                          **call.options)
+  if backend.kernel_cache and not varying:
+    # A Pallas kernel: lowered once per machine, not once per process.
+    parts = {"family": family.name, "backend": backend.name,
+             "revision": backend.revision, "config": config, "problem": call.problem,
+             "options": call.options, "interpret": hw.interpret}
+    fn = functools.partial(kernel_cache.call, fn, parts=parts)
+    return _forward_only(family.name, lambda *xs: fn(xs), *call.arrays)
   return _forward_only(family.name, fn, *call.arrays)
 
 

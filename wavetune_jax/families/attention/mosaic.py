@@ -32,6 +32,7 @@ class MosaicAttention(Backend):
   wgmma, one producer and two consumer warpgroups). No CPU interpret mode."""
 
   name = "mosaic"
+  kernel_cache = True
   config_cls = MosaicAttentionConfig
   macro_fields = ("block_q", "block_k")
   micro_fields = ("num_stages",)

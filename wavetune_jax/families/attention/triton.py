@@ -41,6 +41,7 @@ class TritonAttention(Backend):
   in the kernel), any GPU Triton supports, CPU interpret mode."""
 
   name = "triton"
+  kernel_cache = True
   config_cls = TritonAttentionConfig
   macro_fields = ("block_q", "block_k")
   micro_fields = ("num_warps", "num_stages")

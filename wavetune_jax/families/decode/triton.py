@@ -66,6 +66,7 @@ class TritonDecode(Backend):
   the kernel), per-sequence lengths, bottom-right causal, CPU interpret mode."""
 
   name = "triton"
+  kernel_cache = True
   config_cls = TritonDecodeConfig
   macro_fields = ("block_h", "block_k", "num_splits")
   micro_fields = ("num_warps", "num_stages")

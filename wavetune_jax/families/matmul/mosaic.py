@@ -62,6 +62,7 @@ class MosaicMatmul(Backend):
   partials). No CPU interpret mode."""
 
   name = "mosaic"
+  kernel_cache = True
   config_cls = MosaicMatmulConfig
   macro_fields = ("block_m", "block_n", "split_k")
   micro_fields = ("num_stages", "grid_minor", "grid_width")

@@ -97,6 +97,7 @@ class TritonMatmul(Backend):
   split-K with fp32 partials summed by one XLA reduction."""
 
   name = "triton"
+  kernel_cache = True
   config_cls = TritonMatmulConfig
   macro_fields = ("block_m", "block_n", "block_k", "split_k")
   micro_fields = ("group_m", "num_warps", "num_stages")

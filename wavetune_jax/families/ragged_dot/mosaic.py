@@ -45,6 +45,7 @@ class MosaicRaggedDot(Backend):
   8-row-aligned row tasks, TMA ring, wgmma, row-exact stores, split-K."""
 
   name = "mosaic"
+  kernel_cache = True
   config_cls = MosaicRaggedDotConfig
   macro_fields = ("block_m", "block_n", "split_k")
   micro_fields = ("num_stages", "grid_minor")

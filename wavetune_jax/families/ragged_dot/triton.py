@@ -41,6 +41,7 @@ class TritonRaggedDot(Backend):
   masked rows; runs on any CUDA GPU and in interpret mode on a CPU."""
 
   name = "triton"
+  kernel_cache = True
   config_cls = TritonRaggedDotConfig
   macro_fields = ("block_m", "block_n", "block_k")
   micro_fields = ("num_warps", "num_stages")

@@ -1,0 +1,226 @@
+"""Lowered Pallas kernels kept on disk, so a new process skips their lowering.
+
+JAX's persistent compilation cache keys a compile by the lowered module, so
+every process still traces and lowers each Pallas kernel (Python, before
+the key exists): a grouped GEMM's Mosaic GPU lowering is most of a second.
+This cache stores each kernel call the ops make, exported with
+``jax.export`` (StableHLO with the Mosaic GPU or Triton kernel inside), keyed
+by everything the lowering depends on; a later process deserializes it
+(about a millisecond) and calls it, so it neither traces the kernel's body
+nor lowers it, and the module XLA sees is the same in every process (the
+compilation cache then hits).
+
+Where it lives: :func:`set_dir`, else ``$WAVETUNE_KERNEL_CACHE``, else
+``<jax_compilation_cache_dir>/wavetune_kernels`` when JAX's persistent cache
+is on; none otherwise (the kernels are lowered as usual).
+``WAVETUNE_KERNEL_CACHE=off`` turns it off. The key holds the family,
+backend, config, problem, options, operand types, platform, GPU, the JAX and
+jaxlib versions and a hash of this package's source, so an upgrade or an
+edited kernel gets new entries (old ones are never read again; delete the
+folder to reclaim the space). A file that cannot be read (truncated,
+corrupt, another JAX's format) is replaced, with one warning. Writes are
+atomic: a crash leaves no partial file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+import threading
+import warnings
+
+import jax
+
+__all__ = ["set_dir", "cache_dir", "call", "stats", "clear_memory"]
+
+#: Custom calls of the kernels that ``jax.export`` does not list as stable
+#: (Triton kernels; Mosaic GPU's ``mosaic_gpu_v2`` is listed). The entries
+#: are keyed by the exact JAX and jaxlib versions, so this is safe here.
+_CUSTOM_CALLS = ("__gpu$xla.gpu.triton",)
+_OFF = ("0", "off", "false", "no")
+_SUFFIX = ".jaxexport"
+
+_lock = threading.Lock()
+_state = {"dir": None, "set": False}
+_memory: dict = {}       # key -> jax.export.Exported
+_stats = {"hits": 0, "misses": 0, "loads": 0, "errors": 0}
+_warned: set = set()
+
+
+def set_dir(path: str | os.PathLike | None) -> None:
+  """Keeps lowered kernels in ``path`` (created if missing); ``None`` turns
+  the cache off. Overrides the environment and JAX's cache folder."""
+  with _lock:
+    _state["dir"] = None if path is None else pathlib.Path(path)
+    _state["set"] = True
+
+
+def cache_dir() -> pathlib.Path | None:
+  """The folder in use, or None (cache off): see the module doc."""
+  if _state["set"]:
+    return _state["dir"]
+  env = os.environ.get("WAVETUNE_KERNEL_CACHE")
+  if env is not None:
+    return None if env.strip().lower() in _OFF or not env.strip() else pathlib.Path(env)
+  jax_dir = jax.config.jax_compilation_cache_dir
+  if jax_dir and jax.config.jax_enable_compilation_cache:
+    return pathlib.Path(jax_dir) / "wavetune_kernels"
+  return None
+
+
+def stats() -> dict:
+  """Counts since the process started: ``hits`` (served from memory or a
+  file), ``loads`` (of those, read from a file), ``misses`` (exported and
+  written), ``errors`` (files replaced or not written)."""
+  return dict(_stats)
+
+
+def clear_memory() -> None:
+  """Forgets the entries read in this process (the files stay)."""
+  with _lock:
+    _memory.clear()
+
+
+@functools.cache
+def _source_hash() -> str:
+  """A hash of the package's Python source (the kernels and the backends
+  that build their calls)."""
+  h = hashlib.sha256()
+  root = pathlib.Path(__file__).resolve().parents[2]
+  for pkg in ("pallas_kernels", "wavetune_jax"):
+    for f in sorted((root / pkg).rglob("*.py")):
+      h.update(str(f.relative_to(root)).encode())
+      h.update(f.read_bytes())
+  return h.hexdigest()[:16]
+
+
+@functools.cache
+def _versions() -> tuple:
+  import jaxlib
+  return (jax.__version__, getattr(jaxlib, "__version__", "?"))
+
+
+def _describe(v):
+  if dataclasses.is_dataclass(v) and not isinstance(v, type):
+    # Private fields are caches (a problem's hash varies per process).
+    return [type(v).__name__, {f.name: _describe(getattr(v, f.name))
+                               for f in dataclasses.fields(v) if not f.name.startswith("_")}]
+  if isinstance(v, dict):
+    return {str(k): _describe(x) for k, x in sorted(v.items(), key=lambda kv: str(kv[0]))}
+  if isinstance(v, (list, tuple)):
+    return [_describe(x) for x in v]
+  if isinstance(v, (str, int, float, bool)) or v is None:
+    return v
+  return repr(v)
+
+
+def _key(parts: dict, avals, platform: str, device_kind: str) -> str:
+  doc = {"parts": _describe(parts),
+         "avals": [[list(a.shape), str(a.dtype), bool(getattr(a, "weak_type", False))]
+                   for a in avals],
+         "platform": platform, "device": device_kind, "versions": list(_versions()),
+         "source": _source_hash()}
+  return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _warn(what: str, msg: str) -> None:
+  if what not in _warned:
+    _warned.add(what)
+    warnings.warn(f"wavetune_jax kernel cache: {msg}", stacklevel=4)
+
+
+def _platform() -> tuple[str, str]:
+  dev = jax.devices()[0]
+  platform = {"gpu": "cuda"}.get(dev.platform, dev.platform)
+  if platform == "cuda" and "rocm" in (getattr(dev.client, "platform_version", "") or "").lower():
+    platform = "rocm"
+  return platform, dev.device_kind
+
+
+def _export(fn, avals, platform):
+  from jax import export
+  checks = [export.DisabledSafetyCheck.custom_call(t) for t in _CUSTOM_CALLS]
+  return export.export(jax.jit(fn), platforms=(platform,), disabled_checks=checks)(*avals)
+
+
+def _load(path: pathlib.Path):
+  from jax import export
+  return export.deserialize(bytearray(path.read_bytes()))
+
+
+def _write(path: pathlib.Path, data: bytes) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=_SUFFIX)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+    os.replace(tmp, path)
+  except BaseException:
+    try:
+      os.unlink(tmp)
+    except OSError:
+      pass
+    raise
+
+
+def call(fn, arrays, *, parts: dict):
+  """``fn(*arrays)`` through the cache (see the module doc); plain
+  ``fn(*arrays)`` when the cache is off.
+
+  ``fn`` takes the arrays positionally and nothing else varies between two
+  calls with equal ``parts`` and operand types: ``parts`` must name
+  everything else the lowering depends on (family, backend, config,
+  problem, static options).
+  """
+  folder = cache_dir()
+  if folder is None:
+    return fn(*arrays)
+  try:
+    from jax._src.export import serialization  # noqa: F401  (needs flatbuffers)
+  except ImportError:
+    _warn("flatbuffers", "jax.export serialization needs the flatbuffers package "
+          "(pip install flatbuffers); kernels are lowered in every process")
+    return fn(*arrays)
+  avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+  platform, kind = _platform()
+  key = _key(parts, avals, platform, kind)
+  exp = _memory.get(key)
+  if exp is None:
+    path = folder / key[:2] / (key + _SUFFIX)
+    if path.exists():
+      try:
+        exp = _load(path)
+        _stats["loads"] += 1
+      except Exception as e:  # noqa: BLE001 - any unreadable file is replaced
+        _stats["errors"] += 1
+        _warn("read", f"could not read {path} ({type(e).__name__}: {e}); lowering the "
+              f"kernel again and replacing the file")
+        exp = None
+    if exp is None:
+      try:
+        exp = _export(fn, avals, platform)
+      except Exception as e:  # noqa: BLE001 - the op still runs, uncached
+        _stats["errors"] += 1
+        _warn(f"export:{type(e).__name__}", f"jax.export could not export a "
+              f"{parts.get('backend', '')} kernel ({type(e).__name__}: "
+              f"{str(e).splitlines()[0] if str(e) else ''}); it is lowered in every process")
+        return fn(*arrays)
+      _stats["misses"] += 1
+      try:
+        _write(path, bytes(exp.serialize()))
+      except OSError as e:
+        _stats["errors"] += 1
+        _warn("write", f"could not write to {folder} ({e}); kernels are lowered again "
+              f"in the next process")
+    else:
+      _stats["hits"] += 1
+    with _lock:
+      _memory[key] = exp
+  else:
+    _stats["hits"] += 1
+  return exp.call(*arrays)
