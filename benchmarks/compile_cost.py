@@ -15,8 +15,9 @@ serve the other's XLA-backed calls): XLA's default autotuning and
 ``--xla_gpu_autotune_level=0``, each with an empty persistent compilation
 cache (cold) and then again with the cache the cold process filled (warm). XLA's per-fusion autotune results go
 into the same cache directory (``jax_persistent_cache_enable_xla_caches``), and
-so do wavetune's lowered Pallas kernels (``wavetune_jax.core.kernel_cache``;
-``--no-kernel-cache`` times the ops without it).
+so do wavetune's lowered Pallas kernels (``wavetune_jax.core.kernel_cache``,
+turned on here with ``WAVETUNE_KERNEL_CACHE``; ``--no-kernel-cache`` times the
+ops without it).
 
   python3 benchmarks/compile_cost.py [--json out.json]          # GPU
   python3 benchmarks/compile_cost.py --cases grouped --levels default --no-kernel-cache
@@ -115,8 +116,8 @@ def worker(a) -> None:
 def _run(level: str, lib: str, cache: str, small: bool, cases: str,
          kernel_cache: bool = True) -> dict:
   env = dict(os.environ)
-  if not kernel_cache:
-    env["WAVETUNE_KERNEL_CACHE"] = "off"
+  env["WAVETUNE_KERNEL_CACHE"] = (os.path.join(cache, "wavetune_kernels") if kernel_cache
+                                   else "off")
   if level != "default":
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_gpu_autotune_level={level}").strip()
   cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--cache", cache,

@@ -172,8 +172,11 @@ def _configure_xla(a) -> None:
              if not f.startswith("--xla_gpu_autotune_level")]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_gpu_autotune_level={a.xla_autotune}"])
   if a.compile_cache:
+    from wavetune_jax.core import kernel_cache
     from wavetune_jax.tuning.profiler import enable_persistent_cache
     enable_persistent_cache(a.compile_cache)
+    if "WAVETUNE_KERNEL_CACHE" not in os.environ:  # lowered Pallas kernels there too
+      kernel_cache.set_dir(os.path.join(a.compile_cache, "wavetune_kernels"))
 
 
 def _summary(rows, settings) -> None:

@@ -10,10 +10,12 @@ by everything the lowering depends on; a later process deserializes it
 nor lowers it, and the module XLA sees is the same in every process (the
 compilation cache then hits).
 
-Where it lives: :func:`set_dir`, else ``$WAVETUNE_KERNEL_CACHE``, else
-``<jax_compilation_cache_dir>/wavetune_kernels`` when JAX's persistent cache
-is on; none otherwise (the kernels are lowered as usual).
-``WAVETUNE_KERNEL_CACHE=off`` turns it off. The key holds the family,
+Opt-in: :func:`set_dir`, else ``$WAVETUNE_KERNEL_CACHE`` (a folder; ``off``
+turns it off); none otherwise (the kernels are lowered as usual). Known
+problem: on an H200 a second process that loaded two grouped-GEMM (Mosaic
+GPU) kernels from it failed with "Failed to lookup host symbol ...
+kernel_mosaic_gpu", where the same command ran on an H100; so it is not on
+by default. The key holds the family,
 backend, config, problem, options, operand types, platform, GPU, the JAX and
 jaxlib versions and a hash of this package's source, so an upgrade or an
 edited kernel gets new entries (old ones are never read again; delete the
@@ -67,9 +69,6 @@ def cache_dir() -> pathlib.Path | None:
   env = os.environ.get("WAVETUNE_KERNEL_CACHE")
   if env is not None:
     return None if env.strip().lower() in _OFF or not env.strip() else pathlib.Path(env)
-  jax_dir = jax.config.jax_compilation_cache_dir
-  if jax_dir and jax.config.jax_enable_compilation_cache:
-    return pathlib.Path(jax_dir) / "wavetune_kernels"
   return None
 
 
