@@ -135,10 +135,8 @@ def _warn(what: str, msg: str) -> None:
 
 def _platform() -> tuple[str, str]:
   dev = jax.devices()[0]
-  platform = {"gpu": "cuda"}.get(dev.platform, dev.platform)
-  if platform == "cuda" and "rocm" in (getattr(dev.client, "platform_version", "") or "").lower():
-    platform = "rocm"
-  return platform, dev.device_kind
+  # The ops' GPU kernels are CUDA's; jax.export names that platform "cuda".
+  return {"gpu": "cuda"}.get(dev.platform, dev.platform), dev.device_kind
 
 
 def _export(fn, avals, platform):

@@ -157,7 +157,6 @@ class Decider:
         idx[r], best[r], kept[r] = j, t_h, True
     return tuple(configs), idx.tolist(), best, kept
 
-
   def _floor(self, problem, sizes) -> np.ndarray:
     """Per size, the least time the table's measured rates allow (0: unknown)."""
     if self.rates is None:
