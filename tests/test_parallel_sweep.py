@@ -119,3 +119,21 @@ def test_an_error_in_the_parent_does_not_hang(tmp_path, monkeypatch):
   with pytest.raises(RuntimeError, match="No space left"):
     parallel.run_parallel(FAM, todo, f, devices=["0", "1"], worker_args={},
                           measure="tests.fake_measure:factory", on_rows=disk_full)
+
+
+def test_several_workers_on_one_gpu(tmp_path, monkeypatch):
+  """A device listed twice (``--workers-per-gpu 2``): two workers share it
+  through a lock; the file holds the plan's rows once each."""
+  monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  monkeypatch.delenv("WAVETUNE_TEST_DIE_ON", raising=False)
+  f = _file(str(tmp_path / "shared.jsonl.gz"))
+  todo, _ = sweep.plan_sweep(FAM, PROBS, HW, f)
+  parallel.run_parallel(FAM, todo, f, devices=["0", "0"],
+                        worker_args={"gpu_lock_dir": str(tmp_path)},
+                        measure="tests.fake_measure:factory")
+  keys, rows = _keys(f.path)
+  assert max(keys.values()) == 1
+  one = _file(str(tmp_path / "one.jsonl.gz"))
+  sweep.run_sweep(FAM, PROBS, HW, one, fake_measure.factory(FAM, {}))
+  assert set(keys) == set(_keys(one.path)[0])
+  assert {r.get("device") for r in rows if r["impl"] == "timing"} == {"0"}

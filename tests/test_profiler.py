@@ -107,3 +107,84 @@ def test_gpu_backend_logs_checks_and_resumes(tmp_path, monkeypatch):
   prof2 = _CpuProfiler()
   again = tuning.GpuMeasurer(MATMUL, prof2, log=sweep.SweepFile(log_path, header))
   assert again.measure(points) == got and prof2.timed == []
+
+
+class _RecordingLock:
+  """A stand-in for GpuLock that records what ran while it was held."""
+
+  def __init__(self):
+    self.held = False
+    self.events = []
+
+  def __call__(self):
+    import contextlib
+
+    @contextlib.contextmanager
+    def hold():
+      assert not self.held
+      self.held = True
+      try:
+        yield
+      finally:
+        self.held = False
+    return hold()
+
+
+def test_shared_gpu_pallas_compiles_outside_the_lock_the_rest_inside():
+  from wavetune_jax.tuning.measure import measure_points
+  from wavetune_jax import MATMUL as FULL
+  from wavetune_jax.families.matmul import XlaMatmulConfig
+  from synthetic import HW
+  fam = FULL.with_backends(["triton", "xla"])
+  lock = _RecordingLock()
+
+  class Prof(_CpuProfiler):
+    def compile(self, fn, args):
+      p, c = fn.problem_config
+      lock.events.append(("compile", fam.backend_of(c).name, lock.held))
+      if fam.backend_of(c).name == "xla":
+        run = lambda buf, *a: (buf, fn(*a))  # noqa: E731
+        run.key = (p, c)
+        return run, 0.01
+      return super().compile(fn, args)
+
+    def time_compiled(self, exe, args, out_bytes):
+      lock.events.append(("time", fam.backend_of(exe.key[1]).name, lock.held))
+      if fam.backend_of(exe.key[1]).name == "xla":
+        return [5.0] * self.iterations
+      return super().time_compiled(exe, args, out_bytes)
+
+  build = fam.build
+
+  def tagged_build(problem, config, **kw):
+    fn = build(problem, config, **kw)
+    fn.problem_config = (problem, config)
+    return fn
+  p = MatmulProblem(m=40, n=64, k=32)
+  configs = list(MATMUL.space(p, HW)[:3]) + [XlaMatmulConfig()]
+  prof = Prof()
+  prof.gpu_lock = lock
+  import unittest.mock
+  with unittest.mock.patch.object(fam, "build", tagged_build):
+    rows = list(measure_points(fam, prof, [(p, configs)]))
+  assert [r[3].status for r in rows] == ["ok"] * 4
+  assert sorted(lock.events) == sorted(
+      [("compile", "triton", False)] * 3 + [("compile", "xla", True)]
+      + [("time", "triton", True)] * 3 + [("time", "xla", True)])
+
+
+def test_gpu_lock_excludes_another_process(tmp_path):
+  import subprocess
+  import sys
+  path = str(tmp_path / "gpu0.lock")
+  lock = profiler.GpuLock(path)
+  probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT);\n"
+           "try:\n  fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+           "except BlockingIOError:\n  print('held')")
+  ask = lambda: subprocess.run([sys.executable, "-c", probe, path], capture_output=True,  # noqa: E731
+                               text=True, check=True).stdout.strip()
+  with lock():
+    with lock():  # reentrant in one process
+      assert ask() == "held"
+    assert ask() == "held"
+  assert ask() == "free"

@@ -76,7 +76,8 @@ def _sweep(args) -> int:
   family = spec = get_family(args.family)
   if args.backends:
     spec = family.with_backends(args.backends.split(","))
-  devices = gpu_devices(args.devices, check=not args.worker_measure)
+  devices = gpu_devices(args.devices, check=not args.worker_measure,
+                        workers_per_gpu=args.workers_per_gpu)
   hw = hardware.detect()
   out = args.out or f"data/sweeps/{hw.device_key}/{spec.name}_{args.dtype}.jsonl.gz"
   header = sweep.make_header(spec, hw, jax_version=jax.__version__,
@@ -87,15 +88,21 @@ def _sweep(args) -> int:
   print(f"{hw.name}: {len(probs)} problems -> {out} ({f.n_rows} rows already there)",
         flush=True)
   t0 = time.perf_counter()
-  if len(devices) > 1:
+  if len(devices) > 1 or args.workers_per_gpu > 1:
+    import tempfile
+
     from wavetune_jax.tuning import parallel
     todo, skipped = sweep.plan_sweep(spec, probs, hw, f, prune=not args.wide)
-    print(f"{len(todo)} problems to measure on {len(devices)} GPUs ({', '.join(devices)}), "
-          f"one worker each", flush=True)
-    counts = parallel.run_parallel(
-        spec, todo, f, devices=devices,
-        worker_args={"iterations": args.iterations, "threads": args.threads},
-        progress=Progress(f"sweep {spec.name}"), measure=args.worker_measure)
+    slots = [d for d in devices for _ in range(args.workers_per_gpu)]
+    print(f"{len(todo)} problems to measure on {len(devices)} GPU(s) ({', '.join(devices)}), "
+          f"{args.workers_per_gpu} worker(s) each", flush=True)
+    worker_args = {"iterations": args.iterations, "threads": args.threads}
+    with tempfile.TemporaryDirectory(prefix="wavetune_gpu_locks_") as locks:
+      if args.workers_per_gpu > 1:
+        worker_args["gpu_lock_dir"] = locks
+      counts = parallel.run_parallel(
+          spec, todo, f, devices=slots, worker_args=worker_args,
+          progress=Progress(f"sweep {spec.name}"), measure=args.worker_measure)
     counts["skipped"] = skipped
     deaths = f", {counts['worker_deaths']} worker deaths" if counts["worker_deaths"] else ""
   else:
@@ -108,12 +115,12 @@ def _sweep(args) -> int:
   return 0
 
 
-def gpu_devices(spec: str, check: bool = True) -> list[str]:
+def gpu_devices(spec: str, check: bool = True, workers_per_gpu: int = 1) -> list[str]:
   """The ``--devices`` of sweep and tune, checked against this host's GPUs;
-  with several, this process leaves the GPUs' memory to the workers (call
+  with several workers, this process leaves the GPUs' memory to them (call
   before JAX starts its GPU client)."""
   devices = _devices(spec)
-  if len(devices) > 1:
+  if len(devices) > 1 or workers_per_gpu > 1:
     if check:
       from wavetune_jax.tuning.parallel import local_gpu_count
       have = local_gpu_count()
@@ -190,6 +197,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   sw.add_argument("--devices", default="all",
                   help="GPUs to sweep on, one worker process each: 'all' (default: "
                   "this host's GPUs), a count, or ids like 0,1; one result file either way")
+  sw.add_argument("--workers-per-gpu", type=positive_int, default=1,
+                  help="worker processes per GPU: their Pallas kernels compile at the "
+                  "same time and one at a time times on the GPU; faster where compiling "
+                  "dominates, as for grouped GEMM (default: 1)")
   sw.add_argument("--worker-measure", help=argparse.SUPPRESS)  # tests: module:factory
   sw.set_defaults(func=_sweep)
   rp = sub.add_parser("report", help="tables and a wave plot of a sweep file",

@@ -63,9 +63,30 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
     kits.append(functools.partial(prof.compile_kit, family, p, fns[0][2] if fns else None))
   jobs = [functools.partial(prof.compile_timed, fn, shapes[p])
           for (p, _), fns in zip(work, cands) for _, _, fn in fns]
-  done = prof.parallel(jobs + kits)
-  compiled, kit_of = done[:len(jobs)], done[len(jobs):]
-  phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - t0
+  if prof.gpu_lock is None:
+    done = prof.parallel(jobs + kits)
+    compiled, kit_of = done[:len(jobs)], done[len(jobs):]
+    phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - t0
+    yield from _check_and_time(family, prof, work, cands, compiled, kit_of, phases,
+                               repeat_best)
+    return
+  # Other processes time kernels on this GPU: Pallas kernels (lowered and
+  # compiled on the CPU) compile while they do; library candidates (whose
+  # autotuners run kernels) compile, and everything is timed, under the lock.
+  pallas = [impl == "pallas" and family.backend_of(c).kernel_cache
+            for fns in cands for impl, c, _ in fns]
+  done = prof.parallel([j for j, q in zip(jobs, pallas) if q] + kits)
+  quiet, kit_of = iter(done[:sum(pallas)]), done[sum(pallas):]
+  with prof.on_gpu():
+    loud = iter(prof.parallel([j for j, q in zip(jobs, pallas) if not q]))
+    compiled = [next(quiet) if q else next(loud) for q in pallas]
+    phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - t0
+    yield from _check_and_time(family, prof, work, cands, compiled, kit_of, phases,
+                               repeat_best)
+
+
+def _check_and_time(family, prof, work, cands, compiled, kit_of, phases, repeat_best):
+  """The measuring half of :func:`measure_points`, problem by problem."""
   pos = 0
   for (p, _), fns, kit in zip(work, cands, kit_of):
     exes = compiled[pos:pos + len(fns)]

@@ -15,6 +15,13 @@ and the rest of its problem goes on; a worker that dies three times before it
 is ready stops the sweep with an error; a worker silent for
 ``WORKER_TIMEOUT_S`` is killed (hung). Rerunning the command resumes, as
 always.
+
+A device may be listed more than once (``--workers-per-gpu``): its workers
+then share it through a :class:`~wavetune_jax.tuning.profiler.GpuLock`
+(``worker_args["gpu_lock_dir"]``), so Pallas lowering, which holds Python's
+GIL and dominates a grouped-GEMM sweep, runs in several processes while one
+at a time times kernels; such workers allocate GPU memory as they need it
+and free it when done (``XLA_PYTHON_CLIENT_ALLOCATOR=platform``).
 """
 
 from __future__ import annotations
@@ -70,8 +77,10 @@ def run_parallel(spec, todo: Sequence[tuple], out: sweep.SweepFile, *, devices: 
     spec: the family (with the backends swept).
     todo: ``[(problem, configs, with_baseline)]``.
     out: the sweep file; the only writer is this process.
-    devices: device ids, one worker each (``CUDA_VISIBLE_DEVICES``).
-    worker_args: ``{"iterations": n, "threads": n}`` for the workers' profilers.
+    devices: device ids, one worker each (``CUDA_VISIBLE_DEVICES``); an id
+      listed k times gets k workers that share it (module doc).
+    worker_args: ``{"iterations": n, "threads": n}`` for the workers' profilers;
+      ``"gpu_lock_dir"``: where the locks of shared devices live.
     progress: as for ``run_sweep``.
     measure: ``"module:function"``, a factory ``f(family, worker_args) ->
       MeasureFn`` used by the workers instead of the GPU profiler (tests).
@@ -268,6 +277,10 @@ def _start_worker(family: str, backends: list, device: str, worker_args: dict,
     ids = [d.strip() for d in visible.split(",") if d.strip()]
     device = ids[int(device)] if int(device) < len(ids) else device
   env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(device))
+  if worker_args.get("gpu_lock_dir"):  # workers share this GPU (module doc)
+    worker_args = dict(worker_args, gpu_lock=os.path.join(worker_args["gpu_lock_dir"],
+                                                          f"gpu{device}.lock"))
+    env.update(XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_ALLOCATOR="platform")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   args = json.dumps({"family": family, "backends": backends, "measure": measure,
@@ -326,8 +339,10 @@ def worker_main(argv: Sequence[str]) -> int:
     measure = getattr(importlib.import_module(mod), fn)(family, args)
   else:
     from wavetune_jax.tuning import profiler
+    lock = profiler.GpuLock(args["gpu_lock"]) if args.get("gpu_lock") else None
     measure = sweep.gpu_measure(family, profiler.Profiler(
-        iterations=args.get("iterations", 20), threads=args.get("threads", 16)))
+        iterations=args.get("iterations", 20), threads=args.get("threads", 16),
+        gpu_lock=lock))
   out = sys.stdout
   sys.stdout = sys.stderr  # prints of libraries must not mix with the rows
   out.write(json.dumps({"ready": True}) + "\n")

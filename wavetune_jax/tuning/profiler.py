@@ -21,11 +21,17 @@ Method (the same for every candidate and for the platform baseline):
   hundreds of distinct problems, and compiling eager random, reference and
   norm ops for each new shape on the timing thread cost seconds per problem.
   The float32 reference is compiled without XLA's autotuner (it only checks).
+* Several workers may share one GPU (``wavetune sweep --workers-per-gpu``):
+  their Pallas kernels lower and compile on the CPU at the same time, and a
+  :class:`GpuLock` lets one of them at a time use the GPU (library compiles,
+  whose autotuners launch kernels; inputs; checks; timing), so no kernel of
+  another process runs inside a timing window.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import math
@@ -38,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Measurement", "Profiler", "ProblemKit", "FLUSH_BYTES", "rel_error"]
+__all__ = ["Measurement", "Profiler", "ProblemKit", "GpuLock", "FLUSH_BYTES", "rel_error"]
 
 FLUSH_BYTES = 256 * 1024 * 1024
 _FLUSH_NAME = "wavetune_l2_flush"
@@ -136,6 +142,34 @@ class ProblemKit:
     return num / den if den > 0 else num
 
 
+class GpuLock:
+  """A lock on one GPU shared by the processes that time kernels on it: an
+  exclusive ``flock`` on ``path`` (the system drops it when its holder dies).
+  Reentrant within one process."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._fd: int | None = None
+    self._depth = 0
+
+  @contextlib.contextmanager
+  def __call__(self):
+    import fcntl
+    if self._depth == 0:
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+      fcntl.flock(fd, fcntl.LOCK_EX)
+      self._fd = fd
+    self._depth += 1
+    try:
+      yield
+    finally:
+      self._depth -= 1
+      if self._depth == 0:
+        fd, self._fd = self._fd, None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def _flush_kernel(x_ref, o_ref):
   o_ref[...] = jnp.sum(x_ref[...], keepdims=True)
 
@@ -190,12 +224,15 @@ class Profiler:
     threads: parallel compile threads.
     max_live_bytes: bound on the outputs kept alive during one timing batch
       (CUPTI's ``measure`` keeps every iteration's result until it returns).
+    gpu_lock: a :class:`GpuLock` when other processes time kernels on the
+      same GPU (None: this process is alone on it).
   """
 
   def __init__(self, *, iterations: int = 25, warmup: int = 2, threads: int = 16,
-               max_live_bytes: int = 8 << 30):
+               max_live_bytes: int = 8 << 30, gpu_lock: GpuLock | None = None):
     if iterations < 1:
       raise ValueError(f"{iterations=} must be >= 1")
+    self.gpu_lock = gpu_lock
     self.iterations = iterations
     self.warmup = warmup
     self.threads = threads
@@ -203,6 +240,10 @@ class Profiler:
     self._flush_buf = None
 
   # --- building blocks --------------------------------------------------------------
+  def on_gpu(self):
+    """Context in which this process alone uses the GPU (:class:`GpuLock`)."""
+    return self.gpu_lock() if self.gpu_lock is not None else contextlib.nullcontext()
+
   def _buf(self):
     if self._flush_buf is None:
       self._flush_buf = jnp.ones((FLUSH_BYTES // 4,), jnp.float32)
