@@ -1,0 +1,166 @@
+"""``wt.ragged_dot`` against tokamax's Mosaic GPU ragged dot and
+``lax.ragged_dot`` on one GPU (CUPTI, L2 flushed, same process).
+
+Per problem (grouped-GEMM weights of the suite's MoE models at several token
+counts, plus Mixtral's unfused w1 at 4,096 tokens, the one Mixtral shape in
+tokamax's H100 cache), each candidate is checked against the float32
+reference, then timed:
+
+* ``wt``: ``wt.ragged_dot`` with its shipped table (policy ``tables``);
+* ``tokamax``: ``tokamax.ragged_dot(..., implementation="mosaic")``, which
+  takes its shipped autotuning cache where the shape is in it (the H100) and
+  its heuristic config otherwise (every shape on an H200);
+* ``tokamax_c4`` / ``tokamax_c8``: tokamax's kernel pinned to the config
+  that wins most of its H100 cache (128x64 tiles, block_k 128, 4 stages,
+  persistent, grid_block_n 4 or 8): what it would get from tuning;
+* ``xla``: ``lax.ragged_dot``.
+
+Routing is balanced (random top-k), and skewed (a few hot experts) for a
+subset. tokamax leaves rows past ``sum(group_sizes)`` unwritten; the routers
+here fill every row.
+
+Needs tokamax (and its dependencies) importable; on a machine without
+network, install its wheels with ``pip install --no-index --no-deps --target``.
+
+    python3 benchmarks/ragged_dot_tokamax.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import wavetune_jax as wt
+from wavetune_jax import RAGGED_DOT, RaggedDotProblem
+from wavetune_jax.families.ragged_dot import routing
+from wavetune_jax.shapes import load_suite
+from wavetune_jax.tuning import evaluate, profiler
+
+PROBLEMS = [("mixtral_8x7b.w13", t) for t in (16, 64, 200, 777, 1024, 3000, 8192)] + \
+           [("mixtral_8x7b.w2", t) for t in (16, 64, 200, 777, 1024, 3000, 8192)] + \
+           [("mixtral_8x7b.w1", 4096), ("dbrx.w13", 1024), ("olmoe_1b_7b.w13", 4096),
+            ("snowflake_arctic.w2", 1024), ("llama4_scout.w13", 2048), ("phi_3_5_moe.w2", 3000)]
+QUICK = [("mixtral_8x7b.w13", 1024), ("mixtral_8x7b.w1", 4096), ("olmoe_1b_7b.w13", 4096)]
+SKEW = [("mixtral_8x7b.w13", 1024), ("dbrx.w13", 1024), ("olmoe_1b_7b.w13", 4096)]
+# Mixtral-8x7B's w1 alone (not fused with w3): the shape tokamax's H100 cache has.
+EXTRA = {"mixtral_8x7b.w1": {"E": 8, "top_k": 2, "K": 4096, "N": 14336}}
+
+
+def problem(weights: dict, name: str, tokens: int) -> RaggedDotProblem:
+  w = EXTRA.get(name) or weights[name]
+  return RaggedDotProblem(m=tokens * w["top_k"], g=w["E"], k=w["K"], n=w["N"])
+
+
+def candidates(p: RaggedDotProblem) -> dict:
+  import tokamax
+  from tokamax._src.ops.ragged_dot.pallas_mosaic_gpu import Config, PallasMosaicGpuRaggedDot
+
+  def pinned(grid_block_n):
+    op = PallasMosaicGpuRaggedDot(config=Config(
+        block_m=128, block_n=64, block_k=128, num_stages=4, split_k=1,
+        grid_block_n=grid_block_n, persistent=True))
+    return lambda x, w, gs: tokamax.ragged_dot(x, w, gs, implementation=op)
+
+  return {
+      "wt": lambda x, w, gs: wt.ragged_dot(x, w, gs),
+      "tokamax": lambda x, w, gs: tokamax.ragged_dot(x, w, gs, implementation="mosaic"),
+      "tokamax_c4": pinned(4),
+      "tokamax_c8": pinned(8),
+      "xla": RAGGED_DOT.baseline(p),
+  }
+
+
+def run(fam, name, tokens, p, prof) -> dict:
+  fns = candidates(p)
+  args = fam.inputs(p, jax.random.PRNGKey(0))
+  ref = fam.reference(p, *args)
+  res = prof.measure_many(list(fns.values()), args, reference=ref,
+                          tolerance=fam.tolerance(p), out_bytes=ref.size * 4)
+  sel = wt.select("ragged_dot", p)
+  row = {"weight": name, "tokens": tokens, "problem": RAGGED_DOT.problem_key(p),
+         "skew": fam.skew, "wt_config": RAGGED_DOT.config_to_dict(sel.config),
+         "us": {}, "status": {}}
+  for k, r in zip(fns, res):
+    row["us"][k] = r.median_us if r.status == "ok" else None
+    row["status"][k] = r.status if r.status == "ok" else f"{r.status}: {r.error[:200]}"
+  return row
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="three problems, no skew")
+  ap.add_argument("--iterations", type=int, default=10)
+  ap.add_argument("--json", default=None, help="write every row here (after each problem)")
+  a = ap.parse_args(argv)
+  try:
+    from absl import flags
+    flags.FLAGS.mark_as_parsed()  # tokamax reads absl flags; ours are not theirs
+    import tokamax  # noqa: F401
+  except ImportError as e:
+    print(f"ragged_dot_tokamax: tokamax is not importable ({e}); install it first",
+          file=sys.stderr)
+    return 2
+  dev = jax.devices()[0]
+  print(dev.device_kind, jax.__version__, flush=True)
+  weights = load_suite("train")["grouped_gemm"]["weights"]
+  prof = profiler.Profiler(iterations=a.iterations)
+  out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": []}
+  plan = [(RAGGED_DOT, n, t) for n, t in (QUICK if a.quick else PROBLEMS)]
+  if not a.quick:
+    skewed = RAGGED_DOT.with_routing(routing.SKEWED)
+    plan += [(skewed, n, t) for n, t in SKEW]
+  print(f"{'weight':<22}{'tokens':>7}{'skew':>5}{'xla us':>10}{'wt us':>9}{'tokamax':>9}"
+        f"{'tk c4':>9}{'tk c8':>9}{'wt/tk':>7}{'wt/tk*':>8}{'wt/xla':>8}  wt config", flush=True)
+  t0 = time.time()
+  for fam, name, tokens in plan:
+    p = problem(weights, name, tokens)
+    row = run(fam, name, tokens, p, prof)
+    out["rows"].append(row)
+    us = {k: (v if v is not None else math.nan) for k, v in row["us"].items()}
+    best_tk = min(us["tokamax"], us["tokamax_c4"], us["tokamax_c8"])
+    c = row["wt_config"]
+    cs = c["backend"] + ("" if c["backend"] == "xla" else
+                         f" {c.get('block_m')}x{c.get('block_n')} k{c.get('split_k')}")
+    print(f"{name:<22}{tokens:>7}{fam.skew:>5.0f}{us['xla']:10.1f}{us['wt']:9.1f}"
+          f"{us['tokamax']:9.1f}{us['tokamax_c4']:9.1f}{us['tokamax_c8']:9.1f}"
+          f"{us['tokamax'] / us['wt']:7.2f}{best_tk / us['wt']:8.2f}"
+          f"{us['xla'] / us['wt']:8.2f}  {cs}", flush=True)
+    for k, s in row["status"].items():
+      if s != "ok":
+        print(f"    {k}: {s}", flush=True)
+    if a.json:
+      with open(a.json, "w") as f:
+        json.dump(out, f)
+  summarize(out["rows"])
+  print(f"elapsed {time.time() - t0:.0f} s", flush=True)
+  return 0
+
+
+def summarize(rows) -> None:
+  """Geomeans of wt over tokamax (its own choice, and the best of its three)
+  and over XLA, balanced routing, from 1,024 tokens and over all."""
+  for label, keep in (("all balanced", lambda r: r["skew"] == 0),
+                      (">= 1,024 tokens", lambda r: r["skew"] == 0 and r["tokens"] >= 1024),
+                      ("skewed", lambda r: r["skew"] > 0)):
+    sel = [r["us"] for r in rows if keep(r) and r["us"].get("wt")]
+    tk = [u["tokamax"] / u["wt"] for u in sel if u.get("tokamax")]
+    best = [min(v for k, v in u.items() if k.startswith("tokamax") and v) / u["wt"]
+            for u in sel if any(u.get(k) for k in ("tokamax", "tokamax_c4", "tokamax_c8"))]
+    xla = [u["xla"] / u["wt"] for u in sel if u.get("xla")]
+    if sel:
+      print(f"{label} ({len(sel)}): wt vs tokamax {_gm(tk)}, vs best tokamax config "
+            f"{_gm(best)}, vs lax.ragged_dot {_gm(xla)}", flush=True)
+
+
+def _gm(v) -> str:
+  return f"{evaluate._geomean(v):.3f}x (min {min(v):.3f}, {len(v)})" if v else "-"
+
+
+if __name__ == "__main__":
+  sys.exit(main())
