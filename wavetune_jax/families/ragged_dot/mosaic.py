@@ -130,9 +130,12 @@ class MosaicRaggedDot(Backend):
     experts (Arctic's 128: 8.1x). ``r >= 128``: 128 x 256 tiles, 3 stages
     (the best or within 5% of it on every such problem), walking tasks first
     (``grid_minor`` 0) where the weight has more than 16 column tiles and
-    column tiles first below (0.89-1.00 of the best). Below: 64 x 256, 4
-    stages, column tiles first, split-K where the tiles fill at most half
-    the SMs.
+    column tiles first below (0.89-1.00 of the best). ``64 <= r < 128``:
+    64 x 128 tiles, 4 stages, tasks first: the best on every such problem of
+    the H100 and H200 sweeps (six models), where 64 x 256 ran at 0.76-0.97
+    of it (twice the column tiles balance the waves; walking an expert's
+    row tasks first reuses its weight tile). Below: 64 x 256, 4 stages,
+    column tiles first, split-K where the tiles fill at most half the SMs.
     """
     if not (self.supported_on(hw) and self.runs_shape(p)):
       return None
@@ -143,6 +146,8 @@ class MosaicRaggedDot(Backend):
     if r >= 128:
       order = 0 if _cdiv(p.n, 256) > 16 else 1
       c = MosaicRaggedDotConfig(block_m=128, block_n=256, num_stages=3, grid_minor=order)
+    elif r >= 64:
+      c = MosaicRaggedDotConfig(block_m=64, block_n=128, num_stages=4, grid_minor=0)
     else:
       # Split-K where the expected work tiles fill at most half the SMs and
       # each split keeps at least 16 K steps (Mixtral's w2 at one token:
