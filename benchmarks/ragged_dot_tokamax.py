@@ -21,6 +21,10 @@ here fill every row.
 
 Needs tokamax (and its dependencies) importable; on a machine without
 network, install its wheels with ``pip install --no-index --no-deps --target``.
+tokamax 0.0.12 calls ``plgpu.kernel(out_shape=..., scratch_shapes=...)``,
+which JAX 0.11 renamed to ``out_type`` / ``scratch_types``; where the
+installed JAX has the new names, :func:`jax_compat` renames the arguments
+(and says so) so that its kernels compile unchanged.
 
     python3 benchmarks/ragged_dot_tokamax.py [--quick] [--json out.json]
 """
@@ -28,6 +32,7 @@ network, install its wheels with ``pip install --no-index --no-deps --target``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -42,10 +47,12 @@ from wavetune_jax.families.ragged_dot import routing
 from wavetune_jax.shapes import load_suite
 from wavetune_jax.tuning import evaluate, profiler
 
-PROBLEMS = [("mixtral_8x7b.w13", t) for t in (16, 64, 200, 777, 1024, 3000, 8192)] + \
-           [("mixtral_8x7b.w2", t) for t in (16, 64, 200, 777, 1024, 3000, 8192)] + \
-           [("mixtral_8x7b.w1", 4096), ("dbrx.w13", 1024), ("olmoe_1b_7b.w13", 4096),
-            ("snowflake_arctic.w2", 1024), ("llama4_scout.w13", 2048), ("phi_3_5_moe.w2", 3000)]
+PROBLEMS = [("mixtral_8x7b.w13", t) for t in (16, 200, 1024, 3000, 8192)] + \
+           [("mixtral_8x7b.w2", t) for t in (16, 200, 1024, 3000, 8192)] + \
+           [("mixtral_8x7b.w1", 4096), ("dbrx.w13", 1024), ("dbrx.w2", 4096),
+            ("olmoe_1b_7b.w13", 4096), ("olmoe_1b_7b.w2", 1024),
+            ("snowflake_arctic.w2", 1024), ("llama4_scout.w13", 2048),
+            ("llama4_scout.w2", 777), ("phi_3_5_moe.w13", 1024), ("phi_3_5_moe.w2", 3000)]
 QUICK = [("mixtral_8x7b.w13", 1024), ("mixtral_8x7b.w1", 4096), ("olmoe_1b_7b.w13", 4096)]
 SKEW = [("mixtral_8x7b.w13", 1024), ("dbrx.w13", 1024), ("olmoe_1b_7b.w13", 4096)]
 # Mixtral-8x7B's w1 alone (not fused with w3): the shape tokamax's H100 cache has.
@@ -55,6 +62,30 @@ EXTRA = {"mixtral_8x7b.w1": {"E": 8, "top_k": 2, "K": 4096, "N": 14336}}
 def problem(weights: dict, name: str, tokens: int) -> RaggedDotProblem:
   w = EXTRA.get(name) or weights[name]
   return RaggedDotProblem(m=tokens * w["top_k"], g=w["E"], k=w["K"], n=w["N"])
+
+
+def jax_compat() -> bool:
+  """Renames tokamax's ``plgpu.kernel`` arguments to this JAX's names where
+  they differ; True if it did."""
+  import inspect
+
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  params = inspect.signature(plgpu.kernel).parameters
+  if "out_shape" in params or "out_type" not in params:
+    return False
+  kernel = plgpu.kernel
+
+  @functools.wraps(kernel)
+  def renamed(*args, out_shape=None, scratch_shapes=None, **kw):
+    if out_shape is not None:
+      kw["out_type"] = out_shape
+    if scratch_shapes is not None:
+      kw["scratch_types"] = scratch_shapes
+    return kernel(*args, **kw)
+
+  plgpu.kernel = renamed
+  return True
 
 
 def candidates(p: RaggedDotProblem) -> dict:
@@ -107,7 +138,12 @@ def main(argv=None) -> int:
           file=sys.stderr)
     return 2
   dev = jax.devices()[0]
-  print(dev.device_kind, jax.__version__, flush=True)
+  import importlib.metadata
+  print(dev.device_kind, "jax", jax.__version__, "tokamax",
+        importlib.metadata.version("tokamax"), flush=True)
+  if jax_compat():
+    print("plgpu.kernel(out_shape=, scratch_shapes=) renamed to this JAX's out_type=, "
+          "scratch_types= for tokamax", flush=True)
   weights = load_suite("train")["grouped_gemm"]["weights"]
   prof = profiler.Profiler(iterations=a.iterations)
   out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": []}

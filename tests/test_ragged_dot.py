@@ -189,6 +189,8 @@ def test_mosaic_space_and_heuristic_rules():
                     wt.MosaicRaggedDotConfig)
   big = RAGGED_DOT.heuristic(RaggedDotProblem(m=2048, **mixtral), H100)
   assert (big.block_m, big.block_n) == (128, 256)
+  mid = RAGGED_DOT.heuristic(RaggedDotProblem(m=512, **mixtral), H100)  # 64 rows per expert
+  assert (mid.block_m, mid.block_n, mid.grid_minor) == (64, 128, 0)
   arctic = RaggedDotProblem(m=128, g=128, k=4864, n=7168)
   assert isinstance(RAGGED_DOT.heuristic(arctic, H100), wt.MosaicRaggedDotConfig)
   # Off Hopper, and for shapes the kernel does not run: XLA.
@@ -256,3 +258,40 @@ def test_recorded_h100_numbers_are_reproduced(capsys):
   hb = list(out["heuristic_of_best"].values())
   assert sum(v >= 0.95 for v in hb) == 7 and min(hb) == pytest.approx(0.89, abs=0.01)
   assert min(out["heuristic_vs_xla"].values()) >= 0.999
+
+
+def _load_benchmark(name):
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(name, path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_tokamax_benchmark_without_tokamax_and_kernel_renames(monkeypatch, capsys):
+  import sys
+  mod = _load_benchmark("ragged_dot_tokamax")
+  monkeypatch.setitem(sys.modules, "tokamax", None)  # not importable
+  assert mod.main(["--quick"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "tokamax is not importable" in err[0]
+  # tokamax's plgpu.kernel(out_shape=, scratch_shapes=) reaches a JAX that
+  # names them out_type=, scratch_types= under those names.
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  seen = {}
+
+  def new_kernel(body, *, out_type, scratch_types=(), grid=()):
+    seen.update(out_type=out_type, scratch_types=scratch_types, grid=grid)
+
+  monkeypatch.setattr(plgpu, "kernel", new_kernel)
+  assert mod.jax_compat()
+  plgpu.kernel(None, out_shape="o", scratch_shapes="s", grid=(2,))
+  assert seen == {"out_type": "o", "scratch_types": "s", "grid": (2,)}
+
+  def old_kernel(body, *, out_shape, scratch_shapes=()):
+    pass
+
+  monkeypatch.setattr(plgpu, "kernel", old_kernel)
+  assert not mod.jax_compat() and plgpu.kernel is old_kernel
