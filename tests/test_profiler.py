@@ -188,3 +188,31 @@ def test_gpu_lock_excludes_another_process(tmp_path):
       assert ask() == "held"
     assert ask() == "held"
   assert ask() == "free"
+
+
+def test_a_problem_whose_inputs_fail_is_recorded_and_the_next_is_measured(monkeypatch):
+  """Out of memory making one problem's inputs or reference (Arctic's 128
+  experts at 32k rows) fails that problem's rows, not the sweep."""
+  from wavetune_jax.tuning.measure import measure_points
+  from synthetic import HW
+  big, small = MatmulProblem(m=48, n=64, k=32), MatmulProblem(m=40, n=64, k=32)
+  orig, calls = profiler.ProblemKit.materialize, []
+
+  def first_fails(self, *a, **kw):
+    calls.append(1)
+    if len(calls) == 1:
+      raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 112.00GiB")
+    return orig(self, *a, **kw)
+
+  monkeypatch.setattr(profiler.ProblemKit, "materialize", first_fails)
+  build = MATMUL.build
+
+  def tagged_build(problem, config, **kw):
+    fn = build(problem, config, **kw)
+    fn.problem_config = (problem, config)
+    return fn
+  monkeypatch.setattr(MATMUL, "build", tagged_build)
+  work = [(p, list(MATMUL.space(p, HW)[:2])) for p in (big, small)]
+  rows = list(measure_points(MATMUL, _CpuProfiler(), work))
+  assert [(r[0], r[3].status) for r in rows] == [(big, "run_error")] * 2 + [(small, "ok")] * 2
+  assert "Out of memory" in rows[0][3].error

@@ -295,3 +295,18 @@ def test_tokamax_benchmark_without_tokamax_and_kernel_renames(monkeypatch, capsy
 
   monkeypatch.setattr(plgpu, "kernel", old_kernel)
   assert not mod.jax_compat() and plgpu.kernel is old_kernel
+
+
+@pytest.mark.parametrize("sizes", [(5, 0, 17, 9), (0, 31, 0, 0), (3, 4, 0, 2), (10, 10, 10, 10)])
+def test_blocked_reference_equals_lax_ragged_dot(sizes):
+  """The row-block loop the reference takes for problems too big for XLA's
+  ragged dot (31 rows, blocks of 8: windows that end at the array's edge;
+  empty experts, one expert, sum below and above M)."""
+  kx, kw = jax.random.split(jax.random.PRNGKey(4))
+  lhs = jax.random.normal(kx, (31, 24), jnp.float32)
+  rhs = jax.random.normal(kw, (4, 24, 16), jnp.float32)
+  gs = jnp.asarray(sizes, jnp.int32)
+  want = np.asarray(jax.lax.ragged_dot(lhs, rhs, gs, precision=jax.lax.Precision.HIGHEST))
+  got = np.asarray(jax.jit(functools.partial(ragged_dot_reference, block_rows=8))(lhs, rhs, gs))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert np.all(got[min(sum(sizes), 31):] == 0.0)
