@@ -191,6 +191,9 @@ def test_mosaic_space_and_heuristic_rules():
   assert (big.block_m, big.block_n) == (128, 256)
   mid = RAGGED_DOT.heuristic(RaggedDotProblem(m=512, **mixtral), H100)  # 64 rows per expert
   assert (mid.block_m, mid.block_n, mid.grid_minor) == (64, 128, 0)
+  # 97 rows per expert: one 128-row task per expert instead of two of 64.
+  phi = RAGGED_DOT.heuristic(RaggedDotProblem(m=1554, g=16, k=4096, n=12800), H100)
+  assert (phi.block_m, phi.block_n, phi.grid_minor) == (128, 256, 1)
   arctic = RaggedDotProblem(m=128, g=128, k=4864, n=7168)
   assert isinstance(RAGGED_DOT.heuristic(arctic, H100), wt.MosaicRaggedDotConfig)
   # Off Hopper, and for shapes the kernel does not run: XLA.

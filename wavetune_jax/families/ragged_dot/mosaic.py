@@ -120,7 +120,7 @@ class MosaicRaggedDot(Backend):
                        f"memory; {hw.name} allows {hw.smem_per_block} per block")
 
   def heuristic(self, p: RaggedDotProblem, hw: Hardware) -> MosaicRaggedDotConfig | None:
-    """A rule from the H100 measurements (``data/probes/ragged_dot_mosaic_h100.txt``).
+    """A rule from the H100 and H200 sweeps (``data/sweeps/*/ragged_dot_bfloat16.jsonl.gz``).
 
     ``r`` = rows per expert under balanced routing. None (XLA's ragged dot)
     where every one of fewer than 16 experts is likely busy and ``r < 32``:
@@ -128,14 +128,20 @@ class MosaicRaggedDot(Backend):
     (Mixtral, 16-64 tokens). Elsewhere the Mosaic kernel: it reads only the
     experts that have rows, and XLA's ragged dot slows down with many
     experts (Arctic's 128: 8.1x). ``r >= 128``: 128 x 256 tiles, 3 stages
-    (the best or within 5% of it on every such problem), walking tasks first
+    (within 5% of the best on most such problems; on the H100 256 x 128
+    tiles are up to 1.6x faster at some, not on the H200), walking tasks first
     (``grid_minor`` 0) where the weight has more than 16 column tiles and
-    column tiles first below (0.89-1.00 of the best). ``64 <= r < 128``:
-    64 x 128 tiles, 4 stages, tasks first: the best on every such problem of
-    the H100 and H200 sweeps (six models), where 64 x 256 ran at 0.76-0.97
-    of it (twice the column tiles balance the waves; walking an expert's
-    row tasks first reuses its weight tile). Below: 64 x 256, 4 stages,
-    column tiles first, split-K where the tiles fill at most half the SMs.
+    column tiles first below (0.89-1.00 of the best). ``64 < r < 128``: the
+    same tiles, column tiles first (at 97 rows per expert a 64-row tile
+    needs two tasks per expert, a 128-row tile one: 64 x 128 tiles ran at
+    0.72-0.80 of the best there). ``48 <= r <= 64``: 64 x 128 tiles, 4
+    stages, tasks first (where 128-row tiles are out of the space, RG3):
+    the best at 64 rows per expert on every problem of the H100 and H200
+    sweeps, where 64 x 256 ran at 0.76-0.97 of it (twice the column tiles
+    balance the waves; walking an expert's row tasks first reuses its
+    weight tile). Below: 64 x 256, 4 stages, column tiles first, split-K
+    where the tiles fill at most half the SMs. Measured as rules over both
+    sweeps (six models each): 0.971 / 0.986 of the oracle (H100 / H200).
     """
     if not (self.supported_on(hw) and self.runs_shape(p)):
       return None
@@ -143,10 +149,10 @@ class MosaicRaggedDot(Backend):
     likely_all_busy = p.m > p.g * np.log(p.g)
     if p.g < 16 and likely_all_busy and r < 32:
       return None
-    if r >= 128:
-      order = 0 if _cdiv(p.n, 256) > 16 else 1
+    if r > 64:
+      order = 0 if r >= 128 and _cdiv(p.n, 256) > 16 else 1
       c = MosaicRaggedDotConfig(block_m=128, block_n=256, num_stages=3, grid_minor=order)
-    elif r >= 64:
+    elif r >= 48:
       c = MosaicRaggedDotConfig(block_m=64, block_n=128, num_stages=4, grid_minor=0)
     else:
       # Split-K where the expected work tiles fill at most half the SMs and
