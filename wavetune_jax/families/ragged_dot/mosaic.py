@@ -134,14 +134,16 @@ class MosaicRaggedDot(Backend):
     column tiles first below (0.89-1.00 of the best). ``64 < r < 128``: the
     same tiles, column tiles first (at 97 rows per expert a 64-row tile
     needs two tasks per expert, a 128-row tile one: 64 x 128 tiles ran at
-    0.72-0.80 of the best there). ``48 <= r <= 64``: 64 x 128 tiles, 4
+    0.72-0.80 of the best there). ``56 <= r <= 64``: 64 x 128 tiles, 4
     stages, tasks first (where 128-row tiles are out of the space, RG3):
     the best at 64 rows per expert on every problem of the H100 and H200
-    sweeps, where 64 x 256 ran at 0.76-0.97 of it (twice the column tiles
+    sweeps, where 64 x 256 ran at 0.76-0.97 of it; at 48-50 rows per
+    expert 64 x 256 was 1-6% faster again, and between 50 and 64 nothing
+    was measured (twice the column tiles
     balance the waves; walking an expert's row tasks first reuses its
     weight tile). Below: 64 x 256, 4 stages, column tiles first, split-K
     where the tiles fill at most half the SMs. Measured as rules over both
-    sweeps (six models each): 0.971 / 0.986 of the oracle (H100 / H200).
+    sweeps (six models each): 0.973 / 0.988 of the oracle (H100 / H200).
     """
     if not (self.supported_on(hw) and self.runs_shape(p)):
       return None
@@ -152,7 +154,7 @@ class MosaicRaggedDot(Backend):
     if r > 64:
       order = 0 if r >= 128 and _cdiv(p.n, 256) > 16 else 1
       c = MosaicRaggedDotConfig(block_m=128, block_n=256, num_stages=3, grid_minor=order)
-    elif r >= 48:
+    elif r >= 56:  # measured at 64 (this wins) and 48-50 (64 x 256 wins by 1-6%)
       c = MosaicRaggedDotConfig(block_m=64, block_n=128, num_stages=4, grid_minor=0)
     else:
       # Split-K where the expected work tiles fill at most half the SMs and
