@@ -40,15 +40,17 @@ class RaggedDotFamily(Family):
   size_field = "m"
   aux_names = ("split_k_launch", "split_k_partial_mb")
   # The heuristic is the Mosaic kernel's rule on Hopper (XLA's ragged dot
-  # elsewhere); the model replaces it only when it predicts more than a 2x
-  # gain. With two anchors per variant over six models' weights the models
-  # are over-optimistic far from their anchors (128 x 192 tiles predicted
-  # 2x faster than measured at 8k-16k rows): on the 108-problem H100 sweep
+  # elsewhere); the model replaces it only when it predicts more than a 2.5x
+  # gain, which on the H100 and H200 sweeps it never does: with two anchors
+  # per variant over six models' weights the models are over-optimistic far
+  # from their anchors (the 128 x 256 model predicted 2.2-2.6x the measured
+  # time on Mixtral's w13). On the 145-problem H100 sweep
   # (benchmarks/table_vs_sweep.py, shipped table) a margin of 0.3 ran at
-  # 0.935 of the oracle (min 0.517), 1.0 at 0.977 (min 0.819); held out
-  # (wavetune eval, seeds 0-4) 0.963-0.976 against 0.970-0.983. The H200
-  # (two models) is the same within 0.004 either way.
-  heuristic_margin = 1.0
+  # 0.958 of the oracle, 1.0 at 0.967 (six model answers, each slower than
+  # the rule's config), 1.5 at 0.975; held out (wavetune eval, seeds 0-4) 1.0
+  # and 1.5 are equal on the H100 and within 0.001 on the H200. The table's
+  # measured entries (exact answers) still apply.
+  heuristic_margin = 1.5
   baseline_name = "XLA"
   skew = routing.BALANCED
 
