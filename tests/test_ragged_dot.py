@@ -313,3 +313,12 @@ def test_blocked_reference_equals_lax_ragged_dot(sizes):
   got = np.asarray(jax.jit(functools.partial(ragged_dot_reference, block_rows=8))(lhs, rhs, gs))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   assert np.all(got[min(sum(sizes), 31):] == 0.0)
+
+
+def test_blocked_reference_with_a_size_near_int32s_limit():
+  lhs = jax.random.normal(jax.random.PRNGKey(5), (31, 5), jnp.float32)
+  rhs = jax.random.normal(jax.random.PRNGKey(6), (3, 5, 3), jnp.float32)
+  gs = jnp.asarray([10, 2**31 - 5, 10], jnp.int32)  # all rows past 10 in expert 1
+  got = ragged_dot_reference(lhs, rhs, gs, block_rows=8)
+  want = np.concatenate([np.asarray(lhs[:10] @ rhs[0]), np.asarray(lhs[10:] @ rhs[1])])
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

@@ -36,8 +36,12 @@ def _blocked(lhs, rhs, group_sizes, b: int) -> jax.Array:
   """Expert by expert, its rows ``b`` at a time: a window of ``b`` rows that
   ends inside the array, masked to the expert's rows."""
   m, n = lhs.shape[0], rhs.shape[2]
-  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-  starts = jnp.minimum(ends - group_sizes.astype(jnp.int32), m)
+  # Sizes clipped to [0, M] first: the running sum stays far from int32's
+  # limit (a size near 2**31 would wrap it), and a negative size (invalid)
+  # cannot move a window before row 0.
+  sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
+  ends = jnp.cumsum(sizes)
+  starts = jnp.minimum(ends - sizes, m)
   ends = jnp.minimum(ends, m)
   rows = jnp.arange(b)
 

@@ -101,13 +101,15 @@ def _check_and_time(family, prof, work, cands, compiled, kit_of, phases, repeat_
     try:
       args, ref = kit.materialize()
       jax.block_until_ready(ref)
+      failed = None
     except Exception as e:  # e.g. out of memory: this problem's rows say so, the rest go on
+      failed = e
+    phases["setup"] = phases.get("setup", 0.0) + time.perf_counter() - t1
+    if failed is not None:
       for impl, c, _ in fns:
         yield p, impl, c, Measurement(status="run_error",
-                                      error=f"inputs or reference failed: {e}"[:400])
+                                      error=f"inputs or reference failed: {failed}"[:400])
       continue
-    finally:
-      phases["setup"] = phases.get("setup", 0.0) + time.perf_counter() - t1
     tol = family.tolerance(p)
     best = (None, None, math.inf)
     for (impl, c, _), (exe, compile_s) in zip(fns, exes):
