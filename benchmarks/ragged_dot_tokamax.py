@@ -72,7 +72,8 @@ def jax_compat() -> bool:
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   params = inspect.signature(plgpu.kernel).parameters
-  if "out_shape" in params or "out_type" not in params:
+  if (getattr(plgpu.kernel, "_renamed_for_tokamax", False) or "out_shape" in params
+      or "out_type" not in params):
     return False
   kernel = plgpu.kernel
 
@@ -84,6 +85,7 @@ def jax_compat() -> bool:
       kw["scratch_types"] = scratch_shapes
     return kernel(*args, **kw)
 
+  renamed._renamed_for_tokamax = True
   plgpu.kernel = renamed
   return True
 
