@@ -78,9 +78,9 @@ def synthetic_us(p, c):
   return 1.0 + p.m * 0.01 + c.block_m / 64
 
 
-def test_gpu_backend_logs_checks_and_resumes(tmp_path, monkeypatch):
-  from wavetune_jax.tuning import sweep, tuner as tuning
-  from synthetic import HW
+def _tag_builds(monkeypatch):
+  """MATMUL.build marks each candidate with its (problem, config), which
+  :class:`_CpuProfiler` reads back."""
   build = MATMUL.build
 
   def tagged_build(problem, config, **kw):
@@ -88,6 +88,12 @@ def test_gpu_backend_logs_checks_and_resumes(tmp_path, monkeypatch):
     fn.problem_config = (problem, config)
     return fn
   monkeypatch.setattr(MATMUL, "build", tagged_build)
+
+
+def test_gpu_backend_logs_checks_and_resumes(tmp_path, monkeypatch):
+  from wavetune_jax.tuning import sweep, tuner as tuning
+  from synthetic import HW
+  _tag_builds(monkeypatch)
   problems = [MatmulProblem(m=m, n=64, k=32) for m in (3, 40)]
   points = [(p, c) for p in problems for c in MATMUL.space(p, HW)[:3]]
   bad = points[1][1]
@@ -205,13 +211,7 @@ def test_a_problem_whose_inputs_fail_is_recorded_and_the_next_is_measured(monkey
     return orig(self, *a, **kw)
 
   monkeypatch.setattr(profiler.ProblemKit, "materialize", first_fails)
-  build = MATMUL.build
-
-  def tagged_build(problem, config, **kw):
-    fn = build(problem, config, **kw)
-    fn.problem_config = (problem, config)
-    return fn
-  monkeypatch.setattr(MATMUL, "build", tagged_build)
+  _tag_builds(monkeypatch)
   work = [(p, list(MATMUL.space(p, HW)[:2])) for p in (big, small)]
   rows = list(measure_points(MATMUL, _CpuProfiler(), work))
   assert [(r[0], r[3].status) for r in rows] == [(big, "run_error")] * 2 + [(small, "ok")] * 2
