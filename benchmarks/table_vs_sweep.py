@@ -34,6 +34,9 @@ def main(argv=None):
                   help="score the family's heuristic (no table) instead")
   ap.add_argument("--min-size", type=int, default=None,
                   help="also print the speed over problems of at least this size")
+  ap.add_argument("--min-tokens", type=int, default=None,
+                  help="grouped GEMM: also print the speed over problems of at least this "
+                       "many tokens (rows / top_k of the suite's weight), overall and per model")
   eval_cli.add_margin_arg(ap)
   a = ap.parse_args(argv)
   if a.heuristic == (a.table is not None):
@@ -72,6 +75,8 @@ def main(argv=None):
            if p in ds.baseline and spec.size_of(p) >= a.min_size]
     print(f"speed vs {spec.baseline_name} at {spec.size_field} >= {a.min_size}: "
           f"{_geo(big):.3f}x over {len(big)} problems (min {min(big, default=math.nan):.3f}x)")
+  if a.min_tokens is not None:
+    _per_model(ds, chosen_us, a.min_tokens)
   by_size = collections.defaultdict(list)
   for p, t in zip(ds.problems, chosen_us):
     if p in ds.baseline:
@@ -92,6 +97,31 @@ def main(argv=None):
   for name, v in sorted(extra.items()):
     print(f"speed vs {name} ({len(v)} problems where it ran): table {_geo([a for a, _ in v]):.2f}x, "
           f"oracle {_geo([b for _, b in v]):.2f}x")
+
+
+def _per_model(ds, chosen_us, min_tokens: int) -> None:
+  """Speed vs the baseline by model of the suite's grouped-GEMM weights,
+  over all problems and over those of at least ``min_tokens`` tokens."""
+  from wavetune_jax.families.ragged_dot.family import expert_weights
+  from wavetune_jax.shapes import load_suite
+  if ds.family.name != "ragged_dot":
+    raise SystemExit("table_vs_sweep.py: --min-tokens is for the ragged_dot family")
+  weights = {(w["E"], w["K"], w["N"]): (name.split(".")[0], w["top_k"])
+             for name, w in expert_weights(load_suite("train")).items()}
+  per, big = collections.defaultdict(list), []
+  for p, t in zip(ds.problems, chosen_us):
+    model, top_k = weights.get((p.g, p.k, p.n), ("other", 1))
+    if p in ds.baseline:
+      tokens, speed = p.m / top_k, ds.baseline[p] / t
+      per[model].append((tokens, speed))
+      if tokens >= min_tokens:
+        big.append(speed)
+  print(f"speed vs {ds.family.baseline_name} at >= {min_tokens} tokens: {_geo(big):.2f}x over "
+        f"{len(big)} problems (min {min(big, default=math.nan):.2f}x)")
+  for model, v in per.items():
+    b = [x for tok, x in v if tok >= min_tokens]
+    print(f"  {model}: {_geo([x for _, x in v]):.2f}x over {len(v)}; >= {min_tokens} tokens "
+          f"{_geo(b):.2f}x over {len(b)} (min {min(b, default=math.nan):.2f}x)")
 
 
 if __name__ == "__main__":

@@ -322,3 +322,17 @@ def test_blocked_reference_with_a_size_near_int32s_limit():
   got = ragged_dot_reference(lhs, rhs, gs, block_rows=8)
   want = np.concatenate([np.asarray(lhs[:10] @ rhs[0]), np.asarray(lhs[10:] @ rhs[1])])
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_table_vs_sweep_per_model_reproduces_the_h200_numbers(capsys):
+  """docs/results.md's grouped-GEMM speeds per model come from this command."""
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent
+  mod = _load_benchmark("table_vs_sweep")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    mod.main([str(root / "data/sweeps/nvidia_h200/ragged_dot_bfloat16.jsonl.gz"),
+              str(root / "tables/nvidia_h200/ragged_dot.json"), "--min-tokens", "1024"])
+  out = capsys.readouterr().out
+  assert "at >= 1024 tokens: 11.57x over 55 problems (min 3.68x)" in out
+  assert "mixtral_8x7b: 3.26x over 36; >= 1024 tokens 6.46x over 16 (min 4.70x)" in out
