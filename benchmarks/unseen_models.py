@@ -1,0 +1,225 @@
+"""The ops with their shipped tables against XLA and cuDNN on models outside
+the training suites (CUPTI, L2 flushed, same process, one GPU).
+
+The training suites hold Llama-3 GEMMs and attention, and six MoE models'
+expert GEMMs. This script builds the same kinds of calls from public configs
+of other models (head_dim 96 and 256, 28/4, 16/8 and 32/32 heads, widths
+3072-6144, 60 and 128 experts) at token counts that are not powers of two,
+and times, per problem:
+
+* ``wt``: the public op (``wt.matmul``, ``wt.attention``,
+  ``wt.decode_attention``, ``wt.ragged_dot``) under ``jax.jit`` with the
+  shipped table of this GPU (the default policy), exactly what a user calls;
+* ``base``: what a JAX user writes instead: ``jnp.dot``,
+  ``jax.nn.dot_product_attention(implementation="cudnn")`` (decode: the
+  faster of cuDNN and XLA, with ``key_value_seq_lengths``),
+  ``lax.ragged_dot``.
+
+Each is checked against the float32 reference first. The summary gives
+``base / wt`` per family (geomean, minimum, problems below 0.95x).
+``--dry-run`` prints the problems and the configs the selector picks for
+``--device-key`` without a GPU (what the CPU test runs).
+
+    python3 benchmarks/unseen_models.py [--families matmul,attention,decode,ragged_dot]
+        [--quick] [--json out.json]
+    python3 benchmarks/unseen_models.py --dry-run --device-key nvidia_h100_80gb_hbm3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+
+import wavetune_jax as wt
+from wavetune_jax import (ATTENTION, DECODE, MATMUL, RAGGED_DOT, AttentionProblem,
+                          DecodeProblem, MatmulProblem, RaggedDotProblem)
+
+# Public configs (Hugging Face config.json): hidden, heads, head_dim, MLP width.
+DENSE = {
+    "qwen2_5_7b": dict(hidden=3584, q_heads=28, kv_heads=4, head_dim=128, ffn=18944),
+    "gemma_2_9b": dict(hidden=3584, q_heads=16, kv_heads=8, head_dim=256, ffn=14336),
+    "phi_3_mini": dict(hidden=3072, q_heads=32, kv_heads=32, head_dim=96, ffn=8192),
+    "mistral_nemo_12b": dict(hidden=5120, q_heads=32, kv_heads=8, head_dim=128, ffn=14336),
+}
+# Experts, top-k, hidden, expert MLP width.
+MOE = {
+    "qwen1_5_moe_a2_7b": dict(E=60, top_k=4, hidden=2048, ffn=1408),
+    "qwen3_30b_a3b": dict(E=128, top_k=8, hidden=2048, ffn=768),
+    "mixtral_8x22b": dict(E=8, top_k=2, hidden=6144, ffn=16384),
+}
+GEMM_M = (1, 40, 200, 777, 3000, 12000)
+ATTN_BATCH = (1, 6)
+ATTN_SEQ = (200, 777, 2500, 6000)
+DECODE_BATCH = (8, 32)
+DECODE_CACHE = (3000, 20000)
+MOE_TOKENS = (40, 300, 2000, 6000)
+FAMILIES = ("matmul", "attention", "decode", "ragged_dot")
+
+
+def gemm_weights(c: dict) -> dict:
+  h, d = c["hidden"], c["head_dim"]
+  q, kv = c["q_heads"] * d, c["kv_heads"] * d
+  return {"qkv": (h, q + 2 * kv), "o": (q, h), "gate_up": (h, 2 * c["ffn"]),
+          "down": (c["ffn"], h)}
+
+
+def problems(families, quick: bool) -> list[tuple[str, str, object]]:
+  """``(family, label, problem)`` for every problem of the selected families."""
+  pick = (lambda v: v[::2]) if quick else (lambda v: v)
+  out = []
+  for name, c in DENSE.items():
+    if "matmul" in families:
+      for w, (k, n) in gemm_weights(c).items():
+        out += [("matmul", f"{name}.{w} M={m}", MatmulProblem(m=m, n=n, k=k))
+                for m in pick(GEMM_M)]
+    if "attention" in families:
+      out += [("attention", f"{name} b={b} L={s}",
+               AttentionProblem(batch=b, q_heads=c["q_heads"], kv_heads=c["kv_heads"],
+                                q_len=s, kv_len=s, head_dim=c["head_dim"], causal=True))
+              for b in ATTN_BATCH for s in pick(ATTN_SEQ)]
+    if "decode" in families:
+      out += [("decode", f"{name} b={b} cache={L}",
+               DecodeProblem(batch=b, q_heads=c["q_heads"], kv_heads=c["kv_heads"],
+                             kv_len=L, head_dim=c["head_dim"]))
+              for b in DECODE_BATCH for L in pick(DECODE_CACHE)]
+  if "ragged_dot" in families:
+    for name, c in MOE.items():
+      for w, (k, n) in {"w13": (c["hidden"], 2 * c["ffn"]),
+                        "w2": (c["ffn"], c["hidden"])}.items():
+        out += [("ragged_dot", f"{name}.{w} tokens={t}",
+                 RaggedDotProblem(m=t * c["top_k"], g=c["E"], k=k, n=n))
+                for t in pick(MOE_TOKENS)]
+  return out
+
+
+SPECS = {"matmul": MATMUL, "attention": ATTENTION, "decode": DECODE, "ragged_dot": RAGGED_DOT}
+
+
+def op_fn(family: str, p):
+  """The public op on the family's inputs, as a user calls it."""
+  if family == "matmul":
+    return lambda x, w: wt.matmul(x, w)
+  if family == "attention":
+    return lambda q, k, v, *lens: wt.attention(q, k, v, causal=p.causal,
+                                               kv_lengths=lens[0] if lens else None)
+  if family == "decode":
+    return lambda q, k, v, *lens: wt.decode_attention(q, k, v, causal=p.causal,
+                                                      kv_lengths=lens[0] if lens else None)
+  return lambda lhs, rhs, gs: wt.ragged_dot(lhs, rhs, gs)
+
+
+def baselines(spec, p) -> dict:
+  """What a user writes instead; decode takes the faster of cuDNN and XLA."""
+  out = {"base": spec.baseline(p)}
+  if spec is DECODE:
+    out.update({f"base_{k}": f for k, f in spec.extra_baselines(p).items()})
+  return out
+
+
+def describe(spec, config) -> str:
+  d = spec.config_to_dict(config)
+  rest = ",".join(f"{k}={v}" for k, v in d.items() if k != "backend")
+  return d["backend"] + (f"({rest})" if rest else "")
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--families", default=",".join(FAMILIES),
+                  help=f"comma-separated, of {','.join(FAMILIES)}")
+  ap.add_argument("--quick", action="store_true", help="every other size")
+  ap.add_argument("--iterations", type=int, default=10)
+  ap.add_argument("--json", default=None, help="write every row here (after each problem)")
+  ap.add_argument("--dry-run", action="store_true",
+                  help="print the problems and the selected configs; time nothing")
+  ap.add_argument("--device-key", default=None,
+                  help="the tables to select from in --dry-run (default: this device)")
+  a = ap.parse_args(argv)
+  fams = tuple(f.strip() for f in a.families.split(",") if f.strip())
+  bad = sorted(set(fams) - set(FAMILIES))
+  if bad or not fams:
+    ap.error(f"--families: unknown {bad}; choose from {','.join(FAMILIES)}")
+  if a.iterations < 1:
+    ap.error("--iterations must be >= 1")
+  plan = problems(fams, a.quick)
+  if a.dry_run:
+    for fam, label, p in plan:
+      spec = SPECS[fam]
+      sel = wt.select(fam, p, a.device_key)
+      print(f"{fam:<11}{label:<40}{describe(spec, sel.config)}  [{sel.source}]")
+    print(f"{len(plan)} problems")
+    return 0
+  if a.device_key:
+    ap.error("--device-key is for --dry-run; timing uses this device's tables")
+  if jax.default_backend() != "gpu":
+    print("unseen_models: needs a GPU (CUPTI timing); use --dry-run on a CPU", file=sys.stderr)
+    return 2
+  from wavetune_jax.tuning import evaluate, profiler
+  dev = jax.devices()[0]
+  print(dev.device_kind, "jax", jax.__version__, flush=True)
+  prof = profiler.Profiler(iterations=a.iterations)
+  out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": []}
+  print(f"{'family':<11}{'problem':<40}{'base us':>10}{'wt us':>10}{'base/wt':>8}  wt config",
+        flush=True)
+  t0 = time.time()
+  for fam, label, p in plan:
+    spec = SPECS[fam]
+    sel = wt.select(fam, p)
+    fns = {"wt": op_fn(fam, p), **baselines(spec, p)}
+    args = spec.inputs(p, jax.random.PRNGKey(0))
+    ref = spec.reference(p, *args)
+    res = prof.measure_many(list(fns.values()), args, reference=ref,
+                            tolerance=spec.tolerance(p), out_bytes=ref.size * 4)
+    del args, ref
+    row = {"family": fam, "label": label, "problem": spec.problem_key(p),
+           "config": spec.config_to_dict(sel.config), "source": sel.source,
+           "us": {}, "status": {}}
+    for k, r in zip(fns, res):
+      row["us"][k] = r.median_us if r.status == "ok" else None
+      if r.status != "ok":
+        row["status"][k] = f"{r.status}: {r.error[:200]}"
+    out["rows"].append(row)
+    base = min((v for k, v in row["us"].items() if k != "wt" and v), default=math.nan)
+    w = row["us"]["wt"] or math.nan
+    print(f"{fam:<11}{label:<40}{base:10.1f}{w:10.1f}{base / w:8.3f}  "
+          f"{describe(spec, sel.config)}", flush=True)
+    for k, s in row["status"].items():
+      print(f"    {k}: {s}", flush=True)
+    if a.json:
+      tmp = a.json + ".tmp"
+      with open(tmp, "w") as f:
+        json.dump(out, f)
+      os.replace(tmp, a.json)
+  summarize(out["rows"], evaluate._geomean)
+  print(f"elapsed {time.time() - t0:.0f} s", flush=True)
+  return 0
+
+
+def speedups(rows) -> dict[str, list[float]]:
+  """``base / wt`` per family over the rows where both ran."""
+  out: dict[str, list[float]] = {}
+  for r in rows:
+    base = [v for k, v in r["us"].items() if k != "wt" and v]
+    if base and r["us"].get("wt"):
+      out.setdefault(r["family"], []).append(min(base) / r["us"]["wt"])
+  return out
+
+
+def summarize(rows, geomean) -> None:
+  for fam, v in speedups(rows).items():
+    low = sum(x < 0.95 for x in v)
+    print(f"{fam}: wt vs {'the faster of cuDNN and XLA' if fam == 'decode' else 'base'} "
+          f"{geomean(v):.3f}x geomean, min {min(v):.3f}x, {low} of {len(v)} below 0.95x",
+          flush=True)
+  failed = [(r["label"], k) for r in rows for k in r["status"]]
+  if failed:
+    print(f"failed: {failed}", flush=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
