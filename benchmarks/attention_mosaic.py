@@ -1,9 +1,10 @@
 """Our two attention backends next to JAX's Mosaic GPU kernel and cuDNN.
 
 Measures, on the same CUPTI timer, with the same checks against the float32
-reference, on six aligned Llama shapes (head_dim 128), or with ``--ragged`` on
+reference, on six aligned Llama shapes (head_dim 128), with ``--ragged`` on
 shapes whose lengths are not multiples of the blocks (the suite's 1000 and
-3000, and small odd ones that check the masking of ragged ends):
+3000, and small odd ones that check the masking of ragged ends), or with
+``--coverage`` on head_dim 80-256 and lengths that are not multiples of 8:
 
 * "triton": four configs of the Triton kernel that are often the sweep's oracle;
 * "mosaic": the Mosaic GPU backend (``pallas_kernels.attention.mosaic``,
@@ -15,7 +16,7 @@ shapes whose lengths are not multiples of the blocks (the suite's 1000 and
   float16", JAX 0.11.2) and is left out; ``--dtype float16`` times it;
 * cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``).
 
-    python3 benchmarks/attention_mosaic.py [--quick] [--ragged] [--dtype bfloat16|float16]
+    python3 benchmarks/attention_mosaic.py [--quick] [--ragged | --coverage] [--dtype bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ RAGGED = [
     (2, 32, 8, 1000, 1000, False, 128), (2, 16, 2, 1000, 1000, True, 64),
     (1, 8, 8, 24, 1000, False, 128), (1, 8, 2, 200, 520, True, 128),
     (1, 8, 2, 72, 72, True, 256), (1, 4, 4, 8, 8, True, 128)]
+# head_dim other than 64/128 and lengths that are not multiples of 8 (the
+# Mosaic kernel pads those on the device): Phi-3-mini (32/32, 96), Gemma-2
+# (16/8, 256), and 80 / 160 / 192 / 224 for the narrower swizzles.
+COVERAGE = [
+    (1, 32, 32, 2048, 2048, True, 96), (4, 32, 32, 777, 777, True, 96),
+    (2, 32, 32, 4096, 4096, False, 96), (1, 16, 8, 4096, 4096, True, 256),
+    (6, 16, 8, 777, 777, True, 256), (2, 28, 4, 777, 777, True, 128),
+    (1, 28, 4, 2500, 2500, True, 128), (2, 28, 4, 1001, 1501, False, 128),
+    (1, 32, 8, 13, 13, True, 128), (2, 16, 16, 1000, 1000, True, 80),
+    (2, 16, 16, 1000, 1000, True, 160), (1, 16, 16, 2000, 2000, True, 192),
+    (1, 8, 8, 515, 515, False, 224)]
 
 
 def jax_mgpu_fn(causal: bool, block_q: int, block_kv: int, steps: int):
@@ -69,12 +81,14 @@ def main():
   ap.add_argument("--quick", action="store_true", help="first two shapes only")
   ap.add_argument("--ragged", action="store_true",
                   help="lengths that are not multiples of the blocks")
+  ap.add_argument("--coverage", action="store_true",
+                  help="head_dim 80-256 and lengths that are not multiples of 8")
   ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
   a = ap.parse_args()
   print(jax.devices()[0].device_kind, jax.__version__, a.dtype)
   hw = hardware.detect()
   prof = profiler.Profiler(iterations=20)
-  shapes = RAGGED if a.ragged else SHAPES
+  shapes = COVERAGE if a.coverage else RAGGED if a.ragged else SHAPES
   shapes = shapes[:2] if a.quick else shapes
   ratios = {k: [] for k in KINDS}
   print(f"{'problem':<46}" + "".join(f"{k:>10}" for k in KINDS) + f"{'cudnn':>9}   "
@@ -85,12 +99,11 @@ def main():
     args = ATTENTION.inputs(p, jax.random.PRNGKey(0))
     ref = ATTENTION.reference(p, *args)
     mosaic = [c for c in ATTENTION.space(p, hw) if isinstance(c, MosaicAttentionConfig)]
-    triton = [c for c in TRITON
-              if ATTENTION.backend("triton").smem_bytes(p, c) <= hw.smem_per_block]
+    triton = [c for c in TRITON if c in ATTENTION.backend("triton").space(p, hw, prune=False)]
     names = ([f"triton {c.block_q}/{c.block_k}/{c.num_warps}/{c.num_stages}" for c in triton]
              + [f"mosaic {c.block_q}/{c.block_k}/{c.num_stages}" for c in mosaic])
     fns = [ATTENTION.build(p, c) for c in triton + mosaic]
-    if a.dtype == "float16" and not a.ragged:  # JAX's kernel needs aligned lengths
+    if a.dtype == "float16" and shapes is SHAPES:  # JAX's kernel needs aligned lengths
       names += [f"jax-mgpu {bq}/{bk}/{st}" for bq, bk, st in JAX_MGPU]
       fns += [jax_mgpu_fn(causal, *m) for m in JAX_MGPU]
     names.append("cudnn")

@@ -134,7 +134,12 @@ def main(argv=None) -> int:
                   help=f"comma-separated, of {','.join(FAMILIES)}")
   ap.add_argument("--quick", action="store_true", help="every other size")
   ap.add_argument("--iterations", type=int, default=10)
-  ap.add_argument("--json", default=None, help="write every row here (after each problem)")
+  ap.add_argument("--json", default=None,
+                  help="write every row here (after each problem); problems already in "
+                       "the file are skipped, so a cut-off run resumes")
+  ap.add_argument("--compile-threads", type=int, default=1,
+                  help="parallel compiles (default 1: XLA autotunes jnp.dot on the GPU "
+                       "while compiling, and concurrent autotuning picks noisier kernels)")
   ap.add_argument("--dry-run", action="store_true",
                   help="print the problems and the selected configs; time nothing")
   ap.add_argument("--device-key", default=None,
@@ -146,6 +151,8 @@ def main(argv=None) -> int:
     ap.error(f"--families: unknown {bad}; choose from {','.join(FAMILIES)}")
   if a.iterations < 1:
     ap.error("--iterations must be >= 1")
+  if a.compile_threads < 1:
+    ap.error("--compile-threads must be >= 1")
   plan = problems(fams, a.quick)
   if a.dry_run:
     for fam, label, p in plan:
@@ -162,8 +169,13 @@ def main(argv=None) -> int:
   from wavetune_jax.tuning import evaluate, profiler
   dev = jax.devices()[0]
   print(dev.device_kind, "jax", jax.__version__, flush=True)
-  prof = profiler.Profiler(iterations=a.iterations)
+  prof = profiler.Profiler(iterations=a.iterations, threads=a.compile_threads)
   out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": []}
+  if a.json and os.path.exists(a.json):
+    out = resume(a.json, dev.device_kind)
+    done = {(r["family"], r["label"]) for r in out["rows"]}
+    plan = [t for t in plan if (t[0], t[1]) not in done]
+    print(f"{a.json}: {len(done)} problems on file, {len(plan)} to run", flush=True)
   print(f"{'family':<11}{'problem':<40}{'base us':>10}{'wt us':>10}{'base/wt':>8}  wt config",
         flush=True)
   t0 = time.time()
@@ -198,6 +210,22 @@ def main(argv=None) -> int:
   summarize(out["rows"], evaluate._geomean)
   print(f"elapsed {time.time() - t0:.0f} s", flush=True)
   return 0
+
+
+def resume(path: str, device_kind: str) -> dict:
+  """The rows of an earlier run of this GPU kind (``SystemExit`` otherwise)."""
+  try:
+    with open(path) as f:
+      out = json.load(f)
+    rows = out["rows"]
+    assert isinstance(rows, list) and all("family" in r and "label" in r for r in rows)
+  except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+    raise SystemExit(f"unseen_models: {path} is not a file this script wrote ({e!r}); "
+                     f"move it away or pass another --json") from None
+  if out.get("device_kind") != device_kind:
+    raise SystemExit(f"unseen_models: {path} holds rows of {out.get('device_kind')!r}, "
+                     f"this GPU is {device_kind!r}; pass another --json")
+  return out
 
 
 def speedups(rows) -> dict[str, list[float]]:

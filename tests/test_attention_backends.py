@@ -135,8 +135,8 @@ class TestMosaicAttention(AttentionBackendTests):
                                   "num_stages": 2, "backend": 1})
 
   @pytest.mark.parametrize("shape,kv,causal,match", [
-      ((1, 1001, 4, 128), 1001, True, "multiples of 8"),
-      ((1, 256, 4, 96), 256, True, "head_dim a multiple of 64"),
+      ((1, 256, 4, 104), 256, True, r"head_dim a multiple of 16 in \[64, 256\]; got 104"),
+      ((1, 256, 4, 48), 256, True, "got 48"),
       ((1, 256, 4, 128), 128, True, "q_len <= kv_len"),
   ])
   def test_a_call_it_cannot_run_is_a_value_error(self, shape, kv, causal, match):
@@ -144,6 +144,16 @@ class TestMosaicAttention(AttentionBackendTests):
     k = jnp.ones(shape[:1] + (kv,) + shape[2:], jnp.bfloat16)
     with pytest.raises(ValueError, match=match):
       ATTENTION.validate(problem_of(q, k, causal), self.cfg(self.big))
+
+  def test_tiles_take_the_widest_swizzle_and_lengths_pad_to_8(self):
+    from pallas_kernels.attention import mosaic as kernel
+    assert [kernel.swizzle_bytes(d, 2) for d in (64, 80, 96, 128, 160, 192, 224, 256)] == [
+        128, 32, 64, 128, 64, 128, 64, 128]
+    x = jnp.ones((2, 777, 3, 96), jnp.bfloat16)
+    padded = kernel._pad_seq(x, kernel.SEQ_MULTIPLE)
+    assert padded.shape == (2, 784, 3, 96)
+    assert float(padded[:, 777:].astype(jnp.float32).sum()) == 0.0
+    assert kernel._pad_seq(padded, kernel.SEQ_MULTIPLE) is padded
 
   def test_needs_hopper_and_a_gpu(self):
     p = AttentionProblem(batch=1, q_heads=4, kv_heads=4, q_len=256)
@@ -163,11 +173,15 @@ class TestMosaicAttention(AttentionBackendTests):
     for c in space:  # M1-M3
       assert (c.block_q // 2) * (p.head_dim + c.block_k) // 128 <= 160
     assert not ATTENTION.with_backends(["mosaic"]).space(p, A100)  # Hopper only
-    # Ragged lengths (multiples of 8) have the same configs; others none.
-    for q in (1000, 3000):
+    # Ragged lengths have the same configs, multiples of 8 or not (the
+    # kernel pads those on the device).
+    for q in (1000, 3000, 1001, 2044):
       assert self.backend.space(ATTENTION.with_size(p, q), H100) == space
-    for q in (1001, 2044):
-      assert not self.backend.space(ATTENTION.with_size(p, q), H100)
+    # head_dim: multiples of 16 in [64, 256] (the swizzle of its tiles).
+    for d in (80, 96, 160, 192, 256):
+      assert self.backend.space(dataclasses.replace(p, head_dim=d), H100), d
+    for d in (48, 104, 248):
+      assert not self.backend.space(dataclasses.replace(p, head_dim=d), H100), d
     short = self.backend.space(ATTENTION.with_size(p, 72), H100)
     assert short and all(c.block_q == 128 and c.block_k <= 128 for c in short)
     assert self.backend.size_quantum(p) == 1 and ATTENTION.size_quantum(p) == 1

@@ -26,20 +26,26 @@ K/V buffers, wgmma, one producer warpgroup and two consumer warpgroups of
   elementwise pass over ``q``);
 * under a causal mask, programs run from the last query block (the most KV
   blocks) to the first, so the longest programs start in the first wave;
-* lengths need only be multiples of 8, not of the blocks: TMA zero-fills the
-  rows of a load past the end of an array and drops the rows of a store past
-  it, and the last KV block's scores past ``kv_len`` are masked (upstream
-  needs both lengths multiples of the blocks);
+* any lengths, not multiples of the blocks: TMA zero-fills the rows of a
+  load past the end of an array and drops the rows of a store past it, and the
+  last KV block's scores past ``kv_len`` are masked (upstream needs both
+  lengths multiples of the blocks). Mosaic's TMA tiles the sequence dimension
+  of global memory by 8 rows, so a length that is not a multiple of 8 is
+  padded to one on the device first (``jnp.pad``: one copy of that operand;
+  the padded keys are masked, the padded query rows dropped);
+* any ``head_dim`` from 64 to 256 that is a multiple of 16 (upstream: 64 or
+  128): the shared-memory tiles take the widest swizzle that divides a row
+  (128 bytes for multiples of 64 in 16-bit types, 64 bytes for multiples of
+  32 such as 96, else 32 bytes), so wgmma and TMA run on the rows as they are,
+  with no padding of ``head_dim``;
 * the checks raise ``ValueError`` with what to change.
 
 Layout ``[batch, seq, heads, head_dim]``, grouped-query attention read in place,
 causal masking aligned top-left as in ``jax.nn.dot_product_attention``.
 
 Requirements (checked by :func:`check_shapes`): an NVIDIA GPU of compute
-capability 9.0; bfloat16 or float16; ``head_dim`` a multiple of 64, at most
-256; ``q_len`` and ``kv_len`` multiples of 8 (TMA tiles the sequence
-dimension of global memory as it tiles shared memory); causal only with
-``q_len <= kv_len``.
+capability 9.0; bfloat16 or float16; ``head_dim`` a multiple of 16 in
+[64, 256]; causal only with ``q_len <= kv_len``.
 """
 
 from __future__ import annotations
@@ -56,9 +62,10 @@ from pallas_kernels._launch import (check_ints, match_varying, out_struct,
                                      require_compute_capability)
 from pallas_kernels.attention.common import check_call
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "COMPUTE_CAPABILITY", "NO_INTERPRET", "NUM_WARPS",
-           "SEQ_MULTIPLE", "MosaicAttentionConfig", "attention", "check_device",
-           "check_shapes", "smem_bytes"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "COMPUTE_CAPABILITY", "HEAD_DIM_MAX", "HEAD_DIM_MIN",
+           "HEAD_DIM_MULTIPLE", "NO_INTERPRET", "NUM_WARPS", "SEQ_MULTIPLE",
+           "MosaicAttentionConfig", "attention", "check_device", "check_shapes",
+           "smem_bytes", "swizzle_bytes"]
 
 #: The GPUs the kernel runs on (wgmma and TMA: Hopper).
 COMPUTE_CAPABILITY = "9.0"
@@ -68,9 +75,13 @@ NUM_WARPS = 12
 BLOCK_Q = (128, 256)
 #: KV rows per pipeline step.
 BLOCK_K = (64, 128, 256)
-#: q_len and kv_len must be multiples of this: the TMA copies tile the
-#: sequence dimension of global memory by 8 rows (the shared-memory tiling).
+#: The TMA copies tile the sequence dimension of global memory by 8 rows (the
+#: shared-memory tiling): other lengths are padded to a multiple of this.
 SEQ_MULTIPLE = 8
+#: head_dim: a multiple of this (the narrowest swizzle, 32 bytes of a 16-bit
+#: type), in [HEAD_DIM_MIN, HEAD_DIM_MAX].
+HEAD_DIM_MULTIPLE = 16
+HEAD_DIM_MIN, HEAD_DIM_MAX = 64, 256
 _LOG2E = math.log2(math.e)
 _BARRIER_BYTES = 1024  # barriers and alignment slack
 # JAX 0.10's Mosaic GPU interpreter has no rules for this kernel's
@@ -113,6 +124,13 @@ def smem_bytes(*, block_q: int, block_k: int, num_stages: int, head_dim: int,
   return (block_q + 2 * num_stages * block_k) * head_dim * itemsize + _BARRIER_BYTES
 
 
+def swizzle_bytes(head_dim: int, itemsize: int) -> int:
+  """The shared-memory swizzle of the Q/K/V/O tiles: the widest of 128, 64
+  and 32 bytes that divides a row of ``head_dim`` elements."""
+  row = head_dim * itemsize
+  return next(s for s in (128, 64, 32) if row % s == 0)
+
+
 def check_shapes(q_shape, kv_shape, dtype, *, causal: bool) -> None:
   """Raises ``ValueError`` unless the Mosaic kernel runs a call of these shapes."""
   _, q_len, _, head_dim = q_shape
@@ -120,14 +138,10 @@ def check_shapes(q_shape, kv_shape, dtype, *, causal: bool) -> None:
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     raise ValueError(f"the Mosaic GPU attention kernel takes bfloat16 or float16; "
                      f"got {jnp.dtype(dtype).name}")
-  if head_dim % 64 or head_dim > 256:
-    raise ValueError(f"the Mosaic GPU attention kernel needs head_dim a multiple of 64, "
-                     f"at most 256; got {head_dim} (use a Triton config)")
-  if q_len % SEQ_MULTIPLE or kv_len % SEQ_MULTIPLE:
-    raise ValueError(
-        f"the Mosaic GPU attention kernel needs q_len and kv_len multiples of "
-        f"{SEQ_MULTIPLE} (its TMA copies tile the sequence by {SEQ_MULTIPLE} rows); got "
-        f"q_len={q_len}, kv_len={kv_len} (use a Triton config)")
+  if head_dim % HEAD_DIM_MULTIPLE or not HEAD_DIM_MIN <= head_dim <= HEAD_DIM_MAX:
+    raise ValueError(f"the Mosaic GPU attention kernel needs head_dim a multiple of "
+                     f"{HEAD_DIM_MULTIPLE} in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]; got {head_dim} "
+                     f"(use a Triton config)")
   if causal and q_len > kv_len:
     raise ValueError(f"the Mosaic GPU attention kernel needs q_len <= kv_len under a "
                      f"causal mask; got q_len={q_len}, kv_len={kv_len}")
@@ -167,6 +181,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttenti
                     num_stages=config.num_stages, causal=bool(causal), scale=scale)
 
 
+def _pad_seq(x, multiple: int):
+  """``x`` with its sequence dimension (1) padded with zeros to ``multiple``."""
+  pad = -x.shape[1] % multiple
+  return x if not pad else jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+
+
 @functools.partial(jax.jit, static_argnames=("block_q", "block_k", "num_stages", "causal",
                                              "scale"))
 def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
@@ -175,8 +195,13 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   check_shapes(q.shape, k.shape, q.dtype, causal=causal)
+  q_len = q.shape[1]
+  # Lengths that are not multiples of 8 rows: pad (the keys past kv_seq_len
+  # are masked below; the query rows past q_len are sliced off the output).
+  kv_seq_len = k.shape[1]
+  q, k, v = (_pad_seq(x, SEQ_MULTIPLE) for x in (q, k, v))
   batch_size, q_seq_len, num_q_heads, head_dim = q.shape
-  kv_seq_len, num_kv_heads = k.shape[1], k.shape[2]
+  num_kv_heads = k.shape[2]
   q_heads_per_kv_head = num_q_heads // num_kv_heads
   dtype = q.dtype
   wg_rows = block_q // 2  # rows of one consumer warpgroup
@@ -369,8 +394,9 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
 
   def entry(q_ref, k_ref, v_ref, out_ref):
     compute_wgs = 2
-    tiling = plgpu.TilingTransform((8, 64))
-    swizzle = plgpu.SwizzleTransform(128)
+    swizzle_b = swizzle_bytes(head_dim, jnp.dtype(dtype).itemsize)
+    tiling = plgpu.TilingTransform((8, swizzle_b // jnp.dtype(dtype).itemsize))
+    swizzle = plgpu.SwizzleTransform(swizzle_b)
     qo_scratch = plgpu.SMEM((compute_wgs, wg_rows, head_dim), dtype,
                             transforms=(tiling, swizzle))
     k_scratch = plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), dtype,
@@ -391,7 +417,7 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
     )
 
   (q, k, v), axes = match_varying(q, k, v)
-  return plgpu.kernel(
+  out = plgpu.kernel(
       entry,
       out_type=out_struct(q.shape, dtype, axes),
       grid=(num_q_heads, num_q_tiles, batch_size),
@@ -400,4 +426,5 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v)
+  return out if out.shape[1] == q_len else out[:, :q_len]
 

@@ -16,8 +16,8 @@ __all__ = ["MosaicAttention", "MosaicAttentionConfig"]
 STAGES = (2, 3, 4)
 
 # The space (see MosaicAttention.space), on compute capability 9.0 only:
-#  M1 shape:     head_dim a multiple of 64, q_len and kv_len multiples of 8
-#                (TMA tiling), q_len <= kv_len under a causal mask; no block
+#  M1 shape:     head_dim a multiple of 16 in [64, 256] (the swizzle of its
+#                tiles), q_len <= kv_len under a causal mask; no block
 #                larger than the next power of two of its length (floors: the
 #                smallest blocks, 128 and 64).
 #  M2 smem:      (block_q + 2 * num_stages * block_k) * head_dim * itemsize
@@ -45,9 +45,9 @@ class MosaicAttention(Backend):
 
   @staticmethod
   def _runs_shape(p: AttentionProblem) -> bool:
-    return (p.head_dim % 64 == 0 and p.q_len % kernel.SEQ_MULTIPLE == 0
-            and p.kv_len % kernel.SEQ_MULTIPLE == 0 and not (p.causal and p.q_len > p.kv_len)
-            and not p.lengths and not p.shifted)
+    return (p.head_dim % kernel.HEAD_DIM_MULTIPLE == 0
+            and kernel.HEAD_DIM_MIN <= p.head_dim <= kernel.HEAD_DIM_MAX
+            and not (p.causal and p.q_len > p.kv_len) and not p.lengths and not p.shifted)
 
   def smem_bytes(self, problem: AttentionProblem, c: MosaicAttentionConfig) -> int:
     return kernel.smem_bytes(block_q=c.block_q, block_k=c.block_k, num_stages=c.num_stages,
@@ -82,10 +82,12 @@ class MosaicAttention(Backend):
     return tuple(out)
 
   def size_quantum(self, problem: AttentionProblem) -> int | None:
-    """The space changes at multiples of 8 (rule M1) and the speed with the
-    ragged part of the last blocks: each length is decided on its own."""
+    """The speed changes with the ragged part of the last blocks (and the
+    padding of lengths that are not multiples of 8): each length is decided
+    on its own."""
     p = problem
-    return 1 if p.head_dim % 64 == 0 and not p.lengths and not p.shifted else None
+    return 1 if (p.head_dim % kernel.HEAD_DIM_MULTIPLE == 0 and not p.lengths
+                 and not p.shifted) else None
 
   def validate(self, problem: AttentionProblem, config: MosaicAttentionConfig,
                hw: Hardware | None = None) -> None:
