@@ -1,5 +1,5 @@
-"""cuDNN and XLA as attention backends (rows recorded as baselines), their
-heuristic rule, and the grouped GEMM's split-K rule."""
+"""cuDNN and XLA as attention backends (rows recorded as baselines), the
+attention heuristic's choice of backend, and the grouped GEMM's split-K rule."""
 
 import os
 
@@ -49,6 +49,22 @@ def test_cudnn_where_its_tiles_make_more_than_one_wave(batch, q_len, cudnn):
   p = AttentionProblem(batch=batch, q_heads=32, kv_heads=8, q_len=q_len, head_dim=128)
   # 32 heads x ceil(q_len / 128) x batch query tiles against 132 SMs.
   assert isinstance(ATTENTION.heuristic(p, H200), CudnnAttentionConfig) == cudnn
+
+
+@pytest.mark.parametrize("shape,backend", [
+    # (batch, q_heads, kv_heads, q_len, head_dim): 132 SMs, 128-row tiles.
+    ((1, 32, 32, 2048, 96), "mosaic"),   # above one wave, head_dim not a multiple of 64
+    ((2, 16, 16, 1000, 160), "mosaic"),
+    ((1, 16, 16, 2000, 192), "cudnn"),   # a multiple of 64: cuDNN above one wave
+    ((4, 32, 32, 777, 96), "cudnn"),     # the Mosaic kernel would pad 777
+    ((1, 16, 8, 777, 256), "cudnn"),     # 112 programs, in Mosaic's band, but padded
+    ((1, 16, 8, 776, 128), "mosaic"),    # the same band, no padding
+    ((1, 16, 8, 200, 128), "triton"),    # fewer programs than half the SMs
+])
+def test_heuristic_backend_by_waves_head_dim_and_padding(shape, backend):
+  b, h, hk, q, d = shape
+  p = AttentionProblem(batch=b, q_heads=h, kv_heads=hk, q_len=q, head_dim=d)
+  assert ATTENTION.backend_of(ATTENTION.heuristic(p, H200)).name == backend
 
 
 def test_cudnn_refuses_what_it_does_not_run():

@@ -15,6 +15,7 @@ import dataclasses
 import jax
 
 from wavetune_jax.core.hardware import Hardware
+from wavetune_jax.families.attention import mosaic
 from wavetune_jax.families.attention.problem import AttentionProblem, coords
 from wavetune_jax.families.attention.xla import NOMINAL_BLOCK, LibraryAttention
 
@@ -83,11 +84,22 @@ class CudnnAttention(LibraryAttention):
     more than one wave; None (a Pallas kernel with smaller tiles) where they
     do not fill the SMs. On the H100 and H200 sweeps every problem of one
     wave or less ran 1.0-1.27x faster with a Pallas kernel, and cuDNN won at
-    most sizes above."""
+    most sizes above. Two exceptions, from the H100's
+    ``benchmarks/attention_mosaic.py --coverage``: above one wave the Mosaic
+    kernel keeps head_dims that are not multiples of 64
+    (:func:`~wavetune_jax.families.attention.mosaic.wins_above_one_wave`); and where the programs
+    fill half the SMs or more but the Mosaic kernel would pad the lengths
+    (not multiples of 8), cuDNN takes the shape (Mosaic there 0.53-0.63x
+    cuDNN at 777 tokens, Triton 0.66-0.82x)."""
     if self._why_not(problem, hw):
       return None
     g, _ = coords(problem, NOMINAL_BLOCK, NOMINAL_BLOCK)
-    return None if g <= hw.num_sms else CudnnAttentionConfig()
+    if g > hw.num_sms:
+      return None if mosaic.wins_above_one_wave(problem, hw) else CudnnAttentionConfig()
+    if (g >= hw.num_sms // 2 and problem.q_len >= NOMINAL_BLOCK and mosaic.pads(problem)
+        and hw.compute_capability == mosaic.kernel.COMPUTE_CAPABILITY):
+      return CudnnAttentionConfig()
+    return None
 
   def run(self, problem: AttentionProblem, config, q, k, v, kv_lengths=None, *,
           interpret: bool = False, scale: float | None = None):

@@ -11,7 +11,7 @@ from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.attention.problem import AttentionProblem, coords, next_pow2
 
-__all__ = ["MosaicAttention", "MosaicAttentionConfig"]
+__all__ = ["MosaicAttention", "MosaicAttentionConfig", "pads", "wins_above_one_wave"]
 
 STAGES = (2, 3, 4)
 
@@ -104,19 +104,26 @@ class MosaicAttention(Backend):
           f"config {config} needs {self.smem_bytes(p, config)} bytes of shared "
           f"memory; {hw.name} allows {hw.smem_per_block} per block")
 
+  HEURISTIC = MosaicAttentionConfig(block_q=128, block_k=128, num_stages=2)
+
   def heuristic(self, problem: AttentionProblem, hw: Hardware) -> MosaicAttentionConfig | None:
-    """128x128 tiles with 2 stages where the kernel runs the shape, ``q_len``
-    is at least its 128-row block and its programs fill half the SMs; else
-    None (the Triton backend answers). That config is the oracle of 66 of the
-    90 problems of the H100 sweep and 67 of the H200's (``wavetune report``
-    lists each problem's oracle); with the Triton heuristic elsewhere this
-    reaches 0.985 and 0.984 of the oracle (geomean) on them."""
+    """128x128 tiles with 2 stages where the kernel runs the shape without
+    padding its lengths, ``q_len`` is at least its 128-row block and its
+    programs fill half the SMs but not more than all of them (above, cuDNN
+    answers first), or any number of them when ``head_dim`` is not a multiple
+    of 64 (:func:`wins_above_one_wave`); else None (the Triton backend
+    answers). That config is the oracle of 66 of the 90 problems of the H100
+    sweep and 67 of the H200's (``wavetune report`` lists each problem's
+    oracle); with the Triton heuristic elsewhere this reaches 0.985 and 0.984
+    of the oracle (geomean) on them."""
     p = problem
-    c = MosaicAttentionConfig(block_q=128, block_k=128, num_stages=2)
-    if (p.q_len >= c.block_q and p.batch * p.q_heads * -(-p.q_len // 128) >= hw.num_sms // 2
+    c = self.HEURISTIC
+    if (p.q_len >= c.block_q and not pads(p)
+        and p.batch * p.q_heads * -(-p.q_len // c.block_q) >= hw.num_sms // 2
         and c in self.space(p, hw)):
       return c
     return None
+
 
   def occupancy_bound(self, problem, config, hw: Hardware) -> int:
     # 2 x 128 threads at 232 registers and 128 at 40 take the register file.
@@ -131,3 +138,20 @@ class MosaicAttention(Backend):
     if interpret:
       raise NotImplementedError(kernel.NO_INTERPRET)
     return kernel.attention(q, k, v, config=config, causal=problem.causal, scale=scale)
+
+
+def pads(p: AttentionProblem) -> bool:
+  """Whether the kernel pads this call's lengths on the device first (a
+  copy of each operand: 0.53-0.84x cuDNN on the H100 at 777-2,500 tokens,
+  ``benchmarks/attention_mosaic.py --coverage``)."""
+  return bool(p.q_len % kernel.SEQ_MULTIPLE or p.kv_len % kernel.SEQ_MULTIPLE)
+
+
+def wins_above_one_wave(p: AttentionProblem, hw: Hardware) -> bool:
+  """Where the heuristic keeps the Mosaic config above one wave: head_dim
+  not a multiple of 64 (80, 96, 160: the kernel runs the rows as they are,
+  with a narrower swizzle), lengths that need no padding. On the H100 it ran
+  1.09-1.15x cuDNN on four such problems above one wave, and 0.97x at
+  head_dim 192 and 256 (``benchmarks/attention_mosaic.py --coverage``)."""
+  return (p.head_dim % 64 != 0 and not pads(p) and MosaicAttention._runs_shape(p)
+          and hw.compute_capability == kernel.COMPUTE_CAPABILITY)
