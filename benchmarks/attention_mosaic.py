@@ -98,7 +98,8 @@ def main():
                          head_dim=d, causal=causal, dtype=a.dtype)
     args = ATTENTION.inputs(p, jax.random.PRNGKey(0))
     ref = ATTENTION.reference(p, *args)
-    mosaic = [c for c in ATTENTION.space(p, hw) if isinstance(c, MosaicAttentionConfig)]
+    mosaic = [c for c in ATTENTION.space(p, hw, prune=False)
+              if isinstance(c, MosaicAttentionConfig)]
     triton = [c for c in TRITON if c in ATTENTION.backend("triton").space(p, hw, prune=False)]
     names = ([f"triton {c.block_q}/{c.block_k}/{c.num_warps}/{c.num_stages}" for c in triton]
              + [f"mosaic {c.block_q}/{c.block_k}/{c.num_stages}" for c in mosaic])

@@ -21,7 +21,7 @@ Each is checked against the float32 reference first. The summary gives
 ``--device-key`` without a GPU (what the CPU test runs).
 
     python3 benchmarks/unseen_models.py [--families matmul,attention,decode,ragged_dot]
-        [--quick] [--json out.json]
+        [--models NAMES] [--quick] [--json out.json]
     python3 benchmarks/unseen_models.py --dry-run --device-key nvidia_h100_80gb_hbm3
 """
 
@@ -69,11 +69,14 @@ def gemm_weights(c: dict) -> dict:
           "down": (c["ffn"], h)}
 
 
-def problems(families, quick: bool) -> list[tuple[str, str, object]]:
-  """``(family, label, problem)`` for every problem of the selected families."""
+def problems(families, quick: bool, models=None) -> list[tuple[str, str, object]]:
+  """``(family, label, problem)`` for every problem of the selected families
+  (and models, if given)."""
   pick = (lambda v: v[::2]) if quick else (lambda v: v)
   out = []
   for name, c in DENSE.items():
+    if models and name not in models:
+      continue
     if "matmul" in families:
       for w, (k, n) in gemm_weights(c).items():
         out += [("matmul", f"{name}.{w} M={m}", MatmulProblem(m=m, n=n, k=k))
@@ -90,6 +93,8 @@ def problems(families, quick: bool) -> list[tuple[str, str, object]]:
               for b in DECODE_BATCH for L in pick(DECODE_CACHE)]
   if "ragged_dot" in families:
     for name, c in MOE.items():
+      if models and name not in models:
+        continue
       for w, (k, n) in {"w13": (c["hidden"], 2 * c["ffn"]),
                         "w2": (c["ffn"], c["hidden"])}.items():
         out += [("ragged_dot", f"{name}.{w} tokens={t}",
@@ -133,6 +138,8 @@ def main(argv=None) -> int:
   ap.add_argument("--families", default=",".join(FAMILIES),
                   help=f"comma-separated, of {','.join(FAMILIES)}")
   ap.add_argument("--quick", action="store_true", help="every other size")
+  ap.add_argument("--models", default="",
+                  help=f"comma-separated, of {','.join([*DENSE, *MOE])} (default: all)")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None,
                   help="write every row here (after each problem); problems already in "
@@ -153,7 +160,11 @@ def main(argv=None) -> int:
     ap.error("--iterations must be >= 1")
   if a.compile_threads < 1:
     ap.error("--compile-threads must be >= 1")
-  plan = problems(fams, a.quick)
+  models = tuple(m.strip() for m in a.models.split(",") if m.strip())
+  bad = sorted(set(models) - set(DENSE) - set(MOE))
+  if bad:
+    ap.error(f"--models: unknown {bad}; choose from {','.join([*DENSE, *MOE])}")
+  plan = problems(fams, a.quick, models)
   if a.dry_run:
     for fam, label, p in plan:
       spec = SPECS[fam]

@@ -173,10 +173,13 @@ class TestMosaicAttention(AttentionBackendTests):
     for c in space:  # M1-M3
       assert (c.block_q // 2) * (p.head_dim + c.block_k) // 128 <= 160
     assert not ATTENTION.with_backends(["mosaic"]).space(p, A100)  # Hopper only
-    # Ragged lengths have the same configs, multiples of 8 or not (the
-    # kernel pads those on the device).
-    for q in (1000, 3000, 1001, 2044):
+    # Ragged lengths have the same configs; those the kernel would pad on the
+    # device (not multiples of 8) only unpruned (rule M4).
+    for q in (1000, 3000):
       assert self.backend.space(ATTENTION.with_size(p, q), H100) == space
+    for q in (1001, 2044):
+      assert not self.backend.space(ATTENTION.with_size(p, q), H100)
+      assert self.backend.space(ATTENTION.with_size(p, q), H100, prune=False) == space
     # head_dim: multiples of 16 in [64, 256] (the swizzle of its tiles).
     for d in (80, 96, 160, 192, 256):
       assert self.backend.space(dataclasses.replace(p, head_dim=d), H100), d

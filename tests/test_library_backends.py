@@ -55,6 +55,7 @@ def test_cudnn_where_its_tiles_make_more_than_one_wave(batch, q_len, cudnn):
     # (batch, q_heads, kv_heads, q_len, head_dim): 132 SMs, 128-row tiles.
     ((1, 32, 32, 2048, 96), "mosaic"),   # above one wave, head_dim not a multiple of 64
     ((2, 16, 16, 1000, 160), "mosaic"),
+    ((6, 32, 32, 200, 96), "cudnn"),     # ... from 1,000 tokens
     ((1, 16, 16, 2000, 192), "cudnn"),   # a multiple of 64: cuDNN above one wave
     ((4, 32, 32, 777, 96), "cudnn"),     # the Mosaic kernel would pad 777
     ((1, 16, 8, 777, 256), "cudnn"),     # 112 programs, in Mosaic's band, but padded

@@ -25,6 +25,10 @@ STAGES = (2, 3, 4)
 #  M3 registers: fp32 accumulator and scores per consumer thread,
 #                (block_q / 2) * (head_dim + block_k) / 128, at most 160 of
 #                the 232 registers a consumer warpgroup gets.
+#  M4 padding:   (pruning) no config where q_len or kv_len is not a multiple
+#                of 8: the kernel pads them on the device, and those copies
+#                ran it at 0.53-0.84x cuDNN on the H100; the wave models,
+#                fitted on unpadded calls, do not see that cost.
 
 
 class MosaicAttention(Backend):
@@ -55,9 +59,9 @@ class MosaicAttention(Backend):
 
   def space(self, problem: AttentionProblem, hw: Hardware, *,
             prune: bool = True) -> tuple[MosaicAttentionConfig, ...]:
-    """Rules M1-M3 (the same with ``prune=False``: they are validity)."""
+    """Rules M1-M4 (M1-M3 with ``prune=False``: they are validity)."""
     p = problem
-    if not self._runs_shape(p):
+    if not self._runs_shape(p) or (prune and pads(p)):
       return ()
     # Rule M1 sees the lengths only through next_pow2, capped at the largest
     # block: problems of any other length share one cached space.
@@ -147,11 +151,20 @@ def pads(p: AttentionProblem) -> bool:
   return bool(p.q_len % kernel.SEQ_MULTIPLE or p.kv_len % kernel.SEQ_MULTIPLE)
 
 
+#: The shortest q_len at which the Mosaic config beat cuDNN above one wave
+#: with a head_dim that is not a multiple of 64 (H100; at 200 tokens it ran
+#: at 0.87x).
+WIDE_MIN_Q_LEN = 1000
+
+
 def wins_above_one_wave(p: AttentionProblem, hw: Hardware) -> bool:
   """Where the heuristic keeps the Mosaic config above one wave: head_dim
   not a multiple of 64 (80, 96, 160: the kernel runs the rows as they are,
-  with a narrower swizzle), lengths that need no padding. On the H100 it ran
-  1.09-1.15x cuDNN on four such problems above one wave, and 0.97x at
-  head_dim 192 and 256 (``benchmarks/attention_mosaic.py --coverage``)."""
-  return (p.head_dim % 64 != 0 and not pads(p) and MosaicAttention._runs_shape(p)
+  with a narrower swizzle), lengths that need no padding, ``q_len`` from
+  :data:`WIDE_MIN_Q_LEN`. On the H100 it ran 1.09-1.15x cuDNN on five such
+  problems of 1,000-6,000 tokens, 0.87x at 200 tokens (batch 6, 32 heads,
+  head_dim 96), and 0.97x at head_dim 192 and 256
+  (``benchmarks/attention_mosaic.py --coverage``, ``benchmarks/unseen_models.py``)."""
+  return (p.head_dim % 64 != 0 and p.q_len >= WIDE_MIN_Q_LEN and not pads(p)
+          and MosaicAttention._runs_shape(p)
           and hw.compute_capability == kernel.COMPUTE_CAPABILITY)
