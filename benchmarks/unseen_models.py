@@ -23,6 +23,7 @@ Each is checked against the float32 reference first. The summary gives
     python3 benchmarks/unseen_models.py [--families matmul,attention,decode,ragged_dot]
         [--models NAMES] [--quick] [--json out.json]
     python3 benchmarks/unseen_models.py --dry-run --device-key nvidia_h100_80gb_hbm3
+    python3 benchmarks/unseen_models.py --report out.json [more.json ...]
 """
 
 from __future__ import annotations
@@ -147,6 +148,9 @@ def main(argv=None) -> int:
   ap.add_argument("--compile-threads", type=int, default=1,
                   help="parallel compiles (default 1: XLA autotunes jnp.dot on the GPU "
                        "while compiling, and concurrent autotuning picks noisier kernels)")
+  ap.add_argument("--report", nargs="+", metavar="JSON", default=None,
+                  help="summarize files this script wrote (a later file's row replaces "
+                       "an earlier one of the same problem); times nothing")
   ap.add_argument("--dry-run", action="store_true",
                   help="print the problems and the selected configs; time nothing")
   ap.add_argument("--device-key", default=None,
@@ -160,6 +164,8 @@ def main(argv=None) -> int:
     ap.error("--iterations must be >= 1")
   if a.compile_threads < 1:
     ap.error("--compile-threads must be >= 1")
+  if a.report:
+    return report(a.report, fams, a.models)
   models = tuple(m.strip() for m in a.models.split(",") if m.strip())
   bad = sorted(set(models) - set(DENSE) - set(MOE))
   if bad:
@@ -237,6 +243,39 @@ def resume(path: str, device_kind: str) -> dict:
     raise SystemExit(f"unseen_models: {path} holds rows of {out.get('device_kind')!r}, "
                      f"this GPU is {device_kind!r}; pass another --json")
   return out
+
+
+def report(paths, families, models: str) -> int:
+  """Prints the rows of ``paths`` (the last row of each problem) and the
+  per-family summary, for the selected families and models."""
+  rows: dict = {}
+  kinds = set()
+  for path in paths:
+    try:
+      with open(path) as f:
+        out = json.load(f)
+      kinds.add(out["device_kind"])
+      for r in out["rows"]:
+        rows[(r["family"], r["label"])] = r
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      print(f"unseen_models: {path} is not a file this script wrote ({e!r})", file=sys.stderr)
+      return 2
+  if len(kinds) > 1:
+    print(f"unseen_models: the files hold rows of several GPUs {sorted(kinds)}", file=sys.stderr)
+    return 2
+  names = tuple(m.strip() for m in models.split(",") if m.strip())
+  keep = [r for r in rows.values() if r["family"] in families
+          and (not names or r["label"].split(" ")[0].split(".")[0] in names)]
+  print(*kinds, f"{len(keep)} problems")
+  for r in keep:
+    base = min((v for k, v in r["us"].items() if k != "wt" and v), default=math.nan)
+    w = r["us"].get("wt") or math.nan
+    c = r["config"]
+    print(f"{r['family']:<11}{r['label']:<40}{base:10.1f}{w:10.1f}{base / w:8.3f}  "
+          f"{c['backend']}")
+  from wavetune_jax.tuning import evaluate
+  summarize(keep, evaluate._geomean)
+  return 0
 
 
 def speedups(rows) -> dict[str, list[float]]:
