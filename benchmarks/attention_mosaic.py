@@ -4,7 +4,8 @@ Measures, on the same CUPTI timer, with the same checks against the float32
 reference, on six aligned Llama shapes (head_dim 128), with ``--ragged`` on
 shapes whose lengths are not multiples of the blocks (the suite's 1000 and
 3000, and small odd ones that check the masking of ragged ends), or with
-``--coverage`` on head_dim 80-256 and lengths that are not multiples of 8:
+``--coverage`` on head_dim 80-256 and lengths that are not multiples of 8, or
+with ``--short`` on one sequence of 200-500 tokens (below one wave):
 
 * "triton": four configs of the Triton kernel that are often the sweep's oracle;
 * "mosaic": the Mosaic GPU backend (``pallas_kernels.attention.mosaic``,
@@ -16,7 +17,7 @@ shapes whose lengths are not multiples of the blocks (the suite's 1000 and
   float16", JAX 0.11.2) and is left out; ``--dtype float16`` times it;
 * cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``).
 
-    python3 benchmarks/attention_mosaic.py [--quick] [--ragged | --coverage] [--dtype bfloat16|float16]
+    python3 benchmarks/attention_mosaic.py [--quick] [--ragged | --coverage | --short] [--dtype bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ TRITON = [TritonAttentionConfig(block_q=128, block_k=128, num_warps=8, num_stage
           TritonAttentionConfig(block_q=64, block_k=64, num_warps=4, num_stages=3),
           TritonAttentionConfig(block_q=128, block_k=64, num_warps=4, num_stages=2),
           TritonAttentionConfig(block_q=64, block_k=32, num_warps=4, num_stages=3)]
+# The Triton heuristic's choices below one wave (--short).
+SHORT_TRITON = [TritonAttentionConfig(block_q=32, block_k=128, num_warps=4, num_stages=2),
+                TritonAttentionConfig(block_q=32, block_k=64, num_warps=4, num_stages=3),
+                TritonAttentionConfig(block_q=32, block_k=128, num_warps=4, num_stages=3),
+                TritonAttentionConfig(block_q=64, block_k=128, num_warps=4, num_stages=2)]
 # JAX's kernel: (block_q per warpgroup, block_kv, max_concurrent_steps)
 JAX_MGPU = [(64, 64, 2), (64, 128, 2), (64, 128, 3)]
 KINDS = ("triton", "mosaic", "jax-mgpu")
@@ -50,6 +56,11 @@ RAGGED = [
     (2, 32, 8, 1000, 1000, False, 128), (2, 16, 2, 1000, 1000, True, 64),
     (1, 8, 8, 24, 1000, False, 128), (1, 8, 2, 200, 520, True, 128),
     (1, 8, 2, 72, 72, True, 256), (1, 4, 4, 8, 8, True, 128)]
+# One sequence of a few hundred tokens (programs below one wave): where the
+# Triton heuristic answers, at lengths that are and are not multiples of its
+# 64-row blocks.
+SHORT = [(1, h, hk, L, L, True, d) for L in (200, 256, 333, 500)
+         for h, hk, d in ((28, 4, 128), (32, 32, 96), (16, 8, 256))]
 # head_dim other than 64/128 and lengths that are not multiples of 8 (the
 # Mosaic kernel pads those on the device): Phi-3-mini (32/32, 96), Gemma-2
 # (16/8, 256), and 80 / 160 / 192 / 224 for the narrower swizzles.
@@ -83,12 +94,16 @@ def main():
                   help="lengths that are not multiples of the blocks")
   ap.add_argument("--coverage", action="store_true",
                   help="head_dim 80-256 and lengths that are not multiples of 8")
+  ap.add_argument("--short", action="store_true",
+                  help="one sequence of 200-500 tokens, more Triton configs")
   ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
   a = ap.parse_args()
   print(jax.devices()[0].device_kind, jax.__version__, a.dtype)
   hw = hardware.detect()
   prof = profiler.Profiler(iterations=20)
-  shapes = COVERAGE if a.coverage else RAGGED if a.ragged else SHAPES
+  shapes = (COVERAGE if a.coverage else SHORT if a.short else RAGGED if a.ragged
+            else SHAPES)
+  triton_configs = TRITON + (SHORT_TRITON if a.short else [])
   shapes = shapes[:2] if a.quick else shapes
   ratios = {k: [] for k in KINDS}
   print(f"{'problem':<46}" + "".join(f"{k:>10}" for k in KINDS) + f"{'cudnn':>9}   "
@@ -100,7 +115,7 @@ def main():
     ref = ATTENTION.reference(p, *args)
     mosaic = [c for c in ATTENTION.space(p, hw, prune=False)
               if isinstance(c, MosaicAttentionConfig)]
-    triton = [c for c in TRITON if c in ATTENTION.backend("triton").space(p, hw, prune=False)]
+    triton = [c for c in triton_configs if c in ATTENTION.backend("triton").space(p, hw, prune=False)]
     names = ([f"triton {c.block_q}/{c.block_k}/{c.num_warps}/{c.num_stages}" for c in triton]
              + [f"mosaic {c.block_q}/{c.block_k}/{c.num_stages}" for c in mosaic])
     fns = [ATTENTION.build(p, c) for c in triton + mosaic]
