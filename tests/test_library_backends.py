@@ -60,7 +60,10 @@ def test_cudnn_where_its_tiles_make_more_than_one_wave(batch, q_len, cudnn):
     ((4, 32, 32, 777, 96), "cudnn"),     # the Mosaic kernel would pad 777
     ((1, 16, 8, 777, 256), "cudnn"),     # 112 programs, in Mosaic's band, but padded
     ((1, 16, 8, 776, 128), "mosaic"),    # the same band, no padding
-    ((1, 16, 8, 200, 128), "triton"),    # fewer programs than half the SMs
+    ((1, 16, 8, 256, 128), "triton"),    # fewer programs than half the SMs
+    ((1, 8, 1, 1000, 128), "triton"),    # ... recomputing 24 of 1,000 rows
+    ((1, 28, 4, 200, 128), "mosaic"),    # ... recomputing 56 of 200 rows in Triton
+    ((1, 16, 8, 200, 256), "mosaic"),
 ])
 def test_heuristic_backend_by_waves_head_dim_and_padding(shape, backend):
   b, h, hk, q, d = shape

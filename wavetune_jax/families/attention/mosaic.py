@@ -11,7 +11,8 @@ from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.attention.problem import AttentionProblem, coords, next_pow2
 
-__all__ = ["MosaicAttention", "MosaicAttentionConfig", "pads", "wins_above_one_wave"]
+__all__ = ["MosaicAttention", "MosaicAttentionConfig", "pads", "triton_recompute",
+           "wins_above_one_wave"]
 
 STAGES = (2, 3, 4)
 
@@ -109,6 +110,9 @@ class MosaicAttention(Backend):
           f"memory; {hw.name} allows {hw.smem_per_block} per block")
 
   HEURISTIC = MosaicAttentionConfig(block_q=128, block_k=128, num_stages=2)
+  #: Below half the SMs, where the Triton kernel would recompute much of
+  #: its last query block (see :func:`triton_recompute`).
+  SHORT = MosaicAttentionConfig(block_q=128, block_k=64, num_stages=2)
 
   def heuristic(self, problem: AttentionProblem, hw: Hardware) -> MosaicAttentionConfig | None:
     """128x128 tiles with 2 stages where the kernel runs the shape without
@@ -116,16 +120,20 @@ class MosaicAttention(Backend):
     programs fill half the SMs but not more than all of them (above, cuDNN
     answers first), or any number of them when ``head_dim`` is not a multiple
     of 64 (:func:`wins_above_one_wave`); else None (the Triton backend
-    answers). That config is the oracle of 66 of the 90 problems of the H100
+    answers). Below half the SMs, 128x64 tiles where the Triton kernel
+    would recompute more than :data:`SHORT_RECOMPUTE` of its rows. The
+    128x128 config is the oracle of 66 of the 90 problems of the H100
     sweep and 67 of the H200's (``wavetune report`` lists each problem's
     oracle); with the Triton heuristic elsewhere this reaches 0.985 and 0.984
     of the oracle (geomean) on them."""
     p = problem
     c = self.HEURISTIC
-    if (p.q_len >= c.block_q and not pads(p)
-        and p.batch * p.q_heads * -(-p.q_len // c.block_q) >= hw.num_sms // 2
-        and c in self.space(p, hw)):
-      return c
+    if p.q_len < c.block_q or pads(p):
+      return None
+    if p.batch * p.q_heads * -(-p.q_len // c.block_q) >= hw.num_sms // 2:
+      return c if c in self.space(p, hw) else None
+    if triton_recompute(p) > SHORT_RECOMPUTE and self.SHORT in self.space(p, hw):
+      return self.SHORT
     return None
 
 
@@ -149,6 +157,23 @@ def pads(p: AttentionProblem) -> bool:
   copy of each operand: 0.53-0.84x cuDNN on the H100 at 777-2,500 tokens,
   ``benchmarks/attention_mosaic.py --coverage``)."""
   return bool(p.q_len % kernel.SEQ_MULTIPLE or p.kv_len % kernel.SEQ_MULTIPLE)
+
+
+#: Below half the SMs the Triton heuristic takes 64-row query blocks; when
+#: q_len is not a multiple of 64 its last block is shifted back to end on the
+#: last row and the overlap is computed twice. Above this share of q_len
+#: (200 tokens: 56 of 200 rows), the Mosaic kernel answers instead: on the
+#: H100 at 200 tokens (28/4, 32/32 and 16/8 heads; head_dim 128, 96, 256) it
+#: ran 1.01-1.12x cuDNN where the Triton config ran 0.89-0.91x
+#: (``benchmarks/attention_mosaic.py --short``). No problem of the training
+#: suite is above it.
+SHORT_RECOMPUTE = 1 / 8
+
+
+def triton_recompute(p: AttentionProblem, block_q: int = 64) -> float:
+  """The share of ``q_len`` a Triton program of ``block_q`` rows computes
+  twice (its last block shifted back to end on the last row)."""
+  return (-p.q_len % block_q) / p.q_len
 
 
 #: The shortest q_len at which the Mosaic config beat cuDNN above one wave
