@@ -90,12 +90,13 @@ def jax_mgpu_fn(causal: bool, block_q: int, block_kv: int, steps: int):
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true", help="first two shapes only")
-  ap.add_argument("--ragged", action="store_true",
-                  help="lengths that are not multiples of the blocks")
-  ap.add_argument("--coverage", action="store_true",
-                  help="head_dim 80-256 and lengths that are not multiples of 8")
-  ap.add_argument("--short", action="store_true",
-                  help="one sequence of 200-500 tokens, more Triton configs")
+  which = ap.add_mutually_exclusive_group()
+  which.add_argument("--ragged", action="store_true",
+                     help="lengths that are not multiples of the blocks")
+  which.add_argument("--coverage", action="store_true",
+                     help="head_dim 80-256 and lengths that are not multiples of 8")
+  which.add_argument("--short", action="store_true",
+                     help="one sequence of 200-500 tokens, more Triton configs")
   ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
   a = ap.parse_args()
   print(jax.devices()[0].device_kind, jax.__version__, a.dtype)
@@ -103,6 +104,7 @@ def main():
   prof = profiler.Profiler(iterations=20)
   shapes = (COVERAGE if a.coverage else SHORT if a.short else RAGGED if a.ragged
             else SHAPES)
+  aligned = shapes is SHAPES
   triton_configs = TRITON + (SHORT_TRITON if a.short else [])
   shapes = shapes[:2] if a.quick else shapes
   ratios = {k: [] for k in KINDS}
@@ -119,7 +121,7 @@ def main():
     names = ([f"triton {c.block_q}/{c.block_k}/{c.num_warps}/{c.num_stages}" for c in triton]
              + [f"mosaic {c.block_q}/{c.block_k}/{c.num_stages}" for c in mosaic])
     fns = [ATTENTION.build(p, c) for c in triton + mosaic]
-    if a.dtype == "float16" and shapes is SHAPES:  # JAX's kernel needs aligned lengths
+    if a.dtype == "float16" and aligned:  # JAX's kernel needs aligned lengths
       names += [f"jax-mgpu {bq}/{bk}/{st}" for bq, bk, st in JAX_MGPU]
       fns += [jax_mgpu_fn(causal, *m) for m in JAX_MGPU]
     names.append("cudnn")

@@ -229,16 +229,31 @@ def main(argv=None) -> int:
   return 0
 
 
-def resume(path: str, device_kind: str) -> dict:
-  """The rows of an earlier run of this GPU kind (``SystemExit`` otherwise)."""
+ROW_KEYS = ("family", "label", "problem", "config", "us", "status")
+
+
+def _read(path: str) -> dict:
+  """A file this script wrote; ``ValueError`` naming what is wrong."""
   try:
     with open(path) as f:
       out = json.load(f)
-    rows = out["rows"]
-    assert isinstance(rows, list) and all("family" in r and "label" in r for r in rows)
-  except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
-    raise SystemExit(f"unseen_models: {path} is not a file this script wrote ({e!r}); "
-                     f"move it away or pass another --json") from None
+  except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path} is not readable JSON ({type(e).__name__})") from None
+  rows = out.get("rows") if isinstance(out, dict) else None
+  if (not isinstance(rows, list) or not isinstance(out.get("device_kind"), str)
+      or not all(isinstance(r, dict) and all(k in r for k in ROW_KEYS)
+                 and r["family"] in FAMILIES and isinstance(r["us"], dict) for r in rows)):
+    raise ValueError(f"{path} is not a file this script wrote (no device_kind, or rows "
+                     f"without {', '.join(ROW_KEYS)})")
+  return out
+
+
+def resume(path: str, device_kind: str) -> dict:
+  """The rows of an earlier run of this GPU kind (``SystemExit`` otherwise)."""
+  try:
+    out = _read(path)
+  except ValueError as e:
+    raise SystemExit(f"unseen_models: {e}; move it away or pass another --json") from None
   if out.get("device_kind") != device_kind:
     raise SystemExit(f"unseen_models: {path} holds rows of {out.get('device_kind')!r}, "
                      f"this GPU is {device_kind!r}; pass another --json")
@@ -246,33 +261,48 @@ def resume(path: str, device_kind: str) -> dict:
 
 
 def report(paths, families, models: str) -> int:
-  """Prints the rows of ``paths`` (the last row of each problem) and the
-  per-family summary, for the selected families and models."""
-  rows: dict = {}
+  """Prints, per problem of the selected families and models, the last row
+  of ``paths`` that ran the config the selector picks today (else its last
+  row, marked ``older selection``), and the per-family summary."""
+  found: dict = {}
   kinds = set()
   for path in paths:
     try:
-      with open(path) as f:
-        out = json.load(f)
-      kinds.add(out["device_kind"])
-      for r in out["rows"]:
-        rows[(r["family"], r["label"])] = r
-    except (OSError, ValueError, KeyError, TypeError) as e:
-      print(f"unseen_models: {path} is not a file this script wrote ({e!r})", file=sys.stderr)
+      out = _read(path)
+    except ValueError as e:
+      print(f"unseen_models: {e}", file=sys.stderr)
       return 2
+    kinds.add(out["device_kind"])
+    for r in out["rows"]:
+      found.setdefault((r["family"], r["label"]), []).append(r)
   if len(kinds) > 1:
     print(f"unseen_models: the files hold rows of several GPUs {sorted(kinds)}", file=sys.stderr)
     return 2
   names = tuple(m.strip() for m in models.split(",") if m.strip())
-  keep = [r for r in rows.values() if r["family"] in families
-          and (not names or r["label"].split(" ")[0].split(".")[0] in names)]
-  print(*kinds, f"{len(keep)} problems")
+  bad = sorted(set(names) - set(DENSE) - set(MOE))
+  if bad:
+    print(f"unseen_models: --models: unknown {bad}", file=sys.stderr)
+    return 2
+  hw = wt.device_key(next(iter(kinds))) if kinds else None
+  plan = {(f, label): p for f, label, p in problems(FAMILIES, False)}
+  keep, older = [], []
+  for key, rs in found.items():
+    if key[0] not in families or (names and key[1].split(" ")[0].split(".")[0] not in names):
+      continue
+    p = plan.get(key)
+    today = (SPECS[key[0]].config_to_dict(wt.select(key[0], p, hw).config)
+             if p is not None else None)
+    now = [r for r in rs if r["config"] == today]
+    keep.append(now[-1] if now else rs[-1])
+    if not now:
+      older.append(key[1])
+  print(*kinds, f"{len(keep)} problems, {len(older)} measured with an older selection")
   for r in keep:
     base = min((v for k, v in r["us"].items() if k != "wt" and v), default=math.nan)
     w = r["us"].get("wt") or math.nan
     c = r["config"]
     print(f"{r['family']:<11}{r['label']:<40}{base:10.1f}{w:10.1f}{base / w:8.3f}  "
-          f"{c['backend']}")
+          f"{c['backend']}{'  (older selection)' if r['label'] in older else ''}")
   from wavetune_jax.tuning import evaluate
   summarize(keep, evaluate._geomean)
   return 0

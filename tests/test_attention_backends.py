@@ -185,6 +185,7 @@ class TestMosaicAttention(AttentionBackendTests):
       assert self.backend.space(dataclasses.replace(p, head_dim=d), H100), d
     for d in (48, 104, 248):
       assert not self.backend.space(dataclasses.replace(p, head_dim=d), H100), d
+    assert self.backend.size_quantum(dataclasses.replace(p, head_dim=48)) is None
     short = self.backend.space(ATTENTION.with_size(p, 72), H100)
     assert short and all(c.block_q == 128 and c.block_k <= 128 for c in short)
     assert self.backend.size_quantum(p) == 1 and ATTENTION.size_quantum(p) == 1

@@ -63,12 +63,33 @@ def test_cudnn_where_its_tiles_make_more_than_one_wave(batch, q_len, cudnn):
     ((1, 16, 8, 256, 128), "triton"),    # fewer programs than half the SMs
     ((1, 8, 1, 1000, 128), "triton"),    # ... recomputing 24 of 1,000 rows
     ((1, 28, 4, 200, 128), "mosaic"),    # ... recomputing 56 of 200 rows in Triton
-    ((1, 16, 8, 200, 256), "mosaic"),
+    ((1, 16, 8, 200, 256), "triton"),    # ... 32-row Triton blocks: 24 of 200 rows
+    ((1, 8, 8, 200, 128), "triton"),
+    ((1, 16, 16, 4096, 224), "cudnn"),   # not a multiple of 64, but 128x128 does not fit
+    ((1, 16, 16, 777, 72), "triton"),    # Mosaic does not run 72: no padding rule
 ])
 def test_heuristic_backend_by_waves_head_dim_and_padding(shape, backend):
   b, h, hk, q, d = shape
   p = AttentionProblem(batch=b, q_heads=h, kv_heads=hk, q_len=q, head_dim=d)
   assert ATTENTION.backend_of(ATTENTION.heuristic(p, H200)).name == backend
+
+
+def test_selection_of_a_length_does_not_depend_on_the_lengths_before():
+  # cuDNN's heuristic changes with the length (padding, waves), so the
+  # selector may not copy one length's answer to its neighbours.
+  from wavetune_jax.runtime import selector
+  p = AttentionProblem(batch=1, q_heads=16, kv_heads=8, q_len=777, head_dim=128)
+
+  def backends(order):
+    selector.clear()
+    return {q: ATTENTION.backend_of(selector.select(
+        "attention", ATTENTION.with_size(p, q), "nvidia_h100_80gb_hbm3").config).name
+            for q in order}
+  alone = backends((776,))[776]
+  after = backends((777, 778, 776))
+  selector.clear()
+  assert alone == after[776] == "mosaic"
+  assert after[777] == after[778] == "cudnn"
 
 
 def test_cudnn_refuses_what_it_does_not_run():

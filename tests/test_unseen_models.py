@@ -66,7 +66,21 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
   bad = tmp_path / "x.json"
   bad.write_text("{")
   assert mod.main(["--report", str(bad)]) == 2
+  assert "is not readable JSON" in capsys.readouterr().err
+  # Rows without their fields, and files of two GPUs.
+  bad.write_text(json.dumps({"device_kind": "NVIDIA H100 80GB HBM3",
+                             "rows": [{"family": "matmul", "label": "x"}]}))
+  assert mod.main(["--report", str(bad)]) == 2
   assert "not a file this script wrote" in capsys.readouterr().err
-  # Timing needs a GPU; this CPU says so.
-  assert mod.main(["--families", "matmul"]) == 2
-  assert "needs a GPU" in capsys.readouterr().err
+  other = tmp_path / "h200.json"
+  rows = json.loads(H100_ROWS.read_text())
+  other.write_text(json.dumps({**rows, "device_kind": "NVIDIA H200"}))
+  assert mod.main(["--report", str(H100_ROWS), str(other)]) == 2
+  assert "several GPUs" in capsys.readouterr().err
+  assert mod.main(["--report", str(H100_ROWS), "--models", "gpt5"]) == 2
+  assert "--models: unknown ['gpt5']" in capsys.readouterr().err
+  # Timing needs a GPU; a CPU says so.
+  import jax
+  if jax.default_backend() == "cpu":
+    assert mod.main(["--families", "matmul"]) == 2
+    assert "needs a GPU" in capsys.readouterr().err

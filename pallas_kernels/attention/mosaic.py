@@ -17,7 +17,7 @@
 The forward kernel of JAX's ``jax.experimental.pallas.ops.gpu.attention_mgpu``
 (FlashAttention-3 style: TMA loads into a ring of ``num_stages`` shared-memory
 K/V buffers, wgmma, one producer warpgroup and two consumer warpgroups of
-``block_q / 2`` query rows each), changed here in five ways:
+``block_q / 2`` query rows each), changed here in six ways:
 
 * the shared-memory buffers take the input dtype (upstream hard-codes
   float16, so bfloat16 inputs fail to compile in JAX 0.11.2);

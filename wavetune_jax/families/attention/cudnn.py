@@ -47,6 +47,8 @@ class CudnnAttention(LibraryAttention):
   name = "cudnn"
   config_cls = CudnnAttentionConfig
   recorded_as = "baseline"
+  # Its heuristic answers by length (waves, padding, the Mosaic rules).
+  heuristic_size_free = False
 
   def supported_on(self, hw: Hardware) -> bool:
     return _capability(hw) >= MIN_COMPUTE_CAPABILITY
@@ -97,6 +99,7 @@ class CudnnAttention(LibraryAttention):
     if g > hw.num_sms:
       return None if mosaic.wins_above_one_wave(problem, hw) else CudnnAttentionConfig()
     if (g >= hw.num_sms // 2 and problem.q_len >= NOMINAL_BLOCK and mosaic.pads(problem)
+        and mosaic.MosaicAttention._runs_shape(problem)
         and hw.compute_capability == mosaic.kernel.COMPUTE_CAPABILITY):
       return CudnnAttentionConfig()
     return None

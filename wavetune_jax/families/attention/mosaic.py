@@ -10,6 +10,7 @@ from pallas_kernels.attention.mosaic import MosaicAttentionConfig
 from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.attention.problem import AttentionProblem, coords, next_pow2
+from wavetune_jax.families.attention.triton import TritonAttention
 
 __all__ = ["MosaicAttention", "MosaicAttentionConfig", "pads", "triton_recompute",
            "wins_above_one_wave"]
@@ -91,8 +92,9 @@ class MosaicAttention(Backend):
     padding of lengths that are not multiples of 8): each length is decided
     on its own."""
     p = problem
-    return 1 if (p.head_dim % kernel.HEAD_DIM_MULTIPLE == 0 and not p.lengths
-                 and not p.shifted) else None
+    return 1 if (p.head_dim % kernel.HEAD_DIM_MULTIPLE == 0
+                 and kernel.HEAD_DIM_MIN <= p.head_dim <= kernel.HEAD_DIM_MAX
+                 and not p.lengths and not p.shifted) else None
 
   def validate(self, problem: AttentionProblem, config: MosaicAttentionConfig,
                hw: Hardware | None = None) -> None:
@@ -132,7 +134,8 @@ class MosaicAttention(Backend):
       return None
     if p.batch * p.q_heads * -(-p.q_len // c.block_q) >= hw.num_sms // 2:
       return c if c in self.space(p, hw) else None
-    if triton_recompute(p) > SHORT_RECOMPUTE and self.SHORT in self.space(p, hw):
+    if (triton_recompute(p, _TRITON.heuristic(p, hw).block_q) > SHORT_RECOMPUTE
+        and self.SHORT in self.space(p, hw)):
       return self.SHORT
     return None
 
@@ -159,15 +162,19 @@ def pads(p: AttentionProblem) -> bool:
   return bool(p.q_len % kernel.SEQ_MULTIPLE or p.kv_len % kernel.SEQ_MULTIPLE)
 
 
-#: Below half the SMs the Triton heuristic takes 64-row query blocks; when
-#: q_len is not a multiple of 64 its last block is shifted back to end on the
-#: last row and the overlap is computed twice. Above this share of q_len
-#: (200 tokens: 56 of 200 rows), the Mosaic kernel answers instead: on the
-#: H100 at 200 tokens (28/4, 32/32 and 16/8 heads; head_dim 128, 96, 256) it
-#: ran 1.01-1.12x cuDNN where the Triton config ran 0.89-0.91x
+#: Below half the SMs the Triton heuristic takes 64- or 32-row query
+#: blocks; when q_len is not a multiple of the block its last block is
+#: shifted back to end on the last row and the overlap is computed twice.
+#: Above this share of q_len (200 tokens in 64-row blocks: 56 of 200 rows),
+#: the Mosaic kernel answers instead: on the H100 at 200 tokens (28/4 and
+#: 32/32 heads; head_dim 128 and 96) it ran 1.04-1.12x cuDNN where the
+#: Triton config ran 0.89-0.91x; with 16/8 heads the Triton heuristic takes
+#: 32-row blocks (24 of 200 rows twice) and ran 1.05x, Mosaic 1.01x
 #: (``benchmarks/attention_mosaic.py --short``). No problem of the training
 #: suite is above it.
 SHORT_RECOMPUTE = 1 / 8
+
+_TRITON = TritonAttention()
 
 
 def triton_recompute(p: AttentionProblem, block_q: int = 64) -> float:
@@ -184,12 +191,16 @@ WIDE_MIN_Q_LEN = 1000
 
 def wins_above_one_wave(p: AttentionProblem, hw: Hardware) -> bool:
   """Where the heuristic keeps the Mosaic config above one wave: head_dim
-  not a multiple of 64 (80, 96, 160: the kernel runs the rows as they are,
-  with a narrower swizzle), lengths that need no padding, ``q_len`` from
-  :data:`WIDE_MIN_Q_LEN`. On the H100 it ran 1.09-1.15x cuDNN on five such
+  not a multiple of 64 (measured at 80, 96, 160: the kernel runs the rows as
+  they are, with a narrower swizzle) where the 128x128 config fits the
+  shared memory and registers (up to 176 on Hopper), lengths that need no
+  padding, ``q_len`` from :data:`WIDE_MIN_Q_LEN`. On the H100 it ran 1.09-1.15x cuDNN on five such
   problems of 1,000-6,000 tokens, 0.87x at 200 tokens (batch 6, 32 heads,
   head_dim 96), and 0.97x at head_dim 192 and 256
   (``benchmarks/attention_mosaic.py --coverage``, ``benchmarks/unseen_models.py``)."""
   return (p.head_dim % 64 != 0 and p.q_len >= WIDE_MIN_Q_LEN and not pads(p)
-          and MosaicAttention._runs_shape(p)
-          and hw.compute_capability == kernel.COMPUTE_CAPABILITY)
+          and hw.compute_capability == kernel.COMPUTE_CAPABILITY
+          and MosaicAttention.HEURISTIC in _MOSAIC.space(p, hw))
+
+
+_MOSAIC = MosaicAttention()
