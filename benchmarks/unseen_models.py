@@ -38,8 +38,8 @@ import time
 import jax
 
 import wavetune_jax as wt
-from wavetune_jax import (ATTENTION, DECODE, MATMUL, RAGGED_DOT, AttentionProblem,
-                          DecodeProblem, MatmulProblem, RaggedDotProblem)
+from wavetune_jax import (DECODE, AttentionProblem, DecodeProblem, MatmulProblem,
+                          RaggedDotProblem)
 
 # Public configs (Hugging Face config.json): hidden, heads, head_dim, MLP width.
 DENSE = {
@@ -104,7 +104,6 @@ def problems(families, quick: bool, models=None) -> list[tuple[str, str, object]
   return out
 
 
-SPECS = {"matmul": MATMUL, "attention": ATTENTION, "decode": DECODE, "ragged_dot": RAGGED_DOT}
 
 
 def op_fn(family: str, p):
@@ -173,7 +172,7 @@ def main(argv=None) -> int:
   plan = problems(fams, a.quick, models)
   if a.dry_run:
     for fam, label, p in plan:
-      spec = SPECS[fam]
+      spec = wt.get_family(fam)
       sel = wt.select(fam, p, a.device_key)
       print(f"{fam:<11}{label:<40}{describe(spec, sel.config)}  [{sel.source}]")
     print(f"{len(plan)} problems")
@@ -197,7 +196,7 @@ def main(argv=None) -> int:
         flush=True)
   t0 = time.time()
   for fam, label, p in plan:
-    spec = SPECS[fam]
+    spec = wt.get_family(fam)
     sel = wt.select(fam, p)
     fns = {"wt": op_fn(fam, p), **baselines(spec, p)}
     args = spec.inputs(p, jax.random.PRNGKey(0))
@@ -290,7 +289,7 @@ def report(paths, families, models: str) -> int:
     if key[0] not in families or (names and key[1].split(" ")[0].split(".")[0] not in names):
       continue
     p = plan.get(key)
-    today = (SPECS[key[0]].config_to_dict(wt.select(key[0], p, hw).config)
+    today = (wt.get_family(key[0]).config_to_dict(wt.select(key[0], p, hw).config)
              if p is not None else None)
     now = [r for r in rs if r["config"] == today]
     keep.append(now[-1] if now else rs[-1])

@@ -98,9 +98,8 @@ class CudnnAttention(LibraryAttention):
     g, _ = coords(problem, NOMINAL_BLOCK, NOMINAL_BLOCK)
     if g > hw.num_sms:
       return None if mosaic.wins_above_one_wave(problem, hw) else CudnnAttentionConfig()
-    if (g >= hw.num_sms // 2 and problem.q_len >= NOMINAL_BLOCK and mosaic.pads(problem)
-        and mosaic.MosaicAttention._runs_shape(problem)
-        and hw.compute_capability == mosaic.kernel.COMPUTE_CAPABILITY):
+    if (g >= hw.num_sms // 2 and problem.q_len >= NOMINAL_BLOCK
+        and mosaic.would_pad(problem, hw)):
       return CudnnAttentionConfig()
     return None
 

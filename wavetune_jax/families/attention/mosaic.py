@@ -13,7 +13,7 @@ from wavetune_jax.families.attention.problem import AttentionProblem, coords, ne
 from wavetune_jax.families.attention.triton import TritonAttention
 
 __all__ = ["MosaicAttention", "MosaicAttentionConfig", "pads", "triton_recompute",
-           "wins_above_one_wave"]
+           "wins_above_one_wave", "would_pad"]
 
 STAGES = (2, 3, 4)
 
@@ -160,6 +160,12 @@ def pads(p: AttentionProblem) -> bool:
   copy of each operand: 0.53-0.84x cuDNN on the H100 at 777-2,500 tokens,
   ``benchmarks/attention_mosaic.py --coverage``)."""
   return bool(p.q_len % kernel.SEQ_MULTIPLE or p.kv_len % kernel.SEQ_MULTIPLE)
+
+
+def would_pad(p: AttentionProblem, hw: Hardware) -> bool:
+  """Whether the kernel runs this call on ``hw`` only by padding its lengths."""
+  return (pads(p) and MosaicAttention._runs_shape(p)
+          and hw.compute_capability == kernel.COMPUTE_CAPABILITY)
 
 
 #: Below half the SMs the Triton heuristic takes 64- or 32-row query
