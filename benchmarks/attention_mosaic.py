@@ -5,7 +5,9 @@ reference, on six aligned Llama shapes (head_dim 128), with ``--ragged`` on
 shapes whose lengths are not multiples of the blocks (the suite's 1000 and
 3000, and small odd ones that check the masking of ragged ends), or with
 ``--coverage`` on head_dim 80-256 and lengths that are not multiples of 8, or
-with ``--short`` on one sequence of 200-500 tokens (below one wave):
+with ``--short`` on one sequence of 200-500 tokens (below one wave), or with
+``--few-long`` on 500-2,000 tokens with few heads (Mosaic's 128-row programs
+fill a quarter to half of the SMs):
 
 * "triton": four configs of the Triton kernel that are often the sweep's oracle;
 * "mosaic": the Mosaic GPU backend (``pallas_kernels.attention.mosaic``,
@@ -17,7 +19,7 @@ with ``--short`` on one sequence of 200-500 tokens (below one wave):
   float16", JAX 0.11.2) and is left out; ``--dtype float16`` times it;
 * cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``).
 
-    python3 benchmarks/attention_mosaic.py [--quick] [--ragged | --coverage | --short] [--dtype bfloat16|float16]
+    python3 benchmarks/attention_mosaic.py [--quick] [--ragged | --coverage | --short | --few-long] [--dtype bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ TRITON = [TritonAttentionConfig(block_q=128, block_k=128, num_warps=8, num_stage
 SHORT_TRITON = [TritonAttentionConfig(block_q=32, block_k=128, num_warps=4, num_stages=2),
                 TritonAttentionConfig(block_q=32, block_k=64, num_warps=4, num_stages=3),
                 TritonAttentionConfig(block_q=32, block_k=128, num_warps=4, num_stages=3),
-                TritonAttentionConfig(block_q=64, block_k=128, num_warps=4, num_stages=2)]
+                TritonAttentionConfig(block_q=64, block_k=128, num_warps=4, num_stages=2),
+                TritonAttentionConfig(block_q=64, block_k=128, num_warps=4, num_stages=3)]
 # JAX's kernel: (block_q per warpgroup, block_kv, max_concurrent_steps)
 JAX_MGPU = [(64, 64, 2), (64, 128, 2), (64, 128, 3)]
 KINDS = ("triton", "mosaic", "jax-mgpu")
@@ -61,6 +64,14 @@ RAGGED = [
 # 64-row blocks.
 SHORT = [(1, h, hk, L, L, True, d) for L in (200, 256, 333, 500)
          for h, hk, d in ((28, 4, 128), (32, 32, 96), (16, 8, 256))]
+# Few programs, long sequences: batch 1-2 with 4-16 query heads at 500-2,000
+# tokens, where the Mosaic kernel's 128-row programs fill a quarter to half
+# of an H100's SMs (the suite's minimum: 8/1 heads at 1,000 tokens).
+FEW_LONG = ([(1, 8, 1, L, L, True, 128) for L in (768, 1000, 1024)]
+            + [(1, 4, 4, L, L, True, 128) for L in (1000, 1536, 2048)]
+            + [(1, 8, 8, 1000, 1000, True, 128), (2, 4, 1, 1000, 1000, True, 128),
+               (1, 16, 8, 512, 512, True, 128), (1, 8, 2, 1000, 1000, True, 64),
+               (1, 8, 1, 1000, 1000, False, 128), (1, 12, 4, 640, 640, True, 128)])
 # head_dim other than 64/128 and lengths that are not multiples of 8 (the
 # Mosaic kernel pads those on the device): Phi-3-mini (32/32, 96), Gemma-2
 # (16/8, 256), and 80 / 160 / 192 / 224 for the narrower swizzles.
@@ -97,15 +108,17 @@ def main():
                      help="head_dim 80-256 and lengths that are not multiples of 8")
   which.add_argument("--short", action="store_true",
                      help="one sequence of 200-500 tokens, more Triton configs")
+  which.add_argument("--few-long", action="store_true",
+                     help="500-2,000 tokens with few heads (a quarter to half of the SMs)")
   ap.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
   a = ap.parse_args()
   print(jax.devices()[0].device_kind, jax.__version__, a.dtype)
   hw = hardware.detect()
   prof = profiler.Profiler(iterations=20)
-  shapes = (COVERAGE if a.coverage else SHORT if a.short else RAGGED if a.ragged
-            else SHAPES)
+  shapes = (COVERAGE if a.coverage else SHORT if a.short else FEW_LONG if a.few_long
+            else RAGGED if a.ragged else SHAPES)
   aligned = shapes is SHAPES
-  triton_configs = TRITON + (SHORT_TRITON if a.short else [])
+  triton_configs = TRITON + (SHORT_TRITON if a.short or a.few_long else [])
   shapes = shapes[:2] if a.quick else shapes
   ratios = {k: [] for k in KINDS}
   print(f"{'problem':<46}" + "".join(f"{k:>10}" for k in KINDS) + f"{'cudnn':>9}   "
@@ -118,6 +131,9 @@ def main():
     mosaic = [c for c in ATTENTION.space(p, hw, prune=False)
               if isinstance(c, MosaicAttentionConfig)]
     triton = [c for c in triton_configs if c in ATTENTION.backend("triton").space(p, hw, prune=False)]
+    heur = ATTENTION.heuristic(p, hw)
+    if isinstance(heur, TritonAttentionConfig) and heur not in triton:
+      triton.append(heur)
     names = ([f"triton {c.block_q}/{c.block_k}/{c.num_warps}/{c.num_stages}" for c in triton]
              + [f"mosaic {c.block_q}/{c.block_k}/{c.num_stages}" for c in mosaic])
     fns = [ATTENTION.build(p, c) for c in triton + mosaic]
@@ -146,6 +162,9 @@ def main():
     print(f"{ATTENTION.problem_key(p):<46}" + "".join(f"{fmt(best[k]):>10}" for k in KINDS)
           + f"{fmt(cud):>9}   " + "  ".join(f"{c:>13}" for c in cells))
     print("  " + "  ".join(f"{n}={t[n]:.1f}" for n in names if n in t))
+    h = next((n for n, c in zip(names, triton + mosaic) if c == heur), "cudnn")
+    if h in t and cud is not None:
+      print(f"  heuristic: {h} {cud / t[h]:.3f}x")
   for k, r in ratios.items():
     if r:
       print(f"geomean {k} vs cuDNN: {evaluate._geomean(r):.3f}x over {len(r)} problems")

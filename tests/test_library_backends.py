@@ -74,6 +74,21 @@ def test_heuristic_backend_by_waves_head_dim_and_padding(shape, backend):
   assert ATTENTION.backend_of(ATTENTION.heuristic(p, H200)).name == backend
 
 
+@pytest.mark.parametrize("shape,block_k", [
+    # (batch, q_heads, kv_heads, q_len, head_dim): 64-row programs vs 132 SMs.
+    ((1, 8, 1, 1000, 128), 128),   # 128 programs of 1,000 keys: one wave
+    ((1, 4, 4, 2048, 128), 128),
+    ((1, 8, 1, 768, 128), 64),     # shorter than LONG_KV
+    ((2, 8, 1, 1000, 128), 64),    # 256 programs: two waves
+    ((1, 8, 2, 1000, 64), 64),     # head_dim 64: 64-key blocks measured faster
+])
+def test_triton_takes_128_key_blocks_for_one_wave_of_long_programs(shape, block_k):
+  b, h, hk, q, d = shape
+  p = AttentionProblem(batch=b, q_heads=h, kv_heads=hk, q_len=q, head_dim=d)
+  c = ATTENTION.backend("triton").heuristic(p, H200)
+  assert (c.block_q, c.block_k, c.num_stages) == (64, block_k, 3)
+
+
 def test_selection_of_a_length_does_not_depend_on_the_lengths_before():
   # cuDNN's heuristic changes with the length (padding, waves), so the
   # selector may not copy one length's answer to its neighbours.

@@ -21,6 +21,14 @@ BLOCK_Q = (32, 64, 128)
 BLOCK_K = (32, 64, 128)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3, 4)
+#: Rule LONG_ONE_WAVE of the heuristic: where 64-row programs fill half a wave
+#: to one wave and each runs over at least this many keys (head_dim 128),
+#: 128-key blocks. ``benchmarks/attention_mosaic.py --few-long`` on an H100
+#: (batch 1-2, 4-8 heads, 1,000-2,048 tokens): 1.03-1.16x faster than 64-key
+#: blocks, 2% slower at 1,024 tokens; at 512-768 tokens and with head_dim 64
+#: the 64-key blocks stay ahead. Above one wave (the sweeps' 2,048-16,384
+#: tokens) 64-key blocks win again.
+LONG_KV = 1000
 
 # Pruning rules of the space (see TritonAttention.space). Evidence: the grid
 # probe of benchmarks/attention_probe.py on an H200 (6 shapes, 24 configs each).
@@ -97,7 +105,9 @@ class TritonAttention(Backend):
 
   def heuristic(self, problem: AttentionProblem, hw: Hardware) -> TritonAttentionConfig:
     """128x64 tiles with 4 warps when they fill two waves, else 64-row query
-    blocks (32 rows when even those leave most SMs idle), 3 stages; where
+    blocks (32 rows when even those leave most SMs idle), 3 stages, with
+    128-key blocks where those programs are long and make at most one wave
+    (:data:`LONG_KV`); where
     the whole KV sequence fits one 128-key block, or 32-row programs are
     few, 128-key blocks (2 stages up to 256 keys): the best Triton configs
     of the one-wave problems of the H100 and H200 sweeps."""
@@ -111,7 +121,11 @@ class TritonAttention(Backend):
       bq = 64 if ctas(64) >= hw.num_sms // 2 else 32
       c = TritonAttentionConfig(block_q=bq, block_k=long_k, num_warps=4, num_stages=2)
     elif ctas(64) >= hw.num_sms // 2:
-      c = TritonAttentionConfig(block_q=64, block_k=bk, num_warps=4, num_stages=3)
+      # At most one wave of long programs: 128-key blocks (rule LONG_ONE_WAVE).
+      long_one_wave = (ctas(64) <= hw.num_sms and p.kv_len >= LONG_KV
+                       and p.head_dim == 128)
+      c = TritonAttentionConfig(block_q=64, block_k=long_k if long_one_wave else bk,
+                                num_warps=4, num_stages=3)
     elif p.padded_head_dim <= 128:
       c = TritonAttentionConfig(block_q=32, block_k=long_k, num_warps=4,
                                 num_stages=2 if p.kv_len <= 256 else 3)
