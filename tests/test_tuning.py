@@ -418,3 +418,23 @@ def test_family_points_carry_a_sparse_variant_to_far_waves():
                      anchors=[], provenance={}, distance_penalty=0.0)
     err[fw] = abs(t.predict(far, [a], trusted=False)[0] / wave_us(far, a) - 1)
   assert err[0.5] < 0.02 < 0.5 < err[0.0]
+
+
+def test_table_load_pauses_the_garbage_collector_and_restores_it(tmp_path):
+  import gc
+  seen = []
+  with tables.gc_paused():
+    seen.append(gc.isenabled())
+  assert seen == [False] and gc.isenabled()
+  gc.disable()
+  try:
+    with tables.gc_paused():
+      pass
+    assert not gc.isenabled()  # a caller's own setting is kept
+  finally:
+    gc.enable()
+  bad = tmp_path / "t.json"
+  bad.write_text("{")
+  with pytest.raises(tables.TableError):
+    tables.load(str(bad), MATMUL)
+  assert gc.isenabled()  # and restored on errors

@@ -172,7 +172,15 @@ class Decider:
 
 def _peak_rates(table) -> tuple[float, float] | None:
   """The fastest FLOP/us and byte/us any anchor of ``table`` reached, or
-  None (a family without :meth:`Family.work`, or no anchors)."""
+  None (a family without :meth:`Family.work`, or no anchors). Computed once
+  per table object (a walk over its anchors)."""
+  memo = table.__dict__.get("_peak_rates")
+  if memo is None or memo[0] is not table.anchors:
+    memo = table.__dict__["_peak_rates"] = (table.anchors, _scan_rates(table))
+  return memo[1]
+
+
+def _scan_rates(table) -> tuple[float, float] | None:
   flops_rate = bytes_rate = 0.0
   for p, _, us in table.anchors:
     w = table.family.work(p) if us and us > 0 else None
@@ -390,7 +398,10 @@ def select(family: str | Family, problem, hw: Hardware | str | None = None) -> S
   hit = memo.get(key)
   if hit is not None:
     return hit
-  with _lock:
+  # A first decision (a table's load, a new weight's block) allocates many
+  # objects it keeps; the collector, paused meanwhile, would walk all of
+  # JAX's objects each time (tables_lib.gc_paused).
+  with _lock, tables_lib.gc_paused():
     sel = memo[key] = _select(spec, problem, hw)
   return sel
 
