@@ -32,6 +32,11 @@ def test_bench_model_runs_and_checks_every_setting(tmp_path, capsys):
   assert {(r["setting"], r["kind"]) for r in rows} == {
       (s, k) for s in ("xla", "heuristic", "default") for k in ("prefill", "decode")}
   assert all(r["rel_diff_vs_xla"] < 5e-2 and r["compile_s"] > 0 for r in rows)
+  for r in rows:  # the phases add up; only the wavetune settings decide
+    parts = r["trace_s"] + r["lower_s"] + r["xla_compile_s"]
+    assert abs(parts - r["compile_s"]) < 1e-6 and 0 <= r["select_s"] <= r["trace_s"]
+    assert (r["decisions"] == 0) if r["setting"] == "xla" else r["decisions"] >= 0
+  assert all(r["decisions"] > 0 for r in rows if r["setting"] != "xla" and r["kind"] == "prefill")
 
 
 @pytest.mark.parametrize("argv,msg", [

@@ -75,6 +75,7 @@ def _bench_model(a) -> int:
   import numpy as np
 
   from wavetune_jax import models as M
+  from wavetune_jax.runtime import selector
   cfg = M.MODELS[a.model]
   small = a.model.startswith("small")
   cfg = cfg.with_layers(a.layers or (cfg.layers if small else 4))
@@ -117,9 +118,18 @@ def _bench_model(a) -> int:
       def fn(*xs, step=step, tree=tree):
         return step(*jax.tree_util.tree_unflatten(tree, xs))[0]
 
+      n0, sel0 = selector.decision_stats()
       t0 = time.perf_counter()
-      exe = jax.jit(fn).lower(*args).compile()
-      compile_s = time.perf_counter() - t0
+      traced = jax.jit(fn).trace(*args)
+      t1 = time.perf_counter()
+      lowered = traced.lower()
+      t2 = time.perf_counter()
+      exe = lowered.compile()
+      t3 = time.perf_counter()
+      compile_s = t3 - t0
+      n1, sel1 = selector.decision_stats()
+      phases = {"trace_s": t1 - t0, "lower_s": t2 - t1, "xla_compile_s": t3 - t2,
+                "select_s": sel1 - sel0, "decisions": n1 - n0}
       logits = np.asarray(exe(*args), np.float32)
       if ref is None:
         ref = logits
@@ -138,7 +148,8 @@ def _bench_model(a) -> int:
         kernels = prof.kernel_breakdown(fn, args)[:a.breakdown]
       done += 1
       row = {"setting": name, "kind": kind, "length": length, "batch": batch,
-             "us": us, "compile_s": compile_s, "rel_diff_vs_xla": err, "kernels": kernels}
+             "us": us, "compile_s": compile_s, **phases, "rel_diff_vs_xla": err,
+             "kernels": kernels}
       rows.append(row)
       if a.json:  # rewritten whole after every row (a crash keeps the rows so far)
         with open(a.json + ".tmp", "w") as f:
@@ -150,7 +161,9 @@ def _bench_model(a) -> int:
       what = "TTFT" if kind == "prefill" else "TPOT"
       print(f"[{done}/{total}] {what} {name:<9} batch {batch:<4} "
             f"{'prompt' if kind == 'prefill' else 'cache'} {length:<6} {t}  trace+compile "
-            f"{compile_s:6.2f} s  rel. RMS diff vs xla {err:.1e}", flush=True)
+            f"{compile_s:6.2f} s (trace {phases['trace_s']:.2f}, of it selecting "
+            f"{phases['select_s']:.2f}; lower {phases['lower_s']:.2f}; compile "
+            f"{phases['xla_compile_s']:.2f})  rel. RMS diff vs xla {err:.1e}", flush=True)
       for kname, kus in kernels:
         print(f"      {kus:10.1f} us  {kname[:90]}", flush=True)
       if err > (25e-2 if cfg.experts else 5e-2):

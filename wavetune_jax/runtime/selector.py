@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 import warnings
 from typing import Any, Iterator
 
@@ -41,7 +42,8 @@ from wavetune_jax.core.registry import get_family
 from wavetune_jax.runtime import tables as tables_lib
 
 __all__ = ["POLICIES", "Selection", "select", "set_policy", "policy", "use_config",
-           "load_tables", "use_tables", "active_table", "clear", "Decider"]
+           "load_tables", "use_tables", "active_table", "clear", "Decider",
+           "decision_stats"]
 
 POLICIES = ("tables", "heuristic", "fixed", "exhaustive")
 _BLOCK = 64  # size buckets evaluated together for a new weight
@@ -402,8 +404,21 @@ def select(family: str | Family, problem, hw: Hardware | str | None = None) -> S
   # objects it keeps; the collector, paused meanwhile, would walk all of
   # JAX's objects each time (tables_lib.gc_paused).
   with _lock, tables_lib.gc_paused():
+    t0 = time.perf_counter()
     sel = memo[key] = _select(spec, problem, hw)
+    _decided[0] += 1
+    _decided[1] += time.perf_counter() - t0
   return sel
+
+
+_decided = [0, 0.0]  # decisions made (memo misses), seconds spent making them
+
+
+def decision_stats() -> tuple[int, float]:
+  """``(decisions, seconds)``: the selections this process has made that
+  were not memoized, and the wall time they took (table loads included).
+  The memoized path is not counted."""
+  return _decided[0], _decided[1]
 
 
 def _select(spec: Family, problem, hw: Hardware) -> Selection:
