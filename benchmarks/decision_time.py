@@ -9,16 +9,23 @@ Three numbers, medians over many problems:
   * memoized: ``wavetune_jax.select`` for a problem decided before (mean
     per call over batches of 100 calls; median and p90 over batches);
   * attention, new shape: the first decision for attention shapes outside
-    the suite (heads, batch, head_dim, length), the same GPU's table.
+    the suite (heads, batch, head_dim, length), the same GPU's table;
+  * with ``--processes N``: the first GEMM and attention decisions of N fresh
+    processes (after ``import wavetune_jax``), table loading included, as
+    the first wavetune call of a program pays them.
 
-  python3 benchmarks/decision_time.py [--table tables/nvidia_h200/matmul.json]
+  python3 benchmarks/decision_time.py [--table tables/nvidia_h200/matmul.json] [--processes 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 from wavetune_jax import ATTENTION, MATMUL, AttentionProblem, MatmulProblem, get_hardware, shapes
@@ -31,6 +38,8 @@ def main(argv=None):
   ap.add_argument("--table", default="tables/nvidia_h200/matmul.json")
   ap.add_argument("--device", default="h200")
   ap.add_argument("--n", type=int, default=2000, help="problems per measurement")
+  ap.add_argument("--processes", type=int, default=0,
+                  help="also time the first decisions of this many fresh processes")
   a = ap.parse_args(argv)
   hw = get_hardware(a.device)
   table = tables.load(a.table, MATMUL, hw)
@@ -89,6 +98,43 @@ def main(argv=None):
                    ("attention: new shape", att_new)):
     xs = sorted(xs)
     print(f"{name:<34} {statistics.median(xs):>10.2f} {xs[int(0.9 * len(xs))]:>8.2f}")
+  if a.processes > 0:
+    runs = [first_decisions(a.device) for _ in range(a.processes)]
+    print(f"first decisions of a process, ms, {a.processes} fresh processes "
+          f"({hw.device_key} tables):")
+    for key in runs[0]:
+      print(f"  {key:<40} " + " / ".join(f"{r[key]:.1f}" for r in runs))
+
+
+# Run in a fresh interpreter: what a program's first wavetune calls pay.
+_FIRST = """
+import json, sys, time
+import wavetune_jax as wt
+from wavetune_jax import AttentionProblem, MatmulProblem
+from wavetune_jax.runtime import selector
+dev = sys.argv[1]
+out = {}
+t = time.perf_counter()
+selector.select("matmul", MatmulProblem(m=777, n=6144, k=4096), dev)
+out["GEMM: table load + first weight"] = time.perf_counter() - t
+t = time.perf_counter()
+selector.select("matmul", MatmulProblem(m=777, n=4096, k=14336), dev)
+out["GEMM: second weight"] = time.perf_counter() - t
+t = time.perf_counter()
+selector.select("attention", AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=777,
+                                              head_dim=128), dev)
+out["attention: table load + first shape"] = time.perf_counter() - t
+print(json.dumps({k: v * 1e3 for k, v in out.items()}))
+"""
+
+
+def first_decisions(device: str) -> dict:
+  env = dict(os.environ)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+  r = subprocess.run([sys.executable, "-c", _FIRST, device], capture_output=True, text=True,
+                     env=env, check=True)
+  return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
