@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 
@@ -14,12 +15,21 @@ def is_pow2(v: int) -> bool:
   return v >= 1 and (v & (v - 1)) == 0
 
 
+@functools.lru_cache(maxsize=None)
+def field_names(cls, init_only: bool = False) -> tuple[str, ...]:
+  """A dataclass's field names, optionally only those ``__init__`` takes
+  (``dataclasses.fields`` builds its tuple anew on every call; configs are
+  validated by the thousand at a table's first decision, and every op call
+  builds a problem)."""
+  return tuple(f.name for f in dataclasses.fields(cls) if f.init or not init_only)
+
+
 def check_ints(config) -> None:
   """Raises ``ValueError`` unless every field of the dataclass is an int."""
-  for f in dataclasses.fields(config):
-    v = getattr(config, f.name)
+  for name in field_names(type(config)):
+    v = getattr(config, name)
     if isinstance(v, bool) or not isinstance(v, int):
-      raise ValueError(f"{type(config).__name__}.{f.name}={v!r} must be an int")
+      raise ValueError(f"{type(config).__name__}.{name}={v!r} must be an int")
 
 
 def check_launch(config, block_fields: tuple[str, ...]) -> None:

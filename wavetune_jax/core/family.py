@@ -24,6 +24,7 @@ from typing import Any, Callable, ClassVar, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from pallas_kernels._launch import field_names
 from wavetune_jax.core.hardware import Hardware
 
 __all__ = ["Problem", "Backend", "Family", "Call", "config_from_fields", "interned"]
@@ -43,7 +44,7 @@ class Problem:
   __slots__ = ()
 
   def _freeze(self) -> None:
-    key = tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.init)
+    key = tuple(getattr(self, f) for f in field_names(type(self), True))
     object.__setattr__(self, "_key", key)
     object.__setattr__(self, "_hash", hash(key))
 
@@ -84,7 +85,7 @@ def interned(cls, **fields):
 
 def config_from_fields(cls, d: dict):
   """``cls(**d)``; unknown keys raise ``ValueError`` naming the valid fields."""
-  names = {f.name for f in dataclasses.fields(cls)}
+  names = set(field_names(cls))
   unknown = sorted(set(d) - names)
   if unknown:
     raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; "
@@ -209,7 +210,7 @@ class Backend(abc.ABC):
     return {f: getattr(config, f) for f in self.micro_fields}
 
   def fields(self) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(self.config_cls))
+    return field_names(self.config_cls)
 
   def __repr__(self) -> str:
     return f"<{type(self).__name__} {self.name!r}>"
@@ -342,12 +343,12 @@ class Family(abc.ABC):
     return None
 
   def problem_to_dict(self, problem) -> dict:
-    return {f.name: getattr(problem, f.name) for f in dataclasses.fields(problem) if f.init}
+    return {f: getattr(problem, f) for f in field_names(type(problem), True)}
 
   def problem_from_dict(self, d: dict):
     if not isinstance(d, dict):
       raise ValueError(f"a {self.name} problem must be a mapping; got {d!r}")
-    names = {f.name for f in dataclasses.fields(self.problem_cls) if f.init}
+    names = set(field_names(self.problem_cls, True))
     unknown = sorted(set(d) - names)
     if unknown:
       raise ValueError(f"unknown {self.problem_cls.__name__} field(s) {unknown}; "
