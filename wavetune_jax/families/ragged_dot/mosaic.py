@@ -141,9 +141,14 @@ class MosaicRaggedDot(Backend):
     expert 64 x 256 was 1-6% faster again, and between 50 and 64 nothing
     was measured (twice the column tiles
     balance the waves; walking an expert's row tasks first reuses its
-    weight tile). Below: 64 x 256, 4 stages, column tiles first, split-K
+    weight tile). With at most 16 column tiles of 128 (OLMoE's N of 2,048)
+    column tiles first: 1.00 and 0.998 of the best on the H100 at 4,096
+    rows, where tasks first ran at 0.81 and 0.89; with 32 to 224 column
+    tiles tasks first won on every problem of both sweeps (the other order
+    0.71-0.99 of the best). Below: 64 x 256, 4 stages, column tiles first, split-K
     where the tiles fill at most half the SMs. Measured as rules over both
-    sweeps (six models each): 0.975 / 0.988 of the oracle (H100 / H200).
+    sweeps (six models each; 195 / 187 problems): 0.978 / 0.988 of the oracle
+    (H100 / H200).
     """
     if not (self.supported_on(hw) and self.runs_shape(p)):
       return None
@@ -155,7 +160,9 @@ class MosaicRaggedDot(Backend):
       order = 0 if r >= 128 and _cdiv(p.n, 256) > 16 else 1
       c = MosaicRaggedDotConfig(block_m=128, block_n=256, num_stages=3, grid_minor=order)
     elif r >= 56:  # measured at 64 (this wins) and 48-50 (64 x 256 wins by 1-6%)
-      c = MosaicRaggedDotConfig(block_m=64, block_n=128, num_stages=4, grid_minor=0)
+      # Tasks first where the weight has more than 16 column tiles, as above.
+      order = 0 if _cdiv(p.n, 128) > 16 else 1
+      c = MosaicRaggedDotConfig(block_m=64, block_n=128, num_stages=4, grid_minor=order)
     else:
       # Split-K where the expected work tiles fill at most half the SMs and
       # each split keeps at least 16 K steps (Mixtral's w2 at one token:
