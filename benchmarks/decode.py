@@ -10,7 +10,11 @@ cache. A NaN/Inf check runs the heuristic config with NaN in K and Inf in V
 past every sequence's length. Prints microseconds and the speedup of the
 best Triton config and of the heuristic over the faster baseline.
 
-    python3 benchmarks/decode.py [--quick]
+With ``--mha`` the problems are one KV head per query head (Phi-3-mini's 32/32
+heads, head_dim 96, and the same heads at head_dim 128), batch 1-32, caches
+of 1,000-20,000, and the Triton candidates also flip ``block_k``.
+
+    python3 benchmarks/decode.py [--quick | --mha]
 """
 
 from __future__ import annotations
@@ -31,6 +35,9 @@ PROBLEMS = [(32, 8, 8, 4096, 1), (32, 8, 8, 16384, 1), (32, 8, 32, 4096, 1),
             (32, 8, 32, 16384, 1), (32, 8, 1, 32768, 1), (32, 8, 128, 2048, 1),
             (8, 1, 8, 32768, 1), (48, 8, 8, 8192, 1), (16, 16, 32, 4096, 1),
             (32, 8, 8, 8192, 4)]
+# --mha: (q_heads, kv_heads, batch, kv_len, q_len, head_dim)
+MHA = ([(32, 32, b, s, 1, 96) for b in (1, 8, 32) for s in (1000, 3000, 8000, 20000)]
+       + [(32, 32, b, 3000, 1, 128) for b in (8, 32)])
 
 
 def nan_check(p: DecodeProblem, config) -> float:
@@ -46,7 +53,10 @@ def nan_check(p: DecodeProblem, config) -> float:
 
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("--quick", action="store_true", help="the first 4 problems only")
+  which = ap.add_mutually_exclusive_group()
+  which.add_argument("--quick", action="store_true", help="the first 4 problems only")
+  which.add_argument("--mha", action="store_true",
+                     help="one KV head per query head, head_dim 96 and 128")
   ap.add_argument("--iterations", type=int, default=20)
   a = ap.parse_args()
   dev = jax.devices()[0]
@@ -58,16 +68,19 @@ def main():
   print(f"{'problem':<44}{'cache':>6}{'heur':>9}{'best':>9}{'(splits)':>9}{'xla-be':>9}"
         f"{'cudnn':>9}{'xla':>9}{'best/base':>10}{'heur/base':>10}  nan-err")
   rows = []
-  for hq, hkv, b, s, t in PROBLEMS[:4] if a.quick else PROBLEMS:
+  problems = MHA if a.mha else PROBLEMS[:4] if a.quick else PROBLEMS
+  for hq, hkv, b, s, t, *hd in problems:
     for lengths in (True, False):
-      p = DecodeProblem(batch=b, q_heads=hq, kv_heads=hkv, kv_len=s, q_len=t, lengths=lengths)
+      p = DecodeProblem(batch=b, q_heads=hq, kv_heads=hkv, kv_len=s, q_len=t, lengths=lengths,
+                        head_dim=hd[0] if hd else 128)
       h = tri.heuristic(p, hw)
       cands = [h]
-      for ns in (1, h.num_splits // 2, h.num_splits * 2, h.num_splits * 4):
-        if ns >= 1 and splits_of(s, ns, h.block_k) == ns:
-          c = dataclasses.replace(h, num_splits=ns)
-          if c not in cands:
-            cands.append(c)
+      for bk in ((h.block_k, 192 - h.block_k) if a.mha else (h.block_k,)):
+        for ns in (1, h.num_splits // 2, h.num_splits, h.num_splits * 2, h.num_splits * 4):
+          if ns >= 1 and splits_of(s, ns, bk) == ns:
+            c = dataclasses.replace(h, num_splits=ns, block_k=bk)
+            if c not in cands and tri.smem_bytes(p, c) <= hw.smem_per_block:
+              cands.append(c)
       args = DECODE.inputs(p, jax.random.PRNGKey(0))
       ref = DECODE.reference(p, *args)
       fns = ([DECODE.build(p, c) for c in cands] + [DECODE.build(p, xla.config_cls())]
@@ -80,9 +93,9 @@ def main():
       base = min(us[n + 1], us[n + 2])
       bad = [f"{i}:{m.status}" for i, m in enumerate(res) if m.status != "ok"]
       err = nan_check(p, h) if lengths else float("nan")
-      name = f"b{b} h{hq}/{hkv} kv{s} q{t}"
+      name = f"b{b} h{hq}/{hkv} kv{s} q{t}" + (f" d{hd[0]}" if hd else "")
       print(f"{name:<44}{'ragged' if lengths else 'full':>6}{us[0]:9.1f}{us[best]:9.1f}"
-            f"{cands[best].num_splits:>9}{us[n]:9.1f}{us[n + 1]:9.1f}{us[n + 2]:9.1f}"
+            f"{cands[best].num_splits:>6}/{cands[best].block_k:<3}{us[n]:9.1f}{us[n + 1]:9.1f}{us[n + 2]:9.1f}"
             f"{base / us[best]:10.3f}{base / us[0]:10.3f}  {err:.2e} {' '.join(bad)}",
             flush=True)
       rows.append((b, s, lengths, base / us[best], base / us[0]))
