@@ -9,7 +9,8 @@ with ``--short`` on one sequence of 200-500 tokens (below one wave), or with
 ``--few-long`` on 500-2,000 tokens with few heads (Mosaic's 128-row programs
 fill a quarter to half of the SMs):
 
-* "triton": four configs of the Triton kernel that are often the sweep's oracle;
+* "triton": four configs of the Triton kernel that are often the sweep's oracle
+  (nine with ``--short`` and ``--few-long``);
 * "mosaic": the Mosaic GPU backend (``pallas_kernels.attention.mosaic``,
   ``MosaicAttentionConfig``), over the configs its space holds for the shape;
 * "jax-mgpu": JAX's own ``jax.experimental.pallas.ops.gpu.attention_mgpu``,
@@ -18,6 +19,10 @@ fill a quarter to half of the SMs):
   bfloat16 it fails to compile ("src had type bfloat16 and dst had type
   float16", JAX 0.11.2) and is left out; ``--dtype float16`` times it;
 * cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``).
+
+Each problem also prints the family heuristic's choice and its speed over
+cuDNN ("heuristic: ..."); where that config is not among the above it is
+timed on its own and left out of the columns.
 
     python3 benchmarks/attention_mosaic.py [--quick] [--ragged | --coverage | --short | --few-long] [--dtype bfloat16|float16]
 """
@@ -132,11 +137,17 @@ def main():
               if isinstance(c, MosaicAttentionConfig)]
     triton = [c for c in triton_configs if c in ATTENTION.backend("triton").space(p, hw, prune=False)]
     heur = ATTENTION.heuristic(p, hw)
-    if isinstance(heur, TritonAttentionConfig) and heur not in triton:
-      triton.append(heur)
     names = ([f"triton {c.block_q}/{c.block_k}/{c.num_warps}/{c.num_stages}" for c in triton]
              + [f"mosaic {c.block_q}/{c.block_k}/{c.num_stages}" for c in mosaic])
     fns = [ATTENTION.build(p, c) for c in triton + mosaic]
+    # The family heuristic's own choice, timed under its backend's name
+    # unless it is one of the configs above (not counted in the columns).
+    if heur in triton + mosaic:
+      heur_name = names[(triton + mosaic).index(heur)]
+    else:
+      heur_name = f"heuristic ({ATTENTION.backend_of(heur).name})"
+      names.append(heur_name)
+      fns.append(ATTENTION.build(p, heur))
     if a.dtype == "float16" and aligned:  # JAX's kernel needs aligned lengths
       names += [f"jax-mgpu {bq}/{bk}/{st}" for bq, bk, st in JAX_MGPU]
       fns += [jax_mgpu_fn(causal, *m) for m in JAX_MGPU]
@@ -162,9 +173,8 @@ def main():
     print(f"{ATTENTION.problem_key(p):<46}" + "".join(f"{fmt(best[k]):>10}" for k in KINDS)
           + f"{fmt(cud):>9}   " + "  ".join(f"{c:>13}" for c in cells))
     print("  " + "  ".join(f"{n}={t[n]:.1f}" for n in names if n in t))
-    h = next((n for n, c in zip(names, triton + mosaic) if c == heur), "cudnn")
-    if h in t and cud is not None:
-      print(f"  heuristic: {h} {cud / t[h]:.3f}x")
+    if heur_name in t and cud is not None:
+      print(f"  heuristic: {heur_name} {cud / t[heur_name]:.3f}x")
   for k, r in ratios.items():
     if r:
       print(f"geomean {k} vs cuDNN: {evaluate._geomean(r):.3f}x over {len(r)} problems")

@@ -1,6 +1,6 @@
-"""Decision time of the selector on this CPU, in microseconds.
+"""Decision time of the selector on this CPU.
 
-Three numbers, medians over many problems:
+Medians (and p90) over many problems, in microseconds:
   * new weight: the first decision for a weight (N, K) it has not seen (its
     first size is decided alone; the second size of a block of 64 M buckets
     evaluates the block at once, NumPy);
@@ -10,9 +10,10 @@ Three numbers, medians over many problems:
     per call over batches of 100 calls; median and p90 over batches);
   * attention, new shape: the first decision for attention shapes outside
     the suite (heads, batch, head_dim, length), the same GPU's table;
-  * with ``--processes N``: the first GEMM and attention decisions of N fresh
-    processes (after ``import wavetune_jax``), table loading included, as
-    the first wavetune call of a program pays them.
+  * with ``--processes N``, in milliseconds: the first GEMM and attention
+    decisions of N fresh processes (after ``import wavetune_jax``), table
+    loading included, as the first wavetune call of a program pays them
+    (the shipped tables of ``--device``, not ``--table``).
 
   python3 benchmarks/decision_time.py [--table tables/nvidia_h200/matmul.json] [--processes 3]
 """
@@ -37,10 +38,14 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--table", default="tables/nvidia_h200/matmul.json")
   ap.add_argument("--device", default="h200")
-  ap.add_argument("--n", type=int, default=2000, help="problems per measurement")
+  ap.add_argument("--n", type=int, default=2000,
+                  help="problems per measurement (at least 100)")
   ap.add_argument("--processes", type=int, default=0,
-                  help="also time the first decisions of this many fresh processes")
+                  help="also time the first decisions of this many fresh processes "
+                       "(with the shipped tables of --device)")
   a = ap.parse_args(argv)
+  if a.n < 100:
+    ap.error(f"--n {a.n}: the memoized time is a mean over batches of 100; give at least 100")
   hw = get_hardware(a.device)
   table = tables.load(a.table, MATMUL, hw)
   weights = list(gemm_weights(shapes.load_suite("train")).values())
@@ -63,7 +68,8 @@ def main(argv=None):
            for n, k in (rng.choice(weights) for _ in range(a.n))]
   cold = []
   for p in probs:
-    t0 = ns(); d.decide(p); cold.append((ns() - t0) / 1e3)
+    with paused():
+      t0 = ns(); d.decide(p); cold.append((ns() - t0) / 1e3)
 
   selector.clear()
   with selector.use_tables(table, MATMUL):
@@ -133,7 +139,9 @@ def first_decisions(device: str) -> dict:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
   r = subprocess.run([sys.executable, "-c", _FIRST, device], capture_output=True, text=True,
-                     env=env, check=True)
+                     env=env)
+  if r.returncode != 0:
+    raise SystemExit(f"decision_time.py: the fresh process failed:\n{r.stderr[-2000:]}")
   return json.loads(r.stdout.strip().splitlines()[-1])
 
 

@@ -65,7 +65,7 @@ def main():
   prof = profiler.Profiler(iterations=a.iterations)
   tri = DECODE.backend("triton")
   xla = DECODE.backend("xla")
-  print(f"{'problem':<44}{'cache':>6}{'heur':>9}{'best':>9}{'(splits)':>9}{'xla-be':>9}"
+  print(f"{'problem':<44}{'cache':>6}{'heur':>9}{'best':>9}{'(splits/bk)':>11}{'xla-be':>9}"
         f"{'cudnn':>9}{'xla':>9}{'best/base':>10}{'heur/base':>10}  nan-err")
   rows = []
   problems = MHA if a.mha else PROBLEMS[:4] if a.quick else PROBLEMS
@@ -75,7 +75,7 @@ def main():
                         head_dim=hd[0] if hd else 128)
       h = tri.heuristic(p, hw)
       cands = [h]
-      for bk in ((h.block_k, 192 - h.block_k) if a.mha else (h.block_k,)):
+      for bk in ((h.block_k, {64: 128, 128: 64}[h.block_k]) if a.mha else (h.block_k,)):
         for ns in (1, h.num_splits // 2, h.num_splits, h.num_splits * 2, h.num_splits * 4):
           if ns >= 1 and splits_of(s, ns, bk) == ns:
             c = dataclasses.replace(h, num_splits=ns, block_k=bk)
@@ -95,7 +95,7 @@ def main():
       err = nan_check(p, h) if lengths else float("nan")
       name = f"b{b} h{hq}/{hkv} kv{s} q{t}" + (f" d{hd[0]}" if hd else "")
       print(f"{name:<44}{'ragged' if lengths else 'full':>6}{us[0]:9.1f}{us[best]:9.1f}"
-            f"{cands[best].num_splits:>6}/{cands[best].block_k:<3}{us[n]:9.1f}{us[n + 1]:9.1f}{us[n + 2]:9.1f}"
+            f"{cands[best].num_splits:>7}/{cands[best].block_k:<3}{us[n]:9.1f}{us[n + 1]:9.1f}{us[n + 2]:9.1f}"
             f"{base / us[best]:10.3f}{base / us[0]:10.3f}  {err:.2e} {' '.join(bad)}",
             flush=True)
       rows.append((b, s, lengths, base / us[best], base / us[0]))

@@ -420,12 +420,15 @@ def test_family_points_carry_a_sparse_variant_to_far_waves():
   assert err[0.5] < 0.02 < 0.5 < err[0.0]
 
 
-def test_table_load_pauses_the_garbage_collector_and_restores_it(tmp_path):
+def test_table_load_pauses_the_garbage_collector_and_restores_it(tmp_path, monkeypatch,
+                                                                 wave_table):
   import gc
   seen = []
   with tables.gc_paused():
+    with tables.gc_paused():  # nested: the outer pause's state is restored
+      seen.append(gc.isenabled())
     seen.append(gc.isenabled())
-  assert seen == [False] and gc.isenabled()
+  assert seen == [False, False] and gc.isenabled()
   gc.disable()
   try:
     with tables.gc_paused():
@@ -433,8 +436,36 @@ def test_table_load_pauses_the_garbage_collector_and_restores_it(tmp_path):
     assert not gc.isenabled()  # a caller's own setting is kept
   finally:
     gc.enable()
+  # load() parses with the collector off, and turns it back on after.
+  path = str(tmp_path / "matmul.json")
+  tables.save(wave_table.table, path)
+  real = tables.from_json
+  during = []
+
+  def spy(*a, **k):
+    during.append(gc.isenabled())
+    return real(*a, **k)
+  monkeypatch.setattr(tables, "from_json", spy)
+  tables.load(path, MATMUL, HW)
+  assert during == [False] and gc.isenabled()
   bad = tmp_path / "t.json"
   bad.write_text("{")
   with pytest.raises(tables.TableError):
     tables.load(str(bad), MATMUL)
   assert gc.isenabled()  # and restored on errors
+
+
+def test_select_restores_the_collector_when_a_decision_fails(monkeypatch, wave_table):
+  import gc
+  from wavetune_jax.runtime import selector
+
+  def boom(self, problem):
+    assert not gc.isenabled()  # decided with the collector paused
+    raise RuntimeError("boom")
+  monkeypatch.setattr(selector.Decider, "decide", boom)
+  selector.clear()
+  with selector.use_tables(wave_table.table, MATMUL):
+    with pytest.raises(RuntimeError, match="boom"):
+      selector.select(MATMUL, MatmulProblem(m=3, n=256, k=256), HW)
+  selector.clear()
+  assert gc.isenabled()

@@ -175,7 +175,8 @@ class Decider:
 def _peak_rates(table) -> tuple[float, float] | None:
   """The fastest FLOP/us and byte/us any anchor of ``table`` reached, or
   None (a family without :meth:`Family.work`, or no anchors). Computed once
-  per table object (a walk over its anchors)."""
+  per table object and anchor list (tables are not edited in place after
+  loading)."""
   memo = table.__dict__.get("_peak_rates")
   if memo is None or memo[0] is not table.anchors:
     memo = table.__dict__["_peak_rates"] = (table.anchors, _scan_rates(table))
@@ -400,10 +401,10 @@ def select(family: str | Family, problem, hw: Hardware | str | None = None) -> S
   hit = memo.get(key)
   if hit is not None:
     return hit
-  # A first decision (a table's load, a new weight's block) allocates many
-  # objects it keeps; the collector, paused meanwhile, would walk all of
-  # JAX's objects each time (tables_lib.gc_paused).
-  with _lock, tables_lib.gc_paused():
+  with _lock:
+    hit = memo.get(key)  # another thread may have decided it meanwhile
+    if hit is not None:
+      return hit
     t0 = time.perf_counter()
     sel = memo[key] = _select(spec, problem, hw)
     _decided[0] += 1
@@ -416,8 +417,9 @@ _decided = [0, 0.0]  # decisions made (memo misses), seconds spent making them
 
 def decision_stats() -> tuple[int, float]:
   """``(decisions, seconds)``: the selections this process has made that
-  were not memoized, and the wall time they took (table loads included).
-  The memoized path is not counted."""
+  were not memoized, and the wall time they took (table loads included;
+  under the ``exhaustive`` policy, its measurements). The memoized path is
+  not counted."""
   return _decided[0], _decided[1]
 
 
@@ -432,8 +434,12 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
     return Selection(spec.heuristic(problem, hw), "heuristic")
   if pol == "exhaustive":
     return _exhaustive(spec, problem, hw)
-  d = _decider(spec, hw)
-  sel = None if d is None else d.decide(problem)
+  # A first decision (a table's load, a new weight's block) allocates many
+  # objects it keeps; the collector, paused meanwhile, would walk all of
+  # JAX's objects each time (tables_lib.gc_paused).
+  with tables_lib.gc_paused():
+    d = _decider(spec, hw)
+    sel = None if d is None else d.decide(problem)
   if sel is None:
     return Selection(spec.heuristic(problem, hw), "heuristic",
                      note="no table" if d is None else "outside the model's trust region")

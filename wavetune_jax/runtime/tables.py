@@ -52,6 +52,7 @@ import json
 import math
 import os
 import tempfile
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -484,6 +485,11 @@ def from_json(d, family: Family, hw: Hardware | None, where: str = "table") -> T
                trust=float(trust), distance_penalty=float(penalty))
 
 
+_gc_lock = threading.Lock()
+_gc_depth = 0
+_gc_was_enabled = True
+
+
 @contextlib.contextmanager
 def gc_paused():
   """Python's cyclic garbage collector off for a burst of allocations.
@@ -492,14 +498,23 @@ def gc_paused():
   in a process that has imported JAX each collection this triggers walks
   JAX's own objects too. On a 2-core CPU it took 45 of the 62 ms of loading
   the H100 GEMM table (1,063 records) at the first wavetune call of a
-  process; 17 ms with the collector paused."""
-  was = gc.isenabled()
-  gc.disable()
+  process; 17 ms with the collector paused. The switch is process-wide:
+  nested and concurrent pauses share it (the first turns the collector off,
+  the last restores the state the first found).
+  """
+  global _gc_depth, _gc_was_enabled
+  with _gc_lock:
+    if _gc_depth == 0:
+      _gc_was_enabled = gc.isenabled()
+      gc.disable()
+    _gc_depth += 1
   try:
     yield
   finally:
-    if was:
-      gc.enable()
+    with _gc_lock:
+      _gc_depth -= 1
+      if _gc_depth == 0 and _gc_was_enabled:
+        gc.enable()
 
 
 def load(path: str, family: Family, hw: Hardware | None = None) -> Table:

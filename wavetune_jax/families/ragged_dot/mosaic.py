@@ -135,7 +135,9 @@ class MosaicRaggedDot(Backend):
     same tiles, column tiles first (at 97 rows per expert a 64-row tile
     needs two tasks per expert, a 128-row tile one: 64 x 128 tiles ran at
     0.72-0.80 of the best there). ``56 <= r <= 64``: 64 x 128 tiles, 4
-    stages, tasks first (where 128-row tiles are out of the space, RG3):
+    stages, tasks first where the weight has more than 16 column tiles of
+    128 (column tiles first at 16 or fewer, below; where 128-row tiles are
+    out of the space, RG3):
     the best at 64 rows per expert on every problem of the H100 and H200
     sweeps, where 64 x 256 ran at 0.76-0.97 of it; at 48-50 rows per
     expert 64 x 256 was 1-6% faster again, and between 50 and 64 nothing
