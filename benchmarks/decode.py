@@ -98,6 +98,9 @@ def main():
             f"{cands[best].num_splits:>7}/{cands[best].block_k:<3}{us[n]:9.1f}{us[n + 1]:9.1f}{us[n + 2]:9.1f}"
             f"{base / us[best]:10.3f}{base / us[0]:10.3f}  {err:.2e} {' '.join(bad)}",
             flush=True)
+      if a.mha:  # every candidate: splits/block_k=us
+        print("    " + "  ".join(f"{c.num_splits}/{c.block_k}={u:.1f}"
+                                  for c, u in zip(cands, us[:n])), flush=True)
       rows.append((b, s, lengths, base / us[best], base / us[0]))
   for lengths in (True, False):
     sel = [r for r in rows if r[2] == lengths]
