@@ -57,6 +57,14 @@ def test_known_answers(wave_ds):
   assert by["default"].geomean == pytest.approx(g)
   assert facts["budget"] == round(0.03 * facts["train_points"])
   assert by["oracle"].vs_xla_geomean > 0
+  # The slowest held-out problem against the baseline, from the same times.
+  _, test = evaluate.split(wave_ds, seed=0)
+  for name in ("oracle", "default"):
+    r = by[name]
+    speeds = [wave_ds.baseline[p] * r.efficiency[MATMUL.problem_key(p)]
+              / wave_ds.times[p][wave_ds.oracle(p)] for p in test if p in wave_ds.baseline]
+    assert speeds and r.vs_xla_min == pytest.approx(min(speeds))
+    assert r.vs_xla_min <= r.vs_xla_geomean
 
 
 @pytest.mark.parametrize("name", ["tree", "gbdt", "nearest"])

@@ -351,6 +351,8 @@ class PolicyResult:
   decision_us_cold: float
   decision_us_memo: float
   vs_xla_geomean: float | None
+  #: The slowest chosen config's speed over the baseline (None: no baseline).
+  vs_xla_min: float | None = None
   #: Geomean speedup over the fixed default on the test problems where the
   #: default is more than 10% slower than the oracle (None: no such problem).
   vs_default_where_differ: float | None = None
@@ -426,6 +428,7 @@ def evaluate(ds: Dataset, policy_names: Sequence[str], *, seed: int = 0,
         p10=float(np.percentile(e, 10)), within_5pct=sum(x >= 1 / 1.05 for x in e) / len(e),
         misses=misses, measurements=used, gpu_seconds=secs, decision_us_cold=cold,
         decision_us_memo=memo, vs_xla_geomean=_geomean(vs_xla) if vs_xla else None,
+        vs_xla_min=min(vs_xla) if vs_xla else None,
         vs_default_where_differ=_geomean(vs_dflt) if vs_dflt else None))
   facts = {"train_problems": len(train), "test_problems": len(test),
            "train_points": train_points, "budget": budget, "seed": seed,

@@ -24,8 +24,8 @@ NUM_STAGES = (2, 3, 4)
 #: Rule LONG_ONE_WAVE of the heuristic: where 64-row programs fill half a wave
 #: to one wave and each runs over at least this many keys (head_dim 128),
 #: 128-key blocks. ``benchmarks/attention_mosaic.py --few-long`` on an H100
-#: (batch 1-2, 4-8 heads, 1,000-2,048 tokens): 1.03-1.16x faster than 64-key
-#: blocks, 2% slower at 1,024 tokens; at 512-768 tokens and with head_dim 64
+#: and an H200 (batch 1-2, 4-8 heads, 1,000-2,048 tokens): 1.03-1.19x faster
+#: than 64-key blocks, 1-2% slower at 1,024 tokens; at 512-768 tokens and with head_dim 64
 #: the 64-key blocks stay ahead. Above one wave (the sweeps' 2,048-16,384
 #: tokens) 64-key blocks win again.
 LONG_KV = 1000
