@@ -13,7 +13,9 @@ Medians (and p90) over many problems, in microseconds:
   * with ``--processes N``, in milliseconds: the first GEMM and attention
     decisions of N fresh processes (after ``import wavetune_jax``), table
     loading included, as the first wavetune call of a program pays them
-    (the shipped tables of ``--device``, not ``--table``).
+    (the shipped tables of ``--device``, not ``--table``), and how many
+    tables each read from the parsed-table cache (``WAVETUNE_TABLE_CACHE=off``
+    times parsing).
 
   python3 benchmarks/decision_time.py [--table tables/nvidia_h200/matmul.json] [--processes 3]
 """
@@ -109,7 +111,12 @@ def main(argv=None):
     print(f"first decisions of a process, ms, {a.processes} fresh processes "
           f"({hw.device_key} tables):")
     for key in runs[0]:
-      print(f"  {key:<40} " + " / ".join(f"{r[key]:.1f}" for r in runs))
+      if key != "table cache hits":
+        print(f"  {key:<40} " + " / ".join(f"{r[key]:.1f}" for r in runs))
+    from wavetune_jax.runtime import table_cache
+    where = table_cache.cache_dir()
+    print(f"  parsed-table cache: {'off' if where is None else where}; tables read from it "
+          f"per process: " + " / ".join(str(r["table cache hits"]) for r in runs))
 
 
 # Run in a fresh interpreter: what a program's first wavetune calls pay.
@@ -130,7 +137,10 @@ t = time.perf_counter()
 selector.select("attention", AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=777,
                                               head_dim=128), dev)
 out["attention: table load + first shape"] = time.perf_counter() - t
-print(json.dumps({k: v * 1e3 for k, v in out.items()}))
+out = {k: v * 1e3 for k, v in out.items()}
+from wavetune_jax.runtime import table_cache
+out["table cache hits"] = table_cache.stats()["hits"]
+print(json.dumps(out))
 """
 
 

@@ -50,8 +50,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  help="timed calls per step, median reported (default: 10)")
   m.add_argument("--json", metavar="PATH", help="write every row here as it is measured")
   m.add_argument("--compile-cache", metavar="DIR",
-                 help="JAX's persistent compilation cache (and XLA's autotune results) in DIR; "
-                 "run the command twice to time the second process (default: off)")
+                 help="JAX's persistent compilation cache (and XLA's autotune results, "
+                 "wavetune's lowered kernels and parsed tables) in DIR; run the command "
+                 "twice to time the second process (default: off)")
   m.add_argument("--xla-autotune", type=int, choices=range(0, 5), metavar="LEVEL",
                  help="XLA's GPU autotune level, 0 (off) to 4 (default: XLA's own, 4)")
   m.add_argument("--breakdown", type=positive_int, default=0, metavar="N",
@@ -190,6 +191,7 @@ def _configure_xla(a) -> None:
     enable_persistent_cache(a.compile_cache)
     if "WAVETUNE_KERNEL_CACHE" not in os.environ:  # lowered Pallas kernels there too
       kernel_cache.set_dir(os.path.join(a.compile_cache, "wavetune_kernels"))
+    # (parsed tables follow JAX's cache folder by themselves: table_cache)
 
 
 def _summary(rows, settings) -> None:

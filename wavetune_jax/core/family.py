@@ -36,8 +36,7 @@ class Problem:
   and compares in C).
 
   Subclasses are ``dataclass(frozen=True, eq=False)``, declare ``_key: tuple``
-  and ``_hash: int`` as ``field(init=False, repr=False, compare=False)`` (fields,
-  so that pickling keeps them), and call :meth:`_freeze` at the end of
+  and ``_hash: int`` as ``field(init=False, repr=False, compare=False)``, and call :meth:`_freeze` at the end of
   ``__post_init__``.
   """
 
@@ -50,6 +49,12 @@ class Problem:
 
   def __hash__(self) -> int:
     return self._hash
+
+  def __reduce__(self):
+    # Pickled as a constructor call: the hash is recomputed, not restored (a
+    # str's hash differs between processes, so a stored one would miss every
+    # dict lookup), and the fields are checked again.
+    return _rebuild_problem, (self.__class__, self._key)
 
   def __eq__(self, other) -> bool:
     if other.__class__ is not self.__class__:
@@ -91,6 +96,10 @@ def config_from_fields(cls, d: dict):
     raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; "
                      f"valid fields are {sorted(names)}")
   return cls(**d)
+
+
+def _rebuild_problem(cls, key: tuple):
+  return cls(**dict(zip(field_names(cls, True), key)))
 
 
 class Backend(abc.ABC):

@@ -79,7 +79,7 @@ class Decider:
                    else heuristic_margin)
     self._weights: dict = {}
     self._seen: set = set()
-    self.rates = _peak_rates(table)
+    self.rates = table.peak_rates()
 
   def decide(self, problem) -> Selection | None:
     hit = self.table.exact.get(problem)
@@ -170,30 +170,6 @@ class Decider:
       if w is not None:
         out[r] = max(w[0] / flops_rate, w[1] / bytes_rate)
     return out
-
-
-def _peak_rates(table) -> tuple[float, float] | None:
-  """The fastest FLOP/us and byte/us any anchor of ``table`` reached, or
-  None (a family without :meth:`Family.work`, or no anchors). Computed once
-  per table object and anchor list (tables are not edited in place after
-  loading)."""
-  memo = table.__dict__.get("_peak_rates")
-  if memo is None or memo[0] is not table.anchors:
-    memo = table.__dict__["_peak_rates"] = (table.anchors, _scan_rates(table))
-  return memo[1]
-
-
-def _scan_rates(table) -> tuple[float, float] | None:
-  flops_rate = bytes_rate = 0.0
-  for p, _, us in table.anchors:
-    w = table.family.work(p) if us and us > 0 else None
-    if w is None:
-      continue
-    flops_rate = max(flops_rate, w[0] / us)
-    bytes_rate = max(bytes_rate, w[1] / us)
-  if flops_rate <= 0 or bytes_rate <= 0:
-    return None
-  return flops_rate, bytes_rate
 
 
 # --- state -------------------------------------------------------------------------------

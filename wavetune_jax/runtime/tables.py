@@ -59,7 +59,7 @@ import numpy as np
 
 from wavetune_jax.core.family import Family
 from wavetune_jax.core.hardware import Hardware
-from wavetune_jax.runtime import wave_model
+from wavetune_jax.runtime import table_cache, wave_model
 
 __all__ = ["FORMAT", "SCHEMA", "TableError", "ModelEntry", "Table", "load", "save",
            "default_path", "tables_dir"]
@@ -274,6 +274,23 @@ class Table:
     hit = self.__dict__["_rows"] = {"arrays": a, "memo": {},
                                     "row": {v: i for i, v in enumerate(variants, start=1)}}
     return hit
+
+  def peak_rates(self) -> tuple[float, float] | None:
+    """The fastest FLOP/us and byte/us any anchor reached, or None (a family
+    without :meth:`Family.work`, or no anchors): the selector's measured
+    floor. Computed once per anchor list (tables are not edited in place
+    after loading)."""
+    memo = self.__dict__.get("_peak_rates")
+    if memo is None or memo[0] is not self.anchors:
+      flops_rate = bytes_rate = 0.0
+      for p, _, us in self.anchors:
+        w = self.family.work(p) if us and us > 0 else None
+        if w is not None:
+          flops_rate = max(flops_rate, w[0] / us)
+          bytes_rate = max(bytes_rate, w[1] / us)
+      rates = (flops_rate, bytes_rate) if flops_rate > 0 and bytes_rate > 0 else None
+      memo = self.__dict__["_peak_rates"] = (self.anchors, rates)
+    return memo[1]
 
   def _anchor_coords(self) -> dict:
     """variant -> ``[n, 2]`` (log G, log L) of its measured anchors."""
@@ -518,17 +535,47 @@ def gc_paused():
 
 
 def load(path: str, family: Family, hw: Hardware | None = None) -> Table:
-  """Reads and validates a table file.
+  """Reads and validates a table file (through the parsed-table cache,
+  :mod:`~wavetune_jax.runtime.table_cache`, when it is on).
 
   Raises:
     TableError: missing, unreadable, not JSON, or failing validation.
   """
   with gc_paused():
     try:
-      with open(path) as f:
-        d = json.load(f)
+      with open(path, "rb") as f:
+        data = f.read()
     except FileNotFoundError:
       raise TableError(f"no table at {path}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except OSError as e:
+      raise TableError(f"{path} is not readable ({type(e).__name__}: {e})") from None
+    k = table_cache.key(data, family.name, hw) if table_cache.cache_dir() is not None else None
+    state = None if k is None else table_cache.get(k)
+    if state is not None:
+      return _from_state(state, family)
+    try:
+      d = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
       raise TableError(f"{path} is not readable JSON ({type(e).__name__}: {e})") from None
-    return from_json(d, family, hw, where=path)
+    table = from_json(d, family, hw, where=path)
+    if k is not None:
+      table._config_rows()  # the per-variant arrays and the rates: stored with the table
+      table.peak_rates()
+      table_cache.put(k, _state_of(table))
+    return table
+
+
+def _state_of(table: Table) -> dict:
+  """What the cache stores of a table: everything but its family (the
+  caller's object) and the per-process memo of config ids."""
+  state = {k: v for k, v in table.__dict__.items() if k != "family"}
+  if "_rows" in state:
+    state["_rows"] = dict(state["_rows"], memo={})
+  return state
+
+
+def _from_state(state: dict, family: Family) -> Table:
+  table = Table.__new__(Table)
+  table.__dict__.update(state)
+  table.family = family
+  return table

@@ -84,6 +84,10 @@ ACC_PER_THREAD = (16, 128)
 
 
 
+def _smem(bm: int, bn: int, bk: int, stages: int, itemsize: int) -> int:
+  return stages * (bm * bk + bk * bn) * itemsize
+
+
 def _rep(n: int, k: int) -> tuple[int, int]:
   """``(n, k)`` with the same candidates (one cache entry for every large
   weight): N enters them only through min(next_pow2(N), 256) (R1), K through
@@ -110,7 +114,7 @@ class TritonMatmul(Backend):
   # --- space -------------------------------------------------------------------
   def smem_bytes(self, problem: MatmulProblem, c: TritonMatmulConfig) -> int:
     """Shared memory of the pipelined operand buffers."""
-    return c.num_stages * (c.block_m * c.block_k + c.block_k * c.block_n) * problem.itemsize
+    return _smem(c.block_m, c.block_n, c.block_k, c.num_stages, problem.itemsize)
 
   def space(self, problem: MatmulProblem, hw: Hardware, *,
             prune: bool = True) -> tuple[TritonMatmulConfig, ...]:
@@ -142,15 +146,15 @@ class TritonMatmul(Backend):
         if prune and sk > 1 and _cdiv(k_blocks[bk], sk) < 2:
           continue  # R4 (K part; the tile-grid part in _size_mask)
         for gm, nw, ns in itertools.product(groups, NUM_WARPS, stages):
-          c = interned(TritonMatmulConfig, block_m=bm, block_n=bn, block_k=bk, split_k=sk,
-                       group_m=gm, num_warps=nw, num_stages=ns)
-          if self.smem_bytes(p, c) > hw.smem_per_block:
-            continue  # R2
+          # (the rules on plain ints first: only kept configs are built)
+          if _smem(bm, bn, bk, ns, p.itemsize) > hw.smem_per_block:
+            continue  # R2 (smem_bytes)
           acc = bm * bn // (32 * nw)
           if prune and (acc > ACC_PER_THREAD[1]
                         or (nw > 4 and acc < ACC_PER_THREAD[0])):
             continue  # R3
-          out.append(c)
+          out.append(interned(TritonMatmulConfig, block_m=bm, block_n=bn, block_k=bk,
+                              split_k=sk, group_m=gm, num_warps=nw, num_stages=ns))
     arr = {f: np.array([getattr(c, f) for c in out], np.int64)
            for f in ("block_m", "block_n", "block_k", "split_k")}
     return tuple(out), arr
