@@ -37,6 +37,9 @@ def main(argv=None):
   ap.add_argument("--min-tokens", type=int, default=None,
                   help="grouped GEMM: also print the speed over problems of at least this "
                        "many tokens (rows / top_k of the suite's weight), overall and per model")
+  ap.add_argument("--below", type=float, default=None, metavar="X",
+                  help="also list each problem where the chosen config runs below X times "
+                       "the baseline (e.g. 1.0), with the oracle's speed and the config")
   eval_cli.add_margin_arg(ap)
   a = ap.parse_args(argv)
   if a.heuristic == (a.table is not None):
@@ -46,7 +49,7 @@ def main(argv=None):
   d = None if a.heuristic else selector.Decider(tables.load(a.table, spec, hw), hw,
                                                 heuristic_margin=a.heuristic_margin)
   eff, xla, dflt, src, missing = [], [], [], collections.Counter(), 0
-  chosen_us = []
+  chosen_us, chosen_cfg = [], []
   for p in ds.problems:
     ts = ds.times[p]
     sel = None if d is None else d.decide(p)
@@ -58,6 +61,7 @@ def main(argv=None):
       t = max(ts.values())
     eff.append(min(ts.values()) / t)
     chosen_us.append(t)
+    chosen_cfg.append(c)
     if p in ds.baseline:
       xla.append(ds.baseline[p] / t)
     if spec.default(p) in ts:
@@ -77,6 +81,14 @@ def main(argv=None):
           f"{_geo(big):.3f}x over {len(big)} problems (min {min(big, default=math.nan):.3f}x)")
   if a.min_tokens is not None:
     _per_model(ds, chosen_us, a.min_tokens)
+  if a.below is not None:
+    low = [(ds.baseline[p] / t, p, c) for p, t, c in zip(ds.problems, chosen_us, chosen_cfg)
+           if p in ds.baseline and ds.baseline[p] / t < a.below]
+    print(f"problems below {a.below}x {spec.baseline_name} ({len(low)}): chosen / oracle "
+          f"speed, the chosen config")
+    for speed, p, c in sorted(low, key=lambda x: x[0]):
+      best = ds.baseline[p] / min(ds.times[p].values())
+      print(f"  {spec.problem_key(p)}  {speed:.3f}x / {best:.3f}x  {c}")
   by_size = collections.defaultdict(list)
   for p, t in zip(ds.problems, chosen_us):
     if p in ds.baseline:

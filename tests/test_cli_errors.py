@@ -60,6 +60,7 @@ def files(tmp_path):
       "--set", "kv_heads=8", "--device", "h200", "--table", TABLE],
      "is for family 'matmul'"),
     (["select", "convolution", "--m", "16"], "invalid choice: 'convolution'"),
+    (["bench", "model", "--cache-fill", "half"], "invalid choice: 'half'"),
     (["select", "matmul", "--m", "-3"], "not an integer >= 1"),
     (["select", "matmul", "--m", "16", "--n", "64", "--device", "h100"], "not a matmul problem"),
     (["select", "matmul", "--m", "16", "--n", "64", "--k", "64"], "no GPU here"),

@@ -41,6 +41,22 @@ def test_bench_model_runs_and_checks_every_setting(tmp_path, capsys):
   assert all(r["decisions"] > 0 for r in rows if r["setting"] != "xla")
 
 
+def test_bench_model_cache_fill():
+  from wavetune_jax.cli.bench import _filled
+  from wavetune_jax.families.decode.family import DecodeFamily
+  from wavetune_jax.families.decode.problem import DecodeProblem
+  cfg = M.MODELS["small"]
+  assert np.asarray(_filled("full", cfg, 4, 100)).tolist() == [100] * 4
+  got = np.sort(np.asarray(_filled("spread", cfg, 8, 100)))
+  # The attended lengths (filled + 1) are the decode sweeps' lengths for a
+  # cache of 101 positions: spread evenly over [1, 101], within the cache.
+  p = DecodeProblem(batch=8, q_heads=cfg.q_heads, kv_heads=cfg.kv_heads, kv_len=101,
+                    head_dim=cfg.head_dim)
+  want = np.sort(np.asarray(DecodeFamily.lengths(p, jax.random.PRNGKey(0))))
+  np.testing.assert_array_equal(got + 1, want)
+  assert got.min() >= 0 and got.max() <= 100 and len(set(got.tolist())) == 8
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--ops", "xla,fast"], "choose from"),
     (["--model", "llama3_8b"], "needs a GPU"),

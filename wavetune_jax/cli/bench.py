@@ -24,8 +24,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
       "op switch: xla (jnp.dot, cuDNN attention, lax.ragged_dot) and the wavetune ops "
       "under the tables, heuristic or default (fixed) policy. Per setting: the first "
       "trace + compile of a new prompt length (wall clock), TTFT (prefill) per prompt "
-      "length and TPOT (one decode step, every sequence at the cache length; the new "
-      "token's keys and values are not written, as a serving loop writes them in place) "
+      "length and TPOT (one decode step, every sequence at the cache length, or spread "
+      "over it with --cache-fill spread; the new token's keys and values are not "
+      "written, as a serving loop writes them in place) "
       "per batch and cache length, both CUPTI over the whole jitted step. Every "
       "setting's logits are checked against the xla setting's. Run twice with "
       "--compile-cache for a second process's compile times. Without a GPU: compile "
@@ -46,6 +47,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   m.add_argument("--cache", type=positive_int, nargs="+", default=[1024, 4096, 16384],
                  metavar="LEN", help="cache lengths of the TPOT rows (default: 1024 4096 "
                  "16384)")
+  m.add_argument("--cache-fill", choices=("full", "spread"), default="full",
+                 help="TPOT rows: every sequence at the cache length (full, the default), "
+                 "or lengths spread evenly over [1, cache length] as the decode sweeps "
+                 "and tables measure them (spread: a serving batch of mixed lengths)")
   m.add_argument("--iterations", type=positive_int, default=10,
                  help="timed calls per step, median reported (default: 10)")
   m.add_argument("--json", metavar="PATH", help="write every row here as it is measured")
@@ -100,11 +105,11 @@ def _bench_model(a) -> int:
   for kind, length, batch in work:
     if kind == "prefill":
       extra = (jax.random.randint(jax.random.PRNGKey(length), (batch, length), 0, cfg.vocab),)
-    else:  # every sequence at `length`; the step attends over length + 1 positions
+    else:  # each sequence at `filled`; the step attends over filled + 1 positions
       shape = (batch, length + 1, cfg.kv_heads, cfg.head_dim)
       kc = [jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16)
             for i in range(cfg.layers)]
-      extra = (kc, kc, jnp.full((batch,), length, jnp.int32),
+      extra = (kc, kc, _filled(a.cache_fill, cfg, batch, length),
                jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab))
     # One flat list of arrays: the profiler times f(*arrays).
     args, tree = jax.tree_util.tree_flatten((params,) + extra)
@@ -149,6 +154,7 @@ def _bench_model(a) -> int:
         kernels = prof.kernel_breakdown(fn, args)[:a.breakdown]
       done += 1
       row = {"setting": name, "kind": kind, "length": length, "batch": batch,
+             **({"cache_fill": a.cache_fill} if kind == "decode" else {}),
              "us": us, "compile_s": compile_s, **phases, "rel_diff_vs_xla": err,
              "kernels": kernels}
       rows.append(row)
@@ -156,12 +162,14 @@ def _bench_model(a) -> int:
         with open(a.json + ".tmp", "w") as f:
           json.dump({"device": jax.devices()[0].device_kind, "model": cfg.name,
                      "layers": cfg.layers, "xla_autotune": a.xla_autotune,
-                     "compile_cache": bool(a.compile_cache), "rows": rows}, f, indent=1)
+                     "compile_cache": bool(a.compile_cache), "cache_fill": a.cache_fill,
+                     "rows": rows}, f, indent=1)
         os.replace(a.json + ".tmp", a.json)
       t = f"{us:10.1f} us" if us else f"{'-':>13}"
       what = "TTFT" if kind == "prefill" else "TPOT"
+      fill = " spread" if kind == "decode" and a.cache_fill == "spread" else ""
       print(f"[{done}/{total}] {what} {name:<9} batch {batch:<4} "
-            f"{'prompt' if kind == 'prefill' else 'cache'} {length:<6} {t}  trace+compile "
+            f"{'prompt' if kind == 'prefill' else 'cache'} {length:<6}{fill} {t}  trace+compile "
             f"{compile_s:6.2f} s (trace {phases['trace_s']:.2f}, of it selecting "
             f"{phases['select_s']:.2f}; lower {phases['lower_s']:.2f}; compile "
             f"{phases['xla_compile_s']:.2f})  rel. RMS diff vs xla {err:.1e}", flush=True)
@@ -173,6 +181,21 @@ def _bench_model(a) -> int:
   if a.plot:
     _plot(rows, settings, a.plot, cfg.name)
   return 0
+
+
+def _filled(fill: str, cfg, batch: int, length: int):
+  """Filled cache positions per sequence, below ``length``: all ``length``
+  (full), or spread evenly so that the attended lengths (filled + 1) cover
+  [1, length + 1] as the decode family's sweeps draw them (spread)."""
+  import jax
+  import jax.numpy as jnp
+  if fill == "full":
+    return jnp.full((batch,), length, jnp.int32)
+  from wavetune_jax.families.decode.family import DecodeFamily
+  from wavetune_jax.families.decode.problem import DecodeProblem
+  p = DecodeProblem(batch=batch, q_heads=cfg.q_heads, kv_heads=cfg.kv_heads,
+                    kv_len=length + 1, head_dim=cfg.head_dim)
+  return DecodeFamily.lengths(p, jax.random.PRNGKey(3)) - 1
 
 
 def _configure_xla(a) -> None:

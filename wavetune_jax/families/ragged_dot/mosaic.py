@@ -123,9 +123,13 @@ class MosaicRaggedDot(Backend):
     """A rule from the H100 and H200 sweeps (``data/sweeps/*/ragged_dot_bfloat16.jsonl.gz``).
 
     ``r`` = rows per expert under balanced routing. None (XLA's ragged dot)
-    where every one of fewer than 16 experts is likely busy and ``r < 32``:
-    both read all the weights at the memory's speed, and XLA was 0-5% faster
-    (Mixtral, 16-64 tokens). Elsewhere the Mosaic kernel: it reads only the
+    where every one of fewer than 16 experts is likely busy, ``r < 32`` and
+    the weight is wider than deep (``N > K``, a w13): both read all the
+    weights at the memory's speed, and XLA was 0-5% faster (Mixtral's w13,
+    16-64 tokens). On a deep, narrow weight (``K > N``, a w2) XLA's op falls
+    behind as rows grow: Mixtral's w2 (K 14,336, N 4,096) at 32 / 96 / 128
+    rows ran 1.01 / 1.04 / 1.09x faster with the rule's 64 x 256 tiles on the
+    H100 and 1.01 / 1.08 / 1.12x on the H200. Elsewhere the Mosaic kernel: it reads only the
     experts that have rows, and XLA's ragged dot slows down with many
     experts (Arctic's 128: 8.1x). ``r >= 128``: 128 x 256 tiles, 3 stages
     (within 5% of the best on most such problems; on the H100 256 x 128
@@ -156,7 +160,7 @@ class MosaicRaggedDot(Backend):
       return None
     r = p.m / min(p.g, p.m)
     likely_all_busy = p.m > p.g * np.log(p.g)
-    if p.g < 16 and likely_all_busy and r < 32:
+    if p.g < 16 and likely_all_busy and r < 32 and p.n > p.k:
       return None
     if r > 64:
       order = 0 if r >= 128 and _cdiv(p.n, 256) > 16 else 1
