@@ -54,7 +54,7 @@ def test_a_cached_table_is_the_table(tmp_path, cache):
   assert len(_entries(cache)) == 1
   cached = tables.load(str(path), MATMUL, HW)
   after = table_cache.stats()
-  assert (after["misses"] - before["misses"], after["hits"] - before["hits"]) == (1, 1)
+  assert (after["writes"] - before["writes"], after["hits"] - before["hits"]) == (1, 1)
   assert cached is not parsed and cached.family is MATMUL
   assert cached.entries == parsed.entries and cached.anchors == parsed.anchors
   assert cached.exact == parsed.exact and cached.exact
@@ -159,3 +159,43 @@ def test_load_errors_are_the_same_with_the_cache(tmp_path, cache):
   with pytest.raises(tables.TableError, match="is for 'nvidia_a100"):
     tables.load(str(bad), MATMUL, HW)
   assert not _entries(cache)  # nothing stored for a table that failed
+
+
+def test_decisions_are_kept_for_the_next_process(tmp_path, cache):
+  # A process's decisions go into the table's entry at exit; the next process
+  # answers them from there without deciding (its Decider would raise).
+  path = tmp_path / "matmul.json"
+  shutil.copy(SHIPPED, path)
+  common = f"""
+import json
+from wavetune_jax import MATMUL, MatmulProblem, get_hardware
+from wavetune_jax.runtime import selector, table_cache, tables
+table_cache.set_dir({str(cache)!r})
+hw = get_hardware("h200")
+selector.load_tables({str(path)!r}, "matmul", hw=hw)
+problems = [MatmulProblem(m=m, n=n, k=k) for m in (1, 300, 777, 5000)
+            for n, k in ((6144, 4096), (4096, 14336), (1280, 8192))]
+"""
+  first = common + """
+print(json.dumps([repr(selector.select("matmul", p, hw)) for p in problems]))
+"""
+  second = common + """
+def refuse(self, problem):
+  raise AssertionError("decided again")
+selector.Decider.decide = refuse
+print(json.dumps([repr(selector.select("matmul", p, hw)) for p in problems]))
+try:
+  selector.select("matmul", MatmulProblem(m=123, n=6144, k=4096), hw)
+except AssertionError:
+  print("new problems are decided")
+"""
+  outs = []
+  for script in (first, second):
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    outs.append(r.stdout.splitlines())
+  assert json.loads(outs[0][0]) == json.loads(outs[1][0])
+  assert outs[1][1] == "new problems are decided"

@@ -25,6 +25,7 @@ array lookup.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import logging
@@ -415,14 +416,52 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
   # JAX's objects each time (tables_lib.gc_paused).
   with tables_lib.gc_paused():
     d = _decider(spec, hw)
-    sel = None if d is None else d.decide(problem)
+    if d is None:
+      return Selection(spec.heuristic(problem, hw), "heuristic", note="no table")
+    # The table's own record of its decisions: kept with it by the parsed-
+    # table cache, so a later process answers these problems without
+    # building candidates (a decision is a function of the table's bytes,
+    # the hardware and the code, which the cache's key holds).
+    decided = d.table.__dict__.setdefault("_decided", {})
+    hit = decided.get((problem, hw))
+    if hit is not None:
+      return hit
+    sel = d.decide(problem)
   if sel is None:
-    return Selection(spec.heuristic(problem, hw), "heuristic",
-                     note="no table" if d is None else "outside the model's trust region")
-  g, _ = spec.coords(problem, sel.config)
-  e = d.table.entries.get(spec.variant(sel.config))
-  waves = -(-g // (e.occupancy * hw.num_sms)) if e is not None else None
-  return dataclasses.replace(sel, waves=waves)
+    sel = Selection(spec.heuristic(problem, hw), "heuristic",
+                    note="outside the model's trust region")
+  else:
+    g, _ = spec.coords(problem, sel.config)
+    e = d.table.entries.get(spec.variant(sel.config))
+    waves = -(-g // (e.occupancy * hw.num_sms)) if e is not None else None
+    sel = dataclasses.replace(sel, waves=waves)
+  if len(decided) < _MAX_KEPT_DECISIONS:
+    decided[(problem, hw)] = sel
+    _persist_at_exit(d.table)
+  return sel
+
+
+#: Decisions kept with a table for later processes, at most: each adds about
+#: 7 us to reading the entry back (a server that sees every M would
+#: otherwise make the read slower than deciding).
+_MAX_KEPT_DECISIONS = 1024
+_dirty: dict = {}   # id -> table with decisions not yet in the parsed-table cache
+
+
+def _persist_at_exit(table) -> None:
+  if getattr(table, "_cache_key", None) is None:
+    return  # not from the parsed-table cache: nothing to add them to
+  if not _dirty:
+    atexit.register(_persist_decisions)
+  _dirty[id(table)] = table
+
+
+def _persist_decisions() -> None:
+  """At exit: rewrites the cache entry of each table that decided something
+  new, its decisions included (one file write per table)."""
+  for table in list(_dirty.values()):
+    tables_lib.store_in_cache(table, merge=True, limit=_MAX_KEPT_DECISIONS)
+  _dirty.clear()
 
 
 def _exhaustive(spec: Family, problem, hw: Hardware) -> Selection:

@@ -47,7 +47,7 @@ _SUFFIX = ".table.pickle"
 
 _lock = threading.Lock()
 _state = {"dir": None, "set": False}
-_stats = {"hits": 0, "misses": 0, "errors": 0}
+_stats = {"hits": 0, "writes": 0, "errors": 0}
 _warned: set = set()
 
 
@@ -73,8 +73,8 @@ def cache_dir() -> pathlib.Path | None:
 
 def stats() -> dict:
   """Counts since the process started: ``hits`` (tables read from the
-  cache), ``misses`` (parsed, then written), ``errors`` (entries rebuilt or
-  not written)."""
+  cache), ``writes`` (entries written: a table parsed, or its decisions
+  added at exit), ``errors`` (entries rebuilt or not written)."""
   return dict(_stats)
 
 
@@ -114,9 +114,10 @@ def _warn_once(what: str, msg: str) -> None:
     warnings.warn(msg, stacklevel=4)
 
 
-def get(k: str) -> dict | None:
+def get(k: str, *, count: bool = True) -> dict | None:
   """The stored state of entry ``k``, or None (a miss, or an unreadable
-  entry: warned once, and rewritten by the caller's :func:`put`)."""
+  entry: warned once, and rewritten by the caller's :func:`put`).
+  ``count=False``: not counted in :func:`stats` (a read before a rewrite)."""
   d = cache_dir()
   if d is None:
     return None
@@ -140,7 +141,8 @@ def get(k: str) -> dict | None:
     _warn_once("corrupt", f"wavetune_jax: table cache entry {path} is corrupt "
                           f"({type(e).__name__}: {e}); rebuilding it from the table file")
     return None
-  _stats["hits"] += 1
+  if count:
+    _stats["hits"] += 1
   return state
 
 
@@ -150,7 +152,7 @@ def put(k: str, state: dict) -> None:
   d = cache_dir()
   if d is None:
     return
-  _stats["misses"] += 1
+  _stats["writes"] += 1
   tmp = None
   try:
     d.mkdir(parents=True, exist_ok=True)
