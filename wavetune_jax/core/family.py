@@ -36,8 +36,9 @@ class Problem:
   and compares in C).
 
   Subclasses are ``dataclass(frozen=True, eq=False)``, declare ``_key: tuple``
-  and ``_hash: int`` as ``field(init=False, repr=False, compare=False)``, and call :meth:`_freeze` at the end of
-  ``__post_init__``.
+  and ``_hash: int`` as ``field(init=False, repr=False, compare=False)``, and
+  call :meth:`_freeze` at the end of ``__post_init__``. They pickle as a
+  constructor call (:meth:`__reduce__`).
   """
 
   __slots__ = ()

@@ -38,17 +38,19 @@ import warnings
 
 import jax
 
+from wavetune_jax.core.cache_folder import CacheFolder
+
 __all__ = ["set_dir", "cache_dir", "call", "stats", "clear_memory"]
 
 #: Custom calls of the kernels that ``jax.export`` does not list as stable
 #: (Triton kernels; Mosaic GPU's ``mosaic_gpu_v2`` is listed). The entries
 #: are keyed by the exact JAX and jaxlib versions, so this is safe here.
 _CUSTOM_CALLS = ("__gpu$xla.gpu.triton",)
-_OFF = ("0", "off", "false", "no")
 _SUFFIX = ".jaxexport"
 
 _lock = threading.Lock()
-_state = {"dir": None, "set": False}
+_folder = CacheFolder("WAVETUNE_KERNEL_CACHE")
+_state = _folder.state
 _memory: dict = {}       # key -> jax.export.Exported
 _stats = {"hits": 0, "misses": 0, "loads": 0, "errors": 0}
 _warned: set = set()
@@ -57,19 +59,12 @@ _warned: set = set()
 def set_dir(path: str | os.PathLike | None) -> None:
   """Keeps lowered kernels in ``path`` (created if missing); ``None`` turns
   the cache off. Overrides the environment and JAX's cache folder."""
-  with _lock:
-    _state["dir"] = None if path is None else pathlib.Path(path)
-    _state["set"] = True
+  _folder.set(path)
 
 
 def cache_dir() -> pathlib.Path | None:
   """The folder in use, or None (cache off): see the module doc."""
-  if _state["set"]:
-    return _state["dir"]
-  env = os.environ.get("WAVETUNE_KERNEL_CACHE")
-  if env is not None:
-    return None if env.strip().lower() in _OFF or not env.strip() else pathlib.Path(env)
-  return None
+  return _folder.get()
 
 
 def stats() -> dict:

@@ -418,11 +418,12 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
     d = _decider(spec, hw)
     if d is None:
       return Selection(spec.heuristic(problem, hw), "heuristic", note="no table")
-    # The table's own record of its decisions: kept with it by the parsed-
-    # table cache, so a later process answers these problems without
-    # building candidates (a decision is a function of the table's bytes,
-    # the hardware and the code, which the cache's key holds).
-    decided = d.table.__dict__.setdefault("_decided", {})
+    # A table read through the parsed-table cache keeps a record of its
+    # decisions, stored with it at exit, so a later process answers these
+    # problems without building candidates (a decision is a function of the
+    # table's bytes, the hardware and the code, which the cache's key holds).
+    kept = d.table.__dict__.get("_cache_key") is not None
+    decided = d.table.__dict__.setdefault("_decided", {}) if kept else {}
     hit = decided.get((problem, hw))
     if hit is not None:
       return hit
@@ -435,25 +436,19 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
     e = d.table.entries.get(spec.variant(sel.config))
     waves = -(-g // (e.occupancy * hw.num_sms)) if e is not None else None
     sel = dataclasses.replace(sel, waves=waves)
-  if len(decided) < _MAX_KEPT_DECISIONS:
+  if kept and len(decided) < _MAX_KEPT_DECISIONS:
     decided[(problem, hw)] = sel
-    _persist_at_exit(d.table)
+    if not _dirty:
+      atexit.register(_persist_decisions)
+    _dirty[id(d.table)] = d.table
   return sel
 
 
-#: Decisions kept with a table for later processes, at most: each adds about
-#: 7 us to reading the entry back (a server that sees every M would
-#: otherwise make the read slower than deciding).
+#: Decisions kept with a table for later processes, at most: each adds to
+#: reading the entry back (a server that sees every M would otherwise make
+#: the read slower than deciding).
 _MAX_KEPT_DECISIONS = 1024
 _dirty: dict = {}   # id -> table with decisions not yet in the parsed-table cache
-
-
-def _persist_at_exit(table) -> None:
-  if getattr(table, "_cache_key", None) is None:
-    return  # not from the parsed-table cache: nothing to add them to
-  if not _dirty:
-    atexit.register(_persist_decisions)
-  _dirty[id(table)] = table
 
 
 def _persist_decisions() -> None:

@@ -2,10 +2,11 @@
 
 Loading a GEMM table (a thousand records: problems, configs, model entries,
 checked one by one) and preparing its per-variant arrays is most of a
-process's first wavetune decision: about 20 ms of the first GEMM call's 35 ms
-on a 2-core CPU. The result depends only on the table file's bytes and on
-this package's code, so :func:`tables.load <wavetune_jax.runtime.tables.load>`
-keeps it here, pickled, and a later process reads it back in about 3 ms.
+process's first wavetune decision (``benchmarks/decision_time.py
+--processes 3``: 31-36 ms parsing, 14-18 ms from this cache, on a 2-core
+CPU). The result depends only on the table file's bytes and on this
+package's code, so :func:`tables.load <wavetune_jax.runtime.tables.load>`
+keeps it here, pickled, with the decisions the selector makes from it.
 
 Where: :func:`set_dir`, else ``$WAVETUNE_TABLE_CACHE`` (a folder; ``off``
 turns it off), else ``wavetune_tables`` in JAX's persistent compilation
@@ -33,39 +34,36 @@ import pathlib
 import pickle
 import sys
 import tempfile
-import threading
 import warnings
 
 import numpy as np
+
+from wavetune_jax.core.cache_folder import CacheFolder
 
 __all__ = ["set_dir", "cache_dir", "stats", "key", "get", "put"]
 
 #: Bumped when the stored state changes shape.
 _FORMAT = 1
-_OFF = ("0", "off", "false", "no", "")
 _SUFFIX = ".table.pickle"
 
-_lock = threading.Lock()
-_state = {"dir": None, "set": False}
 _stats = {"hits": 0, "writes": 0, "errors": 0}
+_folder = CacheFolder("WAVETUNE_TABLE_CACHE", default=lambda: _in_jax_cache())
+_state = _folder.state
 _warned: set = set()
 
 
 def set_dir(path: str | os.PathLike | None) -> None:
   """Keeps parsed tables in ``path`` (created when first written); ``None``
   turns the cache off. Overrides ``$WAVETUNE_TABLE_CACHE``."""
-  with _lock:
-    _state["dir"] = None if path is None else pathlib.Path(path)
-    _state["set"] = True
+  _folder.set(path)
 
 
 def cache_dir() -> pathlib.Path | None:
   """The folder in use, or None (cache off): see the module doc."""
-  if _state["set"]:
-    return _state["dir"]
-  env = os.environ.get("WAVETUNE_TABLE_CACHE")
-  if env is not None:
-    return None if env.strip().lower() in _OFF else pathlib.Path(env)
+  return _folder.get()
+
+
+def _in_jax_cache() -> pathlib.Path | None:
   import jax
   jax_dir = jax.config.jax_compilation_cache_dir
   return pathlib.Path(jax_dir) / "wavetune_tables" if jax_dir else None
