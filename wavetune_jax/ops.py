@@ -55,7 +55,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     kv_lengths: ``[batch]`` integers, the valid KV length of each sequence (a
       KV cache): keys at or past it are neither seen nor read, as
       ``key_value_seq_lengths`` of ``jax.nn.dot_product_attention``; lengths
-      are clipped to ``[0, kv_len]``. None: every key is valid.
+      of any integer width are clipped to ``[0, kv_len]`` in their own dtype
+      (a uint32 ``4294967295`` is ``kv_len``). None: every key is valid.
     causal_align: where the causal diagonal sits when the queries do not
       start at key 0. ``"top_left"`` (default): query ``i`` sees keys
       ``j <= i``, as ``jax.nn.dot_product_attention(is_causal=True)``.
@@ -100,8 +101,10 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lengths=Non
     k, v: ``[batch, kv_len, kv_heads, head_dim]``, the cache, same dtype;
       ``kv_heads`` divides ``q_heads``.
     kv_lengths: ``[batch]`` integers, the valid length of each sequence
-      (clipped to ``[0, kv_len]``); keys at or past it are never read, so
-      NaN or Inf there never reaches the output. None: every key is valid.
+      (any integer width, clipped to ``[0, kv_len]`` in its own dtype); keys
+      at or past it are never read, so NaN or Inf there never reaches the
+      output (NaN in the queries or the valid keys does, as in a float32
+      softmax). None: every key is valid.
     causal: a Python bool; False: every query sees every valid key.
     scale: softmax scale, a Python float (default ``1 / sqrt(head_dim)``).
     config: a backend's config (``TritonDecodeConfig``, ``XlaDecodeConfig``,
@@ -135,15 +138,20 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dt
   Args:
     lhs: ``[M, K]`` bfloat16, float16 or float32.
     rhs: ``[G, K, N]`` of the same dtype.
-    group_sizes: ``[G]`` integers. Rows past ``sum(group_sizes)`` come out as
-      zeros, as with ``lax.ragged_dot``; sizes that sum past ``M`` are clipped
-      at ``M`` and negative sizes count as 0 (``lax.ragged_dot`` leaves both
-      undefined).
+    group_sizes: ``[G]`` integers of any width (booleans are not integers).
+      Rows past ``sum(group_sizes)`` come out as zeros, as with
+      ``lax.ragged_dot``; sizes that sum past ``M`` are clipped at ``M`` and
+      negative sizes count as 0 (``lax.ragged_dot`` leaves both undefined):
+      each size is clipped to ``[0, M]`` in its own dtype, so a uint32
+      ``4294967295`` is ``M``, not -1.
     out_dtype: bfloat16, float16 or float32 (default ``lhs.dtype``);
       accumulation is float32.
     config: a backend's config (``MosaicRaggedDotConfig``,
       ``TritonRaggedDotConfig``, ``XlaRaggedDotConfig``) or a dict
       ``{"backend": name, **fields}``; ``None`` lets the selector choose.
+
+  ``jax.vmap`` over any of the arrays runs one grouped GEMM of
+  ``batch * M`` rows (rows reordered by group, and back).
 
   Returns:
     ``[M, N]`` array of ``out_dtype``.

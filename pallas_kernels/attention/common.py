@@ -6,6 +6,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels._integers import clipped_int32
 
 __all__ = ["SUPPORTED_DTYPES", "MAX_HEAD_DIM", "ALIGNS", "check_qkv", "check_call",
            "check_lengths", "check_align"]
@@ -75,17 +78,20 @@ def check_align(causal_align) -> str:
   return causal_align
 
 
-def check_lengths(kv_lengths, batch: int):
-  """``kv_lengths`` as an int32 ``[batch]`` array, or None."""
+def check_lengths(kv_lengths, batch: int, kv_len: int):
+  """``kv_lengths`` as an int32 ``[batch]`` array clipped to ``[0, kv_len]``
+  (in its own dtype, before the cast: a uint32 ``4294967295`` or an int64
+  ``2**32 + 4`` is ``kv_len``, not what int32 wraps it to), or None.
+
+  Raises:
+    ValueError: not ``[batch]`` integers (booleans are not).
+  """
   if kv_lengths is None:
     return None
-  kv_lengths = jnp.asarray(kv_lengths)
-  if kv_lengths.shape != (batch,):
-    raise ValueError(f"kv_lengths must have shape [batch] = ({batch},); got "
-                     f"{kv_lengths.shape}")
-  if not jnp.issubdtype(kv_lengths.dtype, jnp.integer):
-    raise ValueError(f"kv_lengths must be integers; got {kv_lengths.dtype}")
-  return kv_lengths.astype(jnp.int32)
+  shape = np.shape(kv_lengths)
+  if shape != (batch,):
+    raise ValueError(f"kv_lengths must have shape [batch] = ({batch},); got {shape}")
+  return clipped_int32(kv_lengths, kv_len, name="kv_lengths")
 
 
 def valid_keys(kv_lengths, kv_len: int, q_len: int, *, causal: bool, causal_align: str,

@@ -25,7 +25,7 @@ def attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: boo
   the whole ``[q_len, kv_len]`` score matrix.
   """
   check_qkv(q, k, v)
-  kv_lengths = check_lengths(kv_lengths, q.shape[0])
+  kv_lengths = check_lengths(kv_lengths, q.shape[0], k.shape[1])
   out_dtype = q.dtype if out_dtype is None else out_dtype
   scale = 1.0 / math.sqrt(q.shape[3]) if scale is None else float(scale)
   return _reference(q, k, v, kv_lengths, causal=bool(causal), scale=scale,

@@ -147,11 +147,11 @@ def _attention_kernel(*refs, q_len, kv_len, q_heads, group, head_dim, dp, bq, bk
 
   start = q_block_start(q_block, q_len=q_len, block_q=bq)
   rows = pl.ds(start, bq)
-  cols = pl.ds(0, dp)
-  row_ids = start + jnp.arange(bq)
+  cols = pl.ds(jnp.int32(0), dp)  # int32 like the other indices (jax_enable_x64)
+  row_ids = start + jnp.arange(bq, dtype=jnp.int32)
   # Only a sequence shorter than one block needs a row mask.
   mask_q = (row_ids < q_len) if q_len < bq else None
-  mask_d = (jnp.arange(dp) < head_dim) if dp != head_dim else None
+  mask_d = (jnp.arange(dp, dtype=jnp.int32) < head_dim) if dp != head_dim else None
   q_mask = _outer_and(mask_q, mask_d)
   q = plgpu.load(q_ref.at[b, rows, h, cols], mask=q_mask,
                  other=None if q_mask is None else 0.0)
@@ -172,7 +172,7 @@ def _attention_kernel(*refs, q_len, kv_len, q_heads, group, head_dim, dp, bq, bk
     # zeros there (NaN in a cache past a sequence's length never reaches the
     # output).
     if edge and (has_lengths or kv_len % bk):
-      col_ok = (j * bk + jnp.arange(bk)) < valid
+      col_ok = (j * bk + jnp.arange(bk, dtype=jnp.int32)) < valid
       ld_mask = _outer_and(col_ok, mask_d)
     else:
       col_ok = None
@@ -182,7 +182,7 @@ def _attention_kernel(*refs, q_len, kv_len, q_heads, group, head_dim, dp, bq, bk
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * qk_scale
     if edge:
-      col_ids = j * bk + jnp.arange(bk)
+      col_ids = j * bk + jnp.arange(bk, dtype=jnp.int32)
       mask = None
       if causal:
         mask = (row_ids[:, None] + shift) >= col_ids[None, :]
@@ -269,7 +269,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: TritonAttenti
     if a.size > MAX_ELEMENTS:
       raise ValueError(f"{name} holds {a.size} elements, more than the kernel's "
                        f"32-bit offsets allow ({MAX_ELEMENTS})")
-  kv_lengths = check_lengths(kv_lengths, q.shape[0])
+  kv_lengths = check_lengths(kv_lengths, q.shape[0], k.shape[1])
   return _attention(q, k, v, kv_lengths, config=config, causal=bool(causal), scale=scale,
                     bottom_right=check_align(causal_align) == "bottom_right"
                     and bool(causal), interpret=interpret)

@@ -23,7 +23,10 @@ writes the output itself.
 
 Blocks at or past a sequence's valid length are never loaded; in the last
 block the keys past it are loaded as zeros (NaN or Inf in the cache there
-never reaches the output). A query that sees no key gives zeros.
+never reaches the output). A query that sees no key gives zeros; NaN in a
+query or in a key it sees makes its output NaN, as in the float32
+reference (a NaN score makes the row's denominator NaN; the output and the
+chunks' combination test whether a row sees a key, never ``l > 0``).
 
 Grid: ``(row_blocks, num_splits, batch * kv_heads)``, axis 0 fastest: the
 programs of one KV chunk's row blocks run side by side and share it in L2.
@@ -102,11 +105,11 @@ def _decode_kernel(*refs, q_len, kv_len, rows, group, head_dim, dp, bh, bk, chun
   b = bhh // kv_heads
   kvh = bhh % kv_heads
 
-  row_ids = rb * bh + jnp.arange(bh)
+  row_ids = rb * bh + jnp.arange(bh, dtype=jnp.int32)
   mask_r = (row_ids < rows) if rows % bh else None
-  mask_d = (jnp.arange(dp) < head_dim) if dp != head_dim else None
+  mask_d = (jnp.arange(dp, dtype=jnp.int32) < head_dim) if dp != head_dim else None
   q_mask = _outer_and(mask_r, mask_d)
-  r_sl, cols = pl.ds(rb * bh, bh), pl.ds(0, dp)
+  r_sl, cols = pl.ds(rb * bh, bh), pl.ds(jnp.int32(0), dp)  # int32 indices (jax_enable_x64)
   q = plgpu.load(q_ref.at[b, kvh, r_sl, cols], mask=q_mask,
                  other=None if q_mask is None else 0.0)
   qk_scale = scale * _LOG2E  # exp(x) = exp2(x * log2(e))
@@ -124,7 +127,7 @@ def _decode_kernel(*refs, q_len, kv_len, rows, group, head_dim, dp, bh, bk, chun
     chunk = (per + bk - 1) // bk * bk
   lo = s * chunk
   hi = jnp.minimum(lo + chunk, valid)
-  total = jnp.maximum(pl.cdiv(hi - lo, bk), 0)
+  total = jnp.maximum((hi - lo + bk - 1) // bk, 0)
   # Keys every row sees: below the valid length and, under a causal mask,
   # at or before the first row's diagonal.
   seen_by_all = jnp.minimum(hi, shift + 1) if causal else hi
@@ -135,7 +138,7 @@ def _decode_kernel(*refs, q_len, kv_len, rows, group, head_dim, dp, bh, bk, chun
     acc, m_i, l_i = carry
     start = lo + j * bk
     ks = pl.ds(start, bk)
-    col_ids = start + jnp.arange(bk)
+    col_ids = start + jnp.arange(bk, dtype=jnp.int32)
     if edge:
       col_ok = col_ids < valid
       ld_mask = _outer_and(col_ok, mask_d)
@@ -169,7 +172,9 @@ def _decode_kernel(*refs, q_len, kv_len, rows, group, head_dim, dp, bh, bk, chun
   if not split:
     (o_ref,) = out_refs
     sees = (valid > 0) & (t + shift >= 0) if causal else jnp.full((bh,), valid > 0)
-    out = jnp.where(sees[:, None] & (l_i > 0)[:, None], acc / l_i[:, None], 0.0)
+    # A row that sees a key has l_i >= 1, or NaN (NaN in its query or its
+    # keys), which reaches the output as in the float32 reference.
+    out = jnp.where(sees[:, None], acc / l_i[:, None], 0.0)
     plgpu.store(o_ref.at[b, kvh, r_sl, cols], out.astype(o_ref.dtype), mask=out_mask)
   else:
     o_ref, m_ref, l_ref = out_refs
@@ -221,7 +226,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Triton
   if k.size > MAX_ELEMENTS:
     raise ValueError(f"the KV cache holds {k.size} elements per array, more than the "
                      f"kernel's 32-bit offsets allow ({MAX_ELEMENTS}); use the xla backend")
-  kv_lengths = check_lengths(kv_lengths, q.shape[0])
+  kv_lengths = check_lengths(kv_lengths, q.shape[0], k.shape[1])
   return _decode(q, k, v, kv_lengths, config=config, causal=bool(causal), scale=scale,
                  interpret=interpret)
 
@@ -297,17 +302,23 @@ def _decode(q, k, v, kv_lengths, *, config: TritonDecodeConfig, causal: bool, sc
 
 def _combine(o, m, l, kv_lengths, *, q_len, kv_len, group, causal, dtype):
   """Merges the chunks' partial softmax results (max in log2 units): one
-  fused XLA reduction over the split axis."""
+  fused XLA reduction over the split axis.
+
+  A chunk with no keys (``l = 0``, ``m = -inf``) weighs 0; a chunk whose
+  ``l`` is NaN (NaN in the query or in a key it sees) makes the row NaN, as
+  in the float32 reference (a test ``l > 0`` would drop it).
+  """
   m_all = jnp.max(m, axis=0)
-  w = jnp.where(l > 0, jnp.exp2(m - m_all[None]), 0.0)
+  w = jnp.where(l == 0, 0.0, jnp.exp2(m - m_all[None]))
   den = jnp.sum(w * l, axis=0)
   num = jnp.sum(w[..., None] * o, axis=0)
   batch, _, rows = den.shape[0], den.shape[1], den.shape[2]
   valid = (jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None
            else jnp.clip(kv_lengths, 0, kv_len))
-  sees = (valid > 0)[:, None, None] & (den > 0)
+  # A row that sees a key has den >= 1 (its top chunk weighs 1), or NaN.
+  sees = jnp.broadcast_to((valid > 0)[:, None, None], den.shape)
   if causal:
-    t = jnp.arange(rows) // group
+    t = jnp.arange(rows, dtype=jnp.int32) // group
     sees = sees & ((t[None, :] + (valid - q_len)[:, None]) >= 0)[:, None, :]
-  out = jnp.where(sees[..., None], num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
+  out = jnp.where(sees[..., None], num / jnp.where(sees, den, 1.0)[..., None], 0.0)
   return out.astype(dtype)

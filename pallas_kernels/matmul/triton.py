@@ -83,15 +83,15 @@ def _matmul_kernel(x_ref, w_ref, o_ref, *, m, n, k, bm, bn, bk, group_m,
   cols = pl.ds(pid_n * bn, bn)
   # Static facts decide which masks are needed at all: the common aligned case
   # compiles to unmasked loads.
-  mask_m = (pid_m * bm + jnp.arange(bm) < m) if m % bm else None
-  mask_n = (pid_n * bn + jnp.arange(bn) < n) if n % bn else None
+  mask_m = (pid_m * bm + jnp.arange(bm, dtype=jnp.int32) < m) if m % bm else None
+  mask_n = (pid_n * bn + jnp.arange(bn, dtype=jnp.int32) < n) if n % bn else None
   k_exact = (k % bk == 0) and (k // bk == split_k * k_steps)
   k0 = pid_k * k_steps
 
   def body(i, acc):
     kb = k0 + i
     ks = pl.ds(kb * bk, bk)
-    mask_k = None if k_exact else (kb * bk + jnp.arange(bk) < k)
+    mask_k = None if k_exact else (kb * bk + jnp.arange(bk, dtype=jnp.int32) < k)
     x_mask = _outer_and(mask_m, mask_k)
     w_mask = _outer_and(mask_k, mask_n)
     x = plgpu.load(x_ref.at[rows, ks], mask=x_mask,

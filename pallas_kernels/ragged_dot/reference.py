@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_dot.worklist import clip_sizes
+
 __all__ = ["ragged_dot_reference"]
 
 #: Above this many bytes of ``M x G x K`` float32, the reference loops over
@@ -21,12 +23,15 @@ def ragged_dot_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   ``block_rows`` is given), the same product is computed one expert and one
   block of ``block_rows`` rows at a time, in memory proportional to one
   expert's weight; rows past ``sum(group_sizes)`` are zeros either way.
+  Negative sizes count as 0 and sizes summing past ``M`` are clipped at
+  ``M`` (:func:`~pallas_kernels.ragged_dot.worklist.clip_sizes`).
   """
   out_dtype = lhs.dtype if out_dtype is None else out_dtype
   (m, k), g = lhs.shape, rhs.shape[0]
+  group_sizes = clip_sizes(group_sizes, m)
   if block_rows is None and m * g * k * 4 <= LOOP_ABOVE_BYTES:
     y = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32),
-                           group_sizes.astype(jnp.int32),
+                           group_sizes,
                            precision=jax.lax.Precision.HIGHEST)
     return y.astype(out_dtype)
   return _blocked(lhs, rhs, group_sizes, min(block_rows or 512, m)).astype(out_dtype)
@@ -36,13 +41,9 @@ def _blocked(lhs, rhs, group_sizes, b: int) -> jax.Array:
   """Expert by expert, its rows ``b`` at a time: a window of ``b`` rows that
   ends inside the array, masked to the expert's rows."""
   m, n = lhs.shape[0], rhs.shape[2]
-  # Sizes clipped to [0, M] first: the running sum stays far from int32's
-  # limit (a size near 2**31 would wrap it), and a negative size (invalid)
-  # cannot move a window before row 0.
-  sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
-  ends = jnp.cumsum(sizes)
-  starts = jnp.minimum(ends - sizes, m)
-  ends = jnp.minimum(ends, m)
+  # Clipped sizes (ragged_dot_reference): the running sum stays <= M.
+  ends = jnp.cumsum(group_sizes, dtype=jnp.int32)
+  starts = ends - group_sizes
   rows = jnp.arange(b)
 
   def expert(e, out):

@@ -59,17 +59,17 @@ def _kernel(tasks_ref, x_ref, w_ref, o_ref, *, groups, n, k, bm, bn, bk, acc_dty
     row0 = tasks_ref[worklist.ROW0, t]
     start = tasks_ref[worklist.START, t]
     expert = jnp.minimum(grp, groups - 1)
-    r = jnp.arange(bm)
+    r = jnp.arange(bm, dtype=jnp.int32)
     mask_m = (r >= start) & (r < start + size)
     # Tail tasks (rows past the groups) load their lhs rows as zeros.
     load_m = mask_m & (grp < groups)
     cols = pl.ds(j * bn, bn)
-    mask_n = j * bn + jnp.arange(bn) < n
+    mask_n = j * bn + jnp.arange(bn, dtype=jnp.int32) < n
     rows = pl.ds(row0, bm)
 
     def body(i, acc):
       ks = pl.ds(i * bk, bk)
-      mask_k = i * bk + jnp.arange(bk) < k
+      mask_k = i * bk + jnp.arange(bk, dtype=jnp.int32) < k
       x = plgpu.load(x_ref.at[rows, ks], mask=load_m[:, None] & mask_k[None, :], other=0.0)
       w = plgpu.load(w_ref.at[expert, ks, cols], mask=mask_k[:, None] & mask_n[None, :],
                      other=0.0)

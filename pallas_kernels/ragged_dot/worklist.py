@@ -9,7 +9,8 @@ of 10 rows costs one task, not two, wherever it starts.
 
 The rows past ``sum(group_sizes)`` form one more group, the *tail*, whose
 tasks store zeros (what ``lax.ragged_dot`` returns there). Group sizes past
-``M`` in total are clipped at ``M``; negative sizes count as 0.
+``M`` in total are clipped at ``M``; negative sizes count as 0
+(:func:`clip_sizes`, which every backend's sizes go through).
 
 Everything is computed from ``group_sizes`` at run time by a few small XLA
 ops, vectorised (no loop over the groups), into one int32 array
@@ -20,11 +21,15 @@ are the non-empty ones, in group order; ``T`` is a static bound.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ALIGN", "check_operands", "max_tasks", "row_tasks", "GROUP", "ROW0", "START",
-           "SIZE"]
+from pallas_kernels._integers import clipped_int32
+
+__all__ = ["ALIGN", "batch_rows", "check_operands", "clip_sizes", "max_tasks", "row_tasks",
+           "GROUP", "ROW0", "START", "SIZE"]
 
 #: Task blocks start at multiples of this many rows.
 ALIGN = 8
@@ -45,6 +50,61 @@ def check_operands(lhs, rhs, group_sizes) -> None:
     raise ValueError(f"lhs.dtype={lhs.dtype} and rhs.dtype={rhs.dtype} must be the same")
 
 
+def clip_sizes(group_sizes, m: int) -> jax.Array:
+  """The group sizes every backend computes with: ``[G]`` int32, each in
+  ``[0, m]``, summing to at most ``m``.
+
+  Negative sizes count as 0 and the groups end at row ``m``: each size is
+  clipped to ``[0, m]`` (in its own dtype, before the cast to int32, so a
+  uint32 ``4294967295`` is ``m``, not -1), then the running sum saturates at
+  ``m`` (``min(a, m - b) + b``: no partial sum passes ``m``, so none
+  overflows int32 whatever the sizes), and the sizes are its differences.
+
+  Raises:
+    ValueError: ``group_sizes`` is not an integer array (booleans are not).
+  """
+  sizes = clipped_int32(group_sizes, m, name="group_sizes")
+  if sizes.ndim != 1 or sizes.shape[0] < 2:
+    return sizes
+  ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
+  return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+
+
+def batch_rows(sizes: jax.Array, m: int, *, shared_groups: bool) -> tuple[jax.Array, jax.Array]:
+  """``B`` grouped GEMMs of ``m`` rows as one: where each row goes.
+
+  ``sizes [B, G]`` are clipped sizes (:func:`clip_sizes`, each row summing to
+  at most ``m``). With ``shared_groups`` (one ``rhs [G, K, N]`` for every
+  batch) the ``B * m`` rows are ordered by group, then batch: group ``g``
+  holds the rows of every batch's group ``g``; otherwise (``rhs [B, G, K,
+  N]`` flattened to ``[B * G, K, N]``) by batch, then group. The rows past
+  each batch's groups come last (the tail: zeros in the product).
+
+  Returns:
+    ``(dest [B, m] int32, sizes [G or B * G] int32)``: row ``r`` of batch
+    ``b`` is row ``dest[b, r]`` of the one GEMM, whose group sizes are
+    ``sizes``. ``dest`` is a permutation of ``range(B * m)``.
+  """
+  b, g = sizes.shape
+  i32 = functools.partial(jnp.cumsum, dtype=jnp.int32)
+  ends = i32(sizes, axis=1)  # [B, G], at most m
+  if shared_groups:
+    flat = jnp.sum(sizes, axis=0, dtype=jnp.int32)  # [G]
+    # group g's first row, then the rows of batches before b in group g
+    first = (i32(flat) - flat)[None, :] + i32(sizes, axis=0) - sizes
+  else:
+    flat = sizes.reshape(-1)
+    first = (i32(flat) - flat).reshape(b, g)
+  tail = m - ends[:, -1]  # [B]
+  tail_first = jnp.sum(flat, dtype=jnp.int32) + i32(tail) - tail
+  # dest = first row of the row's group + its index within the group
+  base = jnp.concatenate([first - (ends - sizes), (tail_first - ends[:, -1])[:, None]], axis=1)
+  rows = jnp.arange(m, dtype=jnp.int32)
+  grp = jax.vmap(lambda e: jnp.searchsorted(e, rows, side="right", method="compare_all"))(ends)
+  dest = jnp.take_along_axis(base, grp.astype(jnp.int32), axis=1) + rows[None, :]
+  return dest.astype(jnp.int32), flat
+
+
 def max_tasks(m: int, groups: int, block_m: int, align: int = ALIGN) -> int:
   """A static bound on the row tasks of ``m`` rows in ``groups`` groups (and
   the tail): each of the ``groups + 1`` groups takes at most
@@ -62,10 +122,8 @@ def row_tasks(group_sizes: jax.Array, m: int, block_m: int,
     raise ValueError(f"block_m={block_m} must be a multiple of align={align}")
   g = group_sizes.shape[0]
   t = max_tasks(m, g, block_m, align)
-  # Sizes clipped to [0, m] and a saturating running sum: no int32 overflow
-  # whatever the sizes (each partial sum stays <= m).
-  sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, m)
-  ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a + b, m), sizes) if g else sizes
+  sizes = clip_sizes(group_sizes, m)
+  ends = jnp.cumsum(sizes, dtype=jnp.int32)  # at most m (clip_sizes)
   zero = jnp.zeros((1,), jnp.int32)
   starts = jnp.concatenate([zero, ends[:-1]]) if g else zero[:0]
   # The tail: rows past the last group.

@@ -3,7 +3,10 @@
 arguments -> ``family.bind`` (checks, problem) -> config (given, or the
 selector's at trace time) -> its backend's ``validate`` on this hardware ->
 ``backend.run``. The kernel call is wrapped so that ``jax.grad`` through it
-raises a clear error: the ops are forward only.
+raises a clear error: the ops are forward only. A family with a
+``batched_call(axis_size, in_batched, arrays, op)`` method gives its op that
+``jax.vmap`` rule (the grouped GEMM: ``lax.ragged_dot`` cannot batch its group
+sizes); the others batch as their kernels do (Pallas adds a grid axis).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import functools
 import warnings
 
 import jax
+import jax.custom_batching
 
 from pallas_kernels._launch import match_varying
 from wavetune_jax.core import hardware, kernel_cache, partition
@@ -55,6 +59,12 @@ def tuned_call(family: Family, *args, config=None, **kwargs) -> jax.Array:
   call = family.bind(*args, **kwargs)
   if not isinstance(call, Call):
     return call  # nothing to compute (empty arrays)
+  if getattr(family, "batched_call", None) is not None:
+    return _with_vmap_rule(family, call, config, kwargs)
+  return _bound_call(family, call, config, kwargs)
+
+
+def _bound_call(family: Family, call: Call, config, kwargs: dict):
   rule = family.partition_rule(call.problem)
   if rule is not None and partition.wants_partitioning(call.arrays):
     # Every array is an operand of the partitioned op (the ones passed as
@@ -68,6 +78,31 @@ def tuned_call(family: Family, *args, config=None, **kwargs) -> jax.Array:
     return _forward_only(family.name, lambda *xs: partition.partitioned(
         rule, local, xs, static), *call.arrays)
   return _local_call(family, *call.arrays, config=config, _call=call, **kwargs)
+
+
+def _with_vmap_rule(family: Family, call: Call, config, kwargs: dict):
+  """The op with ``family.batched_call`` as its ``jax.vmap`` rule (a
+  ``custom_vmap``; also under ``jax.vmap(jax.jit(f))``, where the op is
+  traced unbatched and its jaxpr batched afterwards). ``batched_call(
+  axis_size, in_batched, arrays, op)`` gets the arrays with the batch axis
+  first where ``in_batched`` says, and ``op``, this op on arrays of a larger
+  problem (the batch folded in), its config chosen for that problem."""
+  n = len(call.arrays) - len(call.kw_arrays)
+  static = {k: v for k, v in kwargs.items() if k not in call.kw_arrays}
+
+  def op(*xs):
+    return tuned_call(family, *xs[:n], config=config, **static,
+                      **dict(zip(call.kw_arrays, xs[n:])))
+
+  batchable = jax.custom_batching.custom_vmap(
+      lambda *xs: _bound_call(family, call._replace(arrays=xs), config, kwargs))
+
+  @batchable.def_vmap
+  def _(axis_size, in_batched, *xs):
+    return family.batched_call(axis_size, tuple(in_batched), xs, op), True
+
+  # Outside the custom_vmap: a gradient still gets the forward-only error.
+  return _forward_only(family.name, batchable, *call.arrays)
 
 
 def _local_call(family: Family, *args, config=None, _call: Call | None = None, **kwargs):

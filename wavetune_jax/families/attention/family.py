@@ -54,7 +54,7 @@ class AttentionFamily(Family):
     scale = check_call(q, k, v, scale)
     check_align(causal_align)
     batch, q_len, q_heads, head_dim = q.shape
-    lengths = check_lengths(kv_lengths, batch)
+    lengths = check_lengths(kv_lengths, batch, k.shape[1])
     if batch == 0 or q_len == 0 or q_heads == 0:
       return jnp.zeros(q.shape, q.dtype)
     problem = AttentionProblem(batch=batch, q_heads=q_heads, kv_heads=k.shape[2],

@@ -72,7 +72,7 @@ class DecodeFamily(Family):
       raise ValueError(f"decode_attention takes at most {MAX_Q_LEN} new queries per "
                        f"sequence; got q_len={q_len} (use wavetune_jax.attention with "
                        f"causal_align='bottom_right' for longer chunks)")
-    lengths = check_lengths(kv_lengths, batch)
+    lengths = check_lengths(kv_lengths, batch, k.shape[1])
     if batch == 0 or q_len == 0 or q_heads == 0:
       return jnp.zeros(q.shape, q.dtype)
     problem = DecodeProblem(batch=batch, q_heads=q_heads, kv_heads=k.shape[2],

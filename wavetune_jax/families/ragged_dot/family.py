@@ -7,8 +7,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.ragged_dot.reference import ragged_dot_reference
+from pallas_kernels.ragged_dot import worklist
+from pallas_kernels.ragged_dot.worklist import clip_sizes
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.matmul.family import _out_dtype
@@ -70,7 +73,12 @@ class RaggedDotFamily(Family):
   # --- the call ------------------------------------------------------------------------
   def bind(self, lhs, rhs, group_sizes, *, out_dtype=None):
     """Checks ``lhs [M, K]``, ``rhs [G, K, N]`` and ``group_sizes [G]``."""
-    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    # group_sizes stays as given (NumPy's 64-bit integers included) until
+    # clip_sizes clips it: jnp.asarray would wrap them to 32 bits.
+    gs_shape = np.shape(group_sizes)
+    gs_dtype = (group_sizes.dtype if hasattr(group_sizes, "dtype")
+                else np.asarray(group_sizes).dtype)
     if lhs.ndim != 2:
       raise ValueError(f"lhs must have rank 2 ([M, K]); got lhs.shape={lhs.shape}")
     if rhs.ndim != 3:
@@ -78,11 +86,11 @@ class RaggedDotFamily(Family):
     if lhs.shape[1] != rhs.shape[1]:
       raise ValueError(f"contracting dimensions differ: lhs.shape={lhs.shape} and "
                        f"rhs.shape={rhs.shape} (lhs.shape[1] must equal rhs.shape[1])")
-    if group_sizes.ndim != 1 or group_sizes.shape[0] != rhs.shape[0]:
+    if gs_shape != (rhs.shape[0],):
       raise ValueError(f"group_sizes must have shape [G] = ({rhs.shape[0]},) (G = "
-                       f"rhs.shape[0]); got group_sizes.shape={group_sizes.shape}")
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-      raise ValueError(f"group_sizes must be integers; got {group_sizes.dtype}")
+                       f"rhs.shape[0]); got group_sizes.shape={gs_shape}")
+    if gs_dtype == np.bool_ or not jnp.issubdtype(gs_dtype, jnp.integer):
+      raise ValueError(f"group_sizes must be integers; got {gs_dtype}")
     if lhs.dtype != rhs.dtype:
       raise ValueError(f"lhs.dtype={lhs.dtype} and rhs.dtype={rhs.dtype} must be the same")
     if lhs.dtype.name not in DTYPES:
@@ -93,7 +101,34 @@ class RaggedDotFamily(Family):
       # What lax.ragged_dot gives: an empty result, or zeros.
       return jnp.zeros((m, n), out)
     problem = RaggedDotProblem(m=m, g=g, k=k, n=n, dtype=lhs.dtype.name, out_dtype=out.name)
-    return Call(problem, (lhs, rhs, group_sizes.astype(jnp.int32)), {})
+    # Every backend gets sizes in [0, M] summing to at most M (the documented
+    # contract; lax.ragged_dot leaves other sizes undefined).
+    return Call(problem, (lhs, rhs, clip_sizes(group_sizes, m)), {})
+
+  def batched_call(self, axis_size: int, in_batched, arrays, op):
+    """``jax.vmap`` of the op (``lax.ragged_dot`` has no batching rule for
+    batched group sizes): the ``B`` grouped GEMMs run as one of ``B * M``
+    rows, ordered by group (one ``rhs``) or by batch and group (a batched
+    ``rhs``, flattened to ``[B * G, K, N]``), with a gather of the rows
+    before and after (:func:`~pallas_kernels.ragged_dot.worklist.batch_rows`);
+    ``op`` runs it, its config chosen for the ``B * M`` rows.
+
+    Returns:
+      ``[B, M, N]``.
+    """
+    lhs, rhs, sizes = arrays
+    lhs_b, rhs_b, sizes_b = in_batched
+    m, k = lhs.shape[-2:]
+    lhs = lhs if lhs_b else jnp.broadcast_to(lhs, (axis_size, m, k))
+    sizes = sizes if sizes_b else jnp.broadcast_to(sizes, (axis_size,) + sizes.shape)
+    dest, flat = worklist.batch_rows(sizes, m, shared_groups=not rhs_b)
+    dest = dest.reshape(-1)
+    src = jnp.zeros_like(dest).at[dest].set(jnp.arange(dest.shape[0], dtype=dest.dtype),
+                                            unique_indices=True)
+    if rhs_b:
+      rhs = rhs.reshape((-1,) + rhs.shape[2:])
+    y = op(lhs.reshape(-1, k)[src], rhs, flat)
+    return y[dest].reshape(axis_size, m, -1)
 
   def partition_rule(self, problem):
     """N (the experts' columns) and K split, K partials summed in float32;

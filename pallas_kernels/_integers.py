@@ -1,0 +1,46 @@
+"""Run-time integer arguments (KV lengths, group sizes) as the kernels take them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["INT32_MAX", "clipped_int32"]
+
+INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def clipped_int32(x, hi: int, *, name: str) -> jax.Array:
+  """``x`` clipped to ``[0, hi]``, as int32.
+
+  ``x`` holds integers of any width, signed or unsigned (a JAX array, a
+  NumPy array or a Python sequence). The clip happens before the cast, in
+  ``x``'s own dtype: ``4294967295`` (uint32) or ``2**32 + 4`` (int64) becomes
+  ``hi``, not the int32 it would wrap to. NumPy's 64-bit integers are
+  clipped before JAX sees them (without ``jax_enable_x64`` JAX narrows them
+  to 32 bits, wrapping).
+
+  Args:
+    x: integers; booleans are not integers here.
+    hi: the upper bound (at most ``INT32_MAX`` is kept).
+    name: the argument's name, for errors.
+
+  Returns:
+    An int32 array of ``x``'s shape.
+
+  Raises:
+    ValueError: ``x`` is not an integer array (floats, booleans).
+  """
+  hi = min(int(hi), INT32_MAX)
+  xp = jnp if isinstance(x, jax.Array) else np
+  if xp is np:
+    x = np.asarray(x)
+  if x.dtype == np.bool_ or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be integers; got {name}.dtype={x.dtype}")
+  info = np.iinfo(x.dtype)
+  if info.min < -INT32_MAX - 1 or info.max > INT32_MAX:
+    # uint32, int64, uint64: 0 and hi fit the dtype; clip there, then cast.
+    x = xp.clip(x, 0, hi)
+  x = xp.clip(x.astype(np.int32), 0, hi)
+  return jnp.asarray(x, jnp.int32)
