@@ -40,6 +40,7 @@ import numpy as np
 from wavetune_jax.core.family import Family
 from wavetune_jax.core.hardware import Hardware, get_hardware
 from wavetune_jax.core.registry import get_family
+from wavetune_jax.runtime import table_cache
 from wavetune_jax.runtime import tables as tables_lib
 
 __all__ = ["POLICIES", "Selection", "select", "set_policy", "policy", "use_config",
@@ -422,11 +423,19 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
     # decisions, stored with it at exit, so a later process answers these
     # problems without building candidates (a decision is a function of the
     # table's bytes, the hardware and the code, which the cache's key holds).
+    # The record is keyed by the problem's fields (the cache stores them,
+    # not problems), so a kept config is checked against the problem here.
     kept = d.table.__dict__.get("_cache_key") is not None
     decided = d.table.__dict__.setdefault("_decided", {}) if kept else {}
-    hit = decided.get((problem, hw))
+    at = (problem._key, hw) if kept else None
+    hit = decided.get(at)
     if hit is not None:
-      return hit
+      try:
+        spec.validate(problem, hit.config, hw)
+        return hit
+      except ValueError as e:  # an entry edited or written by other code
+        table_cache.bad_decision(problem, hit, e)
+        decided.pop(at, None)
     sel = d.decide(problem)
   if sel is None:
     sel = Selection(spec.heuristic(problem, hw), "heuristic",
@@ -437,7 +446,7 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
     waves = -(-g // (e.occupancy * hw.num_sms)) if e is not None else None
     sel = dataclasses.replace(sel, waves=waves)
   if kept and len(decided) < _MAX_KEPT_DECISIONS:
-    decided[(problem, hw)] = sel
+    decided[at] = sel
     if not _dirty:
       atexit.register(_persist_decisions)
     _dirty[id(d.table)] = d.table

@@ -550,9 +550,8 @@ def load(path: str, family: Family, hw: Hardware | None = None) -> Table:
     except OSError as e:
       raise TableError(f"{path} is not readable ({type(e).__name__}: {e})") from None
     k = table_cache.key(data, family.name, hw) if table_cache.cache_dir() is not None else None
-    state = None if k is None else table_cache.get(k)
-    if state is not None:
-      table = _from_state(state, family)
+    table = None if k is None else table_cache.load(k, family, hw)
+    if table is not None:
       table._cache_key = k
       return table
     try:
@@ -574,37 +573,7 @@ def store_in_cache(table: Table, *, merge: bool = False, limit: int | None = Non
   holds now, which other processes may have written since this one read it
   (the selector stores its decisions at exit), up to ``limit`` decisions in
   all (this table's first)."""
-  k = table.__dict__.get("_cache_key")
-  if k is None:
+  if table.__dict__.get("_cache_key") is None:
     return
   with gc_paused():
-    state = _state_of(table)
-    if merge:
-      now = table_cache.get(k, count=False)
-      if now is not None and isinstance(now.get("_decided"), dict):
-        ours = state.get("_decided", {})
-        merged = dict(ours)
-        for key, sel in now["_decided"].items():
-          if limit is not None and len(merged) >= limit:
-            break
-          merged.setdefault(key, sel)
-        state["_decided"] = merged
-    table_cache.put(k, state)
-
-
-def _state_of(table: Table) -> dict:
-  """What the cache stores of a table: everything but its family (the
-  caller's object), its cache key and the per-process memo of config ids."""
-  state = {k: v for k, v in table.__dict__.items() if k not in ("family", "_cache_key")}
-  if "_rows" in state:
-    state["_rows"] = dict(state["_rows"], memo={})
-  if "_decided" in state:
-    state["_decided"] = dict(state["_decided"])  # a snapshot (other threads may add)
-  return state
-
-
-def _from_state(state: dict, family: Family) -> Table:
-  table = Table.__new__(Table)
-  table.__dict__.update(state)
-  table.family = family
-  return table
+    table_cache.store(table, merge=merge, limit=limit)
