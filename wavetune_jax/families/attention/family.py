@@ -10,6 +10,7 @@ from pallas_kernels.attention.reference import attention_reference
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.attention.problem import AttentionProblem
+from wavetune_jax.families.matmul.family import operand
 from wavetune_jax.shapes import suite_entries
 
 __all__ = ["AttentionFamily", "attention_models"]
@@ -48,7 +49,7 @@ class AttentionFamily(Family):
     """Checks ``q [batch, q_len, q_heads, head_dim]``, ``k, v [batch,
     kv_len, kv_heads, head_dim]`` and ``kv_lengths [batch]``; the problem of
     the call."""
-    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    q, k, v = operand("q", q), operand("k", k), operand("v", v)
     if not isinstance(causal, (bool, jnp.bool_)) or isinstance(causal, jax.Array):
       raise ValueError(f"causal={causal!r} must be a Python bool (a static value)")
     scale = check_call(q, k, v, scale)

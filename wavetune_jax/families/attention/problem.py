@@ -61,7 +61,10 @@ class AttentionProblem(Problem):
       raise ValueError(f"head_dim={self.head_dim} must be <= {MAX_HEAD_DIM}")
     if not isinstance(self.causal, bool):
       raise ValueError(f"AttentionProblem.causal={self.causal!r} must be a bool")
-    dtype = jnp.dtype(self.dtype).name
+    try:
+      dtype = jnp.dtype(self.dtype).name
+    except TypeError:  # not a dtype at all ("bf16", 3, a list)
+      dtype = None
     if dtype not in DTYPES:
       raise ValueError(f"AttentionProblem.dtype={self.dtype!r} must be one of {DTYPES}")
     object.__setattr__(self, "dtype", dtype)

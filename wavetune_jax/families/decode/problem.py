@@ -59,7 +59,10 @@ class DecodeProblem(Problem):
     for name in ("lengths", "causal"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"DecodeProblem.{name}={getattr(self, name)!r} must be a bool")
-    dtype = jnp.dtype(self.dtype).name
+    try:
+      dtype = jnp.dtype(self.dtype).name
+    except TypeError:  # not a dtype at all ("bf16", 3, a list)
+      dtype = None
     if dtype not in DTYPES:
       raise ValueError(f"DecodeProblem.dtype={self.dtype!r} must be one of {DTYPES}")
     object.__setattr__(self, "dtype", dtype)

@@ -14,13 +14,31 @@ from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.matmul.problem import OUT_DTYPES, MatmulProblem
 from wavetune_jax.shapes import suite_entries
 
-__all__ = ["MatmulFamily", "gemm_weights"]
+__all__ = ["MatmulFamily", "gemm_weights", "operand"]
 
 
 def gemm_weights(suite: dict, names=None) -> dict[str, tuple[int, int]]:
   """``{weight name: (N, K)}`` of a suite's GEMM section, optionally filtered."""
   found = suite_entries(suite, "gemm", "weights", names)
   return {k: (v["N"], v["K"]) for k, v in found.items()}
+
+
+def operand(name: str, value) -> jax.Array:
+  """``value`` (an array, a NumPy array, nested lists, a scalar) as a JAX
+  array; the op arguments' one conversion.
+
+  Raises:
+    ValueError: ``value`` is not array-like (None, a string, a ragged list, a
+      ``ShapeDtypeStruct``); the message names the argument ``name``.
+  """
+  if isinstance(value, jax.Array):  # arrays and tracers: the trace-time path
+    return value
+  try:
+    return jnp.asarray(value)
+  except (TypeError, ValueError) as e:
+    why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise ValueError(f"{name} must be an array; got {type(value).__name__} {value!r:.80} "
+                     f"({why})") from None
 
 
 def _out_dtype(x_dtype, out_dtype) -> jnp.dtype:
@@ -65,7 +83,7 @@ class MatmulFamily(Family):
   # --- the call ------------------------------------------------------------------------
   def bind(self, x, w, *, out_dtype=None):
     """Checks ``x [M, K]`` and ``w [K, N]``; the problem of ``x @ w``."""
-    x, w = jnp.asarray(x), jnp.asarray(w)
+    x, w = operand("x", x), operand("w", w)
     if x.ndim != 2:
       raise ValueError(f"x must have rank 2 ([M, K]); got x.shape={x.shape}")
     if w.ndim != 2:

@@ -14,7 +14,7 @@ from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.worklist import clip_sizes
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
-from wavetune_jax.families.matmul.family import _out_dtype
+from wavetune_jax.families.matmul.family import _out_dtype, operand
 from wavetune_jax.families.ragged_dot import routing
 from wavetune_jax.families.ragged_dot.problem import DTYPES, RaggedDotProblem
 from wavetune_jax.shapes import suite_entries
@@ -73,7 +73,7 @@ class RaggedDotFamily(Family):
   # --- the call ------------------------------------------------------------------------
   def bind(self, lhs, rhs, group_sizes, *, out_dtype=None):
     """Checks ``lhs [M, K]``, ``rhs [G, K, N]`` and ``group_sizes [G]``."""
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    lhs, rhs = operand("lhs", lhs), operand("rhs", rhs)
     # group_sizes stays as given (NumPy's 64-bit integers included) until
     # clip_sizes clips it: jnp.asarray would wrap them to 32 bits.
     gs_shape = np.shape(group_sizes)
