@@ -42,10 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._launch import MIN_BLOCK as _MIN_BLOCK
 from pallas_kernels._launch import check_launch, match_varying, out_struct
+from pallas_kernels._triton_lowering import compiler_params, plgpu
 from pallas_kernels.attention.common import check_align, check_call, check_lengths
 
 __all__ = ["TritonAttentionConfig", "attention", "kv_blocks", "q_block_start",
@@ -298,7 +298,7 @@ def _attention(q, k, v, kv_lengths, *, config: TritonAttentionConfig, causal: bo
         kernel,
         out_shape=out_struct(q.shape, q.dtype, axes),
         grid=grid,
-        compiler_params=plgpu.CompilerParams(
+        compiler_params=compiler_params(
             num_warps=c.num_warps, num_stages=c.num_stages),
         interpret=interpret,
         name=f"wavetune_attention_{c.block_q}x{c.block_k}",

@@ -42,9 +42,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._launch import MIN_BLOCK, check_launch, match_varying, out_struct
+from pallas_kernels._triton_lowering import compiler_params, plgpu
 from pallas_kernels.attention.common import check_call, check_lengths
 
 __all__ = ["TritonDecodeConfig", "decode_attention", "chunk_len", "MAX_SPLITS", "MAX_ELEMENTS"]
@@ -289,8 +289,8 @@ def _decode(q, k, v, kv_lengths, *, config: TritonDecodeConfig, causal: bool, sc
         kernel,
         out_shape=out_shape,
         grid=grid,
-        compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
-                                             num_stages=c.num_stages),
+        compiler_params=compiler_params(num_warps=c.num_warps,
+                                        num_stages=c.num_stages),
         interpret=interpret,
         name=f"wavetune_decode_{c.block_h}x{c.block_k}s{splits}",
     )(*args)

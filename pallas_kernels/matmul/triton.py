@@ -20,9 +20,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._launch import check_launch, match_varying, out_struct
+from pallas_kernels._triton_lowering import compiler_params, plgpu
 
 __all__ = ["TritonMatmulConfig", "matmul", "check_operands", "SUPPORTED_DTYPES",
            "MAX_ELEMENTS"]
@@ -203,7 +203,7 @@ def _matmul(x, w, *, config: TritonMatmulConfig, out_dtype, interpret: bool):
         kernel,
         out_shape=out_shape,
         grid=grid,
-        compiler_params=plgpu.CompilerParams(
+        compiler_params=compiler_params(
             num_warps=c.num_warps, num_stages=c.num_stages),
         interpret=interpret,
         name=f"wavetune_matmul_{c.block_m}x{c.block_n}x{c.block_k}",

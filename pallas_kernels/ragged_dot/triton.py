@@ -16,9 +16,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._launch import check_launch, match_varying, out_struct
+from pallas_kernels._triton_lowering import compiler_params, plgpu
 from pallas_kernels.ragged_dot import worklist
 
 __all__ = ["TritonRaggedDotConfig", "ragged_dot"]
@@ -119,8 +119,8 @@ def _ragged_dot(lhs, rhs, group_sizes, *, config, out_dtype, interpret):
         kernel,
         out_shape=out_struct((m, n), out_dtype, axes),
         grid=grid,
-        compiler_params=plgpu.CompilerParams(num_warps=c.num_warps,
-                                             num_stages=c.num_stages),
+        compiler_params=compiler_params(num_warps=c.num_warps,
+                                        num_stages=c.num_stages),
         interpret=interpret,
         name=f"wavetune_ragged_dot_{c.block_m}x{c.block_n}x{c.block_k}",
     )(tasks, lhs, rhs)

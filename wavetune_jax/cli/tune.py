@@ -159,6 +159,10 @@ def _select(args) -> int:
   print(f"predicted   {pred}")
   print(f"grid        G={g} CTAs, L={l:.4g} trips" +
         (f", {sel.waves} wave(s)" if sel.waves is not None else ""))
+  for b in spec.backends:
+    why = b.unavailable_reason(hw)
+    if why is not None:
+      print(f"skipped     {b.name}: {why}")
   return 0
 
 

@@ -148,9 +148,26 @@ class Backend(abc.ABC):
     """Whether the kernel runs on ``hw`` at all (interpret mode aside)."""
     return True
 
+  def unsupported_reason(self, hw: Hardware) -> str | None:
+    """Why :meth:`supported_on` is False for ``hw``, in one line (None where
+    it is True). Backends whose reason is not the GPU (a lowering this JAX
+    lacks) override it."""
+    if self.supported_on(hw):
+      return None
+    return f"compute capability {hw.compute_capability} is not supported"
+
   def runs_on(self, hw: Hardware) -> bool:
     """:meth:`supported_on`, and an interpret mode where ``hw`` has no GPU."""
     return self.supported_on(hw) and (self.interpret or not hw.interpret)
+
+  def unavailable_reason(self, hw: Hardware) -> str | None:
+    """Why :meth:`runs_on` is False for ``hw``, in one line (None where it is
+    True)."""
+    if not self.supported_on(hw):
+      return self.unsupported_reason(hw)
+    if hw.interpret and not self.interpret:
+      return "no GPU here, and the backend has no interpret mode"
+    return None
 
   @abc.abstractmethod
   def space(self, problem, hw: Hardware, *, prune: bool = True) -> tuple:
@@ -453,16 +470,31 @@ class Family(abc.ABC):
     """Raises ``ValueError`` if ``config`` cannot run ``problem`` (on ``hw``)."""
     b = self.backend_of(config)
     if hw is not None and not b.supported_on(hw):
-      raise ValueError(f"the {b.name} backend of {self.name} does not run on {hw.name} "
-                       f"(compute capability {hw.compute_capability})")
+      where = f"{hw.name} (interpret mode)" if hw.interpret else hw.name
+      raise ValueError(f"the {b.name} backend of {self.name} does not run on {where}: "
+                       f"{b.unsupported_reason(hw)}")
     b.validate(problem, config, hw)
 
   def heuristic(self, problem, hw: Hardware):
-    """The first answer of the backends' heuristics, in order of preference."""
-    for b in self.available(hw):
+    """The first answer of the backends' heuristics, in order of preference.
+
+    Where none answers and some backend cannot run on ``hw`` (its rule, such
+    as a Pallas Triton kernel's where this JAX has no Triton lowering, would
+    have), the first config of the first backend that runs ``problem`` here.
+
+    Raises:
+      ValueError: no config at all.
+    """
+    available = self.available(hw)
+    for b in available:
       c = b.heuristic(problem, hw)
       if c is not None:
         return c
+    if len(available) < len(self.backends):
+      for b in available:
+        space = b.space(problem, hw)
+        if space:
+          return space[0]
     raise ValueError(f"no {self.name} backend has a heuristic config for "
                      f"{self.problem_key(problem)} on {hw.name}")
 

@@ -113,14 +113,24 @@ def detect(device: jax.Device | None = None) -> Hardware:
 @functools.lru_cache(maxsize=1)
 def current() -> Hardware:
   """The hardware the ops run on: the default GPU, or on a machine without
-  one the :data:`CPU_PRESET` preset with ``interpret=True`` (one warning)."""
+  one the :data:`CPU_PRESET` preset with ``interpret=True`` (one warning).
+
+  With no GPU the ops run the backends that have an interpret mode: the
+  Pallas Triton kernels in Pallas interpret mode, or where this JAX has no
+  Triton lowering (:mod:`pallas_kernels._triton_lowering`) the XLA ops; the
+  one warning says which."""
   try:
     return detect()
   except RuntimeError:
+    from pallas_kernels import _triton_lowering
+    if _triton_lowering.REASON is None:
+      how = "kernels run in Pallas interpret mode (slow, for tests)"
+    else:
+      how = f"{_triton_lowering.REASON}; the ops run their XLA backends"
     warnings.warn(
-        f"wavetune_jax: no GPU ({jax.default_backend()} backend): kernels run in Pallas "
-        f"interpret mode (slow, for tests) and configs are chosen for the "
-        f"{CPU_PRESET!r} preset among backends with an interpret mode", stacklevel=3)
+        f"wavetune_jax: no GPU ({jax.default_backend()} backend): {how}, and configs are "
+        f"chosen for the {CPU_PRESET!r} preset among backends with an interpret mode",
+        stacklevel=3)
     return dataclasses.replace(PRESETS[CPU_PRESET], interpret=True)
 
 

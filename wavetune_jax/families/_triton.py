@@ -1,11 +1,32 @@
-"""What every Pallas Triton backend shares: the occupancy bound with
-Triton's own reserves."""
+"""What every Pallas Triton backend shares: the base class that knows
+whether this JAX has the lowering, and the occupancy bound with Triton's own
+reserves."""
 
 from __future__ import annotations
 
+from pallas_kernels import _triton_lowering
+from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware, resident_ctas
 
-__all__ = ["SMEM_RESERVE", "EXTRA_REGS", "occupancy_bound"]
+__all__ = ["TritonBackend", "SMEM_RESERVE", "EXTRA_REGS", "occupancy_bound"]
+
+
+class TritonBackend(Backend):
+  """A Pallas Triton kernel: it runs on any CUDA GPU and in interpret mode on
+  a CPU, where this JAX has the Triton lowering
+  (:mod:`pallas_kernels._triton_lowering`). Where it has none,
+  :meth:`supported_on` is False and :meth:`unsupported_reason` says why, so
+  the selector passes the backend over and a config pinned to it raises
+  ``ValueError`` with that reason."""
+
+  interpret = True
+  kernel_cache = True
+
+  def supported_on(self, hw: Hardware) -> bool:
+    return _triton_lowering.plgpu is not None
+
+  def unsupported_reason(self, hw: Hardware) -> str | None:
+    return _triton_lowering.REASON
 
 #: Shared memory Triton reserves per CTA beyond the kernel's buffers, bytes.
 SMEM_RESERVE = 1024

@@ -8,8 +8,12 @@ family's fixed default. ``"exhaustive"``: time the whole space on the GPU now,
 like an autotuner, and cache the answer.
 
 Only backends that run where the ops run are chosen (``Hardware.interpret``:
-with no GPU, those with a Pallas interpret mode); an exact table entry of
-another backend is passed over and the models answer.
+with no GPU, those with a Pallas interpret mode; ``Backend.runs_on``: a
+Pallas Triton backend only where this JAX has the Triton lowering); an exact
+table entry, a decision kept with a cached table, or a fixed default of
+another backend is passed over, the models (or the heuristic) answer and the
+selection's note says why. A config pinned explicitly is never replaced: the
+op raises ``ValueError`` with the reason.
 
 Decisions are memoized per (family, problem, hardware, state). The state (policy,
 tables, pinned configs) is part of JAX's jit cache key through
@@ -85,8 +89,17 @@ class Decider:
 
   def decide(self, problem) -> Selection | None:
     hit = self.table.exact.get(problem)
-    if hit is not None and self.spec.supports(hit[0], self.hw):
+    if hit is None:
+      return self._model(problem)
+    if self.spec.supports(hit[0], self.hw):
       return Selection(hit[0], "exact", hit[1])
+    sel = self._model(problem)
+    if sel is not None:
+      sel = dataclasses.replace(sel, note=_passed_over("the exact entry", self.spec,
+                                                       hit[0], self.hw, sel.note))
+    return sel
+
+  def _model(self, problem) -> Selection | None:
     spec = self.spec
     q = spec.size_quantum(problem)
     bucket = -(-spec.size_of(problem) // q)  # 1-based
@@ -407,7 +420,11 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
     return Selection(pinned, "explicit")
   pol = _local.policy or _global["policy"]
   if pol == "fixed":
-    return Selection(spec.default(problem), "fixed")
+    config = spec.default(problem)
+    if spec.supports(config, hw):
+      return Selection(config, "fixed")
+    return Selection(spec.heuristic(problem, hw), "heuristic",
+                     note=_passed_over("the fixed default", spec, config, hw))
   if pol == "heuristic":
     return Selection(spec.heuristic(problem, hw), "heuristic")
   if pol == "exhaustive":
@@ -429,7 +446,9 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
     decided = d.table.__dict__.setdefault("_decided", {}) if kept else {}
     at = (problem._key, hw) if kept else None
     hit = decided.get(at)
-    if hit is not None:
+    # (A kept decision of a backend that no longer runs here, say after an
+    # upgrade to a JAX without Triton, is decided again.)
+    if hit is not None and spec.supports(hit.config, hw):
       try:
         spec.validate(problem, hit.config, hw)
         return hit
@@ -451,6 +470,14 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
       atexit.register(_persist_decisions)
     _dirty[id(d.table)] = d.table
   return sel
+
+
+def _passed_over(what: str, spec: Family, config, hw: Hardware, note: str = "") -> str:
+  """A selection's note: ``what`` (a config of a backend that cannot run on
+  ``hw``) was passed over, and why."""
+  b = spec.backend_of(config)
+  why = b.unavailable_reason(hw) or "it cannot run here"
+  return f"{what} is a {b.name} config, passed over: {why}" + (f"; {note}" if note else "")
 
 
 #: Decisions kept with a table for later processes, at most: each adds to

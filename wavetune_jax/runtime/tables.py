@@ -421,7 +421,10 @@ def _record(r, family: Family, hw: Hardware | None, kind: str, memo: dict | None
     c = _parsed(memo, "config", r["config"], family.config_from_dict)
     us = _num(r["us"])
     if memo is None or (p, c, hw) not in memo:
-      family.validate(p, c, hw)
+      # An entry of a backend this process cannot run (a Triton config where
+      # this JAX has no Triton lowering) is kept: the selector passes it over.
+      runs = hw is None or family.backend_of(c).supported_on(hw)
+      family.validate(p, c, hw if runs else None)
       if memo is not None:
         memo[(p, c, hw)] = True
   except (KeyError, TypeError, ValueError) as err:

@@ -177,7 +177,9 @@ def _flush_kernel(x_ref, o_ref):
 @functools.lru_cache(maxsize=1)
 def _flush_fn():
   from jax.experimental import pallas as pl
-  from jax.experimental.pallas import triton as plgpu
+
+  from pallas_kernels import _triton_lowering
+  _triton_lowering.require("the profiler's L2 flush (a Pallas Triton kernel)")
   n_blocks = FLUSH_BYTES // 4 // _FLUSH_BLOCK
 
   def flush(buf):
@@ -189,7 +191,7 @@ def _flush_fn():
           grid=(n_blocks,),
           in_specs=[pl.BlockSpec((_FLUSH_BLOCK,), lambda i: (i,))],
           out_specs=pl.BlockSpec((1,), lambda i: (i,)),
-          compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+          compiler_params=_triton_lowering.compiler_params(num_warps=4, num_stages=1),
           name=_FLUSH_NAME,
       )(buf)
   return flush

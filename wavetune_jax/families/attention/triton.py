@@ -8,7 +8,6 @@ import itertools
 
 from pallas_kernels.attention.triton import TritonAttentionConfig
 from pallas_kernels.attention.triton import attention as triton_attention
-from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families import _triton
 from wavetune_jax.families.attention.problem import AttentionProblem, coords, next_pow2
@@ -44,16 +43,14 @@ LONG_KV = 1000
 #                block_q * head_dim_padded / (32 * num_warps), at most 128.
 
 
-class TritonAttention(Backend):
+class TritonAttention(_triton.TritonBackend):
   """Pallas Triton flash attention: any length and head_dim up to 256 (padded
   in the kernel), any GPU Triton supports, CPU interpret mode."""
 
   name = "triton"
-  kernel_cache = True
   config_cls = TritonAttentionConfig
   macro_fields = ("block_q", "block_k")
   micro_fields = ("num_warps", "num_stages")
-  interpret = True
   revision = 2  # the shifted ragged query block
 
   def smem_bytes(self, problem: AttentionProblem, c: TritonAttentionConfig) -> int:

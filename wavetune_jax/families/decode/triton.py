@@ -10,7 +10,7 @@ import numpy as np
 
 from pallas_kernels.decode.triton import (MAX_ELEMENTS, MAX_SPLITS, TritonDecodeConfig,
                                           chunk_len, decode_attention)
-from wavetune_jax.core.family import Backend, interned
+from wavetune_jax.core.family import interned
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families import _triton
 from wavetune_jax.families.decode.problem import DecodeProblem
@@ -61,18 +61,16 @@ def _rows_block(rows: int) -> int:
   return min(64, max(16, 1 << (rows - 1).bit_length()))
 
 
-class TritonDecode(Backend):
+class TritonDecode(_triton.TritonBackend):
   """Pallas Triton flash-decoding: any length, head_dim up to 256 (padded in
   the kernel), per-sequence lengths, bottom-right causal, CPU interpret mode."""
 
   name = "triton"
-  kernel_cache = True
   config_cls = TritonDecodeConfig
   macro_fields = ("block_h", "block_k", "num_splits")
   micro_fields = ("num_warps", "num_stages")
   # (G, L) and the partials column absorb the split completely.
   folded_fields = ("num_splits",)
-  interpret = True
 
   def smem_bytes(self, p: DecodeProblem, c: TritonDecodeConfig) -> int:
     return (c.num_stages * 2 * c.block_k + c.block_h) * p.padded_head_dim * p.itemsize

@@ -12,7 +12,7 @@ import numpy as np
 
 from pallas_kernels.matmul.triton import TritonMatmulConfig
 from pallas_kernels.matmul.triton import matmul as triton_matmul
-from wavetune_jax.core.family import Backend, interned
+from wavetune_jax.core.family import interned
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families import _triton
 from wavetune_jax.families.matmul.problem import MatmulProblem
@@ -96,12 +96,11 @@ def _rep(n: int, k: int) -> tuple[int, int]:
   return min(n, BLOCK_N[-1]), min(k, 32 * BLOCK_K[-1])
 
 
-class TritonMatmul(Backend):
+class TritonMatmul(_triton.TritonBackend):
   """Pallas Triton GEMM: masked edges (any M, N, K), grouped tile order,
   split-K with fp32 partials summed by one XLA reduction."""
 
   name = "triton"
-  kernel_cache = True
   config_cls = TritonMatmulConfig
   macro_fields = ("block_m", "block_n", "block_k", "split_k")
   micro_fields = ("group_m", "num_warps", "num_stages")
@@ -109,7 +108,6 @@ class TritonMatmul(Backend):
   # model serves every split of a tile: 160 models instead of 676 on the H200
   # sweep, and each gets the anchors of all its splits.
   folded_fields = ("split_k",)
-  interpret = True
 
   # --- space -------------------------------------------------------------------
   def smem_bytes(self, problem: MatmulProblem, c: TritonMatmulConfig) -> int:

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_dot.triton import MAX_ELEMENTS, TritonRaggedDotConfig
 from pallas_kernels.ragged_dot.triton import ragged_dot as triton_ragged_dot
-from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families import _triton
 from wavetune_jax.families.matmul.triton import _cdiv, _next_pow2
@@ -36,16 +35,14 @@ ACC_PER_THREAD = (16, 128)
 #             sweeps in most problems; this backend is the portable one).
 
 
-class TritonRaggedDot(Backend):
+class TritonRaggedDot(_triton.TritonBackend):
   """Pallas Triton grouped GEMM: the same work list as the Mosaic kernel,
   masked rows; runs on any CUDA GPU and in interpret mode on a CPU."""
 
   name = "triton"
-  kernel_cache = True
   config_cls = TritonRaggedDotConfig
   macro_fields = ("block_m", "block_n", "block_k")
   micro_fields = ("num_warps", "num_stages")
-  interpret = True
 
   def smem_bytes(self, p: RaggedDotProblem, c: TritonRaggedDotConfig) -> int:
     return c.num_stages * (c.block_m * c.block_k + c.block_k * c.block_n) * p.itemsize
