@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from wavetune_jax.cli.common import CliError, positive_int
+from wavetune_jax.cli.common import CliError, output_file, positive_int, pyplot
 
 __all__ = ["add_commands"]
 
@@ -53,7 +53,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  "and tables measure them (spread: a serving batch of mixed lengths)")
   m.add_argument("--iterations", type=positive_int, default=10,
                  help="timed calls per step, median reported (default: 10)")
-  m.add_argument("--json", metavar="PATH", help="write every row here as it is measured")
+  m.add_argument("--json", metavar="PATH", type=output_file,
+                 help="write every row here as it is measured")
   m.add_argument("--compile-cache", metavar="DIR",
                  help="JAX's persistent compilation cache (and XLA's autotune results, "
                  "wavetune's lowered kernels and parsed tables) in DIR; run the command "
@@ -62,7 +63,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  help="XLA's GPU autotune level, 0 (off) to 4 (default: XLA's own, 4)")
   m.add_argument("--breakdown", type=positive_int, default=0, metavar="N",
                  help="on a GPU, also print each step's N longest kernels (CUPTI; default: 0)")
-  m.add_argument("--plot", metavar="PNG", help="TTFT against prompt length (matplotlib)")
+  m.add_argument("--plot", metavar="PNG", type=output_file,
+                 help="TTFT against prompt length (matplotlib)")
   m.set_defaults(func=_bench_model)
 
 
@@ -86,6 +88,8 @@ def _bench_model(a) -> int:
   small = a.model.startswith("small")
   cfg = cfg.with_layers(a.layers or (cfg.layers if small else 4))
   settings = _settings(a.ops)
+  if a.plot:
+    pyplot()  # the error before the work
   _configure_xla(a)
   on_gpu = jax.devices()[0].platform == "gpu"
   if not on_gpu and not small:
@@ -235,12 +239,7 @@ def _summary(rows, settings) -> None:
 
 
 def _plot(rows, settings, path: str, model: str) -> None:
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    raise CliError("--plot needs matplotlib (pip install -e '.[report]')") from None
+  plt = pyplot()
   fig, ax = plt.subplots(figsize=(6, 4))
   for name in settings:
     pts = sorted((r["length"], r["us"] if r["us"] else r["compile_s"] * 1e6) for r in rows

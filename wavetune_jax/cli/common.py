@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 import os
 
-__all__ = ["positive_int", "at_least", "existing_file", "add_family_arg", "CliError"]
+__all__ = ["positive_int", "at_least", "existing_file", "add_family_arg", "CliError",
+           "MAX_INT", "detect_gpu", "pyplot", "output_file"]
+
+#: The largest integer an option takes (sizes, counts): beyond it, products
+#: of problem sizes leave the int64 range of the grid arithmetic.
+MAX_INT = 2**31 - 1
 
 
 class CliError(Exception):
@@ -19,6 +24,8 @@ def positive_int(s: str) -> int:
     raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
   if v < 1:
     raise argparse.ArgumentTypeError(f"{s} is not an integer >= 1")
+  if v > MAX_INT:
+    raise argparse.ArgumentTypeError(f"{s} is too large (at most {MAX_INT})")
   return v
 
 
@@ -42,6 +49,17 @@ def existing_file(s: str) -> str:
   return s
 
 
+def output_file(s: str) -> str:
+  """A file the command writes: not a folder, in a folder that exists (checked
+  before the work, not after it)."""
+  if os.path.isdir(s):
+    raise argparse.ArgumentTypeError(f"{s!r} is a folder, not a file name")
+  folder = os.path.dirname(os.path.abspath(s))
+  if not os.path.isdir(folder):
+    raise argparse.ArgumentTypeError(f"{s!r}: no folder {folder!r}")
+  return s
+
+
 def add_family_arg(ap: argparse.ArgumentParser, *, positional: bool = False) -> None:
   """The family an operation works on (required: there is no default)."""
   from wavetune_jax.core.registry import registered
@@ -51,3 +69,28 @@ def add_family_arg(ap: argparse.ArgumentParser, *, positional: bool = False) -> 
   else:
     ap.add_argument("--family", "--kernel", dest="family", required=True, choices=names,
                     help=f"the op family: {', '.join(names)} (required)")
+
+
+def detect_gpu(command: str, instead: str):
+  """This host's GPU, for a command that measures; without one a
+  :class:`CliError` that says what to run ``instead`` (options that exist)."""
+  import jax
+
+  from wavetune_jax.core import hardware
+  try:
+    return hardware.detect()
+  except RuntimeError:
+    raise CliError(f"no GPU here (JAX's backend is {jax.default_backend()!r}): "
+                   f"wavetune {command} measures on one; without a GPU, {instead}") from None
+
+
+def pyplot():
+  """``matplotlib.pyplot`` with a file backend, or a :class:`CliError` naming
+  the extra that installs it."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    raise CliError('plots need matplotlib: pip install "wavetune-jax[report]"') from None
+  return plt

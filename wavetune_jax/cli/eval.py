@@ -6,7 +6,7 @@ import argparse
 import json
 
 from wavetune_jax.cli.common import (CliError, add_family_arg, at_least, existing_file,
-                                     positive_int)
+                                     output_file, positive_int, pyplot)
 
 __all__ = ["add_commands", "format_table"]
 
@@ -41,12 +41,7 @@ def format_table(results, facts) -> str:
 
 
 def _plot(results, path: str) -> None:
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    raise CliError("the plot needs matplotlib: pip install 'wavetune-jax[report]'") from None
+  plt = pyplot()
   keys = sorted(results[0].efficiency)
   fig, ax = plt.subplots(figsize=(max(8, 0.18 * len(keys)), 4.5))
   width = 0.8 / len(results)
@@ -65,6 +60,8 @@ def _plot(results, path: str) -> None:
 
 def _eval(args) -> int:
   from wavetune_jax.tuning import evaluate
+  if args.plot:
+    pyplot()  # the error before the work
   ds = evaluate.load_dataset(args.sweep)
   if ds.family.name != args.family:
     raise CliError(f"{args.sweep} holds {ds.family.name!r} measurements, not {args.family!r}")
@@ -137,5 +134,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   add_model_args(ev)
   add_margin_arg(ev)
   ev.add_argument("--json", action="store_true", help="print JSON instead of a table")
-  ev.add_argument("--plot", help="PNG of efficiency per held-out shape")
+  ev.add_argument("--plot", type=output_file, help="PNG of efficiency per held-out shape")
   ev.set_defaults(func=_eval)

@@ -23,20 +23,30 @@ def build_parser() -> argparse.ArgumentParser:
   return ap
 
 
+def _message(e: BaseException) -> str:
+  """One line for an error: an OS error as ``file: reason``."""
+  if isinstance(e, OSError) and e.strerror:
+    where = f"{e.filename} -> {e.filename2}" if e.filename2 else e.filename
+    return f"{where}: {e.strerror}" if where else e.strerror
+  msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+  if isinstance(e, KeyError):
+    msg = f"missing field {msg} (not a file of the expected kind?)"
+  return msg
+
+
 def main(argv=None) -> int:
   """Runs one command. User errors (a bad file, device, option value) print
-  one line and exit with status 2; ``WAVETUNE_DEBUG=1`` shows the traceback."""
+  one line, ``wavetune COMMAND: error: ...`` (argparse's form), on stderr and
+  exit with status 2; ``WAVETUNE_DEBUG=1`` shows the traceback."""
   from wavetune_jax.cli.common import CliError
   args = build_parser().parse_args(argv)
   try:
     return args.func(args)
-  except (CliError, ValueError, OSError, EOFError, KeyError, RuntimeError) as e:
-    if os.environ.get("WAVETUNE_DEBUG"):
+  except (CliError, ValueError, OSError, EOFError, KeyError, RuntimeError, OverflowError,
+          ImportError) as e:
+    if os.environ.get("WAVETUNE_DEBUG", "") not in ("", "0"):
       raise
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if isinstance(e, KeyError):
-      msg = f"missing field {msg} (not a file of the expected kind?)"
-    print(f"wavetune {args.command}: error: {msg}", file=sys.stderr)
+    print(f"wavetune {args.command}: error: {_message(e)}", file=sys.stderr)
     return 2
   except KeyboardInterrupt:
     print(f"wavetune {args.command}: interrupted (what was measured is on file)",

@@ -8,7 +8,8 @@ import shlex
 import sys
 import time
 
-from wavetune_jax.cli.common import add_family_arg, existing_file, positive_int
+from wavetune_jax.cli.common import (add_family_arg, detect_gpu, existing_file, output_file,
+                                     positive_int, pyplot)
 
 __all__ = ["add_commands", "add_problem_args", "problems", "Progress"]
 
@@ -69,7 +70,6 @@ def problems(spec, args):
 def _sweep(args) -> int:
   import jax
 
-  from wavetune_jax.core import hardware
   from wavetune_jax.core.registry import get_family
   from wavetune_jax.tuning import profiler, sweep
 
@@ -78,7 +78,9 @@ def _sweep(args) -> int:
     spec = family.with_backends(args.backends.split(","))
   devices = gpu_devices(args.devices, check=not args.worker_measure,
                         workers_per_gpu=args.workers_per_gpu)
-  hw = hardware.detect()
+  hw = detect_gpu("sweep", "read a recorded sweep (data/sweeps/) with wavetune report SWEEP, "
+                  "wavetune eval --family F --sweep SWEEP or wavetune tune --family F "
+                  "--replay SWEEP")
   out = args.out or f"data/sweeps/{hw.device_key}/{spec.name}_{args.dtype}.jsonl.gz"
   header = sweep.make_header(spec, hw, jax_version=jax.__version__,
                              command="wavetune " + shlex.join(sys.argv[1:]),
@@ -156,7 +158,11 @@ def _merge(args) -> int:
 
 def _report(args) -> int:
   from wavetune_jax.tuning import report
-  text = report.render(args.sweep, plot=args.plot)
+  if args.plot:
+    pyplot()  # the error before the work
+  text = report.render(args.sweep, plot=args.plot, on_truncated=lambda msg: print(
+      f"wavetune report: warning: {msg}; reporting the rows before the cut",
+      file=sys.stderr, flush=True))
   print(text)
   return 0
 
@@ -206,14 +212,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   rp = sub.add_parser("report", help="tables and a wave plot of a sweep file",
                       description="Per problem: the oracle config and time, the "
                       "baseline, the fixed default, the heuristic, the worst config "
-                      "and the spread; then geomeans, GPU seconds, repeatability, failures.")
+                      "and the spread; then geomeans, GPU seconds, repeatability, "
+                      "failures. A file cut off at its end (a run killed mid-write) is "
+                      "reported up to the cut, with a warning on stderr; a file that is "
+                      "not a sweep is an error.")
   rp.add_argument("sweep", type=existing_file, help="a sweep file (.jsonl.gz)")
-  rp.add_argument("--plot", help="PNG path for latency against the size field")
+  rp.add_argument("--plot", type=output_file,
+                  help="PNG path for latency against the size field")
   rp.set_defaults(func=_report)
   mg = sub.add_parser(
       "merge", help="put the problems of one sweep file into another",
       description="A problem in both files keeps only the rows of SWEEP, so each "
-      "problem's configs come from one run; INTO's header records SWEEP's run.")
+      "problem's configs come from one run; INTO's header records SWEEP's run. Both "
+      "files must be intact and valid (as tune and eval read them): a truncated or "
+      "corrupt one is an error, and nothing is written.")
   mg.add_argument("sweep", type=existing_file, help="the file whose problems are taken")
   mg.add_argument("--into", required=True, type=existing_file,
                   help="the sweep file to update")

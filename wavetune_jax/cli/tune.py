@@ -8,8 +8,9 @@ import shlex
 import sys
 import time
 
-from wavetune_jax.cli.common import (CliError, add_family_arg, at_least, existing_file,
-                                     positive_int)
+from wavetune_jax.cli.common import (MAX_INT, CliError, add_family_arg, at_least,
+                                     detect_gpu, existing_file, output_file, positive_int,
+                                     pyplot)
 from wavetune_jax.cli.eval import add_model_args, model_options
 
 __all__ = ["add_commands"]
@@ -20,7 +21,6 @@ def _tune(args) -> int:
 
   from wavetune_jax.cli.sweep import Progress, problems
   from wavetune_jax.core.registry import get_family
-  from wavetune_jax.runtime import tables
   from wavetune_jax.tuning import evaluate
   from wavetune_jax.tuning import tuner as tuning
 
@@ -28,13 +28,21 @@ def _tune(args) -> int:
   spec = get_family(args.family)
   prov = {"command": command, "jax_version": jax.__version__}
   if args.fit_only:
+    if args.replay:
+      raise CliError("--fit-only reads --anchors, --replay a sweep: give one of them")
     return _fit_only(args, spec, prov)
   if args.replay:
+    ignored = [o for o, v in (("--shapes", args.shapes != "train"), ("--weights", args.weights),
+                              ("--m", args.m), ("--anchors", args.anchors)) if v]
+    if ignored:
+      raise CliError(f"--replay tunes on the sweep's problems: {', '.join(ignored)} does "
+                     f"not apply (--m-range filters them)")
     ds = evaluate.load_dataset(args.replay)
     if ds.family.name != spec.name:
       raise CliError(f"{args.replay} is a {ds.family.name} sweep, not {spec.name}")
     spec = ds.family  # the backends the sweep recorded
     hw = ds.hw
+    out = _out_path(args, spec.name, hw.device_key)
     pool = [p for p in ds.problems
             if not args.m_range or args.m_range[0] <= spec.size_of(p) <= args.m_range[1]]
     if not pool:
@@ -44,10 +52,11 @@ def _tune(args) -> int:
     progress = None
   else:
     from wavetune_jax.cli.sweep import gpu_devices
-    from wavetune_jax.core import hardware
     from wavetune_jax.tuning import profiler, sweep
     devices = gpu_devices(args.devices)
-    hw = hardware.detect()
+    hw = detect_gpu("tune", "tune from a recorded sweep (--replay SWEEP) or anchor log "
+                    "(--fit-only --anchors LOG)")
+    out = _out_path(args, spec.name, hw.device_key)  # refused before anything is measured
     pool = problems(spec, args)
     log_path = args.anchors or f"data/anchors/{hw.device_key}/{spec.name}_{args.dtype}.jsonl.gz"
     header = sweep.make_header(spec, hw, jax_version=jax.__version__, command=command,
@@ -68,7 +77,6 @@ def _tune(args) -> int:
     prov["source"] = log_path
     print(f"{hw.name}: {len(pool)} problems; anchors logged to {log_path} "
           f"({len(backend._known)} already there)", flush=True)
-  out = args.out or tables.default_path(spec.name, hw.device_key)
   budget = args.budget
   if budget is None:
     fraction = args.budget_fraction or tuning.DEFAULT_BUDGET_FRACTION
@@ -83,22 +91,23 @@ def _tune(args) -> int:
   finally:
     if progress is not None:
       progress.stop()
-  _check_table(res.table)
-  tables.save(res.table, out)
+  _write_table(res.table, out, hw)
   print(f"{res.measurements} anchors ({res.table.provenance['failed_anchors']} failed), "
-        f"{res.seconds:.0f} s measuring, {time.perf_counter() - t0:.0f} s in all -> {out}")
+        f"{res.seconds:.0f} s measuring, {time.perf_counter() - t0:.0f} s in all")
+  _print_written(args, out)
   return 0
 
 
 def _fit_only(args, spec, prov) -> int:
   """Fits the table from a logged anchor file, measuring nothing."""
   from wavetune_jax.cli.sweep import problems
-  from wavetune_jax.runtime import tables
   from wavetune_jax.tuning import report, sweep
   from wavetune_jax.tuning import tuner as tuning
   if not args.anchors:
     raise CliError("--fit-only needs --anchors FILE")
-  header, rows = sweep.read_sweep(args.anchors)
+  if not os.path.isfile(args.anchors):
+    raise CliError(f"--anchors {args.anchors}: no such file")
+  header, rows = sweep.read_sweep(args.anchors, strict=True)
   if header.get("kernel") != spec.name:
     raise CliError(f"{args.anchors} holds {header.get('kernel')!r} anchors, not {spec.name!r}")
   hw = report.hardware_of(header)
@@ -109,13 +118,13 @@ def _fit_only(args, spec, prov) -> int:
               note="fitted from the anchor log")
   if not any(us is not None for *_, us in points):
     raise CliError(f"{args.anchors} has no successful anchor to fit")
+  out = _out_path(args, spec.name, hw.device_key)
   table = tuning.build_table(spec, hw, problems(spec, args), points,
                              **model_options(args), provenance=prov)
-  out = args.out or tables.default_path(spec.name, hw.device_key)
-  _check_table(table)
-  tables.save(table, out)
+  _write_table(table, out, hw)
   print(f"{hw.name}: {len(table.entries)} variant models and {len(table.exact)} exact "
-        f"entries from {len(points)} anchors -> {out}")
+        f"entries from {len(points)} anchors")
+  _print_written(args, out)
   return 0
 
 
@@ -139,6 +148,8 @@ def _select(args) -> int:
     fields[name] = {"true": True, "false": False}.get(value.lower(), value)
     if isinstance(fields[name], str) and fields[name].lstrip("-").isdigit():
       fields[name] = int(fields[name])
+      if abs(fields[name]) > MAX_INT:
+        raise CliError(f"--set {name}={value}: too large (at most {MAX_INT})")
   try:
     problem = spec.problem_from_dict(fields)
   except (TypeError, ValueError) as e:
@@ -169,19 +180,19 @@ def _select(args) -> int:
 def _plot(args) -> int:
   import collections
 
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
   import numpy as np
 
+  from wavetune_jax.core.registry import get_family
   from wavetune_jax.runtime import tables
   from wavetune_jax.tuning import evaluate
+  plt = pyplot()
   ds = evaluate.load_dataset(args.sweep)
   spec = ds.family
   if spec.name != args.family:
     raise CliError(f"{args.sweep} holds {spec.name!r} measurements, not {args.family!r}")
+  # The table may hold backends the sweep did not measure: read it with them all.
   table = tables.load(args.table or tables.default_path(spec.name, ds.hw.device_key),
-                      spec, ds.hw)
+                      get_family(spec.name), ds.hw)
   want = dict(args.set or [])
   probs = sorted((p for p in ds.times
                   if all(str(getattr(p, k, None)) == v for k, v in want.items())),
@@ -221,6 +232,81 @@ def _check_table(table) -> None:
                    "variant); no table written")
 
 
+def _is_shipped(path: str) -> bool:
+  """Whether ``path`` is in the shipped tables' folder, or in an installed
+  package's (site-packages)."""
+  from wavetune_jax.runtime import tables
+  real = os.path.realpath(path)
+  shipped = os.path.realpath(tables.shipped_dir())
+  parts = real.split(os.sep)
+  return (os.path.commonpath([real, shipped]) == shipped
+          or "site-packages" in parts or "dist-packages" in parts)
+
+
+def _out_path(args, family: str, device_key: str) -> str:
+  """Where ``tune`` writes: ``--out``; else with ``--overwrite-shipped`` the
+  shipped table; else the user's folder (:func:`tables.user_path`). A path in
+  the shipped tables (or site-packages) needs ``--overwrite-shipped``."""
+  from wavetune_jax.runtime import tables
+  if args.out:
+    out = args.out
+  elif args.overwrite_shipped:
+    out = os.path.join(tables.shipped_dir(), device_key, f"{family}.json")
+  else:
+    out = tables.user_path(family, device_key)
+  if os.path.isdir(out):
+    raise CliError(f"--out {out} is a folder; name the table file, e.g. "
+                   f"{os.path.join(out, device_key, family + '.json')}")
+  if _is_shipped(out) and not args.overwrite_shipped:
+    raise CliError(f"{out} is in the shipped tables ({tables.shipped_dir()}) or an "
+                   f"installed package; pass --overwrite-shipped to replace it, or "
+                   f"write elsewhere (--out)")
+  return out
+
+
+def _write_table(table, out: str, hw) -> None:
+  """Writes ``table`` to ``out`` only once the file loads back through
+  ``tables.load`` (the checks every table read gets), atomically (a temp
+  file in the same folder, then a rename)."""
+  import json
+  import tempfile
+
+  from wavetune_jax.core.registry import get_family
+  from wavetune_jax.runtime import tables
+  _check_table(table)
+  folder = os.path.dirname(os.path.abspath(out))
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(out)}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w") as f:
+      json.dump(table.to_json(), f, indent=1)
+      f.write("\n")
+    try:
+      tables.load(tmp, get_family(table.family.name), hw)
+    except tables.TableError as e:
+      raise CliError(f"the tuned table fails the checks of tables.load, so {out} is not "
+                     f"written: {str(e).replace(tmp, out)}") from None
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, out)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+
+
+def _print_written(args, out: str) -> None:
+  from wavetune_jax.runtime import tables
+  if args.out:
+    note = " (load it with wt.load_tables, or WAVETUNE_TABLES=<folder> in its layout)"
+  elif args.overwrite_shipped:
+    note = " (replaced the shipped table)"
+  elif os.environ.get("WAVETUNE_TABLES"):
+    note = " (in $WAVETUNE_TABLES, which the ops read instead of the shipped tables)"
+  else:
+    note = (f" (the ops read tables in {tables.user_dir()} before the shipped ones; "
+            f"the shipped table is unchanged)")
+  print(f"table written to {out}{note}")
+
+
 def _field(s: str) -> tuple[str, str]:
   name, sep, value = s.partition("=")
   if not sep or not name:
@@ -232,11 +318,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   from wavetune_jax.cli.sweep import add_problem_args
   from wavetune_jax.core.hardware import PRESETS
   tu = sub.add_parser(
-      "tune", help="sparse wave-aware profiling -> tables/<device_key>/<family>.json",
+      "tune", help="sparse wave-aware profiling -> a table of this GPU (user folder)",
       description="Measures anchors placed on the wave structure (GPU), or reads them "
       "from a recorded sweep (--replay, no GPU), fits the wave model per variant and "
       "writes the dual table. On a GPU every anchor is logged to a resumable file; a "
-      "rerun reads what is there instead of timing it again.")
+      "rerun reads what is there instead of timing it again. A sweep or anchor log "
+      "with an invalid row (a time that is not finite and positive, a problem or "
+      "config the family does not parse, an unknown GPU) is refused, naming the row; "
+      "a table is written only once it loads back, and never over a shipped table "
+      "without --overwrite-shipped.")
   add_problem_args(tu)
   tu.add_argument("--replay", type=existing_file,
                   help="sweep file to read anchors from instead of a GPU")
@@ -247,7 +337,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   tu.add_argument("--seed", type=int, default=0,
                   help="tie-breaking among targeted anchors (default: 0)")
   add_model_args(tu)
-  tu.add_argument("--out", help="table file (default: tables/<device_key>/<family>.json)")
+  tu.add_argument("--out", help="table file (default: <folder>/<device_key>/<family>.json, "
+                  "<folder> $WAVETUNE_TABLES if set, else $XDG_DATA_HOME/wavetune/tables "
+                  "(~/.local/share/wavetune/tables), which the ops read before the shipped "
+                  "tables)")
+  tu.add_argument("--overwrite-shipped", action="store_true",
+                  help="write (without --out) or allow --out to replace a shipped table "
+                       "(tables/ of a source checkout, or the copy an installed package "
+                       "carries)")
   tu.add_argument("--anchors", help="anchor log (GPU mode; default "
                   "data/anchors/<device_key>/<family>_<dtype>.jsonl.gz)")
   tu.add_argument("--fit-only", action="store_true",
@@ -290,5 +387,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        "or --set batch=1 --set q_heads=32")
   pl.add_argument("--configs", type=positive_int, default=4,
                   help="how many configs to draw (default: 4)")
-  pl.add_argument("--out", required=True, help="PNG path")
+  pl.add_argument("--out", required=True, type=output_file, help="PNG path")
   pl.set_defaults(func=_plot)

@@ -62,7 +62,7 @@ from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.runtime import table_cache, wave_model
 
 __all__ = ["FORMAT", "SCHEMA", "TableError", "ModelEntry", "Table", "load", "save",
-           "default_path", "tables_dir"]
+           "default_path", "tables_dir", "shipped_dir", "user_dir", "user_path"]
 
 FORMAT = "wavetune-table"
 SCHEMA = 2
@@ -341,12 +341,15 @@ class Table:
 
 
 def tables_dir() -> str:
-  """Where shipped tables live: ``$WAVETUNE_TABLES``, else the repository's
-  ``tables/`` in a source checkout, else the installed copy (the data package
+  """The folder tables are read from when ``$WAVETUNE_TABLES`` is set (it
+  replaces the shipped tables), else the shipped one (:func:`shipped_dir`)."""
+  return os.environ.get("WAVETUNE_TABLES") or shipped_dir()
+
+
+def shipped_dir() -> str:
+  """Where shipped tables live: the repository's ``tables/`` in a source
+  checkout, else the installed copy (the data package
   ``wavetune_jax.shipped_tables`` that a wheel carries)."""
-  env = os.environ.get("WAVETUNE_TABLES")
-  if env:
-    return env
   package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   repo = os.path.join(os.path.dirname(package), "tables")
   if os.path.isdir(repo):
@@ -354,8 +357,31 @@ def tables_dir() -> str:
   return os.path.join(package, "shipped_tables")
 
 
+def user_dir() -> str:
+  """The user's tables, where ``wavetune tune`` writes by default:
+  ``$XDG_DATA_HOME/wavetune/tables``, default ``~/.local/share/wavetune/tables``."""
+  data = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                         "share")
+  return os.path.join(data, "wavetune", "tables")
+
+
+def user_path(family: str, device_key: str) -> str:
+  """Where ``wavetune tune`` writes a table by default: in ``$WAVETUNE_TABLES``
+  when it is set, else in :func:`user_dir`."""
+  return os.path.join(os.environ.get("WAVETUNE_TABLES") or user_dir(), device_key,
+                      f"{family}.json")
+
+
 def default_path(family: str, device_key: str) -> str:
-  return os.path.join(tables_dir(), device_key, f"{family}.json")
+  """The table the selector reads for ``family`` on ``device_key``: in
+  ``$WAVETUNE_TABLES`` when it is set (missing there: no table), else the
+  user's (:func:`user_dir`) when it has the file, else the shipped one."""
+  name = os.path.join(device_key, f"{family}.json")
+  env = os.environ.get("WAVETUNE_TABLES")
+  if env:
+    return os.path.join(env, name)
+  user = os.path.join(user_dir(), name)
+  return user if os.path.isfile(user) else os.path.join(shipped_dir(), name)
 
 
 def save(table: Table, path: str) -> None:

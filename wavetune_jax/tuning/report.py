@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import math
 import statistics
+import warnings
 
 from wavetune_jax.core import hardware
 from wavetune_jax.core.registry import get_family
@@ -106,9 +107,15 @@ def _fields(spec) -> str:
   return ", ".join(f"{b.name}:{'/'.join(b.fields())}" for b in spec.backends)
 
 
-def render(path: str, *, plot: str | None = None) -> str:
-  """The report of a sweep file as text (and a PNG when ``plot`` is given)."""
-  header, rows = sweep.read_sweep(path)
+def render(path: str, *, plot: str | None = None, on_truncated=None) -> str:
+  """The report of a sweep file as text (and a PNG when ``plot`` is given).
+
+  A file cut off at its end (a run killed mid-write) is reported up to the
+  cut; ``on_truncated`` (default: :func:`warnings.warn`) is called with a
+  one-line message saying so.
+  """
+  header, rows = sweep.read_sweep(path, on_truncated=on_truncated or (
+      lambda msg: warnings.warn(msg, stacklevel=3)))
   rows = sweep.with_recorded_backends(get_family(header["kernel"]), hardware_of(header), rows)
   spec = sweep.recorded_family(get_family(header["kernel"]), rows)
   summaries, facts = summarize(header, rows)
@@ -171,7 +178,7 @@ def plot_waves(header: dict, summaries: list[ProblemSummary], rows: list[dict],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
   except ImportError:
-    raise SystemExit("the plot needs matplotlib: pip install 'wavetune-jax[report]'") from None
+    raise ImportError('the plot needs matplotlib: pip install "wavetune-jax[report]"') from None
   spec = sweep.recorded_family(get_family(header["kernel"]), rows)
   size = spec.size_field
   groups = collections.defaultdict(list)

@@ -15,6 +15,11 @@ Rows are appended in small gzip members, each closed (flushed) once written, so 
 killed run loses at most the batch in flight. On resume, a truncated last member
 is cut off (the file is rewritten atomically with the rows that survived) and
 every (problem, config) already on file is skipped.
+
+Readers that compute from a file (tuning by replay or from an anchor log,
+evaluation, plots, merges) read it with ``read_sweep(path, strict=True)``: the
+file must be intact and its header and every row valid (:func:`check_sweep`);
+the first bad row is named by file, line, field and value.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import dataclasses
 import datetime
 import gzip
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -31,7 +37,8 @@ import time
 import zlib
 from typing import Callable, Iterable, Iterator, Sequence
 
-__all__ = ["SCHEMA", "SweepFile", "read_sweep", "run_sweep", "plan_sweep", "row_key",
+__all__ = ["SCHEMA", "SweepError", "SweepFile", "read_sweep", "check_sweep", "run_sweep",
+           "plan_sweep", "row_key",
            "read_clocks", "sweep_configs", "make_row", "recorded_family", "gpu_measure",
            "with_recorded_backends",
            "planned_measurements"]
@@ -57,29 +64,148 @@ def _read_lines(path: str) -> tuple[list[dict], bool]:
           intact = False  # the last line was cut
           break
         out.append(json.loads(line))
-  except (EOFError, gzip.BadGzipFile, zlib.error, json.JSONDecodeError):
+  except (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError,
+          json.JSONDecodeError):
     intact = False
   return out, intact
 
 
-def read_sweep(path: str, *, strict: bool = False) -> tuple[dict, list[dict]]:
+class SweepError(ValueError):
+  """A sweep file that cannot be used: cut off, not a sweep, or a bad header
+  or row (the message names the file, the line, the field and its value)."""
+
+
+def read_sweep(path: str, *, strict: bool = False, check: bool | None = None,
+               on_truncated: Callable[[str], None] | None = None
+               ) -> tuple[dict, list[dict]]:
   """``(header, rows)`` of a sweep file.
 
+  Args:
+    path: the ``.jsonl.gz`` file.
+    strict: its end must not be cut off (a run killed mid-write; the command
+      that wrote it repairs it). Without it, the rows before the cut are read.
+    check: validate the header and every row (:func:`check_sweep`); default:
+      ``strict``.
+    on_truncated: without ``strict``, called with a one-line message when
+      the end is cut off.
+
   Raises:
-    ValueError: the file has no header, or another schema, or (``strict``)
-      its end is cut off (a run killed mid-write; the sweep command repairs it).
+    SweepError: the file has no header, or another schema, or (``strict``)
+      its end is cut off, or (``check``) a header field or a row is invalid.
   """
   lines, intact = _read_lines(path)
-  if strict and not intact:
-    raise ValueError(f"{path} is truncated (a run was killed mid-write); rerun its sweep "
-                     f"command to repair and complete it")
-  if not lines or lines[0].get("type") != "header":
-    raise ValueError(f"{path} is not a sweep file (no header line)")
+  if not lines or not isinstance(lines[0], dict) or lines[0].get("type") != "header":
+    raise SweepError(f"{path} is not a sweep file (no header line"
+                     + ("" if intact else "; not gzip-compressed JSON lines, or cut off")
+                     + ")")
+  if not intact and (strict or on_truncated is not None):
+    msg = (f"{path} is truncated or corrupt after line {len(lines)} (a run killed "
+           f"mid-write?); rerun the command that wrote it to repair and complete it")
+    if strict:
+      raise SweepError(msg)
+    on_truncated(msg)
   header = lines[0]
   if header.get("schema") != SCHEMA:
-    raise ValueError(f"{path} has schema {header.get('schema')!r}; "
+    raise SweepError(f"{path} has schema {header.get('schema')!r}; "
                      f"this version reads schema {SCHEMA}")
-  return header, [r for r in lines[1:] if r.get("type") == "row"]
+  if strict if check is None else check:
+    check_sweep(path, lines)
+  return header, [r for r in lines[1:] if isinstance(r, dict) and r.get("type") == "row"]
+
+
+_IMPLS = ("pallas", "baseline", "repeat", "timing")
+
+
+def _finite(v, *, positive: bool) -> bool:
+  return (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+          and (v > 0 if positive else v >= 0))
+
+
+def check_sweep(path: str, lines: Sequence[dict]) -> None:
+  """Checks a sweep file's parsed lines (``lines[0]`` the header).
+
+  The header names a registered family (``kernel``), a known GPU
+  (``device_key``: a hardware preset's, and the key of its ``device_kind``)
+  and a positive ``num_sms``. Every other line is a row (a second header is
+  a concatenated file) with a string ``key``, ``status`` and ``impl`` (one
+  of pallas, baseline, baseline_<name>, repeat, timing); its ``problem``
+  parses into the family's problem and its ``config`` (when not null) into
+  a config of one of the family's backends; an ``ok`` measurement has a
+  finite positive ``median_us``, a timing row a finite ``wall_s`` >= 0, and
+  a row that names its ``device_key`` names the header's.
+
+  Raises:
+    SweepError: naming the file, the line (1 = the header), the field and
+      its value of the first bad one.
+  """
+  from wavetune_jax.core import hardware
+  from wavetune_jax.core.registry import get_family
+
+  def bad(line: int, field: str, value, why: str) -> SweepError:
+    v = repr(value)
+    v = v if len(v) <= 120 else v[:117] + "..."
+    return SweepError(f"{path} line {line}: {field}={v} {why}")
+
+  header = lines[0]
+  try:
+    family = get_family(header.get("kernel"))
+  except ValueError as e:
+    raise bad(1, "kernel", header.get("kernel"), f"is not a family ({e})") from None
+  key = header.get("device_key")
+  known = sorted(hw.device_key for hw in hardware.PRESETS.values())
+  if key not in known:
+    raise bad(1, "device_key", key, f"is not a known GPU (known: {', '.join(known)})")
+  kind = header.get("device_kind")
+  if not isinstance(kind, str) or hardware.device_key(kind or "?") != key:
+    raise bad(1, "device_kind", kind, f"does not match device_key={key!r}")
+  if isinstance(header.get("num_sms"), bool) or not isinstance(header.get("num_sms"), int) \
+      or header["num_sms"] < 1:
+    raise bad(1, "num_sms", header.get("num_sms"), "is not an integer >= 1")
+  parsed: dict = {}
+
+  def parse(kind: str, d, fn):
+    try:
+      memo = (kind, tuple(sorted(d.items())))
+      hash(memo)
+    except (AttributeError, TypeError):
+      return fn(d)
+    if memo not in parsed:
+      parsed[memo] = fn(d)
+    return parsed[memo]
+
+  for n, r in enumerate(lines[1:], start=2):
+    if not isinstance(r, dict):
+      raise bad(n, "line", r, "is not a JSON object")
+    if r.get("type") != "row":
+      why = ("is a second header (files concatenated? wavetune merge joins sweeps)"
+             if r.get("type") == "header" else "is not 'row'")
+      raise bad(n, "type", r.get("type"), why)
+    for field in ("key", "status", "impl"):
+      if not isinstance(r.get(field), str):
+        raise bad(n, field, r.get(field), "is not a string")
+    impl = r["impl"]
+    if impl not in _IMPLS and not impl.startswith("baseline_"):
+      raise bad(n, "impl", impl, f"is not one of {', '.join(_IMPLS)}, baseline_<name>")
+    if "device_key" in r and r["device_key"] != key:
+      raise bad(n, "device_key", r["device_key"], f"is not the header's {key!r}")
+    try:
+      parse("problem", r.get("problem"), family.problem_from_dict)
+    except (TypeError, ValueError) as e:
+      raise bad(n, "problem", r.get("problem"), f"is not a {family.name} problem ({e})") \
+          from None
+    if impl in ("pallas", "repeat") and r.get("config") is None:
+      raise bad(n, "config", None, f"is missing (a {impl} row measures a config)")
+    if r.get("config") is not None:
+      try:
+        parse("config", r["config"], family.config_from_dict)
+      except (TypeError, ValueError) as e:
+        raise bad(n, "config", r["config"], f"is not a {family.name} config ({e})") from None
+    if impl == "timing":
+      if not _finite(r.get("wall_s"), positive=False):
+        raise bad(n, "wall_s", r.get("wall_s"), "is not a finite number >= 0")
+    elif r["status"] == "ok" and not _finite(r.get("median_us"), positive=True):
+      raise bad(n, "median_us", r.get("median_us"),
+                "is not a finite positive time (an ok row's microseconds)")
 
 
 class SweepFile:
@@ -171,12 +297,13 @@ def merge_sweeps(dst: str, src: str) -> tuple[int, int]:
   and schema). A problem in both keeps only ``src``'s rows, so every problem's
   configs come from one run. ``dst``'s header lists ``src``'s header under
   ``"merged"`` (date, command, clocks, JAX version). Written atomically.
+  Both files are read strictly (intact, every row valid: :func:`check_sweep`).
 
   Returns:
     ``(problems replaced, problems added)``.
   """
-  h_dst, r_dst = read_sweep(dst)
-  h_src, r_src = read_sweep(src)
+  h_dst, r_dst = read_sweep(dst, strict=True)
+  h_src, r_src = read_sweep(src, strict=True)
   for field in ("kernel", "device_key", "schema"):
     if h_dst.get(field) != h_src.get(field):
       raise ValueError(f"cannot merge: {src} has {field}={h_src.get(field)!r}, "
