@@ -159,6 +159,24 @@ def _fit_batch_nonneg(x, t, mask):
   return jax.vmap(lambda *a: _fit_one(*a, True))(x, t, mask)
 
 
+#: Most design-matrix floats one compiled fit call holds (16 MiB): a
+#: non-negative fit of ``n`` points and ``p`` coefficients solves ``2**p``
+#: least squares of ``n x p`` at once, so one call over all of a GEMM tune's
+#: configs (2048 x 256 subsets x 256 points) took 8.6 GB; in chunks the tune
+#: peaks below 1 GB, and runs faster (the chunks stay in cache).
+_CHUNK_FLOATS = 1 << 22
+
+
+def _chunk_size(b: int, n: int, p: int, nonneg: bool) -> int:
+  """Configs per compiled fit call: a power of two that keeps the call
+  within ``_CHUNK_FLOATS`` (at least 8: a batch of one compiles to other
+  arithmetic, whose last bits differ), and no larger than ``b`` rounded up
+  to a power of two."""
+  per_config = n * p * (2 ** p if nonneg else 1)
+  size = 1 << (max(8, _CHUNK_FLOATS // per_config).bit_length() - 1)
+  return min(size, 1 << max(0, (b - 1).bit_length()))
+
+
 def fit(g, l, t, c, *, mask=None, aux=None, form: str = "bilinear",
         nonneg: bool = True) -> FitResult:
   """Fits one model per row of a batch.
@@ -178,7 +196,18 @@ def fit(g, l, t, c, *, mask=None, aux=None, form: str = "bilinear",
   mask = jnp.ones(t.shape, jnp.float32) if mask is None else jnp.asarray(mask, jnp.float32)
   c = jnp.asarray(c, jnp.float32).reshape(t.shape[0], 1)
   x = features(g, l, c, form, aux)
-  return FitResult(*(_fit_batch_nonneg if nonneg else _fit_batch)(x, t, mask))
+  # Fixed-size chunks of configs (the last padded with all-masked rows) bound
+  # the memory and compile one shape per (points, coefficients).
+  b, n, p = x.shape
+  size = _chunk_size(b, n, p, nonneg)
+  pad = -b % size
+  if pad:
+    x = jnp.concatenate([x, jnp.zeros((pad, n, p), x.dtype)])
+    t = jnp.concatenate([t, jnp.ones((pad, n), t.dtype)])
+    mask = jnp.concatenate([mask, jnp.zeros((pad, n), mask.dtype)])
+  run = _fit_batch_nonneg if nonneg else _fit_batch
+  parts = [run(x[i:i + size], t[i:i + size], mask[i:i + size]) for i in range(0, b + pad, size)]
+  return FitResult(*(jnp.concatenate(col)[:b] for col in zip(*parts)))
 
 
 def predict(coef, g, l, c, form: str = "bilinear", aux=None, xp=jnp):
@@ -241,9 +270,10 @@ def fit_occupancy_batch(g, l, t, *, num_sms: int, bounds, mask=None, aux=None,
   bounds = np.asarray(bounds, np.int64).reshape(bsz)
   omax = int(bounds.max())
   mask = np.ones((bsz, n), np.float32) if mask is None else np.asarray(mask, np.float32)
-  # Pad the points to a power of two so that few shapes get compiled.
+  # Pad the points to a power of two so that few shapes get compiled (:func:`fit`
+  # runs fixed-size chunks of configs), and the configs to at least 8.
   n_pad = 1 << max(3, (n - 1).bit_length())
-  b_pad = 1 << max(3, (bsz * omax - 1).bit_length())
+  b_pad = max(8, bsz * omax)
 
   def rep(v, fill):
     v = np.asarray(v, np.float32)
