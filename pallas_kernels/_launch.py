@@ -9,6 +9,10 @@ import jax
 
 #: tl.dot needs every block dimension >= 16.
 MIN_BLOCK = 16
+#: Triton's largest tensor has 2**20 elements (``TRITON_MAX_TENSOR_NUMEL``).
+MAX_BLOCK = 2**20
+#: Config fields are int32 in the kernels (grid sizes, offsets, loop bounds).
+INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
 
 
 def is_pow2(v: int) -> bool:
@@ -25,23 +29,32 @@ def field_names(cls, init_only: bool = False) -> tuple[str, ...]:
 
 
 def check_ints(config) -> None:
-  """Raises ``ValueError`` unless every field of the dataclass is an int."""
+  """Raises ``ValueError`` unless every field of the dataclass is an int
+  that fits int32 (a larger one would fail deep in the trace, or wrap)."""
   for name in field_names(type(config)):
     v = getattr(config, name)
     if isinstance(v, bool) or not isinstance(v, int):
       raise ValueError(f"{type(config).__name__}.{name}={v!r} must be an int")
+    if not INT32_MIN <= v <= INT32_MAX:
+      # (An int of thousands of digits cannot be printed: name its size.)
+      shown = v if v.bit_length() <= 128 else f"<an int of {v.bit_length()} bits>"
+      raise ValueError(f"{type(config).__name__}.{name}={shown} must fit int32 "
+                       f"([{INT32_MIN}, {INT32_MAX}])")
 
 
 def check_launch(config, block_fields: tuple[str, ...]) -> None:
-  """Raises ``ValueError`` unless every field is an int, the blocks are powers
-  of two >= ``MIN_BLOCK``, ``num_warps`` a power of two <= 16 and
-  ``num_stages`` in [1, 8]."""
+  """Raises ``ValueError`` unless every field is an int of int32, the blocks
+  are powers of two in [``MIN_BLOCK``, ``MAX_BLOCK``], ``num_warps`` a power
+  of two <= 16 and ``num_stages`` in [1, 8]."""
   name = type(config).__name__
   check_ints(config)
   for b in block_fields:
     v = getattr(config, b)
     if not is_pow2(v) or v < MIN_BLOCK:
       raise ValueError(f"{name}.{b}={v} must be a power of two >= {MIN_BLOCK}")
+    if v > MAX_BLOCK:
+      raise ValueError(f"{name}.{b}={v} must be at most {MAX_BLOCK} (Triton's largest "
+                       f"tensor)")
   if not is_pow2(config.num_warps) or config.num_warps > 16:
     raise ValueError(f"{name}.num_warps={config.num_warps} must be a power of two <= 16")
   if not 1 <= config.num_stages <= 8:

@@ -444,6 +444,38 @@ def test_ragged_dot_nan_and_inf(config, case):
   assert_close(out, ref_ragged_dot(lhs, rhs, sizes), 1e-4)
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("expert", [0, 1, 2], ids=["expert0", "empty_expert1", "expert2"])
+@pytest.mark.parametrize("config", list(RD_CONFIGS))
+def test_ragged_dot_nan_in_an_experts_weights(config, expert, value):
+  lhs, rhs, sizes = (np.array(a) for a in _rd())  # sizes [5, 0, 9], M = 20
+  rhs[expert, 3, 4] = value
+  out = _f32(wt.ragged_dot(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes),
+                           config=RD_CONFIGS[config]))
+  np.testing.assert_array_equal(out[14:], 0)  # rows past the sum: zeros, always
+  ref = ref_ragged_dot(lhs, rhs, sizes)
+  if config == "triton":  # the expert's rows only
+    assert_close(out, ref, 1e-4)
+  else:  # XLA's op may spread it over the rows below the sum (documented)
+    fin = np.isfinite(out)
+    np.testing.assert_allclose(out[fin], ref[fin], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("config", list(RD_CONFIGS))
+def test_vmap_of_ragged_dot_with_nan_weights_keeps_rows_past_the_sum_zero(config):
+  lhs, rhs, _ = (np.array(a) for a in _rd())
+  rhs[2, 3, 4] = np.nan
+  sizes = jnp.array([[5, 0, 9], [2, 3, 1]])
+  out = _f32(jax.vmap(lambda a, s: wt.ragged_dot(a, jnp.asarray(rhs), s,
+                                                 config=RD_CONFIGS[config]))(
+      jnp.stack([jnp.asarray(lhs)] * 2), sizes))
+  np.testing.assert_array_equal(out[0, 14:], 0)
+  np.testing.assert_array_equal(out[1, 6:], 0)
+  if config == "triton":
+    for b in range(2):
+      assert_close(out[b], ref_ragged_dot(lhs, rhs, np.asarray(sizes[b])), 1e-4)
+
+
 def _poison_past(a, lens, value):
   a = np.array(a, np.float32)
   for i, n in enumerate(lens):
@@ -544,9 +576,11 @@ def test_causal_numpy_bool_is_a_bool(op):
 
 
 @pytest.mark.parametrize("scale", ["x", float("nan"), float("inf"), -float("inf"), [0.5],
-                                   np.float32(0.5), jnp.float32(0.5), True, 1 + 2j],
+                                   np.float32(0.5), jnp.float32(0.5), True, 1 + 2j, 10**400,
+                                   -10**400, 10**5000],
                          ids=["str", "nan", "inf", "-inf", "list", "np_float32", "array",
-                              "bool", "complex"])
+                              "bool", "complex", "int_past_float", "-int_past_float",
+                              "int_past_str"])
 @pytest.mark.parametrize("op", ["attention", "decode_attention"])
 def test_scale_must_be_a_finite_python_float(op, scale):
   fn, make = OPS[op]
@@ -621,6 +655,29 @@ def test_bad_configs_are_refused(op, bad):
     with wt.use_config({"matmul": "matmul", "attention": "attention",
                         "decode_attention": "decode", "ragged_dot": "ragged_dot"}[op], config):
       pass
+
+
+@pytest.mark.parametrize("config", [{}, {"block_m": 16}, {"backend": None}],
+                         ids=["empty", "fields_only", "backend_none"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_config_dicts_must_name_their_backend(op, config):
+  fn, make = OPS[op]
+  family = {"decode_attention": "decode"}.get(op, op)
+  match = rf"config=.*: a {family} config dict needs a 'backend' key, one of \["
+  with pytest.raises(ValueError, match=match):
+    fn(*make(BF16), config=config)
+  with pytest.raises(ValueError, match=match):
+    with wt.use_config(family, config):
+      pass
+
+
+@pytest.mark.parametrize("family,fields", [
+    ("matmul", {"block_m": 16, "block_n": 32, "block_k": 32}),
+    ("attention", {"block_q": 32, "block_k": 32, "num_warps": 4, "num_stages": 2}),
+])
+def test_files_recorded_before_backends_were_named_still_read(family, fields):
+  spec = wt.get_family(family)
+  assert spec.backend_of(spec.config_from_dict(fields)).name == "triton"
 
 
 @pytest.mark.parametrize("case,config,match", [
@@ -767,6 +824,15 @@ GRADS = {
     "jacrev": lambda f, a: jax.jacrev(lambda t: f(t).astype(F32))(a),
     "checkpoint": lambda f, a: jax.grad(jax.checkpoint(lambda t: f(t).astype(F32).sum()))(a),
     "value_and_grad": lambda f, a: jax.value_and_grad(lambda t: f(t).astype(F32).sum())(a),
+    # Forward mode, and what is built on it.
+    "jvp": lambda f, a: jax.jvp(f, (a,), (a,)),
+    "jvp_jit": lambda f, a: jax.jit(lambda t: jax.jvp(f, (t,), (t,)))(a),
+    "jacfwd": lambda f, a: jax.jacfwd(lambda t: f(t).astype(F32))(a),
+    "linearize": lambda f, a: jax.linearize(f, a),
+    "hessian": lambda f, a: jax.hessian(lambda t: f(t).astype(F32).sum())(a),
+    # Through jax.vmap (ragged_dot's own batching rule).
+    "grad_of_vmap": lambda f, a: jax.grad(lambda t: jax.vmap(f)(t).astype(F32).sum())(a[None]),
+    "jvp_of_vmap": lambda f, a: jax.jvp(jax.vmap(f), (a[None],), (a[None],)),
 }
 
 
@@ -782,6 +848,18 @@ def test_gradients_raise_not_implemented(op, position, how):
   name = {"decode_attention": "decode"}.get(op, op)
   with pytest.raises(NotImplementedError, match=rf"wavetune_jax\.{name} is forward only"):
     GRADS[how](f, args[position])
+
+
+@pytest.mark.parametrize("op", list(OPS))
+def test_derivatives_that_do_not_reach_the_op_still_work(op):
+  fn, make = OPS[op]
+  args = make(F32 if op in ("matmul", "ragged_dot") else BF16)
+
+  def f(s):  # the op's operands do not depend on s: its tangents are zero
+    return fn(*args).astype(F32).sum() * s + s * s
+  value = float(fn(*args).astype(F32).sum())
+  assert float(jax.grad(f)(3.0)) == pytest.approx(value + 6.0, rel=1e-5)
+  assert float(jax.jvp(f, (3.0,), (1.0,))[1]) == pytest.approx(value + 6.0, rel=1e-5)
 
 
 # === config classes ================================================================================
@@ -821,6 +899,38 @@ def test_config_classes_are_frozen_hashable_and_keyword_only(cls):
 def test_triton_blocks_must_be_powers_of_two_from_16(cls, field, value):
   with pytest.raises(ValueError, match=rf"{cls.__name__}\.{field}={value} must be a power"):
     cls(**{field: value})
+
+
+@pytest.mark.parametrize("value", [10**30, 2**31, -2**31 - 1, 10**5000],
+                         ids=["1e30", "2^31", "-2^31-1", "5000_digits"])
+@pytest.mark.parametrize("cls,field", CONFIG_FIELDS,
+                         ids=[f"{c.__name__}.{f}" for c, f in CONFIG_FIELDS])
+def test_config_fields_must_fit_int32(cls, field, value):
+  with pytest.raises(ValueError, match=rf"{cls.__name__}\.{field}=.* must fit int32"):
+    cls(**{field: value})
+
+
+@pytest.mark.parametrize("cls,field,value,match", [
+    (wt.TritonMatmulConfig, "group_m", 1025, r"group_m=1025 must be in \[1, 1024\]"),
+    (wt.TritonMatmulConfig, "block_n", 2**21, "block_n=2097152 must be at most 1048576"),
+    (wt.TritonAttentionConfig, "block_q", 2**30, "block_q=1073741824 must be at most"),
+    (wt.TritonDecodeConfig, "block_k", 2**21, "block_k=2097152 must be at most"),
+    (wt.TritonRaggedDotConfig, "block_m", 2**21, "block_m=2097152 must be at most"),
+])
+def test_config_fields_have_upper_bounds(cls, field, value, match):
+  with pytest.raises(ValueError, match=match):
+    cls(**{field: value})
+
+
+def test_the_largest_group_m_traces_for_the_widest_output():
+  # group_m times the tile columns past int32 (a 16 x 2**26 output): the
+  # kernel takes a group no taller than the tile grid.
+  from pallas_kernels.matmul import triton as mm_triton
+  c = wt.TritonMatmulConfig(block_m=16, block_n=16, block_k=16, group_m=1024, num_warps=4,
+                            num_stages=2)
+  jaxpr = jax.make_jaxpr(lambda x, w: mm_triton.matmul(x, w, config=c, interpret=True))(
+      jax.ShapeDtypeStruct((16, 16), F32), jax.ShapeDtypeStruct((16, 2**26), F32))
+  assert jaxpr.out_avals[0].shape == (16, 2**26)
 
 
 @pytest.mark.parametrize("family,config", [
@@ -947,6 +1057,73 @@ def test_unknown_hardware_is_named(hw, fresh_state):
     wt.load_tables(TABLE, "matmul", hw=hw)
 
 
+_MM_P = wt.MatmulProblem(m=16, n=64, k=64)
+_RD_P = wt.RaggedDotProblem(m=16, g=2, k=64, n=64)
+SELECT_CASES = {
+    "family_int": (3, _MM_P, "family=3 must be a family name"),
+    "family_none": (None, _MM_P, "family=None must be a family name"),
+    "family_list": (["matmul"], _MM_P, r"family=\['matmul'\] must be a family name"),
+    "family_problem": (_MM_P, _MM_P, "family=MatmulProblem"),
+    "problem_of_attention": ("attention", _MM_P, r"problem=MatmulProblem\(.*AttentionProblem"),
+    "problem_of_ragged_dot": ("matmul", _RD_P, r"problem=RaggedDotProblem\(.*MatmulProblem"),
+    "problem_of_matmul": (wt.RAGGED_DOT, _MM_P, "RaggedDotProblem"),
+    "problem_none": ("matmul", None, "problem=None must be an instance of MatmulProblem"),
+    "problem_dict": ("matmul", {"m": 16, "n": 64, "k": 64}, "problem={'m': 16"),
+    "problem_str": ("decode", "16x64x64", "problem='16x64x64'.*DecodeProblem"),
+    "problem_tuple": ("matmul", (16, 64, 64), "problem=\\(16, 64, 64\\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(SELECT_CASES))
+def test_select_names_a_wrong_family_or_problem(case, fresh_state):
+  family, problem, match = SELECT_CASES[case]
+  for _ in range(2):  # nothing wrong is memoized
+    with pytest.raises(TypeError, match=match):
+      wt.select(family, problem, "h100")
+
+
+def test_a_memoized_problem_is_still_refused_by_another_family(fresh_state):
+  assert wt.select("matmul", _MM_P, "h100").config is not None
+  with pytest.raises(TypeError, match="AttentionProblem"):
+    wt.select("attention", _MM_P, "h100")
+  assert wt.select(wt.MATMUL, _MM_P, "h100") is wt.select("matmul", _MM_P, "h100")
+
+
+@pytest.mark.parametrize("table", ["path.json", 3, {"format": "wavetune-table"}, TABLE,
+                                   wt.MATMUL, ["table"]],
+                         ids=["str", "int", "dict", "path", "family", "list"])
+def test_use_tables_takes_a_loaded_table(table, fresh_state):
+  table = __import__("pathlib").Path(table) if table == TABLE else table
+  with pytest.raises(TypeError, match=r"table=.* must be a table as wt\.load_tables"):
+    with wt.use_tables(table, "matmul"):
+      pass
+
+
+@pytest.mark.parametrize("path", [None, 3.5, b"matmul.json", ["matmul.json"], {"p": 1}],
+                         ids=["None", "float", "bytes", "list", "dict"])
+def test_load_tables_takes_a_path(path, fresh_state):
+  with pytest.raises(TypeError, match="path=.* must be a str or an os.PathLike"):
+    wt.load_tables(path, "matmul", hw="h100")
+  assert "matmul" not in selector._global["tables"]
+
+
+def test_load_tables_never_reads_or_closes_a_file_descriptor(tmp_path, fresh_state):
+  with open(tmp_path / "other.txt", "w") as f:
+    fd = f.fileno()
+    with pytest.raises(TypeError, match=f"path={fd} must be a str"):
+      wt.load_tables(fd, "matmul", hw="h100")
+    with pytest.raises(TypeError, match="path="):
+      tables_lib.load(fd, wt.MATMUL)
+    os.fstat(fd)  # still open
+    f.write("still writable")
+  assert (tmp_path / "other.txt").read_text() == "still writable"
+
+
+def test_load_tables_takes_a_pathlib_path(fresh_state):
+  table = wt.load_tables(__import__("pathlib").Path(TABLE), "matmul", hw="h100")
+  assert selector._global["tables"]["matmul"] is table
+
+
 def test_use_tables_refuses_another_familys_table(fresh_state):
   table = tables_lib.load(TABLE, wt.MATMUL, wt.get_hardware("h100"))
   with pytest.raises(ValueError, match="for family 'matmul', not 'attention'"):
@@ -1055,12 +1232,36 @@ TABLE_EDITS = {
     "exact_us_inf": (_set(_X0 + ["us"], float("inf")), "must be finite and positive"),
     "exact_us_missing": (_set(_X0 + ["us"], KeyError), "KeyError: 'us'"),
     "anchor_us_negative": (_set(_A0 + ["us"], -5), "anchor entry"),
-    "anchors_str": (_set(["anchors"], "ab"), "anchor entry 'a' is not an object"),
+    "anchors_str": (_set(["anchors"], "ab"), "'anchors' should be list, got str"),
     "trust_half": (_set(["model", "trust"], 0.5), "trust 0.5 must be >= 1"),
     "trust_str": (_set(["model", "trust"], "x"), "trust 'x'"),
     "trust_nan": (_set(["model", "trust"], float("nan")), "trust nan"),
     "penalty_negative": (_set(["model", "distance_penalty"], -1), "distance_penalty -1"),
     "penalty_nan": (_set(["model", "distance_penalty"], float("nan")), "distance_penalty nan"),
+    # Values that are not ValueError-shaped in Python: each is a TableError.
+    "aux_names_int": (_set(["model", "aux_names"], 3), "auxiliary columns 3"),
+    "aux_names_null": (_set(["model", "aux_names"], None), "auxiliary columns None"),
+    "exact_us_huge_int": (_set(_X0 + ["us"], 10**400), "too large for a float"),
+    "anchor_us_huge_int": (_set(_A0 + ["us"], -10**400), "anchor entry.*too large for a float"),
+    "coef_huge_int": (_set(_E0 + ["coef", 0], 10**400), "too large for a float"),
+    "coef_past_float32": (_set(_E0 + ["coef", 0], 1e300), "invalid coef"),
+    "occupancy_huge_int": (_set(_E0 + ["occupancy"], 10**400), "does not fit 64 bits"),
+    "min_g_2_63": (_set(_E0 + ["min_g"], 2**63), "does not fit 64 bits"),
+    "num_sms_huge_int": (_set(["num_sms"], 10**400), r"num_sms=1000.*\.\.\. must be in"),
+    "trust_huge_int": (_set(["model", "trust"], 10**400), "trust 1000.* must be >= 1"),
+    "penalty_huge_int": (_set(["model", "distance_penalty"], 10**400),
+                         "distance_penalty 1000"),
+    "anchors_int": (_set(["anchors"], 3), "'anchors' should be list, got int"),
+    "anchors_dict": (_set(["anchors"], {}), "'anchors' should be list, got dict"),
+    "provenance_list": (_set(["provenance"], [1]), "'provenance' should be dict, got list"),
+    "provenance_str": (_set(["provenance"], "abc"), "'provenance' should be dict, got str"),
+    "device_kind_list": (_set(["device_kind"], [1]), "'device_kind' should be str"),
+    "exact_problem_huge_int": (_set(_X0 + ["problem", "m"], 10**400),
+                               r"MatmulProblem\.m=1000.* does not fit 64 bits"),
+    "anchor_problem_2_31": (_set(_A0 + ["problem", "n"], 2**31),
+                            "anchor entry.*a problem size is larger than 2147483647"),
+    "exact_config_huge_int": (_set(_X0 + ["config"], dict(MM_TRITON, group_m=10**30)),
+                              r"group_m=1000.* must fit int32"),
 }
 RAW_TABLES = {
     "empty": (lambda raw: b"", "not readable JSON"),
@@ -1074,6 +1275,14 @@ RAW_TABLES = {
     "null": (lambda raw: b"null", "not a wavetune table"),
     "string": (lambda raw: b'"wavetune-table"', "not a wavetune table"),
     "gzip": (lambda raw: __import__("gzip").compress(raw), "not readable JSON"),
+    "deeply_nested": (lambda raw: b"[" * 100000 + b"]" * 100000, "RecursionError"),
+    "deeply_nested_field": (lambda raw: raw.replace(
+        b'"provenance": ', b'"provenance": ' + b"[" * 100000 + b"]" * 100000 + b', "x": ', 1),
+                            "RecursionError"),
+    "int_of_5000_digits": (lambda raw: raw.replace(b'"us": ', b'"us": ' + b"9" * 5000
+                                                   + b', "x": ', 1), "not readable JSON"),
+    "float_literal_past_range": (lambda raw: raw.replace(b'"us": ', b'"us": 1e400, "x": ', 1),
+                                 "must be finite and positive"),
 }
 
 
@@ -1107,6 +1316,51 @@ def test_bad_table_files_raise_table_error(kind, table_json, tmp_path, fresh_sta
   assert "matmul" not in selector._global["tables"]  # the active table is unchanged
 
 
+#: What a hostile table puts in place of any one value.
+HOSTILE_VALUES = [10**400, -10**400, 2**63, 2**31, -1, 0, 1e308, "x", None, [1], {"a": 1},
+                  True, [[[]]]]
+
+
+def _leaves(o, path=()):
+  """Every path into ``o`` (the first two items of each list)."""
+  if path:
+    yield path
+  items = o.items() if isinstance(o, dict) else enumerate(o[:2]) if isinstance(o, list) else ()
+  for k, v in items:
+    yield from _leaves(v, path + (k,))
+
+
+@pytest.mark.parametrize("family", ["matmul", "attention", "decode", "ragged_dot"])
+def test_every_value_of_a_table_replaced_by_a_hostile_one(family, tmp_path, fresh_state):
+  """Each value of a (shortened) shipped table, replaced in turn by each of
+  HOSTILE_VALUES: the file raises TableError, or loads and the selector
+  decides with it (nothing else escapes)."""
+  spec, hw = wt.get_family(family), wt.get_hardware("h100")
+  with open(os.path.join(ROOT, "tables", H100, f"{family}.json")) as f:
+    base = json.load(f)
+  base["model"]["entries"] = base["model"]["entries"][:2]
+  base["exact"], base["anchors"] = base["exact"][:2], base["anchors"][:3]
+  problems = [spec.problem_from_dict(r["problem"]) for r in base["exact"]]
+  path = tmp_path / "t.json"
+  escaped = []
+  for where in list(_leaves(base)):
+    for value in HOSTILE_VALUES:
+      d = copy.deepcopy(base)
+      _set(list(where), value)(d)
+      path.write_text(json.dumps(d))
+      try:
+        table = tables_lib.load(str(path), spec, hw)
+        decider = selector.Decider(table, hw)
+        for p in problems:
+          for size in (1, 300, 5000):
+            decider.decide(spec.with_size(p, size))
+      except wt.TableError:
+        pass
+      except Exception as e:  # noqa: BLE001 (what the test looks for)
+        escaped.append((where, repr(value)[:20], f"{type(e).__name__}: {str(e)[:80]}"))
+  assert not escaped, escaped[:10]
+
+
 @pytest.mark.parametrize("path,family,hw,match", [
     (ATT_TABLE, "matmul", "h100", "is for family 'attention', not 'matmul'"),
     (TABLE, "ragged_dot", "h100", "is for family 'matmul', not 'ragged_dot'"),
@@ -1122,7 +1376,11 @@ def test_foreign_and_missing_tables(path, family, hw, match, fresh_state):
 
 
 @pytest.mark.parametrize("kind", ["truncated", "binary", "family_attention", "device_key_h200",
-                                  "revision_stale", "coef_nan", "exact_config_invalid"])
+                                  "revision_stale", "coef_nan", "exact_config_invalid",
+                                  "deeply_nested", "int_of_5000_digits", "aux_names_int",
+                                  "exact_us_huge_int", "anchors_int", "provenance_list",
+                                  "provenance_str", "anchor_problem_2_31", "occupancy_huge_int",
+                                  "trust_huge_int"])
 def test_a_bad_shipped_table_warns_once_and_the_op_still_answers(kind, table_json, tmp_path,
                                                                 fresh_state, monkeypatch):
   folder = tmp_path / "tables" / H100

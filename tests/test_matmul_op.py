@@ -26,7 +26,8 @@ def test_matmul_under_jit_default_config():
 
 def test_matmul_config_dict_and_out_dtype():
   x, w = _xw(8, 16, 40)
-  y = wt.matmul(x, w, config=dict(block_m=16, block_n=16, block_k=16, split_k=2),
+  y = wt.matmul(x, w, config=dict(backend="triton", block_m=16, block_n=16, block_k=16,
+                                  split_k=2),
                 out_dtype=jnp.float32)
   assert y.dtype == jnp.float32
   assert rel_error(y, jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32))) < 1e-2

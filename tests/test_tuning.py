@@ -309,7 +309,8 @@ def test_jit_retraces_when_the_policy_changes():
     with wt.policy("heuristic"):
       y2 = f(x, w)
     assert len(traces) == 2
-    with wt.use_config("matmul", {"block_m": 16, "block_n": 32, "block_k": 32}):
+    with wt.use_config("matmul", {"backend": "triton", "block_m": 16, "block_n": 32,
+                                  "block_k": 32}):
       f(x, w)
     assert len(traces) == 3
   np.testing.assert_allclose(np.asarray(y1), 64.0)

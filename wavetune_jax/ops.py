@@ -143,7 +143,13 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dt
       ``lax.ragged_dot``; sizes that sum past ``M`` are clipped at ``M`` and
       negative sizes count as 0 (``lax.ragged_dot`` leaves both undefined):
       each size is clipped to ``[0, M]`` in its own dtype, so a uint32
-      ``4294967295`` is ``M``, not -1.
+      ``4294967295`` is ``M``, not -1. Rows past the sum are exactly zero on
+      every backend, whatever ``lhs`` and ``rhs`` hold. NaN or Inf in one
+      expert's weights reaches the rows of that expert on the Pallas
+      backends; on the XLA backend it may reach every row below the sum (the
+      rows of other experts, even from an expert with no rows), as with
+      ``lax.ragged_dot``, whose dense form on a CPU multiplies each row by
+      every expert's weight.
     out_dtype: bfloat16, float16 or float32 (default ``lhs.dtype``);
       accumulation is float32.
     config: a backend's config (``MosaicRaggedDotConfig``,

@@ -67,9 +67,14 @@ def check_call(q, k, v, scale) -> float:
     return 1.0 / math.sqrt(q.shape[3])
   if isinstance(scale, bool) or not isinstance(scale, (int, float)):
     raise ValueError(f"scale={scale!r} must be a Python float (a static value) or None")
-  if not math.isfinite(scale):
+  try:
+    value = float(scale)
+  except OverflowError:  # an int past float's range (its digits may be too many to print)
+    raise ValueError(f"scale=<an int of {scale.bit_length()} bits> must be finite: it is "
+                     f"past float's range") from None
+  if not math.isfinite(value):
     raise ValueError(f"scale={scale} must be finite")
-  return float(scale)
+  return value
 
 
 def check_align(causal_align) -> str:

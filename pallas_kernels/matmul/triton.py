@@ -33,6 +33,9 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 #: Triton addresses operands with 32-bit offsets: no operand (nor the split-K
 #: partial buffer) may hold more elements than this.
 MAX_ELEMENTS = 2**31 - 1
+#: The largest ``group_m`` (a group of more tile rows than this buys no L2
+#: reuse; a group taller than the tile grid runs as the grid's height).
+MAX_GROUP_M = 1024
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TritonMatmulConfig:
@@ -43,7 +46,8 @@ class TritonMatmulConfig:
     block_n: columns of ``w`` per program; power of two >= 16.
     block_k: step of the K loop; power of two >= 16.
     split_k: number of programs sharing one output tile along K (>= 1).
-    group_m: tile rows per L2 group of the program-id swizzle (>= 1).
+    group_m: tile rows per L2 group of the program-id swizzle, in [1,
+      ``MAX_GROUP_M``] (a group taller than the tile grid is the grid).
     num_warps: warps per program; power of two in [1, 16].
     num_stages: software-pipelining depth of the K loop, in [1, 8].
   """
@@ -60,8 +64,9 @@ class TritonMatmulConfig:
     check_launch(self, ("block_m", "block_n", "block_k"))
     if self.split_k < 1:
       raise ValueError(f"TritonMatmulConfig.split_k={self.split_k} must be >= 1")
-    if self.group_m < 1:
-      raise ValueError(f"TritonMatmulConfig.group_m={self.group_m} must be >= 1")
+    if not 1 <= self.group_m <= MAX_GROUP_M:
+      raise ValueError(f"TritonMatmulConfig.group_m={self.group_m} must be in "
+                       f"[1, {MAX_GROUP_M}]")
 
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, m, n, k, bm, bn, bk, group_m,
@@ -194,7 +199,9 @@ def _matmul(x, w, *, config: TritonMatmulConfig, out_dtype, interpret: bool):
     out_shape = out_struct((m, n), out_dtype, axes)
   kernel = functools.partial(
       _matmul_kernel, m=m, n=n, k=k, bm=c.block_m, bn=c.block_n, bk=c.block_k,
-      group_m=c.group_m, k_steps=k_steps, split_k=c.split_k,
+      # A group of more tile rows than the grid has is the whole grid (the
+      # same order), and keeps group_m * tiles_n within the program count.
+      group_m=min(c.group_m, pl.cdiv(m, c.block_m)), k_steps=k_steps, split_k=c.split_k,
       acc_dtype=jnp.float32)
   with warnings.catch_warnings():
     # JAX 0.11 deprecates the Triton backend of Pallas; it still works.

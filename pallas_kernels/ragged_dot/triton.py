@@ -4,7 +4,9 @@ Grid ``(T, tiles_n)``: program ``(t, j)`` runs row task ``t`` of the work
 list (:mod:`pallas_kernels.ragged_dot.worklist`) against column tile ``j`` of
 its group's weight. Rows of the block outside the group are masked at the load
 and the store; tasks past the work list's count exit at once; tail tasks (rows
-past ``sum(group_sizes)``) store zeros. Any ``M, N, K >= 1``.
+past ``sum(group_sizes)``) store zeros, selected after the K loop (not the
+product of zero rows and a weight, which is NaN where the weight holds NaN or
+Inf). Any ``M, N, K >= 1``.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ def _kernel(tasks_ref, x_ref, w_ref, o_ref, *, groups, n, k, bm, bn, bk, acc_dty
       return acc + jax.lax.dot(x, w, preferred_element_type=acc_dtype)
 
     acc = jax.lax.fori_loop(0, pl.cdiv(k, bk), body, jnp.zeros((bm, bn), acc_dtype))
+    # Rows loaded as zeros still met the weight (0 * NaN is NaN): select
+    # zeros for them, once, after the loop.
+    acc = jnp.where(load_m[:, None], acc, 0.0)
     plgpu.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype),
                 mask=mask_m[:, None] & mask_n[None, :])
 

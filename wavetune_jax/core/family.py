@@ -29,6 +29,8 @@ from wavetune_jax.core.hardware import Hardware
 
 __all__ = ["Problem", "Backend", "Family", "Call", "config_from_fields", "interned"]
 
+_INT64 = 2**63
+
 
 class Problem:
   """Base of problem dataclasses: equality and hash from the init fields as
@@ -44,7 +46,13 @@ class Problem:
   __slots__ = ()
 
   def _freeze(self) -> None:
-    key = tuple(getattr(self, f) for f in field_names(type(self), True))
+    names = field_names(type(self), True)
+    key = tuple(getattr(self, f) for f in names)
+    for f, v in zip(names, key):
+      # (Array shapes are 64-bit: a size past that is no array's, and
+      # overflows the float and int64 arithmetic of the selector.)
+      if v.__class__ is int and not -_INT64 <= v < _INT64:
+        raise ValueError(f"{type(self).__name__}.{f}={v} does not fit 64 bits")
     object.__setattr__(self, "_key", key)
     object.__setattr__(self, "_hash", hash(key))
 
@@ -369,6 +377,17 @@ class Family(abc.ABC):
     are then taken as they come (XLA gathers sharded ones)."""
     return None
 
+  #: The op's ``jax.vmap`` rule, or None: the op then batches as its kernels
+  #: do (Pallas adds a grid axis). A family whose kernels cannot batch (the
+  #: grouped GEMM: ``lax.ragged_dot`` has no rule for batched group sizes)
+  #: defines the method ``batched_call(self, axis_size, in_batched, arrays,
+  #: op) -> array``: ``arrays`` are the call's arrays with the batch axis first
+  #: where ``in_batched`` says, ``op`` runs this family's op on arrays of a
+  #: larger problem (the batch folded in, its config chosen for it); it
+  #: returns the batched result, batch axis first
+  #: (:func:`wavetune_jax.core.op.tuned_call`).
+  batched_call: ClassVar[Callable | None] = None
+
   def problem_to_dict(self, problem) -> dict:
     return {f: getattr(problem, f) for f in field_names(type(problem), True)}
 
@@ -404,14 +423,19 @@ class Family(abc.ABC):
   def config_to_dict(self, config) -> dict:
     return {"backend": self.backend_of(config).name, **dataclasses.asdict(config)}
 
-  def config_from_dict(self, d: dict):
+  def config_from_dict(self, d: dict, *, legacy: bool = True):
     """A config from ``{"backend": name, **fields}``. Files recorded before
-    backends were named: no ``backend`` key means ``legacy_default_backend``,
-    an int one is looked up in ``legacy_backends``."""
+    backends were named (``legacy``, the default, for reading files): no
+    ``backend`` key means ``legacy_default_backend``, an int one is looked up
+    in ``legacy_backends``. With ``legacy=False`` (a user's config) the key
+    is required."""
     if not isinstance(d, dict):
       raise ValueError(f"a {self.name} config must be a mapping; got {d!r}")
     d = dict(d)
     name = d.pop("backend", None)
+    if name is None and not legacy:
+      raise ValueError(f"config={d!r}: a {self.name} config dict needs a 'backend' key, "
+                       f"one of {list(self._by_name)}")
     if name is None:
       name = self.legacy_default_backend
       if name is None:
@@ -430,9 +454,11 @@ class Family(abc.ABC):
     return config_from_fields(b.config_cls, d)
 
   def coerce_config(self, config):
-    """A config object from a config or a dict (:meth:`config_from_dict`)."""
+    """A config object from a config or a dict with its ``"backend"``
+    (:meth:`config_from_dict`; the key is required: the legacy form is for
+    recorded files only)."""
     if isinstance(config, dict):
-      return self.config_from_dict(config)
+      return self.config_from_dict(config, legacy=False)
     self.backend_of(config)
     return config
 

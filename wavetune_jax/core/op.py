@@ -2,8 +2,9 @@
 
 arguments -> ``family.bind`` (checks, problem) -> config (given, or the
 selector's at trace time) -> its backend's ``validate`` on this hardware ->
-``backend.run``. The kernel call is wrapped so that ``jax.grad`` through it
-raises a clear error: the ops are forward only. A family with a
+``backend.run``. The kernel call is wrapped so that any derivative through
+it (``jax.grad``, ``jax.jvp``, ``jax.jacfwd``, ...) raises a clear
+``NotImplementedError``: the ops are forward only. A family with a
 ``batched_call(axis_size, in_batched, arrays, op)`` method gives its op that
 ``jax.vmap`` rule (the grouped GEMM: ``lax.ragged_dot`` cannot batch its group
 sizes); the others batch as their kernels do (Pallas adds a grid axis).
@@ -59,7 +60,7 @@ def tuned_call(family: Family, *args, config=None, **kwargs) -> jax.Array:
   call = family.bind(*args, **kwargs)
   if not isinstance(call, Call):
     return call  # nothing to compute (empty arrays)
-  if getattr(family, "batched_call", None) is not None:
+  if family.batched_call is not None:
     return _with_vmap_rule(family, call, config, kwargs)
   return _bound_call(family, call, config, kwargs)
 
@@ -101,7 +102,7 @@ def _with_vmap_rule(family: Family, call: Call, config, kwargs: dict):
   def _(axis_size, in_batched, *xs):
     return family.batched_call(axis_size, tuple(in_batched), xs, op), True
 
-  # Outside the custom_vmap: a gradient still gets the forward-only error.
+  # Outside the custom_vmap: a derivative still gets the forward-only error.
   return _forward_only(family.name, batchable, *call.arrays)
 
 
@@ -147,17 +148,20 @@ def _shard_map_on_cpu(family: Family, problem, config, hw):
 
 
 def _forward_only(name: str, fn, *arrays):
-  @jax.custom_vjp
+  """``fn(*arrays)`` with a ``custom_jvp`` rule that raises: every derivative
+  (``jax.grad``, ``vjp``, ``jvp``, ``jacfwd``, ``jacrev``, ``linearize``,
+  ``hessian``) starts from a JVP, so all of them get one clear error. A
+  derivative whose tangents do not reach the op never calls the rule (JAX
+  skips it for symbolic-zero tangents); ``jax.vmap`` batches ``fn``."""
+  @jax.custom_jvp
   def f(*xs):
     return fn(*xs)
 
-  def fwd(*xs):
-    return fn(*xs), None
-
-  def bwd(_, g):
+  @f.defjvp
+  def _(primals, tangents):
     raise NotImplementedError(
-        f"wavetune_jax.{name} is forward only: it has no gradient. Differentiate "
-        f"through the XLA op (jnp.dot, jax.nn.dot_product_attention) instead.")
+        f"wavetune_jax.{name} is forward only: it has no derivative (jax.grad, jax.jvp, "
+        f"jax.jacfwd, jax.linearize, ...). Differentiate through the XLA op (jnp.dot, "
+        f"jax.lax.ragged_dot, jax.nn.dot_product_attention) instead.")
 
-  f.defvjp(fwd, bwd)
   return f(*arrays)

@@ -43,7 +43,7 @@ import numpy as np
 
 from wavetune_jax.core.family import Family
 from wavetune_jax.core.hardware import Hardware, get_hardware
-from wavetune_jax.core.registry import get_family
+from wavetune_jax.core.registry import get_family, registered
 from wavetune_jax.runtime import table_cache
 from wavetune_jax.runtime import tables as tables_lib
 
@@ -311,6 +311,7 @@ def load_tables(path: str, family: str | Family, *, hw: Hardware | str | None = 
   """Loads a table file and makes it the active table of ``family`` (globally).
 
   Raises:
+    TypeError: ``path`` is not a str or an ``os.PathLike``.
     tables.TableError: the file is missing, corrupt, or for another GPU or family.
   """
   fam = get_family(family)
@@ -323,8 +324,16 @@ def load_tables(path: str, family: str | Family, *, hw: Hardware | str | None = 
 @contextlib.contextmanager
 def use_tables(table: tables_lib.Table | None, family: str | Family) -> Iterator[None]:
   """Uses ``table`` (None: no table, i.e. the heuristic) for ``family``
-  inside the block."""
+  inside the block.
+
+  Raises:
+    TypeError: ``table`` is not a table (read a file with :func:`load_tables`).
+    ValueError: the table is another family's.
+  """
   fam = get_family(family)
+  if table is not None and not isinstance(table, tables_lib.Table):
+    raise TypeError(f"table={table!r} must be a table as wt.load_tables(path, family) "
+                    f"returns it, or None")
   if table is not None and table.family.name != fam.name:
     raise ValueError(f"the table is for family {table.family.name!r}, not {fam.name!r}")
   with _override("tables", fam.name, table):
@@ -382,16 +391,35 @@ def active_table(family: str | Family, hw: Hardware | str | None = None):
 
 def select(family: str | Family, problem, hw: Hardware | str | None = None) -> Selection:
   """The config for ``problem`` of ``family`` on ``hw`` (default: where the
-  ops run) under the current state (memoized)."""
+  ops run) under the current state (memoized).
+
+  Args:
+    family: a family's name (``"matmul"``) or a :class:`Family`.
+    problem: a problem of that family (``family.problem_cls``, as
+      :class:`~wavetune_jax.MatmulProblem` for ``"matmul"``).
+    hw: a hardware preset's name, a :class:`Hardware`, or None.
+
+  Raises:
+    ValueError: an unknown family or hardware name.
+    TypeError: ``family`` not a name or a Family, or ``problem`` not a
+      problem of the family.
+  """
   spec = get_family(family) if isinstance(family, str) else family
   if hw.__class__ is not Hardware:
     hw = get_hardware(hw)
   cached = _local.__dict__.get("memo")
   memo = cached[1] if cached is not None and cached[0] == _global["generation"] else _state_memo()
-  key = (problem, spec.name, hw.device_key, hw.interpret)
-  hit = memo.get(key)
+  try:
+    key = (problem, spec.name, hw.device_key, hw.interpret)
+    hit = memo.get(key)
+  except (AttributeError, TypeError):  # not a Family, or an unhashable problem
+    _check_select(spec, family, problem)
+    raise
   if hit is not None:
     return hit
+  # The arguments' kinds are checked on a miss only: a problem of another
+  # family is never memoized, so a hit is of the right kind.
+  _check_select(spec, family, problem)
   with _lock:
     hit = memo.get(key)  # another thread may have decided it meanwhile
     if hit is not None:
@@ -401,6 +429,16 @@ def select(family: str | Family, problem, hw: Hardware | str | None = None) -> S
     _decided[0] += 1
     _decided[1] += time.perf_counter() - t0
   return sel
+
+
+def _check_select(spec, family, problem) -> None:
+  if not isinstance(spec, Family):
+    raise TypeError(f"family={family!r} must be a family name (one of "
+                    f"{list(registered())}) or a Family")
+  cls = getattr(spec, "problem_cls", None)
+  if cls is not None and not isinstance(problem, cls):
+    raise TypeError(f"problem={problem!r} must be an instance of {cls.__name__} (the "
+                    f"problems of family {spec.name!r}); got {type(problem).__name__}")
 
 
 _decided = [0, 0.0]  # decisions made (memo misses), seconds spent making them

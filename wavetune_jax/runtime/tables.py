@@ -73,6 +73,13 @@ DEFAULT_DISTANCE_PENALTY = 0.3
 
 #: Anchor slots searched for most variants (see ``Table._distance``).
 _FEW_ANCHORS = 8
+#: The largest coefficient (the models are evaluated in float32).
+_F32_MAX = float(np.finfo(np.float32).max)
+#: The most SMs a table's GPU may have.
+_MAX_SMS = 2**16
+#: The largest size of a table's problems (the kernels' 32-bit offsets; the
+#: selector's arrays of sizes and coordinates).
+_MAX_SIZE = 2**31 - 1
 
 class TableError(ValueError):
   """A table file that cannot be used (missing, corrupt, foreign, stale)."""
@@ -102,8 +109,8 @@ class ModelEntry:
   def from_json(cls, d: dict, family: Family) -> "ModelEntry":
     """Parses and checks one entry; raises ``TableError`` naming it."""
     if not isinstance(d, dict):
-      raise TableError(f"model entry {d!r} is not an object")
-    where = f"model entry {d.get('variant')}"
+      raise TableError(f"model entry {_short(d)} is not an object")
+    where = f"model entry {_short(d.get('variant'))}"
     try:
       variant = family.variant_from_dict(d["variant"])
       e = cls(variant=variant, occupancy=_int(d["occupancy"]),
@@ -116,7 +123,7 @@ class ModelEntry:
     bad = [name for name, v in (("occupancy", e.occupancy), ("min_g", e.min_g),
                                 ("max_g", e.max_g), ("min_l", e.min_l), ("max_l", e.max_l))
            if not (math.isfinite(v) and v > 0)]
-    if not all(math.isfinite(c) and c >= 0 for c in e.coef):
+    if not all(0 <= c <= _F32_MAX for c in e.coef):  # (NaN fails too)
       bad.append("coef")
     if not (math.isfinite(e.fit_med_err) and e.fit_med_err >= 0):
       bad.append("fit_med_err")
@@ -124,7 +131,7 @@ class ModelEntry:
       bad.append("min > max")
     if bad:
       raise TableError(f"{where}: invalid {', '.join(bad)} (coefficients, bounds and "
-                       f"occupancy must be finite and positive)")
+                       f"occupancy must be finite and positive; coefficients float32)")
     return e
 
 
@@ -410,16 +417,35 @@ def _require(d: dict, key: str, kind, where: str):
   return v
 
 
+#: Integers of a table fit 64 bits (the selector's arrays hold them).
+_INT_LIMIT = 2**63
+
+
 def _int(v) -> int:
   if isinstance(v, bool) or not isinstance(v, int):
-    raise ValueError(f"{v!r} is not an integer")
+    raise ValueError(f"{_short(v)} is not an integer")
+  if not -_INT_LIMIT <= v < _INT_LIMIT:
+    raise ValueError(f"{_short(v)} does not fit 64 bits")
   return v
 
 
 def _num(v) -> float:
   if isinstance(v, bool) or not isinstance(v, (int, float)):
-    raise ValueError(f"{v!r} is not a number")
-  return float(v)
+    raise ValueError(f"{_short(v)} is not a number")
+  try:
+    return float(v)
+  except OverflowError:  # an integer literal past float's range
+    raise ValueError(f"{_short(v)} is too large for a float") from None
+
+
+def _short(v, limit: int = 80) -> str:
+  """``repr(v)``, cut to ``limit`` characters (a hostile file's values may
+  be huge: an int of 400 digits, a list of thousands)."""
+  try:
+    r = repr(v)
+  except ValueError:  # an int past Python's digit limit for str()
+    return f"<an int of about {v.bit_length() * 0.30103:.0f} digits>"
+  return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
 def _parsed(memo: dict | None, kind: str, d, parse):
@@ -440,10 +466,12 @@ def _parsed(memo: dict | None, kind: str, d, parse):
 def _record(r, family: Family, hw: Hardware | None, kind: str, memo: dict | None = None):
   """``(problem, config, us)`` of an exact or anchor record, checked."""
   if not isinstance(r, dict):
-    raise TableError(f"{kind} entry {r!r} is not an object")
-  where = f"{kind} entry {r.get('problem')}"
+    raise TableError(f"{kind} entry {_short(r)} is not an object")
+  where = f"{kind} entry {_short(r.get('problem'))}"
   try:
     p = _parsed(memo, "problem", r["problem"], family.problem_from_dict)
+    if any(v.__class__ is int and v > _MAX_SIZE for v in p._key):
+      raise ValueError(f"a problem size is larger than {_MAX_SIZE} (2**31 - 1)")
     c = _parsed(memo, "config", r["config"], family.config_from_dict)
     us = _num(r["us"])
     if memo is None or (p, c, hw) not in memo:
@@ -466,33 +494,34 @@ def from_json(d, family: Family, hw: Hardware | None, where: str = "table") -> T
   if not isinstance(d, dict) or d.get("format") != FORMAT:
     raise TableError(f"{where} is not a wavetune table (format {FORMAT!r} missing)")
   if d.get("schema") != SCHEMA:
-    raise TableError(f"{where} has schema {d.get('schema')!r}; this version reads {SCHEMA} "
+    raise TableError(f"{where} has schema {_short(d.get('schema'))}; this version reads {SCHEMA} "
                      f"(rebuild it with the command in its provenance)")
   if d.get("family") != spec.name:
-    raise TableError(f"{where} is for family {d.get('family', d.get('kernel'))!r}, "
+    raise TableError(f"{where} is for family {_short(d.get('family', d.get('kernel')))}, "
                      f"not {spec.name!r}")
   revisions = _require(d, "revisions", dict, where)
   for b, rev in revisions.items():
     try:
       now = spec.backend(b).revision
     except ValueError:
-      raise TableError(f"{where} has configs of backend {b!r}, which the {spec.name} "
+      raise TableError(f"{where} has configs of backend {_short(b)}, which the {spec.name} "
                        f"family does not have") from None
     if rev != now:
-      raise TableError(f"{where} was tuned for revision {rev!r} of the {spec.name} {b} "
+      raise TableError(f"{where} was tuned for revision {_short(rev)} of the {spec.name} {b} "
                        f"kernel; this is revision {now}: retune")
   device_key = _require(d, "device_key", str, where)
   if hw is not None and device_key != hw.device_key:
-    raise TableError(f"{where} is for {device_key!r}, this GPU is {hw.device_key!r}")
+    raise TableError(f"{where} is for {_short(device_key)}, this GPU is {hw.device_key!r}")
   num_sms = _require(d, "num_sms", int, where)
-  if num_sms < 1:
-    raise TableError(f"{where}: num_sms={num_sms} must be >= 1")
+  if not 1 <= num_sms <= _MAX_SMS:
+    raise TableError(f"{where}: num_sms={_short(num_sms)} must be in [1, {_MAX_SMS}]")
   model = _require(d, "model", dict, where)
   form = _require(model, "form", str, where + ".model")
   if form not in wave_model.FORMS:
-    raise TableError(f"{where}: unknown model form {form!r}")
-  if list(model.get("aux_names", [])) != list(spec.aux_names):
-    raise TableError(f"{where}: auxiliary columns {model.get('aux_names')} != "
+    raise TableError(f"{where}: unknown model form {_short(form)}")
+  aux_names = model.get("aux_names", [])
+  if not isinstance(aux_names, list) or aux_names != list(spec.aux_names):
+    raise TableError(f"{where}: auxiliary columns {_short(aux_names)} != "
                      f"{list(spec.aux_names)}")
   n_coef = wave_model.n_coef(form, len(spec.aux_names))
   entries = {}
@@ -514,21 +543,33 @@ def from_json(d, family: Family, hw: Hardware | None, where: str = "table") -> T
         raise TableError(f"exact entry {r.get('problem')}: its backend has no revision "
                          f"in the table")
       exact[p] = (c, us)
-    anchors = [_record(r, spec, None, "anchor", memo) for r in d.get("anchors", [])]
+    anchors = d.get("anchors", [])
+    if not isinstance(anchors, list):
+      raise TableError(f"'anchors' should be list, got {type(anchors).__name__}")
+    anchors = [_record(r, spec, None, "anchor", memo) for r in anchors]
   except TableError as e:
     raise TableError(f"{where}: {e}") from None
-  trust = model.get("trust", DEFAULT_TRUST)
-  trust = math.inf if trust is None else trust  # null: the models answer everywhere
-  penalty = model.get("distance_penalty", 0.0)
-  if (isinstance(trust, bool) or not isinstance(trust, (int, float)) or not trust >= 1
-      or isinstance(penalty, bool) or not isinstance(penalty, (int, float))
-      or not 0 <= penalty < math.inf):
-    raise TableError(f"{where}: trust {trust!r} must be >= 1 and distance_penalty "
-                     f"{penalty!r} a finite number >= 0")
-  return Table(family=spec, device_kind=str(d.get("device_kind", device_key)),
-               device_key=device_key, num_sms=num_sms, form=form, entries=entries,
-               exact=exact, anchors=anchors, provenance=dict(d.get("provenance", {})),
-               trust=float(trust), distance_penalty=float(penalty))
+  trust_in = model.get("trust", DEFAULT_TRUST)
+  penalty_in = model.get("distance_penalty", 0.0)
+  try:
+    # null: no trust box, the models answer everywhere
+    trust = math.inf if trust_in is None else _num(trust_in)
+    penalty = _num(penalty_in)
+    ok = trust >= 1 and 0 <= penalty < math.inf
+  except ValueError:
+    ok = False
+  if not ok:
+    raise TableError(f"{where}: trust {_short(trust_in)} must be >= 1 and distance_penalty "
+                     f"{_short(penalty_in)} a finite number >= 0")
+  provenance = d.get("provenance", {})
+  if not isinstance(provenance, dict):
+    raise TableError(f"{where}: 'provenance' should be dict, got {type(provenance).__name__}")
+  device_kind = d.get("device_kind", device_key)
+  if not isinstance(device_kind, str):
+    raise TableError(f"{where}: 'device_kind' should be str, got {type(device_kind).__name__}")
+  return Table(family=spec, device_kind=device_kind, device_key=device_key,
+               num_sms=num_sms, form=form, entries=entries, exact=exact, anchors=anchors,
+               provenance=dict(provenance), trust=trust, distance_penalty=penalty)
 
 
 _gc_lock = threading.Lock()
@@ -568,8 +609,14 @@ def load(path: str, family: Family, hw: Hardware | None = None) -> Table:
   :mod:`~wavetune_jax.runtime.table_cache`, when it is on).
 
   Raises:
+    TypeError: ``path`` is not a str or an ``os.PathLike`` (an int would be
+      read as an open file descriptor, and closed).
     TableError: missing, unreadable, not JSON, or failing validation.
   """
+  if not isinstance(path, (str, os.PathLike)):
+    raise TypeError(f"path={_short(path)} must be a str or an os.PathLike naming a table "
+                    f"file; got {type(path).__name__}")
+  path = os.fsdecode(path)  # (a pathlib.Path names the file in messages as a str does)
   with gc_paused():
     try:
       with open(path, "rb") as f:
@@ -585,8 +632,12 @@ def load(path: str, family: Family, hw: Hardware | None = None) -> Table:
       return table
     try:
       d = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-      raise TableError(f"{path} is not readable JSON ({type(e).__name__}: {e})") from None
+    except (ValueError, RecursionError) as e:
+      # (ValueError: JSONDecodeError, UnicodeDecodeError, an integer of more
+      # digits than Python converts; RecursionError: arrays or objects
+      # nested thousands deep.)
+      raise TableError(f"{path} is not readable JSON ({type(e).__name__}: "
+                       f"{_short(str(e), 200)})") from None
     table = from_json(d, family, hw, where=path)
     if k is not None:
       table._config_rows()  # the per-variant arrays and the rates: stored with the table

@@ -1,4 +1,5 @@
-"""The XLA backend of the grouped-GEMM family: ``lax.ragged_dot``."""
+"""The XLA backend of the grouped-GEMM family: ``lax.ragged_dot``, its rows
+past ``sum(group_sizes)`` set to zero."""
 
 from __future__ import annotations
 
@@ -65,5 +66,10 @@ class XlaRaggedDot(Backend):
 
   def run(self, p: RaggedDotProblem, config, lhs, rhs, group_sizes, *,
           interpret: bool = False):
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes,
-                              preferred_element_type=jnp.dtype(p.out_dtype))
+    out = jax.lax.ragged_dot(lhs, rhs, group_sizes,
+                             preferred_element_type=jnp.dtype(p.out_dtype))
+    # Rows past sum(group_sizes) are exactly zero: the CPU's dense form of
+    # lax.ragged_dot multiplies them by every expert's weight (NaN there
+    # gives NaN). The sizes are clipped (Family.bind): the sum is at most M.
+    rows = jnp.arange(p.m, dtype=group_sizes.dtype)[:, None]
+    return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
