@@ -11,7 +11,7 @@ __all__ = ["INT32_MAX", "clipped_int32"]
 INT32_MAX = int(np.iinfo(np.int32).max)
 
 
-def clipped_int32(x, hi: int, *, name: str) -> jax.Array:
+def clipped_int32(x, hi: int, *, name: str, clip_narrow: bool = True) -> jax.Array:
   """``x`` clipped to ``[0, hi]``, as int32.
 
   ``x`` holds integers of any width, signed or unsigned (a JAX array, a
@@ -25,6 +25,10 @@ def clipped_int32(x, hi: int, *, name: str) -> jax.Array:
     x: integers; booleans are not integers here.
     hi: the upper bound (at most ``INT32_MAX`` is kept).
     name: the argument's name, for errors.
+    clip_narrow: False: integers that int32 holds (int8 to int32, uint8,
+      uint16) are only cast, for callers whose kernels clip them anyway (on
+      a GPU the clip would be a kernel launch of its own, a microsecond
+      or more on every call).
 
   Returns:
     An int32 array of ``x``'s shape.
@@ -42,5 +46,7 @@ def clipped_int32(x, hi: int, *, name: str) -> jax.Array:
   if info.min < -INT32_MAX - 1 or info.max > INT32_MAX:
     # uint32, int64, uint64: 0 and hi fit the dtype; clip there, then cast.
     x = xp.clip(x, 0, hi)
-  x = xp.clip(x.astype(np.int32), 0, hi)
+  x = x.astype(np.int32)
+  if clip_narrow:
+    x = xp.clip(x, 0, hi)
   return jnp.asarray(x, jnp.int32)

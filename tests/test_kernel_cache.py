@@ -151,3 +151,19 @@ def test_a_second_process_loads_instead_of_lowering(tmp_path):
   assert outs[0][:2] == ["1", "0"]
   assert outs[1][:2] == ["0", "1"]
   assert outs[0][2] == outs[1][2]
+
+
+@pytest.mark.parametrize("outer_jit", [False, True])
+def test_vmap_of_a_cached_kernel(cache, outer_jit):
+  # jax.vmap has no rule for a call of an exported module: the cache batches
+  # the kernel itself (a batched Pallas grid) instead of failing.
+  x, w = _operands(m=32, k=128, n=64)
+  xs = jnp.stack([x, 2 * x, -x])
+  f = jax.vmap(lambda a: wt.matmul(a, w, config=CFG))
+  f = jax.jit(f) if outer_jit else f
+  wt.matmul(x, w, config=CFG)  # exported and kept in memory first
+  errors = kernel_cache.stats()["errors"]
+  out = f(xs)
+  ref = jnp.einsum("bmk,kn->bmn", xs.astype(jnp.float32), w.astype(jnp.float32))
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
+  assert kernel_cache.stats()["errors"] == errors

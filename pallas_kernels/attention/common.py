@@ -84,9 +84,14 @@ def check_align(causal_align) -> str:
 
 
 def check_lengths(kv_lengths, batch: int, kv_len: int):
-  """``kv_lengths`` as an int32 ``[batch]`` array clipped to ``[0, kv_len]``
-  (in its own dtype, before the cast: a uint32 ``4294967295`` or an int64
-  ``2**32 + 4`` is ``kv_len``, not what int32 wraps it to), or None.
+  """``kv_lengths`` as an int32 ``[batch]`` array, or None.
+
+  Integers wider than int32 are clipped to ``[0, kv_len]`` in their own
+  dtype, before the cast (a uint32 ``4294967295`` or an int64 ``2**32 + 4``
+  is ``kv_len``, not what int32 wraps it to). Narrower ones are only cast:
+  every consumer clips the lengths to ``[0, kv_len]`` itself (the kernels
+  when they read them, :func:`valid_keys`, the decode combine), so an extra
+  clip here would only add a kernel launch to every call.
 
   Raises:
     ValueError: not ``[batch]`` integers (booleans are not).
@@ -96,7 +101,7 @@ def check_lengths(kv_lengths, batch: int, kv_len: int):
   shape = np.shape(kv_lengths)
   if shape != (batch,):
     raise ValueError(f"kv_lengths must have shape [batch] = ({batch},); got {shape}")
-  return clipped_int32(kv_lengths, kv_len, name="kv_lengths")
+  return clipped_int32(kv_lengths, kv_len, name="kv_lengths", clip_narrow=False)
 
 
 def valid_keys(kv_lengths, kv_len: int, q_len: int, *, causal: bool, causal_align: str,

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels._integers import clipped_int32
+from pallas_kernels._integers import INT32_MAX, clipped_int32
 
 __all__ = ["ALIGN", "batch_rows", "check_operands", "clip_sizes", "max_tasks", "row_tasks",
            "GROUP", "ROW0", "START", "SIZE"]
@@ -66,7 +66,13 @@ def clip_sizes(group_sizes, m: int) -> jax.Array:
   sizes = clipped_int32(group_sizes, m, name="group_sizes")
   if sizes.ndim != 1 or sizes.shape[0] < 2:
     return sizes
-  ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
+  if sizes.shape[0] * m <= INT32_MAX:
+    # No partial sum of sizes in [0, m] can overflow: one cumsum, which XLA
+    # fuses with the clip (the scan below is a kernel per level on a GPU,
+    # 3-12 us per call at 60-128 experts on an H100).
+    ends = jnp.minimum(jnp.cumsum(sizes, dtype=jnp.int32), m)
+  else:
+    ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
   return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
 
 

@@ -37,6 +37,7 @@ import threading
 import warnings
 
 import jax
+import jax.numpy as jnp
 
 from wavetune_jax.core.cache_folder import CacheFolder
 
@@ -215,4 +216,19 @@ def call(fn, arrays, *, parts: dict):
       _memory[key] = exp
   else:
     _stats["hits"] += 1
-  return exp.call(*arrays)
+  return _call_exported(exp, fn, arrays)
+
+
+def _call_exported(exp, fn, arrays):
+  """``exp.call(*arrays)``; under ``jax.vmap`` (which has no rule for a call
+  of an exported module) the kernel ``fn`` itself is batched instead."""
+  @jax.custom_batching.custom_vmap
+  def call(*xs):
+    return exp.call(*xs)
+
+  @call.def_vmap
+  def _rule(axis_size, in_batched, *xs):
+    xs = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(xs, in_batched)]
+    out = jax.vmap(fn)(*xs)
+    return out, jax.tree.map(lambda _: True, out)
+  return call(*arrays)
