@@ -1,6 +1,7 @@
 import gc
 import os
 import sys
+import tempfile
 
 import pytest
 
@@ -9,6 +10,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The parsed-table cache is off unless a test turns it on (tests/test_table_cache.py):
 # tests load tables they edit and check what parsing does.
 os.environ.setdefault("WAVETUNE_TABLE_CACHE", "off")
+# The ops read tables from the user's table folder (what `wavetune tune` writes)
+# before the shipped ones: tests see the shipped tables only, whatever this
+# machine's user has tuned.
+os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="wavetune-tests-")
+os.environ.pop("WAVETUNE_TABLES", None)
 
 
 @pytest.fixture(autouse=True, scope="module")
