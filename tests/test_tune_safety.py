@@ -386,3 +386,39 @@ def test_an_os_error_is_one_line_and_wavetune_debug_shows_the_traceback(
   monkeypatch.setenv("WAVETUNE_DEBUG", "1")
   with pytest.raises(PermissionError):
     cli_main(argv)
+
+
+@pytest.mark.parametrize("value", ["12", float("nan"), -1.0])
+def test_report_refuses_a_sweep_with_a_bad_row_in_one_line(good, tmp_path, capsys, value):
+  lines = _lines(good)
+  _edit_row("median_us", value)(lines)
+  bad = _write(tmp_path / "bad.jsonl.gz", lines)
+  assert "median_us" in _error(["report", bad], capsys)
+
+
+def test_a_resumed_sweep_with_a_bad_row_is_refused(good, tmp_path):
+  lines = _lines(good)
+  _edit_row("median_us", "12")(lines)
+  bad = _write(tmp_path / "bad.jsonl.gz", lines)
+  with pytest.raises(sweep.SweepError, match="median_us"):
+    sweep.SweepFile(bad, lines[0])
+  not_a_sweep = _write(tmp_path / "list.jsonl.gz", [[1, 2], {"type": "row"}])
+  with pytest.raises(sweep.SweepError, match="not a sweep file"):
+    sweep.SweepFile(not_a_sweep, lines[0])
+
+
+def test_a_tables_folder_of_another_package_is_not_the_shipped_one(tmp_path, monkeypatch):
+  # Installed: site-packages/wavetune_jax/shipped_tables. A site-packages/tables
+  # folder (PyTables) beside the package must not be taken for a checkout's.
+  site = tmp_path / "site-packages"
+  pkg = site / "wavetune_jax" / "runtime"
+  pkg.mkdir(parents=True)
+  (site / "tables" / "nvidia_h200").mkdir(parents=True)
+  monkeypatch.setattr(tables, "__file__", str(pkg / "tables.py"))
+  assert tables.shipped_dir() == str(site / "wavetune_jax" / "shipped_tables")
+  (site / "wavetune_jax" / "shipped_tables").mkdir()
+  assert tables.shipped_dir() == str(site / "wavetune_jax" / "shipped_tables")
+  # A source checkout (setup.py beside tables/) reads tables/.
+  (site / "setup.py").write_text("")
+  (site / "wavetune_jax" / "shipped_tables").rmdir()
+  assert tables.shipped_dir() == str(site / "tables")

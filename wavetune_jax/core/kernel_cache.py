@@ -37,7 +37,6 @@ import threading
 import warnings
 
 import jax
-import jax.numpy as jnp
 
 from wavetune_jax.core.cache_folder import CacheFolder
 
@@ -228,7 +227,6 @@ def _call_exported(exp, fn, arrays):
 
   @call.def_vmap
   def _rule(axis_size, in_batched, *xs):
-    xs = [x if b else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, b in zip(xs, in_batched)]
-    out = jax.vmap(fn)(*xs)
+    out = jax.vmap(fn, in_axes=[0 if b else None for b in in_batched])(*xs)
     return out, jax.tree.map(lambda _: True, out)
   return call(*arrays)

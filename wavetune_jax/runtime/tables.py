@@ -354,14 +354,19 @@ def tables_dir() -> str:
 
 
 def shipped_dir() -> str:
-  """Where shipped tables live: the repository's ``tables/`` in a source
-  checkout, else the installed copy (the data package
-  ``wavetune_jax.shipped_tables`` that a wheel carries)."""
+  """Where shipped tables live: the installed copy (the data package
+  ``wavetune_jax.shipped_tables`` that a wheel carries), else the
+  repository's ``tables/`` in a source checkout (next to ``setup.py``; a
+  ``tables`` folder of another package in site-packages is not ours)."""
   package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  repo = os.path.join(os.path.dirname(package), "tables")
-  if os.path.isdir(repo):
+  installed = os.path.join(package, "shipped_tables")
+  if os.path.isdir(installed):
+    return installed
+  root = os.path.dirname(package)
+  repo = os.path.join(root, "tables")
+  if os.path.isdir(repo) and os.path.isfile(os.path.join(root, "setup.py")):
     return repo
-  return os.path.join(package, "shipped_tables")
+  return installed
 
 
 def user_dir() -> str:

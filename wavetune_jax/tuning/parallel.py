@@ -229,7 +229,7 @@ class ParallelMeasurer:
     self.seconds = 0.0
     self.phase_seconds = collections.Counter()
     self._known: dict = {}
-    _, rows = sweep.read_sweep(log.path)
+    _, rows = sweep.read_sweep(log.path, check=True)
     self._learn(rows)
 
   def _learn(self, rows):

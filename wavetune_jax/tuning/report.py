@@ -114,7 +114,7 @@ def render(path: str, *, plot: str | None = None, on_truncated=None) -> str:
   cut; ``on_truncated`` (default: :func:`warnings.warn`) is called with a
   one-line message saying so.
   """
-  header, rows = sweep.read_sweep(path, on_truncated=on_truncated or (
+  header, rows = sweep.read_sweep(path, check=True, on_truncated=on_truncated or (
       lambda msg: warnings.warn(msg, stacklevel=3)))
   rows = sweep.with_recorded_backends(get_family(header["kernel"]), hardware_of(header), rows)
   spec = sweep.recorded_family(get_family(header["kernel"]), rows)

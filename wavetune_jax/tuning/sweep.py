@@ -220,8 +220,10 @@ class SweepFile:
     self.n_rows = 0
     if os.path.exists(path):
       lines, intact = _read_lines(path)
-      if not lines or lines[0].get("type") != "header":
-        raise ValueError(f"{path} exists but is not a sweep file; move it away")
+      if not lines or not isinstance(lines[0], dict) or lines[0].get("type") != "header":
+        raise SweepError(f"{path} exists but is not a sweep file; move it away")
+      if intact:
+        check_sweep(path, lines)  # a resumed sweep keeps only valid rows
       old = lines[0]
       for field in ("kernel", "device_key", "schema"):
         if old.get(field) != header.get(field):
@@ -232,7 +234,7 @@ class SweepFile:
         self._rewrite(lines)
       self.header = old
       for r in lines[1:]:
-        if r.get("type") == "row":
+        if isinstance(r, dict) and r.get("type") == "row":
           self.done.add(r["key"] if family is None else normalized_key(family, r))
           self.n_rows += 1
     else:

@@ -93,7 +93,7 @@ class GpuMeasurer:
     self._known: dict = {}
     if log is not None:
       from wavetune_jax.tuning import sweep
-      _, rows = sweep.read_sweep(log.path)
+      _, rows = sweep.read_sweep(log.path, check=True)
       for r in rows:
         if r["impl"] == "pallas":
           key = (spec.problem_from_dict(r["problem"]), spec.config_from_dict(r["config"]))

@@ -43,7 +43,9 @@ def library_attention(p: DecodeProblem, implementation: str, q, k, v, kv_lengths
   past a sequence's length are zeroed first, so NaN or Inf there never reaches
   the output (JAX masks the scores, but ``0 * NaN`` in ``p @ V`` is NaN)."""
   if plain_mask(p):
-    if kv_lengths is not None:  # int32, clipped where they are used (check_lengths)
+    if kv_lengths is not None and implementation == "cudnn":
+      # int32 lengths are clipped where they are used (check_lengths); XLA's
+      # mask `arange < length` needs no clip, cuDNN's lengths do.
       kv_lengths = jnp.clip(kv_lengths, 0, p.kv_len)
     if safe and kv_lengths is not None:
       ok = jnp.arange(p.kv_len)[None, :] < kv_lengths[:, None]

@@ -68,8 +68,11 @@ class XlaRaggedDot(Backend):
           interpret: bool = False):
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes,
                              preferred_element_type=jnp.dtype(p.out_dtype))
-    # Rows past sum(group_sizes) are exactly zero: the CPU's dense form of
-    # lax.ragged_dot multiplies them by every expert's weight (NaN there
-    # gives NaN). The sizes are clipped (Family.bind): the sum is at most M.
+    if not interpret:
+      return out  # a GPU's ragged dot writes zeros past the groups itself
+    # On the CPU, rows past sum(group_sizes) are made exactly zero: its dense
+    # form of lax.ragged_dot multiplies them by every expert's weight (NaN
+    # there gives NaN). The sizes are clipped (Family.bind): the sum is at
+    # most M. (Not on a GPU: there it would be a pass over the whole output.)
     rows = jnp.arange(p.m, dtype=group_sizes.dtype)[:, None]
     return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
