@@ -66,14 +66,18 @@ def clip_sizes(group_sizes, m: int) -> jax.Array:
   sizes = clipped_int32(group_sizes, m, name="group_sizes")
   if sizes.ndim != 1 or sizes.shape[0] < 2:
     return sizes
+  return jnp.diff(_ends(sizes, m), prepend=jnp.zeros((1,), jnp.int32))
+
+
+def _ends(sizes: jax.Array, m: int) -> jax.Array:
+  """Where each group ends: the running sum of ``sizes [G]`` (int32, each in
+  ``[0, m]``), saturated at ``m``."""
   if sizes.shape[0] * m <= INT32_MAX:
     # No partial sum of sizes in [0, m] can overflow: one cumsum, which XLA
     # fuses with the clip (the scan below is a kernel per level on a GPU,
     # 3-12 us per call at 60-128 experts on an H100).
-    ends = jnp.minimum(jnp.cumsum(sizes, dtype=jnp.int32), m)
-  else:
-    ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
-  return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+    return jnp.minimum(jnp.cumsum(sizes, dtype=jnp.int32), m)
+  return jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
 
 
 def batch_rows(sizes: jax.Array, m: int, *, shared_groups: bool) -> tuple[jax.Array, jax.Array]:
@@ -128,8 +132,7 @@ def row_tasks(group_sizes: jax.Array, m: int, block_m: int,
     raise ValueError(f"block_m={block_m} must be a multiple of align={align}")
   g = group_sizes.shape[0]
   t = max_tasks(m, g, block_m, align)
-  sizes = clip_sizes(group_sizes, m)
-  ends = jnp.cumsum(sizes, dtype=jnp.int32)  # at most m (clip_sizes)
+  ends = _ends(clipped_int32(group_sizes, m, name="group_sizes"), m)  # clip_sizes' sums
   zero = jnp.zeros((1,), jnp.int32)
   starts = jnp.concatenate([zero, ends[:-1]]) if g else zero[:0]
   # The tail: rows past the last group.

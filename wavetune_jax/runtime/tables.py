@@ -62,7 +62,7 @@ from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.runtime import table_cache, wave_model
 
 __all__ = ["FORMAT", "SCHEMA", "TableError", "ModelEntry", "Table", "load", "save",
-           "default_path", "tables_dir", "shipped_dir", "user_dir", "user_path"]
+           "default_path", "shipped_dir", "user_dir", "user_path"]
 
 FORMAT = "wavetune-table"
 SCHEMA = 2
@@ -345,12 +345,6 @@ class Table:
         "anchors": [{"problem": spec.problem_to_dict(p), "config": spec.config_to_dict(c),
                      "us": us} for p, c, us in self.anchors],
     }
-
-
-def tables_dir() -> str:
-  """The folder tables are read from when ``$WAVETUNE_TABLES`` is set (it
-  replaces the shipped tables), else the shipped one (:func:`shipped_dir`)."""
-  return os.environ.get("WAVETUNE_TABLES") or shipped_dir()
 
 
 def shipped_dir() -> str:
