@@ -8,8 +8,8 @@ from wavetune_jax.families import ATTENTION, DECODE, MATMUL, RAGGED_DOT
 from wavetune_jax.families.attention import (AttentionProblem, CudnnAttentionConfig,
                                              MosaicAttentionConfig, TritonAttentionConfig,
                                              XlaAttentionConfig)
-from wavetune_jax.families.decode import (CudnnDecodeConfig, DecodeProblem, TritonDecodeConfig,
-                                          XlaDecodeConfig)
+from wavetune_jax.families.decode import (CudnnDecodeConfig, DecodeProblem, MosaicDecodeConfig,
+                                          TritonDecodeConfig, XlaDecodeConfig)
 from wavetune_jax.families.matmul import (MatmulProblem, MosaicMatmulConfig,
                                           TritonMatmulConfig, XlaMatmulConfig)
 from wavetune_jax.families.ragged_dot import (MosaicRaggedDotConfig, RaggedDotProblem,
@@ -34,6 +34,7 @@ __all__ = [
     "DecodeProblem",
     "MatmulProblem",
     "MosaicAttentionConfig",
+    "MosaicDecodeConfig",
     "MosaicMatmulConfig",
     "MosaicRaggedDotConfig",
     "POLICIES",
