@@ -30,6 +30,12 @@ chunks' combination test whether a row sees a key, never ``l > 0``).
 
 Grid: ``(row_blocks, num_splits, batch * kv_heads)``, axis 0 fastest: the
 programs of one KV chunk's row blocks run side by side and share it in L2.
+
+A paged cache (``block_tables``, :mod:`pallas_kernels.decode.paging`): each
+``block_k`` block of keys lies in one page (``block_k`` divides
+``page_size``), so a block's page id is one load from the block table
+(clipped to the pool) and the block is ``pages[page, off:off + block_k]``.
+Only the entries of blocks below a sequence's length are read.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._launch import MIN_BLOCK, check_launch, match_varying, out_struct
 from pallas_kernels._triton_lowering import compiler_params, plgpu
 from pallas_kernels.attention.common import check_call, check_lengths
+from pallas_kernels.decode import paging
 
 __all__ = ["TritonDecodeConfig", "decode_attention", "chunk_len", "MAX_SPLITS", "MAX_ELEMENTS"]
 
@@ -95,11 +102,11 @@ def chunk_len(kv_len: int, num_splits: int, block_k: int) -> int:
 
 
 def _decode_kernel(*refs, q_len, kv_len, rows, group, head_dim, dp, bh, bk, chunk, splits,
-                   causal, scale, has_lengths, split):
-  if has_lengths:
-    q_ref, k_ref, v_ref, len_ref, *out_refs = refs
-  else:
-    q_ref, k_ref, v_ref, *out_refs = refs
+                   causal, scale, has_lengths, split, page_size, num_pages):
+  q_ref, k_ref, v_ref, *refs = refs
+  len_ref = refs.pop(0) if has_lengths else None
+  bt_ref = refs.pop(0) if page_size else None
+  out_refs = refs
   kv_heads = q_ref.shape[1]
   rb, s, bhh = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   b = bhh // kv_heads
@@ -134,10 +141,16 @@ def _decode_kernel(*refs, q_len, kv_len, rows, group, head_dim, dp, bh, bk, chun
   full = jnp.clip((seen_by_all - lo) // bk, 0, total)
   kv_mask = None if mask_d is None else mask_d[None, :]
 
+  def kv_block(ref, start):
+    # The block's keys: rows [start, start + bk) of the sequence.
+    if not page_size:
+      return ref.at[b, pl.ds(start, bk), kvh, cols]
+    page = jnp.clip(bt_ref[b, start // page_size], 0, num_pages - 1).astype(jnp.int32)
+    return ref.at[page, pl.ds(start % page_size, bk), kvh, cols]
+
   def step(j, carry, *, edge: bool):
     acc, m_i, l_i = carry
     start = lo + j * bk
-    ks = pl.ds(start, bk)
     col_ids = start + jnp.arange(bk, dtype=jnp.int32)
     if edge:
       col_ok = col_ids < valid
@@ -145,7 +158,7 @@ def _decode_kernel(*refs, q_len, kv_len, rows, group, head_dim, dp, bh, bk, chun
     else:
       ld_mask = kv_mask
     other = None if ld_mask is None else 0.0
-    k = plgpu.load(k_ref.at[b, ks, kvh, cols], mask=ld_mask, other=other)
+    k = plgpu.load(kv_block(k_ref, start), mask=ld_mask, other=other)
     sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32) * qk_scale
     if edge:
@@ -157,7 +170,7 @@ def _decode_kernel(*refs, q_len, kv_len, rows, group, head_dim, dp, bh, bk, chun
     alpha = jnp.exp2(m_i - m_next)
     p = jnp.exp2(sc - m_next[:, None])
     l_next = l_i * alpha + jnp.sum(p, axis=1)
-    v = plgpu.load(v_ref.at[b, ks, kvh, cols], mask=ld_mask, other=other)
+    v = plgpu.load(kv_block(v_ref, start), mask=ld_mask, other=other)
     acc = acc * alpha[:, None] + jax.lax.dot(p.astype(v.dtype), v,
                                              preferred_element_type=jnp.float32)
     return acc, m_next, l_next
@@ -195,7 +208,7 @@ def _outer_and(a, b):
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: TritonDecodeConfig,
                      causal: bool = True, scale: float | None = None, kv_lengths=None,
-                     interpret: bool = False) -> jax.Array:
+                     block_tables=None, interpret: bool = False) -> jax.Array:
   """Flash-decoding with the Pallas Triton kernel.
 
   Args:
@@ -209,26 +222,49 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Triton
     scale: softmax scale (default ``1 / sqrt(head_dim)``).
     kv_lengths: ``[batch]`` int valid length per sequence (clipped to
       ``[0, kv_len]``), or None (all ``kv_len``).
+    block_tables: ``[batch, max_pages]`` int page ids, or None. Given, ``k``
+      and ``v`` are pages ``[num_pages, page_size, kv_heads, head_dim]``
+      (:mod:`pallas_kernels.decode.paging`), ``kv_len = max_pages *
+      page_size``, and ``config.block_k`` must divide ``page_size``. Concrete
+      tables and lengths are checked; traced page ids are clipped to
+      ``[0, num_pages - 1]``.
     interpret: Pallas interpret mode (CPU; for tests).
 
   Returns:
     ``[batch, q_len, q_heads, head_dim]`` of ``q.dtype``.
 
   Raises:
-    ValueError: as :func:`pallas_kernels.attention.triton.attention`, and a
-      cache of more than ``2**31`` elements per array.
+    ValueError: as :func:`pallas_kernels.attention.triton.attention`, a
+      cache (or pool of pages) of more than ``2**31`` elements per array, and
+      for pages: the checks of :func:`pallas_kernels.decode.paging.check_pages`
+      and :func:`~pallas_kernels.decode.paging.check_block_tables`, or a
+      ``block_k`` that does not divide ``page_size``.
   """
   if not isinstance(config, TritonDecodeConfig):
     raise ValueError(f"config must be a TritonDecodeConfig; got {type(config).__name__}")
-  scale = check_call(q, k, v, scale)
+  if block_tables is None:
+    scale = check_call(q, k, v, scale)
+    kv_len = k.shape[1]
+  else:
+    num_pages, page_size, max_pages = paging.check_pages(q, k, v, block_tables)
+    cache = paging.logical_cache(k, q.shape[0], max_pages)
+    scale = check_call(q, cache, cache, scale)
+    kv_len = cache.shape[1]
+    if config.block_k > page_size or page_size % config.block_k:
+      raise ValueError(f"config {config}: block_k={config.block_k} must divide "
+                       f"page_size={page_size} (a block of keys lies in one page)")
   if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
     return jnp.zeros(q.shape, q.dtype)
   if k.size > MAX_ELEMENTS:
     raise ValueError(f"the KV cache holds {k.size} elements per array, more than the "
                      f"kernel's 32-bit offsets allow ({MAX_ELEMENTS}); use the xla backend")
-  kv_lengths = check_lengths(kv_lengths, q.shape[0], k.shape[1])
-  return _decode(q, k, v, kv_lengths, config=config, causal=bool(causal), scale=scale,
-                 interpret=interpret)
+  if block_tables is not None:
+    paging.check_block_tables(block_tables, kv_lengths, num_pages=num_pages,
+                              page_size=page_size)
+    block_tables = paging.table_int32(block_tables, num_pages)
+  kv_lengths = check_lengths(kv_lengths, q.shape[0], kv_len)
+  return _decode(q, k, v, kv_lengths, block_tables, config=config, causal=bool(causal),
+                 scale=scale, interpret=interpret)
 
 
 def group_rows(q: jax.Array, kv_heads: int) -> jax.Array:
@@ -253,10 +289,15 @@ def ungroup_rows(o: jax.Array, q_len: int) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("config", "causal", "scale", "interpret"))
-def _decode(q, k, v, kv_lengths, *, config: TritonDecodeConfig, causal: bool, scale: float,
-            interpret: bool):
+def _decode(q, k, v, kv_lengths, block_tables, *, config: TritonDecodeConfig, causal: bool,
+            scale: float, interpret: bool):
   batch, q_len, q_heads, head_dim = q.shape
-  kv_len, kv_heads = k.shape[1], k.shape[2]
+  kv_heads = k.shape[2]
+  if block_tables is None:
+    kv_len, page_size, num_pages = k.shape[1], 0, 0
+  else:
+    page_size, num_pages = k.shape[1], k.shape[0]
+    kv_len = block_tables.shape[1] * page_size
   c = config
   group = q_heads // kv_heads
   rows = q_len * group
@@ -272,9 +313,10 @@ def _decode(q, k, v, kv_lengths, *, config: TritonDecodeConfig, causal: bool, sc
       _decode_kernel, q_len=q_len, kv_len=kv_len, rows=rows, group=group,
       head_dim=head_dim, dp=dp, bh=c.block_h, bk=c.block_k, chunk=chunk, splits=splits,
       causal=causal,
-      scale=scale, has_lengths=kv_lengths is not None, split=split)
+      scale=scale, has_lengths=kv_lengths is not None, split=split, page_size=page_size,
+      num_pages=num_pages)
   grid = (pl.cdiv(rows, c.block_h), splits, batch * kv_heads)
-  args = (qg, k, v) if kv_lengths is None else (qg, k, v, kv_lengths)
+  args = tuple(a for a in (qg, k, v, kv_lengths, block_tables) if a is not None)
   args, axes = match_varying(*args)
   if split:
     out_shape = (out_struct((splits, batch, kv_heads, rows, head_dim), jnp.float32, axes),
@@ -292,7 +334,8 @@ def _decode(q, k, v, kv_lengths, *, config: TritonDecodeConfig, causal: bool, sc
         compiler_params=compiler_params(num_warps=c.num_warps,
                                         num_stages=c.num_stages),
         interpret=interpret,
-        name=f"wavetune_decode_{c.block_h}x{c.block_k}s{splits}",
+        name=f"wavetune_decode_{c.block_h}x{c.block_k}s{splits}"
+             + (f"p{page_size}" if page_size else ""),
     )(*args)
   if split:
     out = _combine(*out, kv_lengths, q_len=q_len, kv_len=kv_len, group=group, causal=causal,
