@@ -84,7 +84,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lengths=None,
-                     causal: bool = True, scale: float | None = None, config=None) -> jax.Array:
+                     block_tables=None, causal: bool = True, scale: float | None = None,
+                     config=None) -> jax.Array:
   """Attention of a few new queries per sequence against a KV cache
   (flash-decoding: the cache split across programs), tuned like :func:`matmul`.
 
@@ -95,16 +96,30 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lengths=Non
   sees the whole valid cache. The grouped query heads of a KV head are
   computed together, so a shared KV head is read once per group.
 
+  The cache is contiguous, or paged as serving stacks keep it (vLLM, JAX's
+  paged attention): a pool of pages shared by the sequences and a block
+  table naming each sequence's pages in order; position ``j`` of sequence
+  ``b`` is row ``j % page_size`` of page ``block_tables[b, j // page_size]``.
+
   Args:
     q: ``[batch, q_len, q_heads, head_dim]``, bfloat16 or float16, ``q_len``
       from 1 to 64.
     k, v: ``[batch, kv_len, kv_heads, head_dim]``, the cache, same dtype;
-      ``kv_heads`` divides ``q_heads``.
+      ``kv_heads`` divides ``q_heads``. With ``block_tables``: the pages,
+      ``[num_pages, page_size, kv_heads, head_dim]``, and ``kv_len =
+      max_pages * page_size``.
     kv_lengths: ``[batch]`` integers, the valid length of each sequence
       (any integer width, clipped to ``[0, kv_len]`` in its own dtype); keys
       at or past it are never read, so NaN or Inf there never reaches the
       output (NaN in the queries or the valid keys does, as in a float32
       softmax). None: every key is valid.
+    block_tables: ``[batch, max_pages]`` integers, the page ids of each
+      sequence, or None (a contiguous cache). Only the entries that hold a
+      sequence's keys (``j < ceil(length / page_size)``) are read; the others
+      may hold anything (``-1`` padding), and pages no sequence uses are
+      never read. Where the table and the lengths are concrete (not traced
+      under ``jax.jit``) the entries read are checked; traced page ids are
+      clipped to ``[0, num_pages - 1]`` (and lengths to ``[0, kv_len]``).
     causal: a Python bool; False: every query sees every valid key.
     scale: softmax scale, a Python float (default ``1 / sqrt(head_dim)``).
     config: a backend's config (``TritonDecodeConfig``, ``XlaDecodeConfig``,
@@ -118,11 +133,16 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lengths=Non
   Raises:
     ValueError: wrong ranks; batch, head_dim or dtype mismatches; ``kv_heads``
       not dividing ``q_heads``; ``q_len`` above 64; an unsupported dtype or
-      head_dim (> 256); ``kv_lengths`` not ``[batch]`` integers; or a config
-      that cannot run here (cuDNN takes no ``kv_lengths``).
+      head_dim (> 256); ``kv_lengths`` not ``[batch]`` integers;
+      ``block_tables`` not ``[batch, max_pages]`` integers, k and v pages of
+      different shapes or an empty pool; with concrete values, a length
+      above ``max_pages * page_size`` or a page id read outside
+      ``[0, num_pages)`` (the sequence and entry are named); or a config
+      that cannot run here (cuDNN takes ``kv_lengths`` with one query only;
+      a Triton ``block_k`` must divide ``page_size``).
   """
-  return tuned_call(DECODE, q, k, v, kv_lengths=kv_lengths, causal=causal, scale=scale,
-                    config=config)
+  return tuned_call(DECODE, q, k, v, kv_lengths=kv_lengths, block_tables=block_tables,
+                    causal=causal, scale=scale, config=config)
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=None,

@@ -3,13 +3,15 @@ KV cache (flash-decoding)."""
 
 from __future__ import annotations
 
-import math
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention.common import check_call, check_lengths
 from pallas_kernels.attention.reference import attention_reference
+from pallas_kernels.decode import paging
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.decode.library import library_attention, plain_mask
@@ -17,7 +19,13 @@ from wavetune_jax.families.decode.problem import MAX_Q_LEN, DecodeProblem
 from wavetune_jax.families.matmul.family import operand
 from wavetune_jax.shapes import suite_entries
 
-__all__ = ["DecodeFamily", "decode_models"]
+__all__ = ["DecodeFamily", "decode_models", "LENGTH_MIXES"]
+
+#: The valid lengths :meth:`DecodeFamily.inputs` gives a batch
+#: (:meth:`DecodeFamily.with_lengths`): "spread", evenly over ``[q_len,
+#: kv_len]`` (the default: a serving batch of mixed lengths); "full", every
+#: sequence ``kv_len``.
+LENGTH_MIXES = ("spread", "full")
 
 
 def decode_models(suite: dict, names=None) -> dict[str, dict]:
@@ -30,7 +38,17 @@ class DecodeFamily(Family):
   """Decode attention, layout ``[batch, seq, heads, head_dim]``, GQA, per-
   sequence valid lengths; the size is the cache length. cuDNN
   (``jax.nn.dot_product_attention`` with ``key_value_seq_lengths``) is the
-  baseline, XLA's attention the second one."""
+  baseline, XLA's attention the second one.
+
+  A paged cache (``block_tables``; ``DecodeProblem.page_size``): pages
+  ``[num_pages, page_size, kv_heads, head_dim]`` and a block table per
+  sequence (:mod:`pallas_kernels.decode.paging`); the baseline is cuDNN's
+  paged attention, XLA's attention on the gathered pages the second one.
+
+  ``length_mix`` is the mix of valid lengths :meth:`inputs` gives
+  (:data:`LENGTH_MIXES`; :meth:`with_lengths`): sweeps and tables are
+  measured with it.
+  """
 
   name = "decode"
   problem_cls = DecodeProblem
@@ -43,10 +61,20 @@ class DecodeFamily(Family):
   # 0.983, the heuristic alone 0.988 / 0.982. The tables add exact entries.
   heuristic_margin = 3.0
   baseline_name = "cuDNN"
-  evidence_categorical = ("head_dim", "q_len")
+  evidence_categorical = ("head_dim", "q_len", "page_size")
   # The guard's rule: held-out replays of both GPUs' sweeps (5 splits;
   # benchmarks/guard_radius.py, docs/design.md "The guard").
   guard_rule = {"weight_radius": 1.0, "size_radius": 2.0, "win": 0.97}
+  length_mix = "spread"
+
+  def with_lengths(self, mix: str) -> "DecodeFamily":
+    """A copy of this family whose inputs have the length mix ``mix``
+    (:data:`LENGTH_MIXES`)."""
+    if mix not in LENGTH_MIXES:
+      raise ValueError(f"length mix {mix!r} must be one of {LENGTH_MIXES}")
+    new = copy.copy(self)
+    new.length_mix = mix
+    return new
 
   def heuristic(self, problem: DecodeProblem, hw):
     """cuDNN for few (sequence, KV head) pairs against a long cache: at most
@@ -65,33 +93,66 @@ class DecodeFamily(Family):
     return super().heuristic(problem, hw)
 
   # --- the call ------------------------------------------------------------------------
-  def bind(self, q, k, v, *, kv_lengths=None, causal: bool = True, scale=None):
+  def bind(self, q, k, v, *, kv_lengths=None, block_tables=None, causal: bool = True,
+           scale=None):
     """Checks ``q [batch, q_len, q_heads, head_dim]`` (q_len at most
-    :data:`MAX_Q_LEN`), ``k, v [batch, kv_len, kv_heads, head_dim]`` and
-    ``kv_lengths [batch]``; the problem of the call."""
+    :data:`MAX_Q_LEN`), ``k, v [batch, kv_len, kv_heads, head_dim]`` (or
+    pages ``[num_pages, page_size, kv_heads, head_dim]`` with
+    ``block_tables [batch, max_pages]``) and ``kv_lengths [batch]``; the
+    problem of the call. A paged call's arrays are always ``(q, k, v,
+    kv_lengths, block_tables)`` (full lengths where none are given), the
+    table as int32."""
     q, k, v = operand("q", q), operand("k", k), operand("v", v)
     if not isinstance(causal, (bool, jnp.bool_)) or isinstance(causal, jax.Array):
       raise ValueError(f"causal={causal!r} must be a Python bool (a static value)")
-    scale = check_call(q, k, v, scale)
+    page_size = 0
+    if block_tables is None:
+      scale = check_call(q, k, v, scale)
+      kv_len = k.shape[1]
+    else:
+      if q.ndim != 4:
+        check_call(q, k, v, scale)  # q's rank error
+      num_pages, page_size, max_pages = paging.check_pages(q, k, v, block_tables)
+      cache = paging.logical_cache(k, q.shape[0], max_pages)
+      scale = check_call(q, cache, cache, scale)
+      kv_len = cache.shape[1]
     batch, q_len, q_heads, head_dim = q.shape
     if q_len > MAX_Q_LEN:
       raise ValueError(f"decode_attention takes at most {MAX_Q_LEN} new queries per "
                        f"sequence; got q_len={q_len} (use wavetune_jax.attention with "
                        f"causal_align='bottom_right' for longer chunks)")
-    lengths = check_lengths(kv_lengths, batch, k.shape[1])
+    if page_size:
+      if kv_lengths is not None:
+        check_lengths(kv_lengths, batch, kv_len)  # shape and dtype errors first
+      paging.check_block_tables(block_tables, kv_lengths, num_pages=num_pages,
+                                page_size=page_size)
+    lengths = check_lengths(kv_lengths, batch, kv_len)
     if batch == 0 or q_len == 0 or q_heads == 0:
       return jnp.zeros(q.shape, q.dtype)
+    if page_size and lengths is None:
+      lengths = jnp.full((batch,), kv_len, jnp.int32)
     problem = DecodeProblem(batch=batch, q_heads=q_heads, kv_heads=k.shape[2],
-                            kv_len=k.shape[1], q_len=q_len, head_dim=head_dim,
+                            kv_len=kv_len, q_len=q_len, head_dim=head_dim,
                             dtype=q.dtype.name, lengths=lengths is not None,
-                            causal=bool(causal))
+                            causal=bool(causal), page_size=page_size)
+    if page_size:
+      table = paging.table_int32(block_tables, num_pages)
+      return Call(problem, (q, k, v, lengths, table), {"scale": scale},
+                  ("kv_lengths", "block_tables"))
     if lengths is None:
       return Call(problem, (q, k, v), {"scale": scale})
     return Call(problem, (q, k, v, lengths), {"scale": scale}, ("kv_lengths",))
 
   def partition_rule(self, problem: DecodeProblem):
     """Batch and heads split (a KV head with its query heads); the sequence
-    and head_dim are gathered."""
+    and head_dim are gathered. A paged cache: the batch splits the queries,
+    lengths and block tables, the heads split the queries and the pages;
+    the pool of pages is whole on every batch shard (a table names pages
+    anywhere in it), and a table's pages are gathered."""
+    if problem.page_size:
+      return PartitionRule("b q (g r) d, n p g d, n p g d, b, b m -> b q (g r) d",
+                           factor_sizes={"r": problem.group},
+                           replicated=("q", "n", "p", "m", "d"))
     lengths = ", b" if problem.lengths else ""
     return PartitionRule(f"b q (g r) d, b s g d, b s g d{lengths} -> b q (g r) d",
                          factor_sizes={"r": problem.group}, replicated=("q", "s", "d"))
@@ -113,19 +174,47 @@ class DecodeFamily(Family):
   def problem_key(self, problem: DecodeProblem) -> str:
     p = problem
     return (f"b{p.batch}:h{p.q_heads}/{p.kv_heads}:q{p.q_len}:kv{p.kv_len}:d{p.head_dim}:"
-            f"{'causal' if p.causal else 'full'}:{p.dtype}{':lengths' if p.lengths else ''}")
+            f"{'causal' if p.causal else 'full'}:{p.dtype}{':lengths' if p.lengths else ''}"
+            f"{f':page{p.page_size}' if p.page_size else ''}")
+
+  def problem_to_dict(self, problem: DecodeProblem) -> dict:
+    """The fields; ``page_size`` only for a paged problem (files written
+    before pages, and the keys of their problems, stay as they were)."""
+    d = super().problem_to_dict(problem)
+    if not d["page_size"]:
+      del d["page_size"]
+    return d
+
+  def size_quantum(self, problem: DecodeProblem) -> int:
+    """A paged problem's sizes are whole pages: one size per bucket."""
+    return problem.page_size or super().size_quantum(problem)
 
   def inputs(self, problem: DecodeProblem, key: jax.Array):
+    """``(q, k, v[, kv_lengths])``, the lengths of :attr:`length_mix`. A
+    paged problem: ``(q, k_pages, v_pages, kv_lengths, block_tables)``, a
+    pool of ``batch * max_pages`` pages and tables that are a random
+    permutation of it (each page read once, in no order)."""
     p = problem
     kq, kk, kv = jax.random.split(key, 3)
     dt = jnp.dtype(p.dtype)
     q = jax.random.normal(kq, (p.batch, p.q_len, p.q_heads, p.head_dim), jnp.float32)
-    k = jax.random.normal(kk, (p.batch, p.kv_len, p.kv_heads, p.head_dim), dt)
-    v = jax.random.normal(kv, (p.batch, p.kv_len, p.kv_heads, p.head_dim), dt)
+    rows = ((p.batch * p.max_pages, p.page_size) if p.page_size else (p.batch, p.kv_len))
+    k = jax.random.normal(kk, rows + (p.kv_heads, p.head_dim), dt)
+    v = jax.random.normal(kv, rows + (p.kv_heads, p.head_dim), dt)
     out = (q.astype(dt), k, v)
     if p.lengths:
-      out += (self.lengths(p, jax.random.fold_in(key, 1)),)
+      out += (self.length_values(p, jax.random.fold_in(key, 1)),)
+    if p.page_size:
+      pages = jax.random.permutation(jax.random.fold_in(key, 2), p.batch * p.max_pages)
+      out += (pages.astype(jnp.int32).reshape(p.batch, p.max_pages),)
     return out
+
+  def length_values(self, problem: DecodeProblem, key: jax.Array) -> jax.Array:
+    """The valid lengths of :meth:`inputs`: :meth:`lengths` ("spread") or
+    every sequence ``kv_len`` ("full")."""
+    if self.length_mix == "full":
+      return jnp.full((problem.batch,), problem.kv_len, jnp.int32)
+    return self.lengths(problem, key)
 
   @staticmethod
   def lengths(problem: DecodeProblem, key: jax.Array) -> jax.Array:
@@ -139,9 +228,11 @@ class DecodeFamily(Family):
     lens = lo + ((p.kv_len - lo) * (2 * np.arange(p.batch) + 1)) // (2 * p.batch)
     return jax.random.permutation(key, jnp.asarray(lens, jnp.int32))
 
-  def reference(self, problem: DecodeProblem, q, k, v, kv_lengths=None):
+  def reference(self, problem: DecodeProblem, q, k, v, kv_lengths=None, block_tables=None):
     # All queries in one chunk: no padding rows, so the float32 scores stay
-    # [batch, heads, q_len, kv_len].
+    # [batch, heads, q_len, kv_len]. Pages: the gathered contiguous cache.
+    if block_tables is not None:
+      k, v = paging.gather_pages(k, block_tables), paging.gather_pages(v, block_tables)
     return attention_reference(q, k, v, causal=problem.causal, out_dtype=jnp.float32,
                                kv_lengths=kv_lengths, causal_align="bottom_right",
                                q_chunk=problem.q_len)
@@ -149,8 +240,14 @@ class DecodeFamily(Family):
   def baseline(self, problem: DecodeProblem):
     """cuDNN through ``jax.nn.dot_product_attention`` (lengths as
     ``key_value_seq_lengths``); XLA where JAX's cuDNN path has no such mask
-    (several causal queries) or head_dim."""
-    impl = "cudnn" if plain_mask(problem) and problem.head_dim % 8 == 0 else "xla"
+    (several causal queries) or head_dim. A paged problem: cuDNN's paged
+    attention where the cuDNN backend runs the problem, else XLA's on the
+    gathered pages."""
+    if problem.page_size:
+      from wavetune_jax.families.decode.library import CudnnDecode
+      impl = "xla" if CudnnDecode()._why_not(problem, None) else "cudnn"
+    else:
+      impl = "cudnn" if plain_mask(problem) and problem.head_dim % 8 == 0 else "xla"
     return lambda *a: library_attention(problem, impl, *a)
 
   def extra_baselines(self, problem: DecodeProblem) -> dict:
@@ -163,8 +260,15 @@ class DecodeFamily(Family):
     """The fixed config of an untuned library: the defaults of JAX's own
     Pallas decode attention (16 query rows, 128-key blocks, 16 splits, 4
     warps, 2 stages), rows and splits fitted to the problem."""
-    from wavetune_jax.families.decode.triton import _rows_block, splits_of
+    from wavetune_jax.families.decode.library import XlaDecodeConfig
+    from wavetune_jax.families.decode.triton import _rows_block, block_ks, splits_of
     from pallas_kernels.decode.triton import TritonDecodeConfig
-    return TritonDecodeConfig(block_h=_rows_block(problem.rows), block_k=128,
-                              num_splits=splits_of(problem.kv_len, 16, 128), num_warps=4,
+    bk = 128
+    if problem.page_size:  # the largest block up to 128 that fits the pages
+      fits = [b for b in block_ks(problem.page_size, False) if b <= 128]
+      if not fits:
+        return XlaDecodeConfig()  # no Triton block fits these pages
+      bk = fits[-1]
+    return TritonDecodeConfig(block_h=_rows_block(problem.rows), block_k=bk,
+                              num_splits=splits_of(problem.kv_len, 16, bk), num_warps=4,
                               num_stages=2)

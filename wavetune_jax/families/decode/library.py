@@ -1,5 +1,7 @@
 """The library backends of the decode family: XLA's and cuDNN's attention
-through ``jax.nn.dot_product_attention`` (no launch parameters)."""
+through ``jax.nn.dot_product_attention`` (no launch parameters); on a paged
+cache, XLA's on the gathered pages and cuDNN's paged attention
+(``jax._src.cudnn.fused_attention_stablehlo.paged_attention``)."""
 
 from __future__ import annotations
 
@@ -10,16 +12,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention.common import valid_keys
+from pallas_kernels.decode import paging
 from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.attention.cudnn import MIN_COMPUTE_CAPABILITY, _capability
 from wavetune_jax.families.decode.problem import DecodeProblem
 
 __all__ = ["XlaDecode", "XlaDecodeConfig", "CudnnDecode", "CudnnDecodeConfig",
-           "library_attention", "NOMINAL_BLOCK"]
+           "library_attention", "cudnn_paged_reason", "NOMINAL_BLOCK"]
 
 #: Keys per nominal block of the library backends' (G, L).
 NOMINAL_BLOCK = 128
+
+try:  # JAX's cuDNN paged attention: a private module, guarded.
+  from jax._src.cudnn.fused_attention_stablehlo import MaskType as _MaskType
+  from jax._src.cudnn.fused_attention_stablehlo import paged_attention as _cudnn_paged
+  _CUDNN_PAGED_MISSING = None
+except Exception as e:  # noqa: BLE001 - any failure leaves the backend without pages
+  _cudnn_paged = _MaskType = None
+  _CUDNN_PAGED_MISSING = f"{type(e).__name__}: {e}"
+
+
+def cudnn_paged_reason() -> str | None:
+  """Why this JAX has no cuDNN paged attention (None where it has)."""
+  if _CUDNN_PAGED_MISSING is None:
+    return None
+  return ("this JAX has no cuDNN paged attention (jax._src.cudnn.fused_attention_stablehlo."
+          f"paged_attention: {_CUDNN_PAGED_MISSING})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,11 +56,21 @@ def plain_mask(p: DecodeProblem) -> bool:
   return p.q_len == 1 or not p.causal
 
 
-def library_attention(p: DecodeProblem, implementation: str, q, k, v, kv_lengths=None, *,
-                      scale=None, safe: bool = False):
+def library_attention(p: DecodeProblem, implementation: str, q, k, v, kv_lengths=None,
+                      block_tables=None, *, scale=None, safe: bool = False):
   """``jax.nn.dot_product_attention`` for a decode problem. ``safe``: values
   past a sequence's length are zeroed first, so NaN or Inf there never reaches
-  the output (JAX masks the scores, but ``0 * NaN`` in ``p @ V`` is NaN)."""
+  the output (JAX masks the scores, but ``0 * NaN`` in ``p @ V`` is NaN).
+
+  A paged cache (``block_tables``): cuDNN's paged attention where the pool
+  holds exactly ``batch * max_pages`` pages (JAX's wrapper takes no other
+  pool); otherwise, and for XLA, the pages are gathered into a contiguous
+  cache first (page ids clipped to the pool)."""
+  if block_tables is not None:
+    if (implementation == "cudnn" and _cudnn_paged is not None
+        and k.shape[0] == p.batch * p.max_pages):
+      return _cudnn_paged_attention(p, q, k, v, kv_lengths, block_tables, scale=scale)
+    k, v = paging.gather_pages(k, block_tables), paging.gather_pages(v, block_tables)
   if plain_mask(p):
     if kv_lengths is not None and implementation == "cudnn":
       # int32 lengths are clipped where they are used (check_lengths); XLA's
@@ -63,6 +92,21 @@ def library_attention(p: DecodeProblem, implementation: str, q, k, v, kv_lengths
   return jnp.where(jnp.any(ok, axis=2)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
+def _cudnn_paged_attention(p: DecodeProblem, q, k_pages, v_pages, kv_lengths, block_tables, *,
+                           scale=None):
+  """JAX's cuDNN paged attention: page tables ``[batch, 1, max_pages, 1]``
+  (clipped to the pool: cuDNN reads no entry past a length, but a -1 there
+  must not be an address), lengths as ``kv_seqlen`` with cuDNN's padding
+  mask (as the cuDNN paged-cache samples), ``q_seqlen`` all ``q_len``."""
+  table = paging.clip_pages(block_tables, k_pages.shape[0])[:, None, :, None]
+  lens = (jnp.full((p.batch,), p.kv_len, jnp.int32) if kv_lengths is None
+          else jnp.clip(kv_lengths, 0, p.kv_len).astype(jnp.int32))
+  q_lens = jnp.full((p.batch,), p.q_len, jnp.int32)
+  return _cudnn_paged(q, k_pages, v_pages, q_lens, lens, table, table,
+                      scale=1.0 / np.sqrt(p.head_dim) if scale is None else float(scale),
+                      mask_type=_MaskType.PADDING, qkv_layout="BTNH")
+
+
 class _Library(Backend):
   platform = True
   macro_fields = ()
@@ -76,7 +120,10 @@ class _Library(Backend):
     return problem.batch * problem.kv_heads, float(-(-problem.kv_len // NOMINAL_BLOCK))
 
   def size_quantum(self, problem) -> int | None:
-    return None if self._why_not(problem, None) else NOMINAL_BLOCK
+    if self._why_not(problem, None):
+      return None
+    # A paged problem's sizes are whole pages: one per bucket.
+    return problem.page_size or NOMINAL_BLOCK
 
   def decision_arrays(self, problem: DecodeProblem, sizes, hw: Hardware, n_aux: int,
                       with_size=None):
@@ -117,9 +164,10 @@ class XlaDecode(_Library):
     32-bit offsets)."""
     return XlaDecodeConfig()
 
-  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, *,
-          interpret: bool = False, scale: float | None = None):
-    return library_attention(problem, "xla", q, k, v, kv_lengths, scale=scale, safe=True)
+  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, block_tables=None,
+          *, interpret: bool = False, scale: float | None = None):
+    return library_attention(problem, "xla", q, k, v, kv_lengths, block_tables, scale=scale,
+                             safe=True)
 
 
 class CudnnDecode(_Library):
@@ -140,6 +188,8 @@ class CudnnDecode(_Library):
   def _why_not(self, p: DecodeProblem, hw) -> str | None:
     if p.head_dim % 8 or p.head_dim > 256:
       return f"cuDNN attention needs head_dim a multiple of 8 up to 256; got {p.head_dim}"
+    if p.paged and cudnn_paged_reason():
+      return cudnn_paged_reason()
     if p.lengths and p.q_len > 1:
       return ("the cuDNN decode backend takes per-sequence lengths with one query only "
               "(use a Triton or XLA config)")
@@ -147,9 +197,10 @@ class CudnnDecode(_Library):
       return "cuDNN has no bottom-right causal mask in JAX (use a Triton or XLA config)"
     return None
 
-  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, *,
-          interpret: bool = False, scale: float | None = None):
+  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, block_tables=None,
+          *, interpret: bool = False, scale: float | None = None):
     if interpret:
       raise NotImplementedError("cuDNN attention runs on an NVIDIA GPU only")
     return library_attention(problem, "cudnn", q, k, v,
-                             kv_lengths if problem.lengths else None, scale=scale)
+                             kv_lengths if problem.lengths else None, block_tables,
+                             scale=scale)

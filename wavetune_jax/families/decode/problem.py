@@ -26,11 +26,19 @@ class DecodeProblem(Problem):
     batch, q_heads, kv_heads, head_dim: as in the arrays (``kv_heads``
       divides ``q_heads``).
     q_len: new queries per sequence, 1 to :data:`MAX_Q_LEN`.
-    kv_len: the cache's length (the arrays' sequence axis).
+    kv_len: the cache's length (the arrays' sequence axis; of a paged
+      cache, ``max_pages * page_size``).
     dtype: ``"bfloat16"`` or ``"float16"``.
     lengths: the call gives per-sequence valid lengths (run-time values).
     causal: the queries are the last ``q_len`` positions (bottom-right
       diagonal); False: each query sees every valid key.
+    page_size: 0, a contiguous cache ``[batch, kv_len, kv_heads, head_dim]``;
+      above 0, a paged one (:mod:`pallas_kernels.decode.paging`): pages of
+      ``page_size`` rows and a block table of ``kv_len / page_size`` pages
+      per sequence. The size of the pool is not a field (a call reads the
+      pages of its sequences, wherever the pool's other pages are). A paged
+      problem always has ``lengths`` (a call without them passes every
+      sequence's full length).
   """
 
   batch: int
@@ -42,6 +50,7 @@ class DecodeProblem(Problem):
   dtype: str = "bfloat16"
   lengths: bool = True
   causal: bool = True
+  page_size: int = 0
   _key: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
   _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
 
@@ -59,6 +68,16 @@ class DecodeProblem(Problem):
     for name in ("lengths", "causal"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"DecodeProblem.{name}={getattr(self, name)!r} must be a bool")
+    ps = self.page_size
+    if isinstance(ps, bool) or not isinstance(ps, int) or ps < 0:
+      raise ValueError(f"DecodeProblem.page_size={ps!r} must be an int >= 0 (0: a contiguous "
+                       f"cache)")
+    if ps and self.kv_len % ps:
+      raise ValueError(f"DecodeProblem.kv_len={self.kv_len} must be a multiple of "
+                       f"page_size={ps} (max_pages * page_size)")
+    if ps and not self.lengths:
+      raise ValueError("a paged DecodeProblem has lengths=True (a call without lengths "
+                       "passes every sequence's full length)")
     try:
       dtype = jnp.dtype(self.dtype).name
     except TypeError:  # not a dtype at all ("bf16", 3, a list)
@@ -80,6 +99,15 @@ class DecodeProblem(Problem):
   @property
   def padded_head_dim(self) -> int:
     return max(16, 1 << math.ceil(math.log2(self.head_dim)))
+
+  @property
+  def paged(self) -> bool:
+    return self.page_size > 0
+
+  @property
+  def max_pages(self) -> int:
+    """Block-table entries per sequence (0 for a contiguous cache)."""
+    return self.kv_len // self.page_size if self.page_size else 0
 
   @property
   def itemsize(self) -> int:

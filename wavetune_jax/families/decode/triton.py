@@ -21,6 +21,8 @@ __all__ = ["TritonDecode", "TritonDecodeConfig", "splits_of", "coords_aux"]
 BLOCK_H = (16, 32, 64)
 BLOCK_K = (64, 128, 256)
 UNPRUNED_BLOCK_K = (32,)
+#: Key blocks of a paged cache's pages under 64 rows (rule D6).
+PAGED_SMALL_BLOCK_K = (16, 32)
 NUM_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3)
@@ -39,6 +41,11 @@ NUM_STAGES = (2, 3)
 #  D5 registers: fp32 scores and output per thread,
 #                block_h * (block_k + head_dim_padded) / (32 * num_warps),
 #                at most 160.
+#  D6 pages:     a paged cache: block_k divides page_size (a block lies in
+#                one page; also unpruned). Pruned: the candidates of BLOCK_K
+#                that divide it, or where none does (pages of 16 or 32
+#                rows, or 48, 80, ...) the largest of 16 and 32 that does;
+#                pages not a multiple of 16 rows: no Triton config.
 
 
 def splits_of(kv_len: int, num_splits: int, block_k: int) -> int:
@@ -61,6 +68,20 @@ def _rows_block(rows: int) -> int:
   return min(64, max(16, 1 << (rows - 1).bit_length()))
 
 
+def block_ks(page_size: int, prune: bool) -> tuple[int, ...]:
+  """The key blocks of the space (rule D6): BLOCK_K (and, unpruned,
+  UNPRUNED_BLOCK_K) for a contiguous cache (``page_size`` 0); for pages,
+  those that divide ``page_size``."""
+  if not page_size:
+    return BLOCK_K if prune else UNPRUNED_BLOCK_K + BLOCK_K
+  fits = lambda bk: bk <= page_size and page_size % bk == 0  # noqa: E731
+  big = tuple(bk for bk in BLOCK_K if fits(bk))
+  small = tuple(bk for bk in PAGED_SMALL_BLOCK_K if fits(bk))
+  if not prune:
+    return small + big
+  return big or small[-1:]
+
+
 class TritonDecode(_triton.TritonBackend):
   """Pallas Triton flash-decoding: any length, head_dim up to 256 (padded in
   the kernel), per-sequence lengths, bottom-right causal, CPU interpret mode."""
@@ -77,22 +98,29 @@ class TritonDecode(_triton.TritonBackend):
 
   @staticmethod
   def runs_shape(p: DecodeProblem) -> bool:
-    """The kernel addresses the cache with 32-bit offsets."""
+    """The kernel addresses the cache with 32-bit offsets (a paged problem:
+    its sequences' pages; a larger pool is refused when the kernel is
+    called), and a paged cache's blocks of keys lie in one page (pages of
+    a multiple of 16 rows)."""
+    if p.page_size % 16:
+      return False
     return p.batch * p.kv_len * p.kv_heads * p.head_dim <= MAX_ELEMENTS
 
   def space(self, problem: DecodeProblem, hw: Hardware, *, prune: bool = True) -> tuple:
     p = problem
     if not self.runs_shape(p):
       return ()
-    return self._space(p.batch * p.kv_heads, p.rows, -(-p.kv_len // 32), p.padded_head_dim,
-                       p.itemsize, hw, prune)
+    # The space sees kv_len through its 32-key blocks; a paged one's 16-key
+    # blocks see it whole (a multiple of the page).
+    kv = p.kv_len if p.page_size else -(-p.kv_len // 32) * 32
+    return self._space(p.batch * p.kv_heads, p.rows, kv, p.padded_head_dim,
+                       p.itemsize, hw, prune, p.page_size)
 
   @functools.lru_cache(maxsize=2048)
-  def _space(self, heads, rows, kv_blocks32, dp, itemsize, hw, prune):
-    kv_len = kv_blocks32 * 32  # the space sees kv_len through its 32-key blocks
+  def _space(self, heads, rows, kv_len, dp, itemsize, hw, prune, page_size=0):
     out = []
     bhs = (_rows_block(rows),) if prune else BLOCK_H
-    bks = BLOCK_K if prune else UNPRUNED_BLOCK_K + BLOCK_K
+    bks = block_ks(page_size, prune)
     seen = set()
     for bh, bk, ns, nw, st in itertools.product(bhs, bks, NUM_SPLITS, NUM_WARPS, NUM_STAGES):
       if (st * 2 * bk + bh) * dp * itemsize > hw.smem_per_block:
@@ -114,12 +142,13 @@ class TritonDecode(_triton.TritonBackend):
     return tuple(out)
 
   @functools.lru_cache(maxsize=256)
-  def _combos(self, rows, dp, itemsize, hw):
+  def _combos(self, rows, dp, itemsize, hw, page_size=0):
     """The pruned space's (block_h, block_k, num_splits asked, warps,
     stages) before the size-dependent part of rule D3."""
     p_rows = _rows_block(rows)
     out = []
-    for bk, ns, nw, st in itertools.product(BLOCK_K, NUM_SPLITS, NUM_WARPS, NUM_STAGES):
+    for bk, ns, nw, st in itertools.product(block_ks(page_size, True), NUM_SPLITS, NUM_WARPS,
+                                            NUM_STAGES):
       if ((st * 2 * bk + p_rows) * dp * itemsize > hw.smem_per_block  # D2
           or (nw == 8 and bk < 256)  # D4
           or p_rows * (bk + dp) // (32 * nw) > 160):  # D5
@@ -133,7 +162,11 @@ class TritonDecode(_triton.TritonBackend):
     same configs, (G, L) and aux as :meth:`space` and :func:`coords_aux`)."""
     p = problem
     kv = np.asarray(sizes, np.int64)[:, None]                    # [S, 1]
-    combos = self._combos(p.rows, p.padded_head_dim, p.itemsize, hw)
+    if p.page_size % 16:  # rule D6: no block fits the pages
+      s = len(kv)
+      return ((), np.zeros((s, 0), bool), np.ones((s, 0), np.int64), np.ones((s, 0)),
+              np.zeros((s, 0, n_aux), np.float32))
+    combos = self._combos(p.rows, p.padded_head_dim, p.itemsize, hw, p.page_size)
     bh, bk, ns, nw, st = (np.array(c, np.int64) for c in zip(*combos))  # [C]
     heads = p.batch * p.kv_heads * -(-p.rows // bh)
     chunk = -(-(-(-kv // ns)) // bk) * bk                        # [S, C]
@@ -168,18 +201,24 @@ class TritonDecode(_triton.TritonBackend):
                                     * 4 / 1e6, 0.0)
     return configs, valid, g, l, aux
 
-  def size_quantum(self, problem: DecodeProblem) -> int:
-    """The space and (G, L) see kv_len only through ``ceil(kv_len / 32)``."""
+  def size_quantum(self, problem: DecodeProblem) -> int | None:
+    """The space and (G, L) see kv_len only through ``ceil(kv_len / 32)``;
+    a paged problem's sizes are whole pages, one per bucket. None where the
+    kernel cannot run the problem's pages."""
+    if problem.page_size:
+      return problem.page_size if problem.page_size % 16 == 0 else None
     return 32
 
   def validate(self, problem: DecodeProblem, config, hw: Hardware | None = None) -> None:
     if not isinstance(config, TritonDecodeConfig):
       raise ValueError(f"config must be a TritonDecodeConfig; got {config!r}")
+    p = problem
+    if p.page_size and (config.block_k > p.page_size or p.page_size % config.block_k):
+      raise ValueError(f"config {config}: block_k={config.block_k} must divide "
+                       f"page_size={p.page_size} (a block of keys lies in one page)")
     if not self.runs_shape(problem):
       raise ValueError(f"the Triton decode kernel addresses the cache with 32-bit offsets: "
                        f"at most {MAX_ELEMENTS} elements per array; use the xla backend")
-    from pallas_kernels.decode.triton import chunk_len
-    p = problem
     splits = -(-p.kv_len // chunk_len(p.kv_len, config.num_splits, config.block_k))
     partials = splits * p.batch * p.q_heads * p.q_len * p.head_dim
     if splits > 1 and partials > MAX_ELEMENTS:
@@ -213,6 +252,8 @@ class TritonDecode(_triton.TritonBackend):
     while ns > 1 and (programs * ns > 4 * hw.num_sms or keys / ns < 64):
       ns //= 2
     bk = 64 if keys / ns < 1024 or p.padded_head_dim > 128 else 128
+    if p.page_size:  # rule D6: the largest block up to that which divides the pages
+      bk = max(b for b in block_ks(p.page_size, False) if b <= bk)
     c = TritonDecodeConfig(block_h=bh, block_k=bk, num_splits=splits_of(p.kv_len, ns, bk),
                            num_warps=4, num_stages=3)
     while self.smem_bytes(p, c) > hw.smem_per_block and c.num_stages > 1:
@@ -232,7 +273,8 @@ class TritonDecode(_triton.TritonBackend):
   def aux(self, problem: DecodeProblem, config) -> tuple[float, ...]:
     return coords_aux(problem, config.block_h, config.block_k, config.num_splits)[2]
 
-  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, *,
-          interpret: bool = False, scale: float | None = None):
+  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, block_tables=None,
+          *, interpret: bool = False, scale: float | None = None):
     return decode_attention(q, k, v, config=config, causal=problem.causal, scale=scale,
-                            kv_lengths=kv_lengths, interpret=interpret)
+                            kv_lengths=kv_lengths, block_tables=block_tables,
+                            interpret=interpret)
