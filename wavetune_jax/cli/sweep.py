@@ -73,7 +73,7 @@ def _sweep(args) -> int:
   from wavetune_jax.core.registry import get_family
   from wavetune_jax.tuning import profiler, sweep
 
-  family = spec = get_family(args.family)
+  family = spec = with_family_options(get_family(args.family), args)
   if args.backends:
     spec = family.with_backends(args.backends.split(","))
   devices = gpu_devices(args.devices, check=not args.worker_measure,
@@ -81,11 +81,15 @@ def _sweep(args) -> int:
   hw = detect_gpu("sweep", "read a recorded sweep (data/sweeps/) with wavetune report SWEEP, "
                   "wavetune eval --family F --sweep SWEEP or wavetune tune --family F "
                   "--replay SWEEP")
-  out = args.out or f"data/sweeps/{hw.device_key}/{spec.name}_{args.dtype}.jsonl.gz"
+  tail = "".join(f"_{v}" for k, v in family_options(family).items()
+                 if v != FAMILY_OPTIONS[k][1])  # (a non-default input option)
+  out = args.out or f"data/sweeps/{hw.device_key}/{spec.name}_{args.dtype}{tail}.jsonl.gz"
   header = sweep.make_header(spec, hw, jax_version=jax.__version__,
                              command="wavetune " + shlex.join(sys.argv[1:]),
                              space="wide" if args.wide else "pruned")
+  header.update(family_options(family))
   f = sweep.SweepFile(out, header, family)  # rows of every backend on file
+  check_resumed_options(out, f.header, header)
   probs = problems(spec, args)
   print(f"{hw.name}: {len(probs)} problems -> {out} ({f.n_rows} rows already there)",
         flush=True)
@@ -98,7 +102,8 @@ def _sweep(args) -> int:
     slots = [d for d in devices for _ in range(args.workers_per_gpu)]
     print(f"{len(todo)} problems to measure on {len(devices)} GPU(s) ({', '.join(devices)}), "
           f"{args.workers_per_gpu} worker(s) each", flush=True)
-    worker_args = {"iterations": args.iterations, "threads": args.threads}
+    worker_args = {"iterations": args.iterations, "threads": args.threads,
+                   "family_options": family_options(family)}
     with tempfile.TemporaryDirectory(prefix="wavetune_gpu_locks_") as locks:
       if args.workers_per_gpu > 1:
         worker_args["gpu_lock_dir"] = locks
@@ -115,6 +120,51 @@ def _sweep(args) -> int:
   print(f"measured {counts['measured']} ({counts['failed']} failed), skipped "
         f"{counts['skipped']} already on file{deaths}, {time.perf_counter() - t0:.0f} s")
   return 0
+
+
+#: Options that change a family's inputs (``--lengths``): the header key (the
+#: family's method ``with_<key>`` returns a copy with a value), the family's
+#: attribute that holds it, and the value files without the key were
+#: measured with. Parallel workers get them as ``family_options``.
+FAMILY_OPTIONS = {"lengths": ("length_mix", "spread")}
+
+
+def with_family_options(family, args):
+  """``family`` with the input options given on the command line.
+
+  Raises:
+    CliError: an option the family does not have.
+  """
+  from wavetune_jax.cli.common import CliError
+  for key in FAMILY_OPTIONS:
+    value, method = getattr(args, key, None), f"with_{key}"
+    if value is None:
+      continue
+    if not hasattr(family, method):
+      raise CliError(f"--{key}: the {family.name} family has no such option (its inputs "
+                     f"have no {key} mix)")
+    family = getattr(family, method)(value)
+  return family
+
+
+def family_options(family) -> dict:
+  """The input options of ``family`` as a sweep header records them
+  (``{"lengths": "spread"}`` for decode; empty for families without one)."""
+  return {key: getattr(family, attr) for key, (attr, _) in FAMILY_OPTIONS.items()
+          if hasattr(family, attr)}
+
+
+def check_resumed_options(path: str, on_file: dict, header: dict) -> None:
+  """Refuses to add rows measured with other input options to a sweep file
+  (a file without the key was measured with the default).
+
+  Raises:
+    ValueError: the file's options differ from this run's.
+  """
+  for key, (_, default) in FAMILY_OPTIONS.items():
+    if key in header and on_file.get(key, default) != header[key]:
+      raise ValueError(f"{path} was recorded with --{key} {on_file.get(key, default)}; this "
+                       f"run has --{key} {header[key]}. Use another --out file.")
 
 
 def gpu_devices(spec: str, check: bool = True, workers_per_gpu: int = 1) -> list[str]:
@@ -207,6 +257,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                   help="worker processes per GPU: their Pallas kernels compile at the "
                   "same time and one at a time times on the GPU; faster where compiling "
                   "dominates, as for grouped GEMM (default: 1)")
+  sw.add_argument("--lengths", choices=("spread", "full"),
+                  help="decode: the sequences' valid lengths, spread evenly over [q_len, "
+                  "kv_len] (default: a serving batch of mixed lengths) or all full; "
+                  "recorded in the file's header (a resumed file must match), and a "
+                  "non-default mix has its own default --out file")
   sw.add_argument("--worker-measure", help=argparse.SUPPRESS)  # tests: module:factory
   sw.set_defaults(func=_sweep)
   rp = sub.add_parser("report", help="tables and a wave plot of a sweep file",

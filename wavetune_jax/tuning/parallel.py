@@ -333,7 +333,10 @@ def worker_main(argv: Sequence[str]) -> int:
   """A worker: reads problems from stdin, writes rows to stdout (module doc)."""
   args = json.loads(argv[0])
   from wavetune_jax.core.registry import get_family
-  family = get_family(args["family"]).with_backends(args["backends"])
+  family = get_family(args["family"])
+  for key, value in args.get("family_options", {}).items():  # the sweep's input options
+    family = getattr(family, f"with_{key}")(value)
+  family = family.with_backends(args["backends"])
   if args.get("measure"):
     mod, fn = args["measure"].split(":")
     measure = getattr(importlib.import_module(mod), fn)(family, args)
