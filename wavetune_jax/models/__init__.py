@@ -4,7 +4,9 @@ end to end (``wavetune bench model``)."""
 
 from wavetune_jax.models.decoder import (MODELS, OPS, ModelConfig, decode_step, init,
                                          library_attention_impl, make_ops, moe_mlp,
-                                         prefill)
+                                         paged_decode_step, paged_prefill, prefill,
+                                         random_block_tables)
 
 __all__ = ["MODELS", "OPS", "ModelConfig", "decode_step", "init", "library_attention_impl",
-           "make_ops", "moe_mlp", "prefill"]
+           "make_ops", "moe_mlp", "paged_decode_step", "paged_prefill", "prefill",
+           "random_block_tables"]

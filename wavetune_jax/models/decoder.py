@@ -9,12 +9,24 @@ unsort). Layers are unrolled, each with weights and a cache of its own (no
 stacked arrays sliced per layer, so no setting pays for slicing copies).
 Rotary embeddings are left out: elementwise, the same in every configuration.
 
+The KV cache is contiguous (``prefill``, ``decode_step``: per layer
+``[batch, max_len, kv_heads, head_dim]``) or paged as serving stacks keep it
+(``paged_prefill``, ``paged_decode_step``: per layer a pool of pages
+``[num_pages, page_size, kv_heads, head_dim]``, and one block table
+``[batch, max_pages]`` shared by the layers naming each sequence's pages in
+order; ``random_block_tables`` shuffles a pool as a serving allocator leaves
+it).
+
 ``make_ops(name)`` is the one switch: ``"xla"`` is what a JAX user writes
 (``jnp.dot``, ``jax.nn.dot_product_attention`` with cuDNN where it runs the
 shape, ``lax.ragged_dot``); any selection policy of
 ``wavetune_jax.POLICIES`` (``"auto"``, ``"refine"``, ``"tables"``,
 ``"heuristic"``, ...) runs the wavetune ops under that policy, and
 ``"default"`` under ``"fixed"`` (the fixed config of an untuned library).
+On a paged cache the wavetune decode attention takes the pages and the
+block table; the xla setting gathers the pages into a contiguous cache
+(``k_pages[block_tables]``) and calls ``jax.nn.dot_product_attention`` as
+on a contiguous cache, what a JAX user writes.
 """
 
 from __future__ import annotations
@@ -27,7 +39,8 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["ModelConfig", "MODELS", "OPS", "Ops", "make_ops", "ops_names", "init", "prefill",
-           "decode_step", "moe_mlp", "library_attention_impl"]
+           "decode_step", "paged_prefill", "paged_decode_step", "random_block_tables",
+           "moe_mlp", "library_attention_impl"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +99,9 @@ class Ops(NamedTuple):
   name: str
   matmul: Callable
   attention: Callable         # (q, k, v) -> causal prefill attention
-  decode_attention: Callable  # (q, k_cache, v_cache, lengths) -> one token's attention
+  # (q, k_cache, v_cache, lengths, block_tables=None) -> one token's attention;
+  # with block_tables the caches are pages [num_pages, page_size, kv_heads, head_dim].
+  decode_attention: Callable
   ragged_dot: Callable
   context: Callable           # () -> context manager active while tracing
 
@@ -115,16 +130,26 @@ def make_ops(name: str) -> Ops:
     return Ops("xla", lambda x, w: jnp.dot(x, w),
                lambda q, k, v: jax.nn.dot_product_attention(
                    q, k, v, is_causal=True, implementation=library_attention_impl(q)),
-               lambda q, k, v, n: jax.nn.dot_product_attention(
-                   q, k, v, key_value_seq_lengths=n, implementation=library_attention_impl(q)),
-               jax.lax.ragged_dot, contextlib.nullcontext)
+               _xla_decode_attention, jax.lax.ragged_dot, contextlib.nullcontext)
   from wavetune_jax.runtime.selector import POLICIES
   policy = "fixed" if name == "default" else name if name in POLICIES else None
   if policy is None:
     raise ValueError(f"unknown ops {name!r}; choose from {ops_names()}")
   return Ops(name, wt.matmul, lambda q, k, v: wt.attention(q, k, v, causal=True),
-             lambda q, k, v, n: wt.decode_attention(q, k, v, kv_lengths=n),
+             lambda q, k, v, n, block_tables=None: wt.decode_attention(
+                 q, k, v, kv_lengths=n, block_tables=block_tables),
              wt.ragged_dot, lambda: wt.policy(policy))
+
+
+def _xla_decode_attention(q, k, v, lengths, block_tables=None):
+  """The xla setting's decode attention: on a paged cache, the pages gathered
+  into a contiguous ``[batch, max_pages * page_size, ...]`` cache first."""
+  if block_tables is not None:
+    b, pages = block_tables.shape
+    k = k[block_tables].reshape(b, pages * k.shape[1], *k.shape[2:])
+    v = v[block_tables].reshape(b, pages * v.shape[1], *v.shape[2:])
+  return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                      implementation=library_attention_impl(q))
 
 
 def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
@@ -200,6 +225,21 @@ def _finish(p, x, a, cfg: ModelConfig, ops: Ops):
   return x + _mlp(p, _norm(x).reshape(b * s, cfg.hidden), cfg, ops).reshape(x.shape)
 
 
+def _prefill(params, tokens, cfg: ModelConfig, ops: Ops):
+  """``(logits of the last position, keys, values)``, keys and values per
+  layer ``[batch, seq, kv_heads, head_dim]``."""
+  ks, vs = [], []
+  with ops.context():
+    x = params["embed"][tokens]
+    for p in params["layers"]:
+      q, k, v = _qkv(p, x, cfg, ops)
+      x = _finish(p, x, ops.attention(q, k, v), cfg, ops)
+      ks.append(k)
+      vs.append(v)
+    logits = ops.matmul(_norm(x[:, -1]), params["lm_head"])
+  return logits, ks, vs
+
+
 def prefill(params, tokens, *, cfg: ModelConfig, ops: Ops, max_len: int):
   """The prompt ``tokens [batch, seq]`` through the model: ``(logits of the
   last position [batch, vocab], k caches, v caches)``, one cache per layer,
@@ -207,17 +247,60 @@ def prefill(params, tokens, *, cfg: ModelConfig, ops: Ops, max_len: int):
   b, s = tokens.shape
   if s > max_len:
     raise ValueError(f"prompt length {s} exceeds max_len={max_len}")
-  kc, vc = [], []
-  with ops.context():
-    x = params["embed"][tokens]
-    pad = ((0, 0), (0, max_len - s), (0, 0), (0, 0))
-    for p in params["layers"]:
-      q, k, v = _qkv(p, x, cfg, ops)
-      x = _finish(p, x, ops.attention(q, k, v), cfg, ops)
-      kc.append(jnp.pad(k, pad))
-      vc.append(jnp.pad(v, pad))
-    logits = ops.matmul(_norm(x[:, -1]), params["lm_head"])
-  return logits, kc, vc
+  logits, ks, vs = _prefill(params, tokens, cfg, ops)
+  pad = ((0, 0), (0, max_len - s), (0, 0), (0, 0))
+  return logits, [jnp.pad(k, pad) for k in ks], [jnp.pad(v, pad) for v in vs]
+
+
+def random_block_tables(key: jax.Array, batch: int, max_pages: int) -> jax.Array:
+  """``[batch, max_pages]`` int32 block tables over a pool of ``batch *
+  max_pages`` pages: each sequence's pages drawn from a random permutation of
+  the pool, so a sequence's pages are neither in order nor adjacent (as a
+  serving allocator leaves them after a while)."""
+  if batch < 1 or max_pages < 1:
+    raise ValueError(f"batch and max_pages must be >= 1; got {batch} and {max_pages}")
+  perm = jax.random.permutation(key, batch * max_pages)
+  return perm.reshape(batch, max_pages).astype(jnp.int32)
+
+
+def _check_tables(block_tables, batch: int) -> None:
+  if (block_tables.ndim != 2 or block_tables.shape[0] != batch
+      or not jnp.issubdtype(block_tables.dtype, jnp.integer)):
+    raise ValueError(f"block_tables must be [batch={batch}, max_pages] integers; got "
+                     f"{block_tables.shape} {block_tables.dtype}")
+
+
+def paged_prefill(params, tokens, block_tables, *, cfg: ModelConfig, ops: Ops,
+                  page_size: int, num_pages: int | None = None):
+  """:func:`prefill` into a paged cache: ``(logits [batch, vocab], k pages,
+  v pages)``, per layer a pool ``[num_pages, page_size, kv_heads,
+  head_dim]`` (default ``num_pages``: ``batch * max_pages``) holding each
+  sequence's prompt in its pages ``block_tables [batch, max_pages]`` (the
+  logical cache: ``max_pages * page_size`` positions). Only the pages the
+  prompt reaches are written (their table entries must be pages of the
+  pool); the rest of the pool is zeros."""
+  b, s = tokens.shape
+  _check_tables(block_tables, b)
+  max_pages = block_tables.shape[1]
+  if page_size < 1 or s > max_pages * page_size:
+    raise ValueError(f"prompt length {s} exceeds the table's {max_pages} pages of "
+                     f"{page_size} positions")
+  num_pages = b * max_pages if num_pages is None else num_pages
+  used = -(-s // page_size)
+  ids = block_tables[:, :used].reshape(-1)
+  if not isinstance(ids, jax.core.Tracer) and ids.size:
+    lo, hi = int(jnp.min(ids)), int(jnp.max(ids))
+    if lo < 0 or hi >= num_pages:
+      raise ValueError(f"the prompt's pages must be in [0, {num_pages}) (the pool); got "
+                       f"page ids {lo}..{hi}")
+  logits, ks, vs = _prefill(params, tokens, cfg, ops)
+
+  def to_pages(c):  # [b, s, h, d] -> the pool, one scatter of whole pages
+    c = jnp.pad(c, ((0, 0), (0, used * page_size - s), (0, 0), (0, 0)))
+    pool = jnp.zeros((num_pages, page_size) + c.shape[2:], c.dtype)
+    return pool.at[ids].set(c.reshape((b * used, page_size) + c.shape[2:]))
+
+  return logits, [to_pages(k) for k in ks], [to_pages(v) for v in vs]
 
 
 def _check_step(params, kc, vc, lengths, tokens, cfg: ModelConfig) -> None:
@@ -257,17 +340,78 @@ def decode_step(params, kc, vc, lengths, tokens, *, cfg: ModelConfig, ops: Ops,
   into a donated cache; a step called again on the same, undonated buffers
   makes XLA copy every layer's whole cache, for every setting alike.)"""
   _check_step(params, kc, vc, lengths, tokens, cfg)
-  b = tokens.shape[0]
-  rows = jnp.arange(b)
+  rows = jnp.arange(tokens.shape[0])
+  return _decode(params, kc, vc, lengths, tokens, (rows, lengths), None, cfg, ops,
+                 write_cache)
+
+
+def _check_paged_step(params, kp, vp, block_tables, lengths, tokens,
+                      cfg: ModelConfig) -> None:
+  n = len(params["layers"])
+  if len(kp) != n or len(vp) != n:
+    raise ValueError(f"{n} layers need {n} k and v page pools; got {len(kp)} and {len(vp)}")
+  if tokens.ndim != 1 or lengths.shape != tokens.shape:
+    raise ValueError(f"tokens and lengths must both be [batch]; got {tokens.shape} and "
+                     f"{lengths.shape}")
+  if not (jnp.issubdtype(tokens.dtype, jnp.integer)
+          and jnp.issubdtype(lengths.dtype, jnp.integer)):
+    raise ValueError(f"tokens and lengths must be integers; got {tokens.dtype} and "
+                     f"{lengths.dtype}")
+  _check_tables(block_tables, tokens.shape[0])
+  for c in list(kp) + list(vp):
+    if c.ndim != 4 or c.shape != kp[0].shape or c.shape[2:] != (cfg.kv_heads, cfg.head_dim):
+      raise ValueError(f"page pools must all be [num_pages, page_size, kv_heads="
+                       f"{cfg.kv_heads}, head_dim={cfg.head_dim}]; got {c.shape}")
+  num_pages, page_size = kp[0].shape[:2]
+  cap = block_tables.shape[1] * page_size
+  if not isinstance(lengths, jax.core.Tracer):
+    lo, hi = int(jnp.min(lengths)), int(jnp.max(lengths))
+    if lo < 0 or hi >= cap:
+      raise ValueError(f"lengths must be in [0, {cap}) (the table's pages times the page "
+                       f"size); got {lo}..{hi}")
+    if not isinstance(block_tables, jax.core.Tracer):
+      # Every page a sequence reads or writes: entries up to lengths // page_size.
+      used = jnp.arange(block_tables.shape[1])[None, :] <= (lengths // page_size)[:, None]
+      bad = used & ((block_tables < 0) | (block_tables >= num_pages))
+      if bool(jnp.any(bad)):
+        b, j = (int(i[0]) for i in jnp.nonzero(bad))
+        raise ValueError(f"block_tables[{b}, {j}] = {int(block_tables[b, j])} is not a page "
+                         f"of the pool [0, {num_pages})")
+
+
+def paged_decode_step(params, k_pages, v_pages, block_tables, lengths, tokens, *,
+                      cfg: ModelConfig, ops: Ops, write_cache: bool = True):
+  """:func:`decode_step` on a paged cache: per layer the pools ``k_pages,
+  v_pages [num_pages, page_size, kv_heads, head_dim]``, and ``block_tables
+  [batch, max_pages]`` (each sequence's pages, in order; position ``j`` is
+  row ``j % page_size`` of page ``block_tables[b, j // page_size]``). The
+  new token's keys and values are scattered into row ``lengths % page_size``
+  of page ``block_tables[b, lengths // page_size]``; returns ``(logits,
+  k pages, v pages)``. ``write_cache=False`` as in :func:`decode_step`."""
+  _check_paged_step(params, k_pages, v_pages, block_tables, lengths, tokens, cfg)
+  page_size = k_pages[0].shape[1]
+  rows = jnp.arange(tokens.shape[0])
+  at = (block_tables[rows, lengths // page_size], lengths % page_size)
+  return _decode(params, k_pages, v_pages, lengths, tokens, at, block_tables, cfg, ops,
+                 write_cache)
+
+
+def _decode(params, kc, vc, lengths, tokens, at, block_tables, cfg: ModelConfig, ops: Ops,
+            write_cache: bool):
+  """The decode step on caches (``block_tables`` None) or pages; ``at``: the
+  index of each new token's row in them."""
   kc, vc = list(kc), list(vc)
   with ops.context():
     x = params["embed"][tokens][:, None]
     for i, p in enumerate(params["layers"]):
       q, k, v = _qkv(p, x, cfg, ops)
       if write_cache:
-        kc[i] = kc[i].at[rows, lengths].set(k[:, 0])
-        vc[i] = vc[i].at[rows, lengths].set(v[:, 0])
-      a = ops.decode_attention(q, kc[i], vc[i], lengths + 1)
+        kc[i] = kc[i].at[at].set(k[:, 0])
+        vc[i] = vc[i].at[at].set(v[:, 0])
+      if block_tables is None:
+        a = ops.decode_attention(q, kc[i], vc[i], lengths + 1)
+      else:
+        a = ops.decode_attention(q, kc[i], vc[i], lengths + 1, block_tables)
       x = _finish(p, x, a, cfg, ops)
     logits = ops.matmul(_norm(x[:, 0]), params["lm_head"])
   return logits, kc, vc
