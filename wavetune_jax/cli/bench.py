@@ -28,7 +28,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
       "trace + compile of a new prompt length (wall clock), TTFT (prefill) per prompt "
       "length and TPOT (one decode step, every sequence at the cache length, or spread "
       "over it with --cache-fill spread; the new token's keys and values are not "
-      "written, as a serving loop writes them in place) "
+      "written, as a serving loop writes them in place; the KV cache contiguous or, "
+      "with --cache-layout paged, in shuffled pages named by a block table) "
       "per batch and cache length, both CUPTI over the whole jitted step. Every "
       "setting's logits are checked against the xla setting's. Run twice with "
       "--compile-cache for a second process's compile times. Without a GPU: compile "
@@ -56,6 +57,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  help="TPOT rows: every sequence at the cache length (full, the default), "
                  "or lengths spread evenly over [1, cache length] as the decode sweeps "
                  "and tables measure them (spread: a serving batch of mixed lengths)")
+  m.add_argument("--cache-layout", choices=("contiguous", "paged"), default="contiguous",
+                 help="the KV cache: one [batch, length] cache per layer (contiguous, the "
+                 "default), or pages in a pool named by a block table (paged: each "
+                 "sequence's pages a random permutation of the pool; the xla setting "
+                 "gathers them into a contiguous cache for cuDNN, the wavetune ops read "
+                 "the pages)")
+  m.add_argument("--page-size", type=int, default=None, metavar="N",
+                 help="positions per page of --cache-layout paged, in [8, 1024], dividing "
+                 "every --cache length (default: 64)")
   m.add_argument("--iterations", type=positive_int, default=10,
                  help="timed calls per step, median reported (default: 10)")
   m.add_argument("--json", metavar="PATH", type=output_file,
@@ -93,6 +103,7 @@ def _bench_model(a) -> int:
   small = a.model.startswith("small")
   cfg = cfg.with_layers(a.layers or (cfg.layers if small else 4))
   settings = _settings(a.ops)
+  page_size = _page_size(a)
   if a.plot:
     pyplot()  # the error before the work
   _configure_xla(a)
@@ -103,8 +114,9 @@ def _bench_model(a) -> int:
   if on_gpu:
     from wavetune_jax.tuning.profiler import Profiler
     prof = Profiler(iterations=a.iterations)
-  print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers, settings "
-        f"{','.join(settings)}", flush=True)
+  layout = f"paged KV cache (pages of {page_size})" if page_size else "contiguous KV cache"
+  print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers, {layout}, "
+        f"settings {','.join(settings)}", flush=True)
   params = M.init(jax.random.PRNGKey(0), cfg)
   rows = []
   work = ([("prefill", s, a.batch) for s in a.prompt]
@@ -114,19 +126,30 @@ def _bench_model(a) -> int:
   for kind, length, batch in work:
     if kind == "prefill":
       extra = (jax.random.randint(jax.random.PRNGKey(length), (batch, length), 0, cfg.vocab),)
+      if page_size:  # the prompt's pages of a table as long as the prompt
+        extra += (M.random_block_tables(jax.random.PRNGKey(4), batch,
+                                        -(-length // page_size)),)
     else:  # each sequence at `filled`; the step attends over filled + 1 positions
-      shape = (batch, length + 1, cfg.kv_heads, cfg.head_dim)
+      # Paged: the new token at position `length` opens one more page.
+      shape = ((batch * (length // page_size + 1), page_size) if page_size
+               else (batch, length + 1)) + (cfg.kv_heads, cfg.head_dim)
       kc = [jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16)
             for i in range(cfg.layers)]
-      extra = (kc, kc, _filled(a.cache_fill, cfg, batch, length),
+      tables = ((M.random_block_tables(jax.random.PRNGKey(4), batch, length // page_size + 1),)
+                if page_size else ())
+      extra = (kc, kc, *tables, _filled(a.cache_fill, cfg, batch, length),
                jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab))
     # One flat list of arrays: the profiler times f(*arrays).
     args, tree = jax.tree_util.tree_flatten((params,) + extra)
     ref = None
     for name in settings:
       ops = M.make_ops(name)
-      if kind == "prefill":
+      if kind == "prefill" and page_size:
+        step = functools.partial(M.paged_prefill, cfg=cfg, ops=ops, page_size=page_size)
+      elif kind == "prefill":
         step = functools.partial(M.prefill, cfg=cfg, ops=ops, max_len=length)
+      elif page_size:
+        step = functools.partial(M.paged_decode_step, cfg=cfg, ops=ops, write_cache=False)
       else:
         step = functools.partial(M.decode_step, cfg=cfg, ops=ops, write_cache=False)
 
@@ -164,6 +187,7 @@ def _bench_model(a) -> int:
       done += 1
       row = {"setting": name, "kind": kind, "length": length, "batch": batch,
              **({"cache_fill": a.cache_fill} if kind == "decode" else {}),
+             "cache_layout": a.cache_layout, "page_size": page_size,
              "us": us, "compile_s": compile_s, **phases, "rel_diff_vs_xla": err,
              "kernels": kernels}
       rows.append(row)
@@ -172,11 +196,14 @@ def _bench_model(a) -> int:
           json.dump({"device": jax.devices()[0].device_kind, "model": cfg.name,
                      "layers": cfg.layers, "xla_autotune": a.xla_autotune,
                      "compile_cache": bool(a.compile_cache), "cache_fill": a.cache_fill,
+                     "cache_layout": a.cache_layout, "page_size": page_size,
                      "rows": rows}, f, indent=1)
         os.replace(a.json + ".tmp", a.json)
       t = f"{us:10.1f} us" if us else f"{'-':>13}"
       what = "TTFT" if kind == "prefill" else "TPOT"
       fill = " spread" if kind == "decode" and a.cache_fill == "spread" else ""
+      if kind == "decode" and page_size:
+        fill += f" paged/{page_size}"
       print(f"[{done}/{total}] {what} {name:<9} batch {batch:<4} "
             f"{'prompt' if kind == 'prefill' else 'cache'} {length:<6}{fill} {t}  trace+compile "
             f"{compile_s:6.2f} s (trace {phases['trace_s']:.2f}, of it selecting "
@@ -186,10 +213,25 @@ def _bench_model(a) -> int:
         print(f"      {kus:10.1f} us  {kname[:90]}", flush=True)
       if err > (25e-2 if cfg.experts else 5e-2):
         raise CliError(f"{name} differs from xla by {err:.3g} ({kind}, length {length})")
-  _summary(rows, settings)
+  _summary(rows, settings, layout)
   if a.plot:
     _plot(rows, settings, a.plot, cfg.name)
   return 0
+
+
+def _page_size(a) -> int | None:
+  """``--page-size`` under ``--cache-layout paged`` (default 64), checked
+  against the cache lengths; None for a contiguous cache."""
+  if a.cache_layout != "paged":
+    if a.page_size is not None:
+      raise CliError("--page-size applies to --cache-layout paged only")
+    return None
+  n = 64 if a.page_size is None else a.page_size
+  bad = [c for c in a.cache if c % n] if 8 <= n <= 1024 else []
+  if not 8 <= n <= 1024 or bad:
+    raise CliError(f"--page-size {n}: must be in [8, 1024] and divide every --cache length"
+                   + (f" (not {', '.join(map(str, bad))})" if bad else ""))
+  return n
 
 
 def _filled(fill: str, cfg, batch: int, length: int):
@@ -226,7 +268,7 @@ def _configure_xla(a) -> None:
     # (parsed tables follow JAX's cache folder by themselves: table_cache)
 
 
-def _summary(rows, settings) -> None:
+def _summary(rows, settings, layout: str) -> None:
   import numpy as np
   for kind in ("prefill", "decode"):
     base = {(r["length"], r["batch"]): r["us"] for r in rows
@@ -238,7 +280,8 @@ def _summary(rows, settings) -> None:
                if r["kind"] == kind and r["setting"] == name and r["us"]
                and (r["length"], r["batch"]) in base]
       if ratio:
-        print(f"{'TTFT' if kind == 'prefill' else 'TPOT'} {name} vs xla: geomean "
+        where = f" ({layout})" if kind == "decode" else ""
+        print(f"{'TTFT' if kind == 'prefill' else 'TPOT'}{where} {name} vs xla: geomean "
               f"{float(np.exp(np.mean(np.log(ratio)))):.3f}x, min {min(ratio):.3f}x, "
               f"max {max(ratio):.3f}x", flush=True)
 
