@@ -127,7 +127,7 @@ def test_space_rules_and_coords():
   space = DECODE.space(p, H100)
   tri = [c for c in space if isinstance(c, TritonDecodeConfig)]
   assert tri and {type(c).__name__ for c in space} == {"TritonDecodeConfig", "XlaDecodeConfig",
-                                                       "CudnnDecodeConfig"}
+                                                       "CudnnDecodeConfig", "MosaicDecodeConfig"}
   for c in tri:
     assert c.block_h == 16  # D1: 4 rows per KV head
     assert c.num_splits == 1 or 64 * c.num_splits <= 4 * H100.num_sms  # D3
@@ -141,9 +141,13 @@ def test_space_rules_and_coords():
   assert wt.CudnnDecodeConfig() in DECODE.space(p, H100)
   chunked = DecodeProblem(batch=8, q_heads=32, kv_heads=8, q_len=4, kv_len=4096, causal=False)
   assert wt.CudnnDecodeConfig() not in DECODE.space(chunked, H100)
-  # Sizes within one 32-key quantum share the space.
+  # Sizes within one 32-key quantum share the space, the Mosaic kernel's
+  # aside: it runs multiples of 8 only (quantum 8 where it runs the size,
+  # none where it does not).
   q = DecodeProblem(batch=8, q_heads=32, kv_heads=8, kv_len=4096 - 31)
-  assert DECODE.size_quantum(p) == 32 and DECODE.space(q, H100) == space
+  assert DECODE.size_quantum(p) == 8 and DECODE.size_quantum(q) == 32
+  assert DECODE.space(q, H100) == tuple(c for c in space
+                                        if not isinstance(c, wt.MosaicDecodeConfig))
 
 
 def test_heuristic_splits_by_programs_and_expected_keys():
@@ -174,9 +178,13 @@ def test_heuristic_splits_by_programs_and_expected_keys():
     assert c in DECODE.space(p, H100)
 
 
-def test_caches_beyond_32_bit_offsets_go_to_xla():
+def test_caches_beyond_32_bit_offsets_go_to_mosaic():
+  # The Triton kernel's 32-bit offsets cannot address it; the Mosaic kernel's
+  # TMA coordinates can (XLA's attention ran such caches at about 1/6 of
+  # cuDNN's speed on an H100).
   big = DecodeProblem(batch=256, q_heads=32, kv_heads=8, kv_len=131072)  # 2^35 elements
-  assert DECODE.heuristic(big, H100) == wt.XlaDecodeConfig()
+  assert DECODE.heuristic(big, H100) == DECODE.backend("mosaic").heuristic(big, H100)
+  assert isinstance(DECODE.heuristic(big, H100), wt.MosaicDecodeConfig)
   assert all(not isinstance(c, TritonDecodeConfig) for c in DECODE.space(big, H100))
   with pytest.raises(ValueError, match="32-bit offsets"):
     DECODE.validate(big, TritonDecodeConfig(), H100)
