@@ -8,8 +8,9 @@ float32 reference and times it with CUPTI (L2 flushed):
 
 * Mosaic configs of ``pallas_kernels.decode.mosaic`` (``block_k``, stages,
   splits around the problem's programs);
-* cuDNN and XLA through ``jax.nn.dot_product_attention`` (XLA gathers the
-  pages first on a paged cache; the gather is timed);
+* cuDNN and XLA through ``jax.nn.dot_product_attention``; on a paged cache
+  the family's platform backends (XLA on the gathered pages, the gather
+  timed; cuDNN's paged attention for one query);
 * the Triton kernel's heuristic config (contiguous cache only).
 
 Prints the best Mosaic config, the faster platform op, their ratio, and the
@@ -25,6 +26,7 @@ length.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
@@ -36,6 +38,7 @@ import numpy as np
 from pallas_kernels.attention.reference import attention_reference
 from pallas_kernels.decode import mosaic as km
 from wavetune_jax.core import hardware
+from wavetune_jax import DECODE, CudnnDecodeConfig, XlaDecodeConfig
 from wavetune_jax.families.decode.library import library_attention
 from wavetune_jax.families.decode.problem import DecodeProblem
 from wavetune_jax.tuning import evaluate, profiler
@@ -147,6 +150,9 @@ def main():
     cap = 4 if edge else a.max_configs
     if cap and len(cands) > cap:
       cands = [cands[round(i * (len(cands) - 1) / (cap - 1))] for i in range(cap)]
+    heur = DECODE.backend("mosaic").heuristic(dataclasses.replace(p, page_size=page), hw)
+    if heur is not None and heur not in cands:
+      cands.append(heur)
     names = [f"mosaic {c.block_k}/{c.num_stages}/{c.num_splits}" for c in cands]
     if page:
       kpg, vpg, table = make_pages(k, v, page, kp)
@@ -154,18 +160,12 @@ def main():
       fns = [lambda q, kp_, vp_, l, bt, c=c: km.decode_attention(
           q, kp_, vp_, config=c, kv_lengths=l, block_tables=bt) for c in cands]
 
-      def xla_paged(q, kp_, vp_, l, bt):
-        kk_ = kp_[bt].reshape(b, s, hkv, d)
-        vv_ = vp_[bt].reshape(b, s, hkv, d)
-        return library_attention(p, "xla", q, kk_, vv_, l, safe=True)
-
-      def cudnn_paged(q, kp_, vp_, l, bt):
-        kk_ = kp_[bt].reshape(b, s, hkv, d)
-        vv_ = vp_[bt].reshape(b, s, hkv, d)
-        return library_attention(p, "cudnn", q, kk_, vv_, l) if t == 1 else \
-            library_attention(p, "xla", q, kk_, vv_, l)
+      # The family's platform backends on the pages: XLA on the gathered
+      # pages, cuDNN's paged attention (JAX's wrapper; one query).
+      pp = dataclasses.replace(p, page_size=page)
       names += ["xla", "cudnn"]
-      fns += [xla_paged, cudnn_paged]
+      fns += [DECODE.build(pp, XlaDecodeConfig()),
+              DECODE.build(pp, CudnnDecodeConfig() if t == 1 else XlaDecodeConfig())]
     else:
       args = (q, k, v, lens)
       fns = [lambda q, k_, v_, l, c=c: km.decode_attention(q, k_, v_, config=c, kv_lengths=l)
