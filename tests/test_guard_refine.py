@@ -419,3 +419,21 @@ def test_a_decision_answers_its_size_bucket(measuring):
   assert len(calls) == 3 and same.config == first.config and same.source == "measured"
   assert [c[0].m for c in calls] == [1100, 2100, 1900]
   assert other.source == weight.source == "measured"
+
+
+def test_refinement_measures_a_backend_the_table_has_no_model_of():
+  # The shipped decode tables were swept before the Mosaic decode kernel:
+  # first use measures that kernel's own rule next to the table's answers;
+  # a family whose table models every backend gets no such extra candidate.
+  p = DecodeProblem(batch=16, q_heads=16, kv_heads=8, kv_len=8192, head_dim=256)
+  d = selector._decider(DECODE, H100)
+  assert "mosaic" not in {dict(v)["backend"] for v in d.table.entries}
+  cands = refine.candidates(DECODE, p, H100, d, None)
+  assert DECODE.backend("mosaic").heuristic(p, H100) in cands
+  assert cands[0] == DECODE.platform_config(p, H100)
+  m = MatmulProblem(m=1000, n=14336, k=4096)
+  dm = selector._decider(MATMUL, H100)
+  held = {dict(v)["backend"] for v in dm.table.entries}
+  extra = [c for c in refine.candidates(MATMUL, m, H100, dm, None)
+           if MATMUL.backend_of(c).name not in held and not MATMUL.backend_of(c).platform]
+  assert extra == []

@@ -10,6 +10,8 @@ length and routing mixes their sweeps use):
 
 * the platform config (:meth:`Family.platform_config`);
 * the table's answer after the guard, the exact entry, the heuristic's config;
+* the own rule's config of each kernel backend the table holds no model of
+  (a backend newer than the table);
 * the wave model's top :data:`TOP_K` configs (:meth:`Decider.ranked`).
 
 A decision also answers the other sizes of the problem's weight in the same
@@ -105,6 +107,19 @@ def candidates(spec: Family, problem, hw: Hardware, decider, base, *,
     out.append(spec.heuristic(problem, hw))
   except ValueError:
     pass
+  # A kernel backend the table holds no model of (a backend newer than the
+  # table, such as the Mosaic decode kernel next to tables swept before it)
+  # is measured through its own rule, so first use can find it where it wins.
+  held = set() if decider is None else {dict(v).get("backend") for v in decider.table.entries}
+  for b in spec.available(hw):
+    if b.platform or b.name in held:
+      continue
+    try:
+      c = b.heuristic(problem, hw)
+    except ValueError:
+      c = None
+    if c is not None:
+      out.append(c)
   if decider is not None:
     out += decider.ranked(problem, k)
   seen, keep = set(), []
