@@ -936,7 +936,7 @@ def test_the_largest_group_m_traces_for_the_widest_output():
 @pytest.mark.parametrize("family,config", [
     ("matmul", wt.TritonAttentionConfig()), ("attention", wt.XlaMatmulConfig()),
     ("decode", wt.TritonAttentionConfig()), ("ragged_dot", wt.TritonMatmulConfig()),
-    ("matmul", {"backend": "cudnn"}), ("decode", {"backend": "mosaic"}),
+    ("matmul", {"backend": "cudnn"}), ("decode", {"backend": "tensorrt"}),
 ])
 def test_configs_of_another_family_are_refused(family, config):
   with pytest.raises(ValueError, match=rf"{family} config|has no backend"):

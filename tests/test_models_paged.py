@@ -101,6 +101,9 @@ def test_paged_decoder_with_wavetune_ops():
 
 
 def test_bench_model_paged_runs_and_checks_every_setting(tmp_path, capsys):
+  # Decisions memoized by earlier tests of this process would count as none.
+  from wavetune_jax.runtime import selector
+  selector.clear()
   out = tmp_path / "bench.json"
   rc = main(["bench", "model", "--model", "small", "--layers", "1", "--prompt", "12",
              "--decode-batch", "2", "--cache", "32", "--ops", "heuristic",
