@@ -37,6 +37,7 @@ import numpy as np
 
 from pallas_kernels.attention.reference import attention_reference
 from pallas_kernels.decode import mosaic as km
+from pallas_kernels.decode import paging
 from wavetune_jax.core import hardware
 from wavetune_jax import DECODE, CudnnDecodeConfig, XlaDecodeConfig
 from wavetune_jax.families.decode.library import library_attention
@@ -68,12 +69,10 @@ def lengths(batch, kv_len, q_len, mix, key):
 
 def make_pages(k, v, page, key):
   """Pages of a contiguous cache, shuffled in the pool, and the block table."""
-  b, s, h, d = k.shape
-  mp = s // page
-  perm = jax.random.permutation(key, b * mp)
-  kp = jnp.zeros((b * mp, page, h, d), k.dtype).at[perm].set(k.reshape(b * mp, page, h, d))
-  vp = jnp.zeros((b * mp, page, h, d), v.dtype).at[perm].set(v.reshape(b * mp, page, h, d))
-  return kp, vp, perm.reshape(b, mp).astype(jnp.int32)
+  b, s = k.shape[:2]
+  table = paging.shuffled_tables(key, b, s // page)
+  return (paging.to_pages(k, table, b * (s // page)), paging.to_pages(v, table, b * (s // page)),
+          table)
 
 
 def mosaic_configs(p, hw, quick):

@@ -32,6 +32,7 @@ import numpy as np
 
 import wavetune_jax as wt
 from pallas_kernels.attention.reference import attention_reference
+from pallas_kernels.decode import paging
 from wavetune_jax import DECODE, DecodeProblem, get_hardware
 from wavetune_jax.families.decode import library
 from wavetune_jax.families.decode.triton import splits_of
@@ -41,11 +42,14 @@ TIMED = [(32, 8, 8, 4096, 16), (32, 8, 8, 4096, 64), (32, 8, 32, 8192, 64),
          (32, 8, 1, 32768, 64), (8, 1, 64, 4096, 16), (32, 8, 32, 4096, 128)]
 
 
-def paged_cache(b, hq, hkv, d, page, max_pages, lens, spare, seed=0):
-  """``(q, k, v, k_pages, v_pages, table, lengths)`` as the CPU tests build them."""
+def paged_cache(b, hq, hkv, d, page, max_pages, lens, spare, seed=0, t=1):
+  """``(q, k, v, k_pages, v_pages, table, lengths)``: a contiguous cache with
+  NaN in K and Inf in V past each length, and the same cache in shuffled
+  pages of a pool with ``spare`` NaN pages no sequence uses; table entries
+  past a sequence's last page hold -1 (the CPU tests build theirs here)."""
   s = page * max_pages
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-  q = jax.random.normal(ks[0], (b, 1, hq, d), jnp.float32).astype(jnp.bfloat16)
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(ks[0], (b, t, hq, d), jnp.float32).astype(jnp.bfloat16)
   k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.float32).astype(jnp.bfloat16)
   v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.float32).astype(jnp.bfloat16)
   lengths = jnp.asarray(lens, jnp.int32)
@@ -53,15 +57,12 @@ def paged_cache(b, hq, hkv, d, page, max_pages, lens, spare, seed=0):
   k = jnp.where(past, jnp.nan, k).astype(k.dtype)
   v = jnp.where(past, jnp.inf, v).astype(v.dtype)
   n = b * max_pages + spare
-  ids = np.random.RandomState(seed).permutation(n)[:b * max_pages]
-  kp = jnp.full((n, page, hkv, d), jnp.nan, k.dtype).at[ids].set(
-      k.reshape(b * max_pages, page, hkv, d))
-  vp = jnp.full((n, page, hkv, d), jnp.nan, v.dtype).at[ids].set(
-      v.reshape(b * max_pages, page, hkv, d))
+  ids = paging.shuffled_tables(ks[3], b, max_pages, n)
+  kp = paging.to_pages(k, ids, n, fill=jnp.nan)
+  vp = paging.to_pages(v, ids, n, fill=jnp.nan)
   used = -(-np.asarray(lens) // page)
-  table = np.where(np.arange(max_pages)[None, :] < used[:, None],
-                   ids.reshape(b, max_pages), -1).astype(np.int32)
-  return q, k, v, kp, vp, jnp.asarray(table), lengths
+  table = np.where(np.arange(max_pages)[None, :] < used[:, None], np.asarray(ids), -1)
+  return q, k, v, kp, vp, jnp.asarray(table, jnp.int32), lengths
 
 
 def check_row(name, out, ref, lens) -> dict:

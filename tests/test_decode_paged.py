@@ -32,6 +32,8 @@ from wavetune_jax.families.decode.triton import block_ks
 
 H100 = get_hardware("h100")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import decode_paged  # noqa: E402
 SPARE = 3  # pages of the pool no sequence uses (all NaN)
 
 
@@ -39,27 +41,8 @@ def paged_cache(b, t, hq, hkv, page, max_pages, lens, d=64, seed=0):
   """``(q, k, v, k_pages, v_pages, table, lengths)``: a contiguous cache with
   NaN in K and Inf in V past each length, and the same cache in shuffled
   pages of a pool with SPARE NaN pages; table entries past a sequence's
-  last page hold -1."""
-  s = page * max_pages
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-  q = jax.random.normal(ks[0], (b, t, hq, d), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(ks[1], (b, s, hkv, d), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(ks[2], (b, s, hkv, d), jnp.float32).astype(jnp.bfloat16)
-  lengths = jnp.asarray(lens, jnp.int32)
-  past = jnp.arange(s)[None, :, None, None] >= lengths[:, None, None, None]
-  k = jnp.where(past, jnp.nan, k).astype(k.dtype)
-  v = jnp.where(past, jnp.inf, v).astype(v.dtype)
-  rng = np.random.RandomState(seed)
-  n = b * max_pages + SPARE
-  ids = rng.permutation(n)[:b * max_pages]
-  k_pages = jnp.full((n, page, hkv, d), jnp.nan, k.dtype).at[ids].set(
-      k.reshape(b * max_pages, page, hkv, d))
-  v_pages = jnp.full((n, page, hkv, d), jnp.nan, v.dtype).at[ids].set(
-      v.reshape(b * max_pages, page, hkv, d))
-  table = ids.reshape(b, max_pages).astype(np.int32)
-  used = -(-np.asarray(lens) // page)
-  table = np.where(np.arange(max_pages)[None, :] < used[:, None], table, -1)
-  return q, k, v, k_pages, v_pages, jnp.asarray(table), lengths
+  last page hold -1 (benchmarks/decode_paged.py builds the GPU's alike)."""
+  return decode_paged.paged_cache(b, hq, hkv, d, page, max_pages, lens, SPARE, seed=seed, t=t)
 
 
 def reference(q, k, v, lengths, causal=True):
@@ -387,3 +370,14 @@ def test_sweep_lengths_option():
   sweep_cli.check_resumed_options("f", {"lengths": "full"}, {})  # matmul: no option
   from wavetune_jax.cli.main import main
   assert main(["sweep", "--family", "matmul", "--lengths", "full"]) == 2
+
+
+def test_to_pages_is_the_inverse_of_gather_pages():
+  cache = jax.random.normal(jax.random.PRNGKey(5), (3, 48, 2, 8))
+  table = paging.shuffled_tables(jax.random.PRNGKey(6), 3, 3, num_pages=11)
+  assert sorted(np.asarray(table).ravel().tolist()) == sorted(set(np.asarray(table).ravel()))
+  pool = paging.to_pages(cache, table, 11, fill=jnp.nan)
+  np.testing.assert_array_equal(np.asarray(paging.gather_pages(pool, table)), np.asarray(cache))
+  assert int(jnp.isnan(pool).all(axis=(1, 2, 3)).sum()) == 11 - 9  # the unused pages
+  with pytest.raises(ValueError, match="cannot hold"):
+    paging.shuffled_tables(jax.random.PRNGKey(0), 3, 3, num_pages=8)

@@ -55,6 +55,7 @@ from pallas_kernels._launch import check_ints, match_varying, out_struct, \
     require_compute_capability
 from pallas_kernels.attention.common import check_call, check_lengths
 from pallas_kernels.attention.mosaic import swizzle_bytes
+from pallas_kernels.decode import chunk_len, splits_of
 
 __all__ = ["BLOCK_H", "BLOCK_K", "COMPUTE_CAPABILITY", "MAX_SPLITS", "MosaicDecodeConfig",
            "NO_INTERPRET", "check_shapes", "combine", "decode_attention", "smem_bytes"]
@@ -101,18 +102,6 @@ class MosaicDecodeConfig:
     if not 1 <= self.num_splits <= MAX_SPLITS:
       raise ValueError(f"MosaicDecodeConfig.num_splits={self.num_splits} must be in "
                        f"[1, {MAX_SPLITS}]")
-
-
-def chunk_len(kv_len: int, num_splits: int, block_k: int) -> int:
-  """Keys per chunk of a full cache: ``kv_len / num_splits`` in whole blocks."""
-  per = -(-kv_len // num_splits)
-  return -(-per // block_k) * block_k
-
-
-def splits_of(kv_len: int, num_splits: int, block_k: int) -> int:
-  """Chunks that hold keys of a full cache (fewer than asked where the
-  blocks do not divide)."""
-  return -(-kv_len // chunk_len(kv_len, num_splits, block_k))
 
 
 def padded_rows(rows: int) -> int:

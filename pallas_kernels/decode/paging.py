@@ -25,7 +25,7 @@ import numpy as np
 from pallas_kernels._integers import clipped_int32
 
 __all__ = ["check_pages", "check_block_tables", "table_int32", "clip_pages", "gather_pages",
-           "is_concrete", "logical_cache"]
+           "is_concrete", "logical_cache", "shuffled_tables", "to_pages"]
 
 
 def is_concrete(x) -> bool:
@@ -136,3 +136,29 @@ def logical_cache(pages, batch: int, max_pages: int) -> jax.ShapeDtypeStruct:
   that contiguous calls share)."""
   _, page_size, heads, d = pages.shape
   return jax.ShapeDtypeStruct((batch, max_pages * page_size, heads, d), pages.dtype)
+
+
+def shuffled_tables(key: jax.Array, batch: int, max_pages: int,
+                    num_pages: int | None = None) -> jax.Array:
+  """``[batch, max_pages]`` int32 block tables whose pages are drawn from a
+  random permutation of a pool of ``num_pages`` (default ``batch *
+  max_pages``): a sequence's pages neither in order nor adjacent, as a
+  serving allocator leaves them after a while."""
+  n = batch * max_pages if num_pages is None else num_pages
+  if batch < 1 or max_pages < 1 or n < batch * max_pages:
+    raise ValueError(f"a pool of {n} pages cannot hold batch={batch} x max_pages="
+                     f"{max_pages} distinct pages")
+  perm = jax.random.permutation(key, n)[:batch * max_pages]
+  return perm.reshape(batch, max_pages).astype(jnp.int32)
+
+
+def to_pages(cache: jax.Array, block_tables, num_pages: int, fill=0) -> jax.Array:
+  """A contiguous cache ``[batch, max_pages * page_size, kv_heads, head_dim]``
+  written into a pool of ``num_pages`` pages at the ids of ``block_tables``
+  (distinct, in range); the pages no entry names hold ``fill``. The inverse
+  of :func:`gather_pages`."""
+  batch, max_pages = np.shape(block_tables)
+  page = cache.shape[1] // max_pages
+  pool = jnp.full((num_pages, page) + cache.shape[2:], fill, cache.dtype)
+  rows = cache.reshape((batch * max_pages, page) + cache.shape[2:])
+  return pool.at[jnp.asarray(block_tables).reshape(-1)].set(rows)

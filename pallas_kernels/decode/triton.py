@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels._launch import MIN_BLOCK, check_launch, match_varying, out_struct
 from pallas_kernels._triton_lowering import compiler_params, plgpu
 from pallas_kernels.attention.common import check_call, check_lengths
+from pallas_kernels.decode import chunk_len
 from pallas_kernels.decode import paging
 
 __all__ = ["TritonDecodeConfig", "decode_attention", "chunk_len", "MAX_SPLITS", "MAX_ELEMENTS"]
@@ -93,12 +94,6 @@ class TritonDecodeConfig:
     if not 1 <= self.num_splits <= MAX_SPLITS:
       raise ValueError(f"TritonDecodeConfig.num_splits={self.num_splits} must be in "
                        f"[1, {MAX_SPLITS}]")
-
-
-def chunk_len(kv_len: int, num_splits: int, block_k: int) -> int:
-  """Keys per chunk: ``kv_len / num_splits`` rounded up to whole blocks."""
-  per = -(-kv_len // num_splits)
-  return -(-per // block_k) * block_k
 
 
 def _decode_kernel(*refs, q_len, kv_len, rows, group, head_dim, dp, bh, bk, chunk, splits,

@@ -38,6 +38,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.decode import paging
+
 __all__ = ["ModelConfig", "MODELS", "OPS", "Ops", "make_ops", "ops_names", "init", "prefill",
            "decode_step", "paged_prefill", "paged_decode_step", "random_block_tables",
            "moe_mlp", "library_attention_impl"]
@@ -259,8 +261,7 @@ def random_block_tables(key: jax.Array, batch: int, max_pages: int) -> jax.Array
   serving allocator leaves them after a while)."""
   if batch < 1 or max_pages < 1:
     raise ValueError(f"batch and max_pages must be >= 1; got {batch} and {max_pages}")
-  perm = jax.random.permutation(key, batch * max_pages)
-  return perm.reshape(batch, max_pages).astype(jnp.int32)
+  return paging.shuffled_tables(key, batch, max_pages)
 
 
 def _check_tables(block_tables, batch: int) -> None:
@@ -303,10 +304,7 @@ def paged_prefill(params, tokens, block_tables, *, cfg: ModelConfig, ops: Ops,
   return logits, [to_pages(k) for k in ks], [to_pages(v) for v in vs]
 
 
-def _check_step(params, kc, vc, lengths, tokens, cfg: ModelConfig) -> None:
-  n = len(params["layers"])
-  if len(kc) != n or len(vc) != n:
-    raise ValueError(f"{n} layers need {n} k and v caches; got {len(kc)} and {len(vc)}")
+def _check_tokens(tokens, lengths) -> None:
   if tokens.ndim != 1 or lengths.shape != tokens.shape:
     raise ValueError(f"tokens and lengths must both be [batch]; got {tokens.shape} and "
                      f"{lengths.shape}")
@@ -314,6 +312,13 @@ def _check_step(params, kc, vc, lengths, tokens, cfg: ModelConfig) -> None:
           and jnp.issubdtype(lengths.dtype, jnp.integer)):
     raise ValueError(f"tokens and lengths must be integers; got {tokens.dtype} and "
                      f"{lengths.dtype}")
+
+
+def _check_step(params, kc, vc, lengths, tokens, cfg: ModelConfig) -> None:
+  n = len(params["layers"])
+  if len(kc) != n or len(vc) != n:
+    raise ValueError(f"{n} layers need {n} k and v caches; got {len(kc)} and {len(vc)}")
+  _check_tokens(tokens, lengths)
   want = (tokens.shape[0], None, cfg.kv_heads, cfg.head_dim)
   for c in list(kc) + list(vc):
     if (c.ndim != 4 or c.shape != kc[0].shape
@@ -350,13 +355,7 @@ def _check_paged_step(params, kp, vp, block_tables, lengths, tokens,
   n = len(params["layers"])
   if len(kp) != n or len(vp) != n:
     raise ValueError(f"{n} layers need {n} k and v page pools; got {len(kp)} and {len(vp)}")
-  if tokens.ndim != 1 or lengths.shape != tokens.shape:
-    raise ValueError(f"tokens and lengths must both be [batch]; got {tokens.shape} and "
-                     f"{lengths.shape}")
-  if not (jnp.issubdtype(tokens.dtype, jnp.integer)
-          and jnp.issubdtype(lengths.dtype, jnp.integer)):
-    raise ValueError(f"tokens and lengths must be integers; got {tokens.dtype} and "
-                     f"{lengths.dtype}")
+  _check_tokens(tokens, lengths)
   _check_tables(block_tables, tokens.shape[0])
   for c in list(kp) + list(vp):
     if c.ndim != 4 or c.shape != kp[0].shape or c.shape[2:] != (cfg.kv_heads, cfg.head_dim):

@@ -205,8 +205,7 @@ class DecodeFamily(Family):
     if p.lengths:
       out += (self.length_values(p, jax.random.fold_in(key, 1)),)
     if p.page_size:
-      pages = jax.random.permutation(jax.random.fold_in(key, 2), p.batch * p.max_pages)
-      out += (pages.astype(jnp.int32).reshape(p.batch, p.max_pages),)
+      out += (paging.shuffled_tables(jax.random.fold_in(key, 2), p.batch, p.max_pages),)
     return out
 
   def length_values(self, problem: DecodeProblem, key: jax.Array) -> jax.Array:

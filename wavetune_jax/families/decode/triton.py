@@ -8,8 +8,9 @@ import itertools
 
 import numpy as np
 
+from pallas_kernels.decode import chunk_len, splits_of
 from pallas_kernels.decode.triton import (MAX_ELEMENTS, MAX_SPLITS, TritonDecodeConfig,
-                                          chunk_len, decode_attention)
+                                          decode_attention)
 from wavetune_jax.core.family import interned
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families import _triton
@@ -46,12 +47,6 @@ NUM_STAGES = (2, 3)
 #                that divide it, or where none does (pages of 16 or 32
 #                rows, or 48, 80, ...) the largest of 16 and 32 that does;
 #                pages not a multiple of 16 rows: no Triton config.
-
-
-def splits_of(kv_len: int, num_splits: int, block_k: int) -> int:
-  """Chunks that hold keys when ``num_splits`` is asked for (chunks are
-  whole blocks, so fewer than asked where the blocks do not divide)."""
-  return -(-kv_len // chunk_len(kv_len, num_splits, block_k))
 
 
 def coords_aux(p: DecodeProblem, block_h: int, block_k: int, num_splits: int):
@@ -219,7 +214,7 @@ class TritonDecode(_triton.TritonBackend):
     if not self.runs_shape(problem):
       raise ValueError(f"the Triton decode kernel addresses the cache with 32-bit offsets: "
                        f"at most {MAX_ELEMENTS} elements per array; use the xla backend")
-    splits = -(-p.kv_len // chunk_len(p.kv_len, config.num_splits, config.block_k))
+    splits = splits_of(p.kv_len, config.num_splits, config.block_k)
     partials = splits * p.batch * p.q_heads * p.q_len * p.head_dim
     if splits > 1 and partials > MAX_ELEMENTS:
       raise ValueError(f"config {config}: its float32 partials ({partials} elements) pass the "
