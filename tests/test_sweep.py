@@ -139,3 +139,20 @@ def test_merge_takes_whole_problems_from_the_newer_file(tmp_path):
   sweep.SweepFile(c, other)
   with pytest.raises(ValueError, match="cannot merge"):
     sweep.merge_sweeps(a, c)
+
+
+def test_report_states_each_backends_best_against_the_baseline_and_oracle():
+  # The recorded H100 sweep of the Mosaic decode space next to the Triton and
+  # library rows of the same 38 problems.
+  import os
+  import re
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "data", "probes", "decode_mosaic_sweep_h100.jsonl.gz")
+  text = report.render(path)
+  found = re.findall(r"best (\w+) config: ([\d.]+)x cuDNN, ([\d.]+) of the oracle "
+                     r"\(geomean over (\d+) problems\), the oracle of (\d+)", text)
+  assert {f[0] for f in found} == {"cudnn", "mosaic", "triton"}, text[-800:]
+  assert all(f[3] == "38" and 0 < float(f[2]) <= 1.0 for f in found)
+  assert sum(int(f[4]) for f in found) == 38  # every problem's oracle is one backend's best
+  cudnn = next(f for f in found if f[0] == "cudnn")
+  assert float(cudnn[1]) == 1.0  # the baseline against itself
