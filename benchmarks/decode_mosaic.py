@@ -103,6 +103,53 @@ def copy_bandwidth(prof) -> float:
   return 2 * x.size * 2 / (m.median_us * 1e-6)
 
 
+def summarize(paths) -> str:
+  """The figures of docs/results.md from saved runs (no GPU): over the rows
+  at batch >= 8 and cache >= 4,096 (a later file's row replaces an earlier
+  one's), the best Mosaic config against the faster platform op per layout,
+  the full caches' share of the data-sheet bandwidth, the Triton heuristic
+  against the best Mosaic config, and (within each file) the Mosaic
+  kernel's paged speed against its contiguous speed per page size."""
+  g = evaluate._geomean
+  rows, paged_vs = {}, {}
+  for path in paths:
+    with open(path) as f:
+      run = json.load(f)
+    mine = {}
+    for r in run["rows"]:
+      hq, hkv, b, s, t, d = r["problem"]
+      if r.get("best") and r.get("ratio") and b >= 8 and s >= 4096:
+        key = (tuple(r["problem"]), r["mix"], r["page"])
+        rows[key] = mine[key] = r
+    for (prob, mix, page), r in mine.items():
+      c = mine.get((prob, mix, 0))
+      if page and c:
+        paged_vs.setdefault(page, []).append(c["times"][c["best"]] / r["times"][r["best"]])
+  lines = []
+  for page in sorted({k[2] for k in rows}):
+    rs = [r["ratio"] for k, r in rows.items() if k[2] == page]
+    what = f"pages of {page}" if page else "contiguous"
+    lines.append(f"{what}: best Mosaic config / faster platform op {g(rs):.3f}x geomean, "
+                 f"{min(rs):.3f}x min, {max(rs):.3f}x max over {len(rs)} rows")
+  full = [r for k, r in rows.items() if k[1] == "full" and k[2] == 0]
+  peak = {hardware.device_key(r["device"]): PEAK_HBM.get(hardware.device_key(r["device"]))
+          for r in full}
+  shares = sorted(r["bw"] / PEAK_HBM[hardware.device_key(r["device"])] for r in full
+                  if PEAK_HBM.get(hardware.device_key(r["device"])))
+  if shares:
+    lines.append(f"full caches, contiguous: {', '.join(f'{x:.0%}' for x in shares)} of the "
+                 f"data-sheet HBM bandwidth ({', '.join(f'{k} {v / 1e12:.2f} TB/s' for k, v in peak.items() if v)})")
+  tri = [r["times"][r["best"]] / r["times"]["triton"] for k, r in rows.items()
+         if k[2] == 0 and "triton" in r["times"]]
+  if tri:
+    lines.append(f"Triton heuristic config / best Mosaic config (speed), contiguous: "
+                 f"{min(tri):.3f}-{max(tri):.3f}x")
+  for page, v in sorted(paged_vs.items()):
+    lines.append(f"Mosaic paged / contiguous speed, pages of {page}: worst {min(v):.3f}x, "
+                 f"mean {sum(v) / len(v):.3f}x over {len(v)} rows")
+  return "\n".join(lines)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--quick", action="store_true")
@@ -113,7 +160,12 @@ def main():
   ap.add_argument("--problems", help="a slice i:j of the problem list")
   ap.add_argument("--mixes", default="spread,full")
   ap.add_argument("--json")
+  ap.add_argument("--summarize", nargs="+", metavar="JSON",
+                  help="print the docs' figures from saved --json runs (no GPU) and exit")
   a = ap.parse_args()
+  if a.summarize:
+    print(summarize(a.summarize))
+    return 0
   dev = jax.devices()[0]
   hw = hardware.detect()
   print(dev.device_kind, jax.__version__, flush=True)

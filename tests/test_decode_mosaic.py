@@ -158,3 +158,20 @@ def test_combine_of_split_partials_matches_the_reference():
   np.testing.assert_allclose(np.asarray(out.transpose(0, 2, 1, 3)), np.asarray(ref),
                              atol=1e-5, rtol=1e-5)
   assert np.all(np.asarray(out[1]) == 0)  # a sequence of length 0 gives zeros
+
+
+def test_the_docs_figures_come_from_the_recorded_runs():
+  # benchmarks/decode_mosaic.py --summarize on the two H100 runs on record.
+  import os
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  sys.path.insert(0, os.path.join(root, "benchmarks"))
+  import decode_mosaic
+  runs = [os.path.join(root, "data", "probes", f"decode_mosaic_h100_{x}.json") for x in "ab"]
+  text = decode_mosaic.summarize(runs)
+  assert re.search(r"contiguous: best Mosaic config / faster platform op 1\.030x geomean, "
+                   r"0\.936x min, 1\.424x max over 12 rows", text), text
+  assert "pages of 16: worst 0.932x" in text and "pages of 256: worst 0.981x" in text
+  shares = [int(x) for x in re.search(r"full caches, contiguous: (.*) of the", text)
+            .group(1).replace("%", "").split(", ")]
+  assert shares == sorted(shares) and len(shares) == 6 and 89 <= shares[-1] <= 93
