@@ -175,3 +175,17 @@ def test_the_docs_figures_come_from_the_recorded_runs():
   shares = [int(x) for x in re.search(r"full caches, contiguous: (.*) of the", text)
             .group(1).replace("%", "").split(", ")]
   assert shares == sorted(shares) and len(shares) == 6 and 89 <= shares[-1] <= 93
+
+
+def test_kernel_call_checks_its_inputs_before_the_device():
+  q = jnp.zeros((2, 1, 8, 128), jnp.bfloat16)
+  pages = jnp.zeros((4, 16, 2, 128), jnp.bfloat16)
+  cfg = kernel.MosaicDecodeConfig(block_k=64)
+  with pytest.raises(ValueError, match="block_tables"):  # a page id outside the pool
+    kernel.decode_attention(q, pages, pages, config=cfg, block_tables=jnp.array([[0, 9], [1, 2]]),
+                            kv_lengths=jnp.array([32, 32]))
+  with pytest.raises(ValueError, match="head_dim"):
+    kernel.decode_attention(q[..., :48], pages[..., :48], pages[..., :48], config=cfg,
+                            block_tables=jnp.array([[0, 3], [1, 2]]))
+  with pytest.raises(ValueError, match="Hopper|compute capability|GPU"):  # valid, but a CPU
+    kernel.decode_attention(q, pages, pages, config=cfg, block_tables=jnp.array([[0, 3], [1, 2]]))

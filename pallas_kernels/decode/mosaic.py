@@ -55,7 +55,7 @@ from pallas_kernels._launch import check_ints, match_varying, out_struct, \
     require_compute_capability
 from pallas_kernels.attention.common import check_call, check_lengths
 from pallas_kernels.attention.mosaic import swizzle_bytes
-from pallas_kernels.decode import chunk_len, splits_of
+from pallas_kernels.decode import chunk_len, paging, splits_of
 
 __all__ = ["BLOCK_H", "BLOCK_K", "COMPUTE_CAPABILITY", "MAX_SPLITS", "MosaicDecodeConfig",
            "NO_INTERPRET", "check_shapes", "combine", "decode_attention", "smem_bytes"]
@@ -182,17 +182,25 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mosaic
     raise ValueError(f"config must be a MosaicDecodeConfig; got {type(config).__name__}")
   paged = block_tables is not None
   if paged:
-    kv_len = block_tables.shape[1] * k.shape[1]
+    num_pages, page_size, max_pages = paging.check_pages(q, k, v, block_tables)
+    cache = paging.logical_cache(k, q.shape[0], max_pages)
   else:
-    kv_len = k.shape[1]
-  k_view = k if not paged else jax.ShapeDtypeStruct((q.shape[0], kv_len) + k.shape[2:],
-                                                    k.dtype)
-  scale = check_call(q, k_view, k_view, scale)
+    cache = k
+  scale = check_call(q, cache, cache if paged else v, scale)
+  kv_len = cache.shape[1]
   if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
     return jnp.zeros(q.shape, q.dtype)
-  check_shapes(q.shape, k.shape, q.dtype, page_size=k.shape[1] if paged else None,
+  check_shapes(q.shape, k.shape, q.dtype, page_size=page_size if paged else None,
                block_k=config.block_k)
+  if paged:
+    paging.check_block_tables(block_tables, kv_lengths, num_pages=num_pages,
+                              page_size=page_size)
+    block_tables = paging.table_int32(block_tables, num_pages)
   kv_lengths = check_lengths(kv_lengths, q.shape[0], kv_len)
+  if not isinstance(q, jax.core.Tracer):
+    # A call on concrete arrays runs now: say so here if no Hopper GPU can
+    # (traced calls are checked where they compile; the tests lower them).
+    check_device()
   return _decode(q, k, v, kv_lengths, block_tables, config=config, causal=bool(causal),
                  scale=scale)
 

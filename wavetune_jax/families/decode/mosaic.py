@@ -34,10 +34,6 @@ NUM_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 #                H100 (benchmarks/decode_mosaic.py) 4 stages never won.
 
 
-def _page(p) -> int:
-  return getattr(p, "page_size", 0) or 0
-
-
 def coords_aux(p: DecodeProblem, block_k: int, num_splits: int):
   """``(G, L, aux)``: CTAs, key blocks per CTA (of the full cache) and
   ``[splits > 1, MB of fp32 partials]``."""
@@ -69,7 +65,7 @@ class MosaicDecode(Backend):
   @staticmethod
   def why_not(p: DecodeProblem) -> str | None:
     """Why the kernel cannot run ``p`` (None: it can)."""
-    page = _page(p)
+    page = p.page_size
     try:
       kernel.check_shapes((p.batch, p.q_len, p.q_heads, p.head_dim),
                           (p.batch, page or p.kv_len, p.kv_heads, p.head_dim), p.dtype,
@@ -90,7 +86,7 @@ class MosaicDecode(Backend):
       return ()
     tiles = -(-p.rows // kernel.BLOCK_H)
     return self._space(p.batch * p.kv_heads * tiles, -(-p.kv_len // 64) * 64, p.head_dim,
-                       p.itemsize, _page(p), hw, prune)
+                       p.itemsize, p.page_size, hw, prune)
 
   @functools.lru_cache(maxsize=2048)
   def _space(self, ctas, kv_len, head_dim, itemsize, page, hw, prune):
@@ -127,7 +123,7 @@ class MosaicDecode(Backend):
     why = self.why_not(problem)
     if why:
       raise ValueError(why)
-    page = _page(problem)
+    page = problem.page_size
     if page and page % config.block_k and config.block_k % page:
       raise ValueError(f"config {config}: block_k and page_size={page} must divide one "
                        f"another")
@@ -145,7 +141,7 @@ class MosaicDecode(Backend):
     p = problem
     if self.why_not(p):
       return None
-    page = _page(p)
+    page = p.page_size
     bk = 128 if p.head_dim <= 128 else 64
     if page and page % bk and bk % page:
       bk = 64 if page % 64 == 0 or 64 % page == 0 else None
