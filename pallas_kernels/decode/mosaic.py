@@ -182,20 +182,14 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mosaic
     raise ValueError(f"config must be a MosaicDecodeConfig; got {type(config).__name__}")
   paged = block_tables is not None
   if paged:
-    num_pages, page_size, max_pages = paging.check_pages(q, k, v, block_tables)
-    cache = paging.logical_cache(k, q.shape[0], max_pages)
+    scale, kv_len, _, page_size, block_tables = paging.check_paged_call(
+        q, k, v, block_tables, kv_lengths, scale)
   else:
-    cache = k
-  scale = check_call(q, cache, cache if paged else v, scale)
-  kv_len = cache.shape[1]
+    scale, kv_len = check_call(q, k, v, scale), k.shape[1]
   if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
     return jnp.zeros(q.shape, q.dtype)
   check_shapes(q.shape, k.shape, q.dtype, page_size=page_size if paged else None,
                block_k=config.block_k)
-  if paged:
-    paging.check_block_tables(block_tables, kv_lengths, num_pages=num_pages,
-                              page_size=page_size)
-    block_tables = paging.table_int32(block_tables, num_pages)
   kv_lengths = check_lengths(kv_lengths, q.shape[0], kv_len)
   if not isinstance(q, jax.core.Tracer):
     # A call on concrete arrays runs now: say so here if no Hopper GPU can

@@ -23,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels._integers import clipped_int32
+from pallas_kernels.attention.common import check_call, check_lengths
 
 __all__ = ["check_pages", "check_block_tables", "table_int32", "clip_pages", "gather_pages",
-           "is_concrete", "logical_cache", "shuffled_tables", "to_pages"]
+           "is_concrete", "logical_cache", "shuffled_tables", "to_pages", "check_paged_call"]
 
 
 def is_concrete(x) -> bool:
@@ -162,3 +163,20 @@ def to_pages(cache: jax.Array, block_tables, num_pages: int, fill=0) -> jax.Arra
   pool = jnp.full((num_pages, page) + cache.shape[2:], fill, cache.dtype)
   rows = cache.reshape((batch * max_pages, page) + cache.shape[2:])
   return pool.at[jnp.asarray(block_tables).reshape(-1)].set(rows)
+
+
+def check_paged_call(q, k_pages, v_pages, block_tables, kv_lengths, scale):
+  """The checks of a decode call on a paged cache, in the order a user meets
+  them (ranks, pages, the attention call on the logical cache, the lengths,
+  then the table's entries): ``(scale, kv_len, num_pages, page_size, table)``
+  with the table as int32 (ids clipped where traced)."""
+  if np.ndim(q) != 4:
+    check_call(q, k_pages, v_pages, scale)  # q's rank error
+  num_pages, page_size, max_pages = check_pages(q, k_pages, v_pages, block_tables)
+  cache = logical_cache(k_pages, q.shape[0], max_pages)
+  scale = check_call(q, cache, cache, scale)
+  kv_len = cache.shape[1]
+  if kv_lengths is not None:
+    check_lengths(kv_lengths, q.shape[0], kv_len)  # shape and dtype errors first
+  check_block_tables(block_tables, kv_lengths, num_pages=num_pages, page_size=page_size)
+  return scale, kv_len, num_pages, page_size, table_int32(block_tables, num_pages)

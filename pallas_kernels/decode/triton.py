@@ -241,10 +241,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Triton
     scale = check_call(q, k, v, scale)
     kv_len = k.shape[1]
   else:
-    num_pages, page_size, max_pages = paging.check_pages(q, k, v, block_tables)
-    cache = paging.logical_cache(k, q.shape[0], max_pages)
-    scale = check_call(q, cache, cache, scale)
-    kv_len = cache.shape[1]
+    scale, kv_len, num_pages, page_size, block_tables = paging.check_paged_call(
+        q, k, v, block_tables, kv_lengths, scale)
     if config.block_k > page_size or page_size % config.block_k:
       raise ValueError(f"config {config}: block_k={config.block_k} must divide "
                        f"page_size={page_size} (a block of keys lies in one page)")
@@ -253,10 +251,6 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Triton
   if k.size > MAX_ELEMENTS:
     raise ValueError(f"the KV cache holds {k.size} elements per array, more than the "
                      f"kernel's 32-bit offsets allow ({MAX_ELEMENTS}); use the xla backend")
-  if block_tables is not None:
-    paging.check_block_tables(block_tables, kv_lengths, num_pages=num_pages,
-                              page_size=page_size)
-    block_tables = paging.table_int32(block_tables, num_pages)
   kv_lengths = check_lengths(kv_lengths, q.shape[0], kv_len)
   return _decode(q, k, v, kv_lengths, block_tables, config=config, causal=bool(causal),
                  scale=scale, interpret=interpret)

@@ -110,22 +110,13 @@ class DecodeFamily(Family):
       scale = check_call(q, k, v, scale)
       kv_len = k.shape[1]
     else:
-      if q.ndim != 4:
-        check_call(q, k, v, scale)  # q's rank error
-      num_pages, page_size, max_pages = paging.check_pages(q, k, v, block_tables)
-      cache = paging.logical_cache(k, q.shape[0], max_pages)
-      scale = check_call(q, cache, cache, scale)
-      kv_len = cache.shape[1]
+      scale, kv_len, num_pages, page_size, table = paging.check_paged_call(
+          q, k, v, block_tables, kv_lengths, scale)
     batch, q_len, q_heads, head_dim = q.shape
     if q_len > MAX_Q_LEN:
       raise ValueError(f"decode_attention takes at most {MAX_Q_LEN} new queries per "
                        f"sequence; got q_len={q_len} (use wavetune_jax.attention with "
                        f"causal_align='bottom_right' for longer chunks)")
-    if page_size:
-      if kv_lengths is not None:
-        check_lengths(kv_lengths, batch, kv_len)  # shape and dtype errors first
-      paging.check_block_tables(block_tables, kv_lengths, num_pages=num_pages,
-                                page_size=page_size)
     lengths = check_lengths(kv_lengths, batch, kv_len)
     if batch == 0 or q_len == 0 or q_heads == 0:
       return jnp.zeros(q.shape, q.dtype)
@@ -136,7 +127,6 @@ class DecodeFamily(Family):
                             dtype=q.dtype.name, lengths=lengths is not None,
                             causal=bool(causal), page_size=page_size)
     if page_size:
-      table = paging.table_int32(block_tables, num_pages)
       return Call(problem, (q, k, v, lengths, table), {"scale": scale},
                   ("kv_lengths", "block_tables"))
     if lengths is None:
