@@ -1,6 +1,7 @@
 """wavetune-jax: the fastest backend and launch config for each LLM kernel call,
 chosen at jit trace time."""
 
+from wavetune_jax.dropin import autotune
 from wavetune_jax.core.family import Backend, Family, Problem
 from wavetune_jax.core.hardware import Hardware, detect, device_key, get_hardware
 from wavetune_jax.core.registry import get_family, register, registered
@@ -51,6 +52,7 @@ __all__ = [
     "XlaMatmulConfig",
     "XlaRaggedDotConfig",
     "attention",
+    "autotune",
     "decode_attention",
     "detect",
     "device_key",

@@ -1,0 +1,285 @@
+"""wt.autotune: what it replaces, what it keeps (and why), the numbers it
+gives against the untransformed function, and how it composes with JAX's
+transformations."""
+
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import wavetune_jax as wt
+
+warnings.filterwarnings("ignore", message=".*no GPU.*")
+warnings.filterwarnings("ignore", message=".*inside jax.shard_map on a CPU.*")
+
+KEYS = jax.random.split(jax.random.key(7), 8)
+X = jax.random.normal(KEYS[0], (2, 16, 64), jnp.bfloat16)
+W = (jax.random.normal(KEYS[1], (64, 128), jnp.float32) / 8).astype(jnp.bfloat16)
+
+
+def rnd(i, shape, scale=1.0, dtype=jnp.bfloat16):
+  return (jax.random.normal(KEYS[i], shape, jnp.float32) * scale).astype(dtype)
+
+
+def err(a, b):
+  return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+
+
+def assert_close(out, ref, tol=0.02):
+  for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(ref)):
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    scale = max(1.0, float(jnp.max(jnp.abs(b.astype(jnp.float32)))))
+    assert err(a, b) <= tol * scale, (err(a, b), scale)
+
+
+def run(f, *args, jit=True):
+  t = wt.autotune(f)
+  out = (jax.jit(t) if jit else t)(*args)
+  return out, t.sites
+
+
+def block(x, wq, wkv, wo, w13, w2, experts, sizes):
+  """A small decoder block the way model code writes it."""
+  b, t, d = x.shape
+  q = jnp.einsum("btd,dnh->btnh", x, wq)
+  kv = jnp.einsum("btd,dkh->btkh", x, wkv)
+  a = jax.nn.dot_product_attention(q, kv[:, :, :2], kv[:, :, 2:], is_causal=True)
+  h = x + jnp.einsum("btnh,nhd->btd", a, wo)
+  g = jnp.dot(h, w13)
+  h = h + jnp.dot(jax.nn.silu(g[..., :128]) * g[..., 128:], w2)
+  moe = jax.lax.ragged_dot(h.reshape(b * t, d), experts, sizes)
+  return h + moe.reshape(b, t, d)
+
+
+def block_args():
+  return (X, rnd(1, (64, 4, 16), 0.125), rnd(2, (64, 4, 16), 0.125), rnd(3, (4, 16, 64), 0.125),
+          rnd(4, (64, 256), 0.125), rnd(5, (128, 64), 0.09), rnd(6, (4, 64, 64), 0.125),
+          jnp.array([5, 11, 0, 16], jnp.int32))
+
+
+def test_decoder_block_replaced_and_within_tolerance():
+  args = block_args()
+  out, sites = run(block, *args)
+  ref = jax.jit(block)(*args)
+  assert_close(out, ref)
+  replaced = sorted(s.op for s in sites if s.replaced)
+  assert replaced == ["attention", "matmul", "matmul", "matmul", "matmul", "matmul",
+                      "ragged_dot"], sites
+  assert all(s.backend for s in sites if s.replaced)
+  assert not [s for s in sites if not s.replaced], sites
+
+
+def test_report_prints_every_site(capsys):
+  t = wt.autotune(block, report=True)
+  jax.jit(t)(*block_args())
+  text = capsys.readouterr().out
+  assert "wt.autotune: 7 of 7 calls replaced" in text
+  assert "test_autotune.py" in text and "ragged_dot" in text and "attention" in text
+  assert str(t.sites).splitlines()[0] == "wt.autotune: 7 of 7 calls replaced"
+
+
+@pytest.mark.parametrize("name, f, reason", [
+    ("float32", lambda x, w: x.astype(jnp.float32) @ w.astype(jnp.float32), "dtype float32"),
+    ("precision", lambda x, w: jnp.dot(x, w, precision="highest"), "precision"),
+    ("batched", lambda x, w: jnp.einsum("btd,bsd->bts", x, x), "batch dimensions"),
+    ("transposed", lambda x, w: x @ w.T.T, "transposed"),
+    ("weight first", lambda x, w: jax.lax.dot_general(w, x, (((0,), (2,)), ((), ()))),
+     "left operand"),
+    ("lax transposed", lambda x, w: jax.lax.dot_general(x, w.T, (((2,), (1,)), ((), ()))),
+     "first ones"),
+    ("int8", lambda x, w: jax.lax.dot_general(x.astype(jnp.int8), w.astype(jnp.int8),
+                                              (((2,), (0,)), ((), ())),
+                                              preferred_element_type=jnp.int32), "dtype int8"),
+])
+def test_gemms_kept_with_their_reason(name, f, reason):
+  out, sites = run(f, X, W)
+  assert_close(out, jax.jit(f)(X, W), tol=0)
+  kept = [s for s in sites if not s.replaced]
+  assert kept and reason in kept[0].reason, sites
+
+
+def test_gemm_forms_replaced():
+  forms = {
+      "matmul": lambda x, w: x @ w,
+      "dot": lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32),
+      "einsum split N": lambda x, w: jnp.einsum("btd,dnh->btnh", x, w.reshape(64, 4, 32)),
+      "einsum split K": lambda x, w: jnp.einsum("btnh,nhd->btd", x.reshape(2, 16, 4, 16),
+                                                w.reshape(4, 16, 128)),
+      "dot_general": lambda x, w: jax.lax.dot_general(x, w, (((2,), (0,)), ((), ()))),
+      "contracted in reverse order": lambda x, w: jax.lax.dot_general(
+          x.reshape(2, 16, 4, 16), w.reshape(4, 16, 128), (((3, 2), (1, 0)), ((), ()))),
+  }
+  for name, f in forms.items():
+    out, sites = run(f, X, W)
+    assert_close(out, jax.jit(f)(X, W))
+    assert [s.op for s in sites if s.replaced] == ["matmul"], (name, sites)
+
+
+@pytest.mark.parametrize("kind", ["vmap", "scan", "cond", "while", "remat", "inner jit",
+                                  "custom_jvp", "closure", "eager"])
+def test_composes_with_transformations(kind):
+  def gemm(x, w):
+    return jnp.tanh(x @ w)
+
+  cases = {
+      "vmap": lambda x, w: jax.vmap(gemm, in_axes=(0, None))(x, w),
+      "scan": lambda x, w: jax.lax.scan(lambda c, _: (gemm(c, w[:, :64]), None), x,
+                                        length=2)[0],
+      "cond": lambda x, w: jax.lax.cond(x[0, 0, 0] > 0, gemm, lambda a, b: -gemm(a, b), x, w),
+      "while": lambda x, w: jax.lax.fori_loop(0, 2, lambda i, c: gemm(c, w[:, :64]), x),
+      "remat": jax.checkpoint(gemm),
+      "inner jit": lambda x, w: jax.jit(gemm)(x, w),
+      "custom_jvp": lambda x, w: jax.nn.gelu(x @ w),  # gelu/relu carry custom rules
+      "closure": lambda x, w: gemm(x, W),
+      "eager": gemm,
+  }
+  f = cases[kind]
+  out, sites = run(f, X, W, jit=kind != "eager")
+  assert_close(out, jax.jit(f)(X, W))
+  assert sites and all(s.replaced for s in sites), sites
+
+
+def test_static_argnums_and_donation():
+  f = jax.jit(wt.autotune(lambda x, w, scale, act: act(x @ w) * scale), static_argnums=(2, 3),
+              donate_argnums=0)
+  out = f(X + 0, W, 3.0, jax.nn.relu)
+  assert_close(out, jax.nn.relu(X @ W) * 3.0)
+
+
+def test_kwargs_and_pytrees():
+  def f(params, x, *, bias):
+    return {"y": x @ params["w"] + bias, "n": params["n"]}
+
+  params = {"w": W, "n": 3}
+  out = jax.jit(wt.autotune(f))(params, X, bias=jnp.ones((128,), jnp.bfloat16))
+  assert_close(out["y"], X @ W + 1)
+  assert int(out["n"]) == 3
+
+
+def test_shard_map_both_ways():
+  mesh = jax.make_mesh((1,), ("a",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def gemm(x, w):
+    return x @ w
+
+  inner = jax.jit(jax.shard_map(wt.autotune(gemm), mesh=mesh, in_specs=(P("a"), P()),
+                                out_specs=P("a")))
+  assert_close(inner(X, W), X @ W)
+  outer = wt.autotune(lambda x, w: jax.shard_map(gemm, mesh=mesh, in_specs=(P("a"), P()),
+                                                 out_specs=P("a"))(x, w))
+  assert_close(jax.jit(outer)(X, W), X @ W)
+  assert [s.replaced for s in outer.sites] == [True]
+
+
+def test_gradients_are_the_original_ones():
+  args = block_args()
+
+  def loss(x, *rest):
+    return block(x, *rest).astype(jnp.float32).sum()
+
+  g = jax.jit(jax.grad(wt.autotune(loss)))(*args)
+  g0 = jax.jit(jax.grad(loss))(*args)
+  assert err(g, g0) == 0.0  # nothing is replaced under differentiation
+  # A closure over the differentiated value: the replaced calls carry the
+  # original derivative rule.
+  gw = jax.grad(lambda w: wt.autotune(lambda x: (x @ w).astype(jnp.float32).sum())(X))(W)
+  gw0 = jax.grad(lambda w: (X @ w).astype(jnp.float32).sum())(W)
+  assert_close(gw, gw0)
+  # A training step (the gradient inside): its GEMMs are plain GEMMs.
+  step = wt.autotune(jax.grad(lambda w, x: (x @ w).astype(jnp.float32).sum()))
+  assert_close(jax.jit(step)(W, X), jax.grad(lambda w, x: (x @ w).astype(jnp.float32).sum())(W, X))
+
+
+def attn_case(q_len, kv_len, q_heads=4, kv_heads=2, head_dim=64):
+  q = rnd(0, (2, q_len, q_heads, head_dim))
+  k = rnd(1, (2, kv_len, kv_heads, head_dim))
+  v = rnd(2, (2, kv_len, kv_heads, head_dim))
+  return q, k, v
+
+
+@pytest.mark.parametrize("form", ["causal", "decode", "long noncausal", "rank3", "cudnn name",
+                                  "positional"])
+def test_attention_forms_replaced(form):
+  lengths = jnp.array([70, 13], jnp.int32)
+
+  def dpa(*a, **kw):  # looked up at call time, as model code does
+    return jax.nn.dot_product_attention(*a, **kw)
+  if form == "causal":
+    args, f = attn_case(32, 32), lambda q, k, v: dpa(q, k, v, is_causal=True)
+    op = "attention"
+  elif form == "decode":
+    args = attn_case(2, 96)
+    f = lambda q, k, v: dpa(q, k, v, key_value_seq_lengths=lengths, scale=0.1)
+    op = "decode_attention"
+  elif form == "long noncausal":
+    args, f = attn_case(80, 80), lambda q, k, v: dpa(q, k, v, key_value_seq_lengths=lengths)
+    op = "attention"
+  elif form == "rank3":
+    args, f = attn_case(32, 32), lambda q, k, v: dpa(q[0], k[0], v[0], is_causal=True)
+    op = "attention"
+  elif form == "cudnn name":
+    args = attn_case(32, 32)
+    f = lambda q, k, v: dpa(q, k, v, is_causal=True, implementation=None)
+    op = "attention"
+  else:
+    args, f = attn_case(32, 32), lambda q, k, v: dpa(q, k, v, None, None, is_causal=True)
+    op = "attention"
+  # The backends' own XLA paths (the kernels are checked in their own tests;
+  # here, that each form maps onto the op with the same semantics).
+  with wt.use_config("attention", wt.XlaAttentionConfig()), \
+      wt.use_config("decode", wt.XlaDecodeConfig()):
+    out, sites = run(f, *args)
+  assert_close(out, jax.jit(f)(*args))
+  assert [(s.op, s.replaced) for s in sites] == [(op, True)], sites
+
+
+@pytest.mark.parametrize("kw, reason", [
+    ({"mask": jnp.ones((2, 4, 32, 32), bool)}, "mask given"),
+    ({"bias": jnp.zeros((2, 4, 32, 32), jnp.bfloat16)}, "bias given"),
+    ({"local_window_size": 8, "is_causal": True}, "local_window_size given"),
+    ({"query_seq_lengths": jnp.array([3, 32], jnp.int32)}, "query_seq_lengths given"),
+])
+def test_attention_kept_with_reason(kw, reason):
+  q, k, v = attn_case(32, 32)
+  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw)
+  out, sites = run(f, q, k, v)
+  assert_close(out, jax.jit(f)(q, k, v), tol=0)
+  att = [s for s in sites if s.op == "attention"]
+  assert len(att) == 1 and not att[0].replaced and reason in att[0].reason, sites
+
+
+def test_a_shape_the_op_rejects_is_kept():
+  q, k, v = attn_case(8, 8, head_dim=320)  # the ops take head_dim <= 256
+  f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  out, sites = run(f, q, k, v)
+  assert_close(out, jax.jit(f)(q, k, v), tol=0)
+  assert "the op rejects it" in sites[0].reason, sites
+
+
+def test_attention_patch_is_local_and_restored():
+  original = jax.nn.dot_product_attention
+  seen = []
+
+  def other_thread():
+    seen.append(jax.nn.dot_product_attention is original or
+                jax.nn.dot_product_attention(*attn_case(4, 4), is_causal=True).shape)
+
+  def f(q, k, v):
+    th = threading.Thread(target=other_thread)
+    th.start()
+    th.join()
+    raise RuntimeError("boom")
+
+  with pytest.raises(RuntimeError, match="boom"):
+    wt.autotune(f)(*attn_case(4, 4))
+  assert jax.nn.dot_product_attention is original
+  assert seen and seen[0] is not False
+
+
+def test_not_a_function():
+  with pytest.raises(TypeError, match="takes a function"):
+    wt.autotune(3)

@@ -1,0 +1,591 @@
+"""``wt.autotune(fn)``: tune a JAX function without editing it.
+
+The function is traced once to a jaxpr (with its arguments' shapes, inside
+whatever ``jax.jit`` or ``shard_map`` is tracing it) and the jaxpr is
+evaluated again, equation by equation, with three kinds of call replaced by
+the wavetune ops where the ops compute exactly the same thing:
+
+- ``dot_general`` that is a GEMM: no batch dimensions, the contracted
+  dimensions the trailing ones of the left operand and the leading ones of
+  the right (``x @ w``, ``jnp.einsum("btd,dnh->btnh", x, w)``), so both
+  reshape to ``[M, K] x [K, N]`` without a copy -> :func:`wavetune_jax.matmul`;
+- ``ragged_dot_general`` in ``lax.ragged_dot``'s form -> :func:`wavetune_jax.ragged_dot`;
+- ``jax.nn.dot_product_attention`` without a bias, a mask or a window ->
+  :func:`wavetune_jax.attention`, or :func:`wavetune_jax.decode_attention` for
+  up to 64 queries that see every valid key.
+
+Attention is intercepted at the API (``jax.nn.dot_product_attention`` is
+swapped while ``fn`` is traced, for this thread only): in a jaxpr, XLA's form
+of it is 20-odd primitives (a mask built from ``iota``, a softmax, two
+batched ``dot_general``), which no rewrite can recognise reliably. GEMMs and
+grouped GEMMs are rewritten in the jaxpr, so they are found however the user
+spelled them (``@``, ``jnp.dot``, ``jnp.einsum``, ``lax.dot_general``, a
+Flax or Keras layer). docs/design.md gives the measurements behind the choice.
+
+Everything else is evaluated as it was traced. A call is left alone, with
+its reason in the report, when its dtype, precision or layout is not one the
+ops reproduce, or when the op rejects its shape. Derivatives never reach
+the ops: under ``jax.grad``/``jvp``/``vjp``/``linearize`` nothing is replaced,
+and each replacement carries the original call's derivative rule besides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["autotune", "Site"]
+
+_SCOPE = "wavetune"          # named scope of every wavetune op (and of replacements)
+_GEMM_DTYPES = (jnp.bfloat16, jnp.float16)
+_ATTN_DTYPES = (jnp.bfloat16, jnp.float16)
+_INLINED = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
+            "custom_vjp_call_jaxpr"}
+_REMAT = {"remat2", "checkpoint", "remat"}
+_LOOPS = {"scan", "while", "cond"}
+_MAPPED = {"shard_map"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+  """One call ``autotune`` looked at."""
+  op: str                    # "matmul", "ragged_dot", "attention", "decode_attention"
+  where: str                 # the user's source line, "file:line (function)"
+  shapes: str                # operand shapes and dtypes
+  replaced: bool
+  reason: str = ""           # why it was left (empty when replaced)
+  backend: str = ""          # the backend the selector chose (replaced calls)
+
+  def line(self) -> str:
+    what = f"-> {self.backend}" if self.replaced else f"left: {self.reason}"
+    return f"{'replaced' if self.replaced else 'kept    '} {self.op:<16} {self.shapes:<44} {what}  [{self.where}]"
+
+
+class _Sites(list):
+  def __str__(self):
+    n = sum(s.replaced for s in self)
+    head = f"wt.autotune: {n} of {len(self)} calls replaced"
+    return "\n".join([head] + ["  " + s.line() for s in self])
+
+
+def autotune(fn=None, *, report: bool = False):
+  """``fn`` with its GEMMs, grouped GEMMs and attention run by the wavetune ops.
+
+  Composes with ``jax.jit`` (``jax.jit(wt.autotune(step))``, with
+  ``static_argnums`` and donation), ``jax.vmap`` and ``jax.shard_map`` (wrap
+  the per-shard function). The choice is made while tracing, once per shape
+  under ``jax.jit``; the compiled function carries no overhead.
+
+  Args:
+    fn: any function of arrays (pytrees of arrays; other arguments, such as
+      Python numbers, strings or modules, are passed through as constants).
+    report: print, each time ``fn`` is traced, every call looked at:
+      replaced (and by which backend) or kept, with the reason.
+
+  Returns:
+    The transformed function. Its ``sites`` attribute holds the calls of its
+    last trace (a list of :class:`Site`; ``print`` it for the table).
+  """
+  if fn is None:
+    return functools.partial(autotune, report=report)
+  if not callable(fn):
+    raise TypeError(f"wt.autotune takes a function, got {type(fn).__name__}")
+
+  @functools.wraps(fn)
+  def tuned(*args, **kwargs):
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if _is_array(x)]
+
+    def flat_fn(*xs):
+      full = list(leaves)
+      for i, x in zip(dynamic, xs):
+        full[i] = x
+      a, kw = jax.tree_util.tree_unflatten(tree, full)
+      return fn(*a, **kw)
+
+    xs = [leaves[i] for i in dynamic]
+    sites = _Sites()
+    if _differentiated(xs):
+      tuned.sites = sites
+      return fn(*args, **kwargs)
+    with _intercept_attention(sites):
+      closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*xs)
+    if _differentiated(closed.consts):
+      # A closure over a value being differentiated: the replaced calls
+      # carry the original rule, but nothing is gained by replacing them.
+      out = _Evaluator(sites, replace=False).eval(closed.jaxpr, closed.consts, xs)
+    else:
+      out = _Evaluator(sites).eval(closed.jaxpr, closed.consts, xs)
+    tuned.sites = sites
+    if report:
+      print(sites, flush=True)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)
+
+  tuned.sites = _Sites()
+  return tuned
+
+
+def _is_array(x) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(x, jax.core.Tracer)
+
+
+def _differentiated(values) -> bool:
+  """Whether any value is being differentiated (a JVP or linearize tracer,
+  at any depth of nested tracing)."""
+  for x in values:
+    while isinstance(x, jax.core.Tracer):
+      if type(x).__name__ in ("JVPTracer", "LinearizeTracer"):
+        return True
+      x = getattr(x, "primal", None)
+  return False
+
+
+# ------------------------------------------------------------------ the jaxpr walk
+
+class _Evaluator:
+  def __init__(self, sites, replace: bool = True):
+    self.sites = sites
+    self.replace = replace
+
+  def eval(self, jaxpr, consts, args):
+    from jax._src import source_info_util
+    env = {}
+
+    def read(v):
+      return v.val if type(v).__name__ == "Literal" else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts):
+      env[v] = x
+    for v, x in zip(jaxpr.invars, args):
+      env[v] = x
+    self.producers = producers = getattr(self, "producers", {})
+    for eqn in jaxpr.eqns:
+      for v in eqn.outvars:
+        producers[v] = eqn
+      invals = [read(v) for v in eqn.invars]
+      name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+      with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack):
+        with eqn.ctx.manager:
+          outs = self.apply(eqn, invals)
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+      for v, x in zip(eqn.outvars, outs):
+        env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+  def apply(self, eqn, invals):
+    name = eqn.primitive.name
+    if not self.replace or _SCOPE in str(eqn.source_info.name_stack) or not _has_work(eqn):
+      return _bind(eqn, eqn.params, invals)
+    if name == "dot_general":
+      return self.dot_general(eqn, invals)
+    if name == "ragged_dot_general":
+      return self.ragged_dot(eqn, invals)
+    if name in _INLINED:
+      sub = eqn.params["jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"]
+      outs = self.eval(sub.jaxpr, sub.consts, invals)
+      return outs if eqn.primitive.multiple_results else outs[0]
+    if name in _REMAT:
+      sub = eqn.params["jaxpr"]
+      body = lambda *xs: self.eval(sub, (), xs)
+      return jax.checkpoint(body, prevent_cse=eqn.params.get("prevent_cse", True),
+                            policy=eqn.params.get("policy"))(*invals)
+    if name in _LOOPS:
+      return self.loop(eqn, invals)
+    if name == "shard_map":
+      return self.shard_map(eqn, invals)
+    return _bind(eqn, eqn.params, invals)
+
+  def shard_map(self, eqn, invals):
+    """The body rewritten inside the same ``jax.shard_map``."""
+    p = eqn.params
+    body = p["jaxpr"]
+    try:
+      axes = p.get("newly_manual_axes", p.get("manual_axes", p.get("axis_names")))
+      mapped = jax.shard_map(lambda *xs: tuple(self.eval(body, (), xs)), mesh=p["mesh"],
+                             in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
+                             check_vma=p.get("check_vma", True),
+                             axis_names=frozenset(axes or ()))
+    except (KeyError, TypeError, AttributeError):  # another JAX's parameters
+      return _bind(eqn, p, invals)
+    return list(mapped(*invals))
+
+  # -- loops: the body retraced with the rewrite; left alone if that changes its type
+
+  def loop(self, eqn, invals):
+    p = dict(eqn.params)
+    keys = ("branches",) if eqn.primitive.name == "cond" else (
+        ("jaxpr",) if eqn.primitive.name == "scan" else ("cond_jaxpr", "body_jaxpr"))
+    try:
+      for key in keys:
+        if key == "branches":
+          p[key] = tuple(self.retrace(b) for b in p[key])
+        else:
+          p[key] = self.retrace(p[key])
+    except _KeepAsIs:
+      return _bind(eqn, eqn.params, invals)
+    return _bind(eqn, p, invals)
+
+  def retrace(self, closed):
+    if not _jaxpr_has_work(closed.jaxpr):
+      return closed
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
+             for a in closed.in_avals]
+    new = jax.make_jaxpr(lambda *xs: self.eval(closed.jaxpr, closed.consts, xs))(*specs)
+    same = [(a.shape, a.dtype) for a in new.out_avals] == [(a.shape, a.dtype)
+                                                           for a in closed.out_avals]
+    if new.consts or not same:
+      raise _KeepAsIs
+    return new
+
+  # -- the replacements
+
+  def dot_general(self, eqn, invals):
+    x, w = invals
+    p = eqn.params
+    (lc, rc), (lb, rb) = p["dimension_numbers"]
+    shapes = f"{_fmt(x)} x {_fmt(w)}"
+    why = _gemm_unsupported(x, w, lc, rc, lb, rb, p)
+    made = self.producers.get(eqn.invars[1])
+    if not why and made is not None and made.primitive.name == "transpose":
+      # XLA folds a transpose of the weight into its GEMM; a kernel that
+      # takes [K, N] would copy the whole weight at each call.
+      why = "the weight is transposed in the function (XLA folds that into its GEMM)"
+    if why:
+      return self.keep(eqn, invals, "matmul", shapes, why)
+    nk = len(lc)
+    m_shape, n_shape = x.shape[:x.ndim - nk], w.shape[nk:]
+    k = math.prod(x.shape[x.ndim - nk:])
+    out_dtype = p.get("preferred_element_type") or x.dtype
+    from wavetune_jax import ops
+    x2 = x.reshape(math.prod(m_shape), k)
+    w2 = w.reshape(k, math.prod(n_shape))
+
+    def original(a, b):
+      return _bind(eqn, p, [a.reshape(x.shape), b.reshape(w.shape)]).reshape(a.shape[0], -1)
+
+    return self.replaced(eqn, invals, "matmul", shapes, original,
+                         lambda a, b: ops.matmul(a, b, out_dtype=out_dtype),
+                         (x2, w2), out_shape=m_shape + n_shape, out_dtype=out_dtype)
+
+  def ragged_dot(self, eqn, invals):
+    lhs, rhs, sizes = invals[:3]
+    p = eqn.params
+    shapes = f"{_fmt(lhs)} x {_fmt(rhs)}"
+    why = _ragged_unsupported(lhs, rhs, sizes, invals, p)
+    if why:
+      return self.keep(eqn, invals, "ragged_dot", shapes, why)
+    out_dtype = p.get("preferred_element_type") or lhs.dtype
+    from wavetune_jax import ops
+    return self.replaced(eqn, invals, "ragged_dot", shapes,
+                         lambda a, b, g: _bind(eqn, p, [a, b, g]),
+                         lambda a, b, g: ops.ragged_dot(a, b, g, out_dtype=out_dtype),
+                         (lhs, rhs, sizes), out_shape=None, out_dtype=out_dtype)
+
+  def replaced(self, eqn, invals, op, shapes, original, replacement, args, out_shape,
+               **op_kwargs):
+    try:
+      with jax.named_scope(f"{_SCOPE}.autotune"):
+        out = _same_derivative(original, replacement, *args)
+      backend = _backend_of(op, args, **op_kwargs)
+    except (ValueError, TypeError, NotImplementedError) as e:
+      return self.keep(eqn, invals, op, shapes, f"the op rejects it: {_one_line(e)}")
+    self.sites.append(Site(op, _where(eqn), shapes, True, backend=backend))
+    return out if out_shape is None else out.reshape(out_shape)
+
+  def keep(self, eqn, invals, op, shapes, why):
+    self.sites.append(Site(op, _where(eqn), shapes, False, reason=why))
+    return _bind(eqn, eqn.params, invals)
+
+
+class _KeepAsIs(Exception):
+  pass
+
+
+def _bind(eqn, params, invals):
+  got = eqn.primitive.get_bind_params(params)
+  # JAX >= 0.10 returns the parameters; older JAX (subfuns, parameters).
+  subfuns, bind_params = got if isinstance(got, tuple) else ((), got)
+  return eqn.primitive.bind(*subfuns, *invals, **bind_params)
+
+
+def _same_derivative(original, replacement, *args):
+  """``replacement(*args)``, differentiated as ``original``: the ops are
+  forward only, so a derivative taken through the transformed function is
+  the original call's own."""
+  @jax.custom_jvp
+  def f(*xs):
+    return replacement(*xs)
+
+  @f.defjvp
+  def _(primals, tangents):
+    return jax.jvp(original, primals, tangents)
+
+  return f(*args)
+
+
+# -- which jaxprs hold anything to replace (others are bound as they are)
+
+_WORK = {"dot_general", "ragged_dot_general"}
+
+
+def _has_work(eqn) -> bool:
+  name = eqn.primitive.name
+  if name in _WORK:
+    return True
+  if name in _INLINED or name in _REMAT or name in _LOOPS or name in _MAPPED:
+    return any(_jaxpr_has_work(j) for j in _sub_jaxprs(eqn.params))
+  return False
+
+
+def _sub_jaxprs(params):
+  for v in params.values():
+    for j in (v if isinstance(v, tuple) else (v,)):
+      if hasattr(j, "eqns"):
+        yield j
+      elif hasattr(j, "jaxpr") and hasattr(j.jaxpr, "eqns"):
+        yield j.jaxpr
+
+
+@functools.lru_cache(maxsize=4096)
+def _jaxpr_has_work_cached(jaxpr) -> bool:
+  return any(_SCOPE not in str(e.source_info.name_stack) and _has_work(e) for e in jaxpr.eqns)
+
+
+def _jaxpr_has_work(jaxpr) -> bool:
+  try:
+    return _jaxpr_has_work_cached(jaxpr)
+  except TypeError:  # unhashable
+    return _jaxpr_has_work_cached.__wrapped__(jaxpr)
+
+
+# -- what the ops reproduce
+
+def _precision_ok(precision, dtype) -> bool:
+  if precision is None:
+    return True
+  ps = precision if isinstance(precision, tuple) else (precision,)
+  names = {getattr(p, "name", str(p)) for p in ps}
+  want = {"DEFAULT", "BF16_BF16_F32" if dtype == jnp.bfloat16 else "F16_F16_F32"}
+  return names <= want
+
+
+def _gemm_unsupported(x, w, lc, rc, lb, rb, p) -> str:
+  if lb or rb:
+    return "batch dimensions (not a GEMM against a weight)"
+  if x.dtype != w.dtype or x.dtype not in _GEMM_DTYPES:
+    return f"dtype {x.dtype} x {w.dtype} (the ops take bfloat16 or float16 here)"
+  nk = len(lc)
+  if nk == 0:
+    return "no contracted dimension (an outer product)"
+  pairs = sorted(zip(lc, rc))  # the pairing, in the left operand's order
+  if tuple(a for a, _ in pairs) != tuple(range(x.ndim - nk, x.ndim)):
+    return "the left operand's contracted dimensions are not its last ones"
+  if tuple(b for _, b in pairs) != tuple(range(nk)):
+    return ("the right operand's contracted dimensions are not its first ones, in the "
+            "same order (a transposed weight)")
+  if x.ndim == nk or w.ndim == nk:
+    return "a matrix-vector product"
+  if not _precision_ok(p.get("precision"), x.dtype):
+    return f"precision {p.get('precision')}"
+  out = p.get("preferred_element_type")
+  if out is not None and out not in (x.dtype, jnp.float32):
+    return f"preferred_element_type {out}"
+  return ""
+
+
+def _ragged_unsupported(lhs, rhs, sizes, invals, p) -> str:
+  dn = p.get("ragged_dot_dimension_numbers")
+  if len(invals) != 3 or p.get("group_offset") is not None:
+    return "a group offset"
+  if dn is not None:
+    (lc, rc), (lb, rb) = dn.dot_dimension_numbers
+    if (tuple(lc), tuple(rc), tuple(lb), tuple(rb)) != ((1,), (1,), (), ()) or \
+        tuple(dn.lhs_ragged_dimensions) != (0,) or tuple(dn.rhs_group_dimensions) != (0,):
+      return "not lax.ragged_dot's layout ([M, K] x [G, K, N], ragged rows)"
+  if lhs.ndim != 2 or rhs.ndim != 3:
+    return "not lax.ragged_dot's layout ([M, K] x [G, K, N], ragged rows)"
+  if lhs.dtype != rhs.dtype or lhs.dtype not in _GEMM_DTYPES:
+    return f"dtype {lhs.dtype} x {rhs.dtype} (the ops take bfloat16 or float16 here)"
+  if not _precision_ok(p.get("precision"), lhs.dtype):
+    return f"precision {p.get('precision')}"
+  out = p.get("preferred_element_type")
+  if out is not None and out not in (lhs.dtype, jnp.float32):
+    return f"preferred_element_type {out}"
+  return ""
+
+
+def _backend_of(op: str, args, **kwargs) -> str:
+  """The backend the selector picks for this call (for the report)."""
+  from wavetune_jax.core import hardware
+  from wavetune_jax.families import ATTENTION, DECODE, MATMUL, RAGGED_DOT
+  from wavetune_jax.runtime import selector
+  family = {"matmul": MATMUL, "ragged_dot": RAGGED_DOT, "attention": ATTENTION,
+            "decode_attention": DECODE}[op]
+  try:
+    call = family.bind(*args, **kwargs)
+    config = selector.select(family, call.problem, hardware.current()).config
+    return family.backend_of(config).name
+  except Exception:  # noqa: BLE001 - the report only; the op itself already ran
+    return "?"
+
+
+def _fmt(x) -> str:
+  return f"{jnp.dtype(x.dtype).name}{list(x.shape)}"
+
+
+def _where(eqn) -> str:
+  try:
+    from jax._src import source_info_util
+    return source_info_util.summarize(eqn.source_info)
+  except Exception:
+    return "?"
+
+
+def _one_line(e: Exception) -> str:
+  s = str(e).strip().splitlines()
+  return s[0] if s else type(e).__name__
+
+
+# ------------------------------------------------------------------ attention
+
+_local = threading.local()
+_patch_lock = threading.Lock()
+_patch_depth = 0
+_original_dpa = None
+
+
+@contextlib.contextmanager
+def _intercept_attention(sites):
+  """While tracing ``fn``: ``jax.nn.dot_product_attention`` calls from this
+  thread go through :func:`_attention`; other threads see the original."""
+  global _patch_depth, _original_dpa
+  with _patch_lock:
+    if _patch_depth == 0:
+      _original_dpa = jax.nn.dot_product_attention
+      jax.nn.dot_product_attention = _dispatch_dpa
+    _patch_depth += 1
+  prev = getattr(_local, "sites", None)
+  _local.sites = sites
+  try:
+    yield
+  finally:
+    _local.sites = prev
+    with _patch_lock:
+      _patch_depth -= 1
+      if _patch_depth == 0:
+        jax.nn.dot_product_attention = _original_dpa
+
+
+@functools.wraps(jax.nn.dot_product_attention)
+def _dispatch_dpa(*args, **kwargs):
+  sites = getattr(_local, "sites", None)
+  original = _original_dpa
+  if sites is None:
+    return original(*args, **kwargs)
+  _local.sites = None  # the op's own XLA backend may call the original
+  try:
+    return _attention(sites, original, *args, **kwargs)
+  finally:
+    _local.sites = sites
+
+
+_DPA_KEYS = ("query", "key", "value", "bias", "mask")
+
+
+def _attention(sites, original, *args, **kwargs):
+  named = dict(zip(_DPA_KEYS, args))
+  named.update(kwargs)
+  q, k, v = named.get("query"), named.get("key"), named.get("value")
+  call_original = lambda: original(*args, **kwargs)
+  try:
+    where = _caller()
+  except Exception:
+    where = "?"
+  shapes = " ".join(_fmt(a) for a in (q, k, v) if hasattr(a, "shape"))
+  why = _attention_unsupported(named, q, k, v)
+  if why:
+    sites.append(Site("attention", where, shapes, False, reason=why))
+    return call_original()
+  rank3 = q.ndim == 3
+  if rank3:
+    q, k, v = q[None], k[None], v[None]
+  causal = bool(named.get("is_causal", False))
+  scale = named.get("scale")
+  scale = None if scale is None else float(scale)
+  lengths = named.get("key_value_seq_lengths")
+  from wavetune_jax import ops
+  t = q.shape[1]
+  if not causal and t <= 64:
+    op = "decode_attention"
+    run = lambda a, b, c, *l: ops.decode_attention(a, b, c, kv_lengths=l[0] if l else None,
+                                                   causal=False, scale=scale)
+  else:
+    op = "attention"
+    run = lambda a, b, c, *l: ops.attention(a, b, c, causal=causal, scale=scale,
+                                            kv_lengths=l[0] if l else None)
+
+  def orig(a, b, c, *l):
+    kw = dict(kwargs)
+    for name, x in zip(("query", "key", "value"), (a, b, c)):
+      kw.pop(name, None)
+    if l:
+      kw["key_value_seq_lengths"] = l[0]
+    return original(a, b, c, *args[3:], **kw)
+
+  arrays = (q, k, v) + ((lengths,) if lengths is not None else ())
+  try:
+    with jax.named_scope(f"{_SCOPE}.autotune"):
+      out = _same_derivative(orig, run, *arrays)
+    backend = _backend_of(op, arrays[:3], kv_lengths=lengths, causal=causal)
+  except (ValueError, TypeError, NotImplementedError) as e:
+    sites.append(Site(op, where, shapes, False, reason=f"the op rejects it: {_one_line(e)}"))
+    return call_original()
+  sites.append(Site(op, where, shapes, True, backend=backend))
+  return out[0] if rank3 else out
+
+
+def _attention_unsupported(named, q, k, v) -> str:
+  for key in ("bias", "mask", "query_seq_lengths", "local_window_size"):
+    if named.get(key) is not None:
+      return f"{key} given (the ops take causal masks and key lengths only)"
+  if named.get("return_residual"):
+    return "return_residual=True"
+  known = set(_DPA_KEYS) | {"scale", "is_causal", "key_value_seq_lengths", "implementation",
+                            "local_window_size", "query_seq_lengths", "return_residual"}
+  extra = sorted(set(named) - known)
+  if extra:
+    return f"argument {extra[0]}"
+  if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (q, k, v)):
+    return "operands are not arrays"
+  if not q.ndim == k.ndim == v.ndim or q.ndim not in (3, 4):
+    return "operands are not [batch, seq, heads, head_dim]"
+  if not q.dtype == k.dtype == v.dtype or q.dtype not in _ATTN_DTYPES:
+    return f"dtype {q.dtype} (the ops take bfloat16 or float16)"
+  if k.shape != v.shape or q.shape[-1] != k.shape[-1]:
+    return "K and V of different shapes (head_dim of V differs)"
+  scale = named.get("scale")
+  if scale is not None and isinstance(scale, jax.core.Tracer):
+    return "a traced scale"
+  if isinstance(named.get("is_causal", False), jax.core.Tracer):
+    return "a traced is_causal"
+  return ""
+
+
+def _caller() -> str:
+  """The user's line that called ``jax.nn.dot_product_attention``."""
+  import traceback
+  for frame in reversed(traceback.extract_stack()[:-3]):
+    f = frame.filename
+    if "/jax/" in f or f.endswith("dropin.py") or "contextlib" in f:
+      continue
+    return f"{f}:{frame.lineno} ({frame.name})"
+  return "?"
+
