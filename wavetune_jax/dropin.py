@@ -75,7 +75,7 @@ class _Sites(list):
     return "\n".join([head] + ["  " + s.line() for s in self])
 
 
-def autotune(fn=None, *, report: bool = False):
+def autotune(fn=None, *, report: bool = False, masks: bool = False):
   """``fn`` with its GEMMs, grouped GEMMs and attention run by the wavetune ops.
 
   Composes with ``jax.jit`` (``jax.jit(wt.autotune(step))``, with
@@ -88,13 +88,19 @@ def autotune(fn=None, *, report: bool = False):
       Python numbers, strings or modules, are passed through as constants).
     report: print, each time ``fn`` is traced, every call looked at:
       replaced (and by which backend) or kept, with the reason.
+    masks: also replace attention given a boolean ``mask`` (Keras-Hub's
+      models pass one), under a run-time check (``lax.cond``) that the mask
+      is the causal mask with key lengths (a prefill) or the bottom-right
+      band of a cache (a decode step); any other mask runs the original
+      call. Off by default: the check is a conditional per call, whose cost
+      on a GPU is not measured yet.
 
   Returns:
     The transformed function. Its ``sites`` attribute holds the calls of its
     last trace (a list of :class:`Site`; ``print`` it for the table).
   """
   if fn is None:
-    return functools.partial(autotune, report=report)
+    return functools.partial(autotune, report=report, masks=masks)
   if not callable(fn):
     raise TypeError(f"wt.autotune takes a function, got {type(fn).__name__}")
 
@@ -115,7 +121,7 @@ def autotune(fn=None, *, report: bool = False):
     if _differentiated(xs):
       tuned.sites = sites
       return fn(*args, **kwargs)
-    with _intercept_attention(sites):
+    with _intercept_attention(sites, masks):
       closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*xs)
     if _differentiated(closed.consts):
       # A closure over a value being differentiated: the replaced calls
@@ -463,7 +469,7 @@ _original_dpa = None
 
 
 @contextlib.contextmanager
-def _intercept_attention(sites):
+def _intercept_attention(sites, masks: bool = False):
   """While tracing ``fn``: ``jax.nn.dot_product_attention`` calls from this
   thread go through :func:`_attention`; other threads see the original."""
   global _patch_depth, _original_dpa
@@ -472,12 +478,12 @@ def _intercept_attention(sites):
       _original_dpa = jax.nn.dot_product_attention
       jax.nn.dot_product_attention = _dispatch_dpa
     _patch_depth += 1
-  prev = getattr(_local, "sites", None)
-  _local.sites = sites
+  prev = getattr(_local, "sites", None), getattr(_local, "masks", False)
+  _local.sites, _local.masks = sites, masks
   try:
     yield
   finally:
-    _local.sites = prev
+    _local.sites, _local.masks = prev
     with _patch_lock:
       _patch_depth -= 1
       if _patch_depth == 0:
@@ -504,58 +510,67 @@ def _attention(sites, original, *args, **kwargs):
   named = dict(zip(_DPA_KEYS, args))
   named.update(kwargs)
   q, k, v = named.get("query"), named.get("key"), named.get("value")
-  call_original = lambda: original(*args, **kwargs)
-  try:
-    where = _caller()
-  except Exception:
-    where = "?"
+  where = _caller()
   shapes = " ".join(_fmt(a) for a in (q, k, v) if hasattr(a, "shape"))
-  why = _attention_unsupported(named, q, k, v)
-  if why:
-    sites.append(Site("attention", where, shapes, False, reason=why))
-    return call_original()
+  plan = _attention_plan(named, q, k, v, getattr(_local, "masks", False))
+  if isinstance(plan, str):
+    sites.append(Site("attention", where, shapes, False, reason=plan))
+    return _kept(original, *args, **kwargs)
+  op, causal, pattern = plan
   rank3 = q.ndim == 3
   if rank3:
     q, k, v = q[None], k[None], v[None]
-  causal = bool(named.get("is_causal", False))
   scale = named.get("scale")
   scale = None if scale is None else float(scale)
-  lengths = named.get("key_value_seq_lengths")
+  lengths, mask = named.get("key_value_seq_lengths"), named.get("mask")
   from wavetune_jax import ops
-  t = q.shape[1]
-  if not causal and t <= 64:
-    op = "decode_attention"
-    run = lambda a, b, c, *l: ops.decode_attention(a, b, c, kv_lengths=l[0] if l else None,
-                                                   causal=False, scale=scale)
-  else:
-    op = "attention"
-    run = lambda a, b, c, *l: ops.attention(a, b, c, causal=causal, scale=scale,
-                                            kv_lengths=l[0] if l else None)
+  fn = ops.decode_attention if op == "decode_attention" else ops.attention
 
-  def orig(a, b, c, *l):
-    kw = dict(kwargs)
-    for name, x in zip(("query", "key", "value"), (a, b, c)):
-      kw.pop(name, None)
-    if l:
-      kw["key_value_seq_lengths"] = l[0]
-    return original(a, b, c, *args[3:], **kw)
+  def tuned(a, b, c, lens):
+    return fn(a, b, c, causal=causal, scale=scale, kv_lengths=lens)
 
-  arrays = (q, k, v) + ((lengths,) if lengths is not None else ())
+  def orig(a, b, c, *extra):  # the call as written, on these arrays
+    kw = {key: x for key, x in kwargs.items() if key not in _DPA_KEYS}
+    kw.update(zip(("bias", "mask"), args[3:]))
+    if extra:
+      kw["mask" if mask is not None else "key_value_seq_lengths"] = extra[0]
+    return original(a, b, c, **kw)
+
+  def run(a, b, c, *extra):
+    if mask is None:
+      return tuned(a, b, c, extra[0] if extra else None)
+    lens, ok = _mask_as_lengths(extra[0], a.shape[0], a.shape[1], b.shape[1], pattern)
+    return jax.lax.cond(ok, lambda: tuned(a, b, c, lens), lambda: orig(a, b, c, *extra))
+
+  extra = (mask,) if mask is not None else ((lengths,) if lengths is not None else ())
   try:
     with jax.named_scope(f"{_SCOPE}.autotune"):
-      out = _same_derivative(orig, run, *arrays)
-    backend = _backend_of(op, arrays[:3], kv_lengths=lengths, causal=causal)
+      out = _same_derivative(orig, run, q, k, v, *extra)
+    backend = _backend_of(op, (q, k, v), causal=causal,
+                          kv_lengths=jnp.zeros((q.shape[0],), jnp.int32)
+                          if mask is not None or lengths is not None else None)
   except (ValueError, TypeError, NotImplementedError) as e:
     sites.append(Site(op, where, shapes, False, reason=f"the op rejects it: {_one_line(e)}"))
-    return call_original()
+    return _kept(original, *args, **kwargs)
+  if mask is not None:
+    backend += f" (when the mask is {pattern} with key lengths, checked at run time)"
   sites.append(Site(op, where, shapes, True, backend=backend))
   return out[0] if rank3 else out
 
 
-def _attention_unsupported(named, q, k, v) -> str:
-  for key in ("bias", "mask", "query_seq_lengths", "local_window_size"):
+def _kept(original, *args, **kwargs):
+  """The call as written; its equations (XLA's attention: batched
+  ``dot_general``, a softmax) are not looked at again in the jaxpr."""
+  with jax.named_scope(f"{_SCOPE}.kept"):
+    return original(*args, **kwargs)
+
+
+def _attention_plan(named, q, k, v, masks: bool):
+  """``(op, causal, mask pattern)`` for a call the ops reproduce, else the
+  reason it is kept."""
+  for key in ("bias", "query_seq_lengths", "local_window_size"):
     if named.get(key) is not None:
-      return f"{key} given (the ops take causal masks and key lengths only)"
+      return f"{key} given (the ops take causal masks and key lengths)"
   if named.get("return_residual"):
     return "return_residual=True"
   known = set(_DPA_KEYS) | {"scale", "is_causal", "key_value_seq_lengths", "implementation",
@@ -571,18 +586,61 @@ def _attention_unsupported(named, q, k, v) -> str:
     return f"dtype {q.dtype} (the ops take bfloat16 or float16)"
   if k.shape != v.shape or q.shape[-1] != k.shape[-1]:
     return "K and V of different shapes (head_dim of V differs)"
-  scale = named.get("scale")
-  if scale is not None and isinstance(scale, jax.core.Tracer):
+  if isinstance(named.get("scale"), jax.core.Tracer):
     return "a traced scale"
-  if isinstance(named.get("is_causal", False), jax.core.Tracer):
+  causal = named.get("is_causal", False)
+  if isinstance(causal, jax.core.Tracer):
     return "a traced is_causal"
-  return ""
+  causal = bool(causal)
+  t, s = q.shape[-3], k.shape[-3]
+  mask = named.get("mask")
+  if mask is None:
+    if not causal and t <= 64:
+      return "decode_attention", False, None
+    return "attention", causal, None
+  # A mask: replaced where it is, at run time, causal + key lengths (a
+  # prefill) or the bottom-right causal band of a cache (a decode step);
+  # any other mask runs the original call.
+  if not masks:
+    return "mask given (wt.autotune(fn, masks=True) checks masks at run time)"
+  if causal or named.get("key_value_seq_lengths") is not None:
+    return "mask given with is_causal or key_value_seq_lengths"
+  if not hasattr(mask, "dtype") or mask.dtype != jnp.bool_ or mask.ndim != 4 or q.ndim != 4:
+    return "mask given that is not a [batch, heads, q, kv] boolean array"
+  if any(d not in (1, full) for d, full in zip(mask.shape, (q.shape[0], q.shape[2], t, s))):
+    return "mask given of another shape"
+  if t == s:
+    return "attention", True, "causal"
+  if t <= 64:
+    return "decode_attention", True, "the bottom-right causal band"
+  return "mask given, of more than 64 queries over a longer cache"
+
+
+def _mask_as_lengths(mask, batch, t, s, pattern):
+  """``(lengths [batch], ok)``: the key lengths ``mask`` encodes and whether
+  it is exactly ``pattern`` for them (every head alike; every sequence with a
+  key for every query)."""
+  m = jnp.broadcast_to(mask, (mask.shape[0], mask.shape[1], t, s))
+  lens = jnp.sum(m[:, 0, t - 1, :], axis=-1, dtype=jnp.int32)  # the last query sees them all
+  i = jax.lax.broadcasted_iota(jnp.int32, (1, t, s), 1)
+  j = jax.lax.broadcasted_iota(jnp.int32, (1, t, s), 2)
+  n = lens[:, None, None]
+  if pattern == "causal":
+    want, enough = (j <= i) & (j < n), lens >= 1
+  else:  # query i is position n - t + i of its sequence
+    want, enough = j <= i + n - t, lens >= t
+  ok = jnp.all(m == want[:, None]) & jnp.all(enough)
+  return jnp.broadcast_to(lens, (batch,)), ok
 
 
 def _caller() -> str:
   """The user's line that called ``jax.nn.dot_product_attention``."""
   import traceback
-  for frame in reversed(traceback.extract_stack()[:-3]):
+  try:
+    stack = traceback.extract_stack()[:-3]
+  except Exception:  # noqa: BLE001 - the report only
+    return "?"
+  for frame in reversed(stack):
     f = frame.filename
     if "/jax/" in f or f.endswith("dropin.py") or "contextlib" in f:
       continue
