@@ -123,12 +123,8 @@ def autotune(fn=None, *, report: bool = False, masks: bool = False):
       return fn(*args, **kwargs)
     with _intercept_attention(sites, masks):
       closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*xs)
-    if _differentiated(closed.consts):
-      # A closure over a value being differentiated: the replaced calls
-      # carry the original rule, but nothing is gained by replacing them.
-      out = _Evaluator(sites, replace=False).eval(closed.jaxpr, closed.consts, xs)
-    else:
-      out = _Evaluator(sites).eval(closed.jaxpr, closed.consts, xs)
+    with _work_memo_scope():
+      out = _evaluate(closed, xs, sites)
     tuned.sites = sites
     if report:
       print(sites, flush=True)
@@ -136,6 +132,13 @@ def autotune(fn=None, *, report: bool = False, masks: bool = False):
 
   tuned.sites = _Sites()
   return tuned
+
+
+def _evaluate(closed, xs, sites):
+  # A closure over a value being differentiated: nothing is replaced (the
+  # replaced calls would carry the original rule, but nothing is gained).
+  replace = not _differentiated(closed.consts)
+  return _Evaluator(sites, replace=replace).eval(closed.jaxpr, closed.consts, xs)
 
 
 def _is_array(x) -> bool:
@@ -360,16 +363,30 @@ def _sub_jaxprs(params):
         yield j.jaxpr
 
 
-@functools.lru_cache(maxsize=4096)
-def _jaxpr_has_work_cached(jaxpr) -> bool:
-  return any(_SCOPE not in str(e.source_info.name_stack) and _has_work(e) for e in jaxpr.eqns)
+_work_memo = threading.local()  # jaxpr id -> (jaxpr, answer), for one transformation
 
 
 def _jaxpr_has_work(jaxpr) -> bool:
+  memo = getattr(_work_memo, "d", None)
+  hit = None if memo is None else memo.get(id(jaxpr))
+  if hit is not None and hit[0] is jaxpr:
+    return hit[1]
+  found = any(_SCOPE not in str(e.source_info.name_stack) and _has_work(e) for e in jaxpr.eqns)
+  if memo is not None:
+    memo[id(jaxpr)] = (jaxpr, found)
+  return found
+
+
+@contextlib.contextmanager
+def _work_memo_scope():
+  """A memo of which (sub-)jaxprs hold work, kept for one transformation
+  only (a model's layers share their sub-jaxprs; nothing outlives it)."""
+  prev = getattr(_work_memo, "d", None)
+  _work_memo.d = {}
   try:
-    return _jaxpr_has_work_cached(jaxpr)
-  except TypeError:  # unhashable
-    return _jaxpr_has_work_cached.__wrapped__(jaxpr)
+    yield
+  finally:
+    _work_memo.d = prev
 
 
 # -- what the ops reproduce
