@@ -22,8 +22,7 @@ def load_example():
   return mod
 
 
-@pytest.mark.parametrize("masks", [False, True])
-def test_keras_hub_models_under_autotune(capsys, masks):
+def test_keras_hub_models_under_autotune(capsys, masks=True):
   """Llama-3 and Mixtral from Keras-Hub's config classes: prefill and one
   cached decode step; the example fails (returns 1) when the logits differ
   by more than 5% relative RMS (25% for the MoE model, whose router may
@@ -40,10 +39,9 @@ def test_keras_hub_models_under_autotune(capsys, masks):
   lines = [ln for ln in out.splitlines() if ln.strip().startswith(("prefill", "decode"))]
   assert len(lines) == 4, out
   # Llama: its 2 x 7 projections and the LM head are GEMMs against weights;
-  # with masks=True its 2 attention calls too (Keras-Hub passes a mask).
-  llama = [ln for ln in lines[:2]]
-  want = "replaced 17/21" if masks else "replaced 15/21"  # 2 attention calls kept
-  assert all(want in ln for ln in llama), out
+  # with masks=True its 2 attention calls too (Keras-Hub passes a mask; the
+  # unit tests check that without masks=True such a call is kept).
+  assert all("replaced 17/21" in ln for ln in lines[:2]), out
   assert "kept: batch dimensions" in out  # Mixtral's experts: a dense einsum over all experts
 
 
