@@ -339,3 +339,17 @@ def test_attention_patch_is_local_and_restored():
 def test_not_a_function():
   with pytest.raises(TypeError, match="takes a function"):
     wt.autotune(3)
+
+
+def test_parameters_it_does_not_know_keep_the_call(monkeypatch):
+  """Another JAX's parameters (here: a check that cannot read them) keep the
+  call as written instead of failing the forward pass."""
+  from wavetune_jax import dropin
+
+  def unreadable(*args):
+    raise KeyError("new_parameter")
+
+  monkeypatch.setattr(dropin, "_gemm_unsupported", unreadable)
+  out, sites = run(lambda x, w: x @ w, X, W)
+  assert_close(out, X @ W, tol=0)
+  assert len(sites) == 1 and "parameters not recognised" in sites[0].reason, sites

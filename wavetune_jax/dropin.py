@@ -198,7 +198,9 @@ class _Evaluator:
     if name == "ragged_dot_general":
       return self.ragged_dot(eqn, invals)
     if name in _INLINED:
-      sub = eqn.params["jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"]
+      sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+      if not (hasattr(sub, "jaxpr") and hasattr(sub, "consts")):  # another JAX's form
+        return _bind(eqn, eqn.params, invals)
       outs = self.eval(sub.jaxpr, sub.consts, invals)
       return outs if eqn.primitive.multiple_results else outs[0]
     if name in _REMAT:
@@ -259,9 +261,12 @@ class _Evaluator:
   def dot_general(self, eqn, invals):
     x, w = invals
     p = eqn.params
-    (lc, rc), (lb, rb) = p["dimension_numbers"]
     shapes = f"{_fmt(x)} x {_fmt(w)}"
-    why = _gemm_unsupported(x, w, lc, rc, lb, rb, p)
+    try:
+      (lc, rc), (lb, rb) = p["dimension_numbers"]
+    except (KeyError, TypeError, ValueError):
+      return self.keep(eqn, invals, "matmul", shapes, "parameters not recognised")
+    why = _guarded(_gemm_unsupported, x, w, lc, rc, lb, rb, p)
     made = self.producers.get(eqn.invars[1])
     if not why and made is not None and made.primitive.name == "transpose":
       # XLA folds a transpose of the weight into its GEMM; a kernel that
@@ -288,7 +293,7 @@ class _Evaluator:
     lhs, rhs, sizes = invals[:3]
     p = eqn.params
     shapes = f"{_fmt(lhs)} x {_fmt(rhs)}"
-    why = _ragged_unsupported(lhs, rhs, sizes, invals, p)
+    why = _guarded(_ragged_unsupported, lhs, rhs, sizes, invals, p)
     if why:
       return self.keep(eqn, invals, "ragged_dot", shapes, why)
     out_dtype = p.get("preferred_element_type") or lhs.dtype
@@ -390,6 +395,15 @@ def _work_memo_scope():
 
 
 # -- what the ops reproduce
+
+def _guarded(check, *args) -> str:
+  """``check(*args)``; parameters it does not know (another JAX's) keep the
+  call: the transformation never fails a forward pass."""
+  try:
+    return check(*args)
+  except Exception as e:  # noqa: BLE001
+    return f"parameters not recognised ({type(e).__name__}: {_one_line(e)})"
+
 
 def _precision_ok(precision, dtype) -> bool:
   if precision is None:
