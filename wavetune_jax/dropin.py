@@ -210,7 +210,7 @@ class _Evaluator:
                             policy=eqn.params.get("policy"))(*invals)
     if name in _LOOPS:
       return self.loop(eqn, invals)
-    if name == "shard_map":
+    if name in _MAPPED:
       return self.shard_map(eqn, invals)
     return _bind(eqn, eqn.params, invals)
 
@@ -430,12 +430,7 @@ def _gemm_unsupported(x, w, lc, rc, lb, rb, p) -> str:
             "same order (a transposed weight)")
   if x.ndim == nk or w.ndim == nk:
     return "a matrix-vector product"
-  if not _precision_ok(p.get("precision"), x.dtype):
-    return f"precision {p.get('precision')}"
-  out = p.get("preferred_element_type")
-  if out is not None and out not in (x.dtype, jnp.float32):
-    return f"preferred_element_type {out}"
-  return ""
+  return _numerics_unsupported(p, x.dtype)
 
 
 def _ragged_unsupported(lhs, rhs, sizes, invals, p) -> str:
@@ -451,10 +446,16 @@ def _ragged_unsupported(lhs, rhs, sizes, invals, p) -> str:
     return "not lax.ragged_dot's layout ([M, K] x [G, K, N], ragged rows)"
   if lhs.dtype != rhs.dtype or lhs.dtype not in _GEMM_DTYPES:
     return f"dtype {lhs.dtype} x {rhs.dtype} (the ops take bfloat16 or float16 here)"
-  if not _precision_ok(p.get("precision"), lhs.dtype):
+  return _numerics_unsupported(p, lhs.dtype)
+
+
+def _numerics_unsupported(p, dtype) -> str:
+  """Precision and output type the ops reproduce: the default (or the
+  matching bf16/f16-in, f32-accumulate algorithm), out in ``dtype`` or f32."""
+  if not _precision_ok(p.get("precision"), dtype):
     return f"precision {p.get('precision')}"
   out = p.get("preferred_element_type")
-  if out is not None and out not in (lhs.dtype, jnp.float32):
+  if out is not None and out not in (dtype, jnp.float32):
     return f"preferred_element_type {out}"
   return ""
 
