@@ -309,10 +309,17 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
 
 
 def operand_pipeline(body, compute_context, *, block_m: int, block_n: int, steps: int,
-                     num_stages: int, dtype):
+                     num_stages: int, dtype, w_collective: tuple[str, ...] = (),
+                     delay_release: int = 0, pipeline_state=None):
   """The warp-specialized TMA ring both Mosaic GEMMs run: ``[block_m, 64]``
   blocks of x and ``[64, block_n]`` blocks of w, 128-byte swizzle, one
-  producer and two consumer warpgroups (axis ``"wg"``)."""
+  producer and two consumer warpgroups (axis ``"wg"``).
+
+  ``w_collective`` names the cluster axis whose CTAs share each w block (TMA
+  multicast); ``delay_release`` releases a ring slot that many steps late
+  (the consumer then waits for all but that many wgmmas); ``pipeline_state``
+  (``plgpu.PipelinePipeline``) chains the pipelines of consecutive work
+  tiles."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   swizzle = 128
@@ -324,27 +331,32 @@ def operand_pipeline(body, compute_context, *, block_m: int, block_n: int, steps
       memory_registers=_MEMORY_REGISTERS,
       in_specs=[
           plgpu.BlockSpec((block_m, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
-                          memory_space=plgpu.SMEM),
+                          memory_space=plgpu.SMEM, delay_release=delay_release),
           plgpu.BlockSpec((BLOCK_K, block_n), lambda kk: (kk, 0), transforms=transforms,
-                          memory_space=plgpu.SMEM),
+                          memory_space=plgpu.SMEM, delay_release=delay_release,
+                          collective_axes=w_collective),
       ],
       wg_axis="wg",
       num_compute_wgs=2,
       max_concurrent_steps=min(num_stages, steps),
       compute_context=compute_context,
+      **({} if pipeline_state is None else {"pipeline_state": pipeline_state}),
   )
 
 
-def persistent_kernel(kernel, out_type, ctas: int):
+def persistent_kernel(kernel, out_type, ctas: int, cluster: int = 1):
   """``kernel`` on a persistent grid of ``ctas`` CTAs (axis ``"sm"``) of three
-  warpgroups (axis ``"wg"``)."""
+  warpgroups (axis ``"wg"``); with ``cluster > 1``, ``ctas`` clusters of
+  that many CTAs (axis ``"cluster"``)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
+  clusters = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
   return plgpu.kernel(
       kernel,
       out_type=out_type,
       grid=(ctas,),
       grid_names=("sm",),
+      **clusters,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(

@@ -56,7 +56,8 @@ from pallas_kernels._launch import check_ints, match_varying, out_struct
 from pallas_kernels.matmul import mosaic as gemm
 from pallas_kernels.ragged_dot import worklist
 
-__all__ = ["MosaicRaggedDotConfig", "check_shapes", "ragged_dot", "smem_bytes"]
+__all__ = ["MosaicRaggedDotConfig", "MosaicRaggedDotOptions", "check_shapes", "ragged_dot",
+           "smem_bytes"]
 
 COMPUTE_CAPABILITY = gemm.COMPUTE_CAPABILITY
 DTYPES = gemm.DTYPES
@@ -66,6 +67,12 @@ BLOCK_K = gemm.BLOCK_K
 NK_MULTIPLE = gemm.NK_MULTIPLE
 M_MULTIPLE = gemm.M_MULTIPLE
 _BARRIER_BYTES = 1024
+#: Work orders (``MosaicRaggedDotConfig.grid_minor``).
+ORDERS = (0, 1, 2)
+#: ``grid_minor`` 2: the rows of one band of an expert's tasks take at
+#: most this many bytes (a third to a half of a Hopper GPU's L2), so they
+#: stay in L2 while the band walks the expert's column tiles.
+BAND_BYTES = 24 << 20
 NO_INTERPRET = ("the Mosaic GPU grouped GEMM has no CPU interpret mode; its correctness "
                 "is checked on a Hopper GPU (the sweep and benchmarks/ragged_dot_mosaic.py "
                 "compare every config with the float32 reference)")
@@ -83,7 +90,14 @@ class MosaicRaggedDotConfig:
     split_k: K splits per task (>= 1); above 1, fp32 partials summed by XLA.
     grid_minor: order of the work items: 1 walks a task's column tiles
       first (its rows stay in L2), 0 the tasks of a column tile first (the
-      expert's weight columns stay in L2).
+      expert's weight columns stay in L2), 2 expert by expert, each
+      expert's column tiles in turn, its tasks first within a column
+      tile: the tasks of an expert read each weight tile together (it
+      comes from HBM once) and their rows stay in L2 (an expert whose rows
+      pass :data:`BAND_BYTES` is walked in bands of tasks that fit). Order
+      2 also streams the next work item's first K blocks while the
+      consumers store the last one, where the K steps of a split are a
+      multiple of ``num_stages``.
   """
 
   block_m: int = 128
@@ -94,13 +108,60 @@ class MosaicRaggedDotConfig:
 
   def __post_init__(self):
     check_ints(self)
+    if self.grid_minor not in ORDERS:
+      raise ValueError(f"MosaicRaggedDotConfig.grid_minor={self.grid_minor} must be one of "
+                       f"{ORDERS} (0: tasks first, 1: column tiles first, 2: by expert)")
     # The GEMM's config carries the tile rules.
     try:
       gemm.MosaicMatmulConfig(block_m=self.block_m, block_n=self.block_n,
-                              num_stages=self.num_stages, split_k=self.split_k,
-                              grid_minor=self.grid_minor)
+                              num_stages=self.num_stages, split_k=self.split_k)
     except ValueError as e:
       raise ValueError(str(e).replace("MosaicMatmulConfig", "MosaicRaggedDotConfig")) from None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MosaicRaggedDotOptions:
+  """Schedule options of the kernel, outside the tuned config (each default
+  is the schedule the shipped tables were measured with).
+
+  Attributes:
+    cluster_m: 1, or 2 for clusters of two CTAs that run the two
+      ``block_m``-row halves of one ``2 * block_m``-row task (one expert):
+      each weight block is loaded once per cluster and multicast to both
+      (TMA multicast), halving the weight traffic from L2.
+    delay_release: 0 waits for each wgmma before releasing its ring slot; 1
+      keeps one wgmma in flight (the slot is released one step later).
+    task_band: with ``grid_minor`` 0, the tasks are walked in bands of this
+      many (column tiles of a band, then its tasks): the band's rows stay in
+      L2 while an expert's weight tile is shared by its tasks. 0: one band.
+    pipeline_tiles: 1 streams the next work item's first blocks while the
+      consumers store the last one (one pipeline across a CTA's work
+      items; ``grid_minor`` 2 does it wherever it can); needs the K steps
+      of a split to be a multiple of ``num_stages`` and ``delay_release`` 0.
+  """
+
+  cluster_m: int = 1
+  delay_release: int = 0
+  task_band: int = 0
+  pipeline_tiles: int = 0
+
+  def __post_init__(self):
+    check_ints(self)
+    if self.cluster_m not in (1, 2):
+      raise ValueError(f"MosaicRaggedDotOptions.cluster_m={self.cluster_m} must be 1 or 2")
+    if self.delay_release not in (0, 1):
+      raise ValueError(f"MosaicRaggedDotOptions.delay_release={self.delay_release} must be "
+                       f"0 or 1")
+    if self.task_band < 0:
+      raise ValueError(f"MosaicRaggedDotOptions.task_band={self.task_band} must be >= 0")
+    if self.pipeline_tiles not in (0, 1):
+      raise ValueError(f"MosaicRaggedDotOptions.pipeline_tiles={self.pipeline_tiles} must be "
+                       f"0 or 1")
+    if self.pipeline_tiles and self.delay_release:
+      raise ValueError("MosaicRaggedDotOptions: pipeline_tiles=1 needs delay_release=0")
+
+
+DEFAULT_OPTIONS = MosaicRaggedDotOptions()
 
 
 def smem_bytes(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
@@ -124,7 +185,8 @@ def _round8(m: int) -> int:
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
                config: MosaicRaggedDotConfig, out_dtype=None,
-               num_sms: int | None = None) -> jax.Array:
+               num_sms: int | None = None,
+               options: MosaicRaggedDotOptions = DEFAULT_OPTIONS) -> jax.Array:
   """``lax.ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G])`` with the
   Mosaic GPU kernel (Hopper only).
 
@@ -135,6 +197,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     out_dtype: bfloat16, float16 or float32 (default ``lhs.dtype``).
     num_sms: CTAs of the persistent grid (default: the SMs of the default
       device, which must then be a Hopper GPU).
+    options: schedule options (:class:`MosaicRaggedDotOptions`).
 
   Raises:
     ValueError: bad ranks, shapes or dtypes, shapes the kernel does not run
@@ -142,20 +205,33 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   """
   if not isinstance(config, MosaicRaggedDotConfig):
     raise ValueError(f"config must be a MosaicRaggedDotConfig; got {type(config).__name__}")
+  if not isinstance(options, MosaicRaggedDotOptions):
+    raise ValueError(f"options must be MosaicRaggedDotOptions; got {type(options).__name__}")
+  if options.task_band and config.grid_minor != 0:
+    raise ValueError(f"options.task_band={options.task_band} needs config.grid_minor=0")
+  if options.delay_release and config.num_stages < 3:
+    raise ValueError("options.delay_release=1 needs config.num_stages >= 3")
   worklist.check_operands(lhs, rhs, group_sizes)
   out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
   (m, k), n = lhs.shape, rhs.shape[2]
   check_shapes(m, n, k, lhs.dtype, out_dtype, config)
+  if options.pipeline_tiles and gemm.k_steps(k, config.split_k) % config.num_stages:
+    raise ValueError(f"options.pipeline_tiles=1 needs the {gemm.k_steps(k, config.split_k)} "
+                     f"K steps of a split to be a multiple of num_stages="
+                     f"{config.num_stages}")
   if num_sms is None:
     num_sms = gemm.check_device()
   return _ragged_dot(lhs, rhs, group_sizes, config=config, out_dtype=out_dtype,
-                     num_sms=int(num_sms))
+                     num_sms=int(num_sms), options=options)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
-def _ragged_dot(lhs, rhs, group_sizes, *, config, out_dtype, num_sms):
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms", "options"))
+def _ragged_dot(lhs, rhs, group_sizes, *, config, out_dtype, num_sms, options=DEFAULT_OPTIONS):
   m = lhs.shape[0]
-  tasks, count = worklist.row_tasks(group_sizes, m, config.block_m)
+  bm = config.block_m * options.cluster_m
+  tasks, count = worklist.row_tasks(group_sizes, m, bm,
+                                    band_cap=band_cap(bm, lhs.shape[1], lhs.dtype.itemsize)
+                                    if config.grid_minor == 2 else 0)
   pad = -m % M_MULTIPLE if m > M_MULTIPLE else 0
   if pad:
     # TMA loads lhs in tiles of 8 rows: M must be a multiple of 8. The
@@ -163,13 +239,24 @@ def _ragged_dot(lhs, rhs, group_sizes, *, config, out_dtype, num_sms):
     lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
   if config.split_k == 1:
     return _kernel_call(tasks, count, lhs, rhs, m=m, config=config, out_dtype=out_dtype,
-                        num_sms=num_sms)
+                        num_sms=num_sms, options=options)
   partials = _kernel_call(tasks, count, lhs, rhs, m=m, config=config,
-                          out_dtype=jnp.dtype(jnp.float32), num_sms=num_sms)
+                          out_dtype=jnp.dtype(jnp.float32), num_sms=num_sms, options=options)
   return partials.sum(axis=0).astype(out_dtype)
 
 
-def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms):
+def band_cap(block_m: int, k: int, itemsize: int) -> int:
+  """Tasks per band under ``grid_minor`` 2 (:data:`BAND_BYTES` of rows)."""
+  return max(1, BAND_BYTES // (block_m * k * itemsize))
+
+
+def _pipelined(config, options, steps: int) -> bool:
+  if options.pipeline_tiles:
+    return True
+  return config.grid_minor == 2 and not options.delay_release and steps % config.num_stages == 0
+
+
+def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -184,15 +271,20 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms):
   split_len = steps * BLOCK_K
   past_k = sk * split_len  # K offset of the tail tasks: every load is past K
   n_tasks = tasks.shape[1]
+  cm = options.cluster_m
+  delay = options.delay_release
+  band = options.task_band
 
   out_swizzle = 128
   out_elems = out_swizzle // out_dtype.itemsize
   # One row per tile: a store may start at any row of the tile.
   out_transforms = (plgpu.TilingTransform((1, out_elems)), plgpu.SwizzleTransform(out_swizzle))
 
-  def get_pipeline(body, compute_context):
+  def get_pipeline(body, compute_context, state=None):
     return gemm.operand_pipeline(body, compute_context, block_m=bm, block_n=bn,
-                                 steps=steps, num_stages=config.num_stages, dtype=dtype)
+                                 steps=steps, num_stages=config.num_stages, dtype=dtype,
+                                 w_collective=("cluster",) if cm > 1 else (),
+                                 delay_release=delay, pipeline_state=state)
 
   def kernel(tasks_gmem, count_gmem, x_gmem, w_gmem, out_gmem):
     ignore = lambda *_, **__: None
@@ -207,6 +299,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms):
     )
     def _scope(pipeline_allocs, out_smem):
       wg = lax.axis_index("wg")
+      cta = lax.axis_index("cluster") if cm > 1 else 0
       count = count_gmem[0]
       per_split = count * tiles_n
 
@@ -217,12 +310,33 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms):
         rest = lax.rem(lin, per_split)
         if config.grid_minor == 1:
           task, ni = lax.div(rest, jnp.int32(tiles_n)), lax.rem(rest, jnp.int32(tiles_n))
+        elif config.grid_minor == 2:
+          # The band of tasks [b0, b0 + bw) owns the work items [b0 * tiles_n,
+          # (b0 + bw) * tiles_n): the task at rest // tiles_n names it.
+          guess = lax.div(rest, jnp.int32(tiles_n))
+          b0 = tasks_gmem[worklist.BAND0, guess]
+          bw = tasks_gmem[worklist.BANDW, guess]
+          b_rest = rest - b0 * tiles_n
+          task, ni = b0 + lax.rem(b_rest, bw), lax.div(b_rest, bw)
+        elif band:
+          # Bands of ``band`` tasks (the last may be narrower), column tiles
+          # outer within a band.
+          b_idx = lax.div(rest, jnp.int32(band * tiles_n))
+          b_rest = lax.rem(rest, jnp.int32(band * tiles_n))
+          width = jnp.minimum(jnp.int32(band), count - b_idx * band)
+          task, ni = b_idx * band + lax.rem(b_rest, width), lax.div(b_rest, width)
         else:
           task, ni = lax.rem(rest, count), lax.div(rest, count)
         grp = tasks_gmem[worklist.GROUP, task]
         row0 = tasks_gmem[worklist.ROW0, task]
         start = tasks_gmem[worklist.START, task]
         size = tasks_gmem[worklist.SIZE, task]
+        if cm > 1:
+          # This CTA's half of the cluster's task: rows [cta * bm, cta * bm + bm).
+          lo_c = jnp.clip(start - cta * bm, 0, bm)
+          hi_c = jnp.clip(start + size - cta * bm, 0, bm)
+          row0 = row0 + cta * bm
+          start, size = lo_c, hi_c - lo_c
         tail = grp >= groups
         expert = jnp.minimum(grp, groups - 1)
         k0 = jnp.where(tail, jnp.int32(past_k), split * split_len)
@@ -246,6 +360,8 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms):
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
           def _acc_scope(acc_ref):
             eval_pipeline(acc_ref)
+            if delay:
+              plgpu.wgmma_wait(0)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             # Column slices one swizzle wide (64 bf16, 32 fp32), one row per
             # tile: a store may start at any row.
@@ -271,10 +387,18 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms):
 
         def mma_body(_, x_smem, w_smem, acc_ref):
           plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n])
-          plgpu.wgmma_wait(0)
+          plgpu.wgmma_wait(delay)
           return acc_ref
 
-        get_pipeline(mma_body, compute_context)(
+        state = None
+        if _pipelined(config, options, steps):
+          # One pipeline across this CTA's work items: the first fills the
+          # ring, the last drains it, the others keep it streaming.
+          state = jnp.where(info.local_index == 0, plgpu.PipelinePipeline.START,
+                            jnp.where(info.local_index == info.num_local_steps - 1,
+                                      plgpu.PipelinePipeline.STOP,
+                                      plgpu.PipelinePipeline.STEADY)).astype(jnp.int32)
+        get_pipeline(mma_body, compute_context, state)(
             x_gmem.at[m_slice, k_slice],
             w_gmem.at[expert, k_slice, n_slice],
             allocations=pipeline_allocs,
@@ -285,4 +409,5 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms):
   out_shape = (sk, m, n) if sk > 1 else (m, n)
   (tasks, count, x, w), axes = match_varying(tasks, count, x, w)
   return gemm.persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
-                                min(num_sms, n_tasks * tiles_n * sk))(tasks, count, x, w)
+                                min(num_sms // cm, n_tasks * tiles_n * sk),
+                                cluster=cm)(tasks, count, x, w)

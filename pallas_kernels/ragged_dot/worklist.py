@@ -29,12 +29,14 @@ import jax.numpy as jnp
 from pallas_kernels._integers import INT32_MAX, clipped_int32
 
 __all__ = ["ALIGN", "batch_rows", "check_operands", "clip_sizes", "max_tasks", "row_tasks",
-           "GROUP", "ROW0", "START", "SIZE"]
+           "GROUP", "ROW0", "START", "SIZE", "BAND0", "BANDW"]
 
 #: Task blocks start at multiples of this many rows.
 ALIGN = 8
 #: Rows of ``tasks``.
 GROUP, ROW0, START, SIZE = 0, 1, 2, 3
+#: With ``band_cap``: the first task and the width of the task's band.
+BAND0, BANDW = 4, 5
 
 
 def check_operands(lhs, rhs, group_sizes) -> None:
@@ -123,10 +125,15 @@ def max_tasks(m: int, groups: int, block_m: int, align: int = ALIGN) -> int:
 
 
 def row_tasks(group_sizes: jax.Array, m: int, block_m: int,
-              align: int = ALIGN) -> tuple[jax.Array, jax.Array]:
+              align: int = ALIGN, band_cap: int = 0) -> tuple[jax.Array, jax.Array]:
   """``(tasks [4, T] int32, count [1] int32)`` for ``m`` rows (module doc).
 
-  The tail group has index ``len(group_sizes)``.
+  The tail group has index ``len(group_sizes)``. With ``band_cap > 0``,
+  ``tasks`` has two more rows: each group's ``n`` tasks are split into
+  ``ceil(n / band_cap)`` bands of ``ceil(n / bands)`` tasks (the last one
+  narrower), and ``tasks[BAND0, t]``,
+  ``tasks[BANDW, t]`` are the first task and the width of task ``t``'s band
+  (unused tasks: a band of their own, width 1).
   """
   if block_m % align:
     raise ValueError(f"block_m={block_m} must be a multiple of align={align}")
@@ -153,5 +160,15 @@ def row_tasks(group_sizes: jax.Array, m: int, block_m: int,
   size = jnp.where(used, jnp.maximum(hi - lo, 0), 0)
   start = jnp.where(used, lo - row0, 0)
   row0 = jnp.where(used, row0, 0)
-  tasks = jnp.stack([grp, row0, start, size]).astype(jnp.int32)
+  rows = [grp, row0, start, size]
+  if band_cap:
+    n_g = ntiles[grp]
+    first_task = cum[grp] - n_g
+    bands = (n_g + band_cap - 1) // band_cap
+    width = (n_g + jnp.maximum(bands, 1) - 1) // jnp.maximum(bands, 1)
+    local = tid - first_task
+    b0 = first_task + (local // jnp.maximum(width, 1)) * width
+    bw = jnp.minimum(width, first_task + n_g - b0)
+    rows += [jnp.where(used, b0, tid), jnp.where(used, bw, 1)]
+  tasks = jnp.stack(rows).astype(jnp.int32)
   return tasks, count.astype(jnp.int32)
