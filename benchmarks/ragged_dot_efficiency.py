@@ -1,0 +1,421 @@
+"""The grouped GEMM against what a well-built grouped GEMM gets: cuBLAS's
+batched GEMM on the same rows per expert, where the time goes, and the
+Mosaic kernel's schedule options.
+
+Per problem ``G`` experts x ``r`` rows each (uniform routing: every expert
+gets exactly ``r`` rows), ``K``, ``N``, on one GPU, CUPTI, L2 flushed, every
+candidate checked against the float32 reference first:
+
+* ``batched``: ``jnp.einsum("gmk,gkn->gmn")`` on ``[G, r, K] x [G, K, N]``
+  (cuBLAS batched GEMM), and ``lax.ragged_dot`` (XLA's op on this JAX);
+* ``wt``: ``wt.ragged_dot`` with the shipped tables (policy ``tables``) and
+  its per-kernel breakdown (work list, main kernel, split-K reduction,
+  padding);
+* the Mosaic kernel at a set of tiles and both work orders (the schedule
+  of the shipped tables), then, on the best two, the schedule options of
+  :class:`pallas_kernels.ragged_dot.mosaic.MosaicRaggedDotOptions`: 2-CTA
+  clusters with the weight multicast, one wgmma in flight, task bands;
+* the row tasks, column tiles, waves and tail rows of the best config, and
+  the time floors of its FLOPs (989 TFLOP/s) and bytes (HBM);
+* ``--skew``: under a skewed router, the kernel against the batched GEMM
+  padded to the largest group.
+
+    python3 benchmarks/ragged_dot_efficiency.py [--set issue|suite|all|quick]
+        [--mode rule|orders|options] [--skew] [--json out.json]
+    python3 benchmarks/ragged_dot_efficiency.py --summarize out.json   # CPU
+
+``--summarize`` reads a run's rows (no GPU) and prints, per problem, the
+batched GEMM's TFLOP/s, the speed over it of the rule's config before and
+after order 2 (``rule`` runs) or of the best config of each order
+(``orders`` runs) or with and without each option (``options`` runs), the
+work list's share of the op's time, and under ``--skew`` each config
+against the padded batched GEMM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import wavetune_jax as wt
+from pallas_kernels.ragged_dot import mosaic as kernel
+from pallas_kernels.ragged_dot import worklist
+from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig as Config
+from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotOptions as Options
+from pallas_kernels.ragged_dot.reference import ragged_dot_reference
+from wavetune_jax.families.ragged_dot import routing
+from wavetune_jax.tuning import profiler
+
+# (experts, rows per expert, K, N): the rows where the kernel lagged the
+# batched GEMM, and one decode-size one.
+ISSUE = [(64, 375, 3584, 5120), (32, 375, 2880, 5760), (8, 512, 4096, 28672),
+         (8, 2048, 4096, 28672), (128, 192, 2048, 1536), (64, 48, 3584, 5120)]
+# The training suite's models at prefill sizes (tokens x top_k rows over the
+# experts): Mixtral w2 at 4,096 tokens, DBRX w13 at 1,024, OLMoE w13 at 4,096
+# and w2 at 1,024, Phi-3.5-MoE w2 at 3,000, Llama-4-Scout w2 at 2,048.
+SUITE = [(8, 1024, 14336, 4096), (16, 256, 6144, 21504), (64, 512, 2048, 2048),
+         (64, 128, 1024, 2048), (16, 375, 6400, 4096), (16, 128, 8192, 5120)]
+QUICK = ISSUE[:1] + ISSUE[2:3]
+SETS = {"issue": ISSUE, "suite": SUITE, "all": ISSUE + SUITE, "quick": QUICK}
+TILES = [(128, 256, 3), (256, 128, 3), (128, 128, 4), (128, 128, 6), (64, 256, 4)]
+PEAK_TFLOPS = 989.0
+HBM_TBS = {"h100": 3.35, "h200": 4.8}
+
+
+def _gb(x):
+  return x / 1e9
+
+
+def problem_stats(g, r, k, n, c: Config, cm: int, hbm: float):
+  """Tiles, waves and floors of one config at uniform routing."""
+  m = g * r
+  sizes = jnp.full((g,), r, jnp.int32)
+  tasks, count = worklist.row_tasks(sizes, m, c.block_m * cm)
+  count = int(count[0])
+  t = np.asarray(tasks)[:, :count]
+  valid = t[worklist.SIZE].sum()
+  tiles_n = -(-n // c.block_n)
+  work = count * tiles_n * c.split_k
+  units = 132 // cm
+  flops = 2.0 * m * n * k
+  bytes_ = (m * k + g * k * n + m * n) * 2
+  return {"tasks": count, "tiles_n": tiles_n, "work": work, "waves": work / units,
+          "row_fill": valid / (count * c.block_m * cm),
+          "flops_us": flops / (PEAK_TFLOPS * 1e6), "bytes_us": bytes_ / (hbm * 1e6)}
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--set", choices=tuple(SETS), default="issue")
+  ap.add_argument("--mode", choices=("rule", "orders", "options"), default="rule",
+                  help="rule: the Hopper rule's config before and after order 2, and "
+                       "the three orders on its tile; orders: tiles x work orders (0, 1, "
+                       "2) and tile pipelining; options: orders 0 and 1, then clusters, "
+                       "wgmma delay and fixed task bands on the best two")
+  ap.add_argument("--skew", action="store_true")
+  ap.add_argument("--iterations", type=int, default=20)
+  ap.add_argument("--only", default=None, help="comma-separated problem indices")
+  ap.add_argument("--budget-s", type=float, default=math.inf,
+                  help="start no new problem after this many seconds")
+  ap.add_argument("--json", default=None)
+  ap.add_argument("--summarize", metavar="JSON", help="summarize a run's rows (CPU)")
+  a = ap.parse_args()
+  if a.summarize:
+    summarize(a.summarize)
+    return
+  dev = jax.devices()[0]
+  hw = wt.detect()
+  hbm = HBM_TBS["h200" if "H200" in dev.device_kind else "h100"]
+  print(dev.device_kind, jax.__version__, f"{dev.core_count} SMs", flush=True)
+  prof = profiler.Profiler(iterations=a.iterations)
+  from wavetune_jax.core import versions
+  # XLA lowers lax.ragged_dot to cuDNN's grouped GEMM from cuDNN 9.22: the
+  # run records which cuDNN its "lax.ragged_dot" column ran on.
+  out = {"device_kind": dev.device_kind, "jax": jax.__version__, "mode": a.mode,
+         "versions": versions.current(), "rows": []}
+  print("versions:", out["versions"], flush=True)
+
+  def dump():
+    if a.json:
+      with open(a.json, "w") as f:
+        json.dump(out, f, indent=1)
+
+  summary = []
+  probs = SETS[a.set]
+  if a.only:
+    probs = [probs[int(i)] for i in a.only.split(",")]
+  start = time.time()
+  for g, r, k, n in probs:
+    if time.time() - start > a.budget_s:
+      print(f"budget spent: G={g} r={r} K={k} N={n} not run", flush=True)
+      continue
+    t0 = time.time()
+    m = g * r
+    kx, kw = jax.random.split(jax.random.PRNGKey(0))
+    lhs = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(kw, (g, k, n), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16)
+    sizes = jnp.full((g,), r, jnp.int32)
+    ref = ragged_dot_reference(lhs, rhs, sizes, jnp.float32)
+    flops = 2.0 * m * n * k
+    tf = lambda us: flops / (us * 1e-6) / 1e12 if us == us else math.nan  # noqa: E731
+    row = {"g": g, "r": r, "k": k, "n": n, "times": {}}
+
+    def batched(lhs, rhs, sizes):
+      return jnp.einsum("gmk,gkn->gmn", lhs.reshape(g, r, k), rhs).reshape(m, n)
+
+    def lax_op(lhs, rhs, sizes):
+      return jax.lax.ragged_dot(lhs, rhs, sizes)
+
+    with wt.policy("tables"):
+      chosen = wt.select("ragged_dot", wt.RaggedDotProblem(m=m, g=g, k=k, n=n), hw)
+    wt_cfg = chosen.config
+
+    def wt_op(lhs, rhs, sizes):
+      return wt.ragged_dot(lhs, rhs, sizes, config=wt_cfg)
+
+    names = ["batched", "lax.ragged_dot", "wt"]
+    fns = [batched, lax_op, wt_op]
+    cands = (_rule_candidates(g, r, k, n, hw) if a.mode == "rule"
+             else _candidates(g, r, k, n, hw, a.mode))
+    names += [_name(c, o) for c, o in cands]
+    fns += [_mosaic(c, o) for c, o in cands]
+    res = prof.measure_many(fns, (lhs, rhs, sizes), reference=ref, tolerance=2e-2,
+                            out_bytes=m * n * 4)
+    for nm, mres in zip(names, res):
+      row["times"][nm] = _rec(mres)
+    base = {nm: v["us"] for nm, v in row["times"].items() if nm.startswith("mosaic")
+            and v["status"] == "ok" and " cl1 d0 b0 p0" in nm and " o2 " not in nm}
+    top = sorted(base, key=base.get)[:2]
+    if a.mode == "options" and top:
+      opt = _options_on(top)
+      opt_names = [_name(c, o) for c, o in opt if _name(c, o) not in row["times"]]
+      res = prof.measure_many([_mosaic(*_parse(nm)) for nm in opt_names], (lhs, rhs, sizes),
+                              reference=ref, tolerance=2e-2, out_bytes=m * n * 4)
+      for nm, mres in zip(opt_names, res):
+        row["times"][nm] = _rec(mres)
+    # Breakdowns: wt's choice and the best Mosaic run.
+    allm = {nm: v["us"] for nm, v in row["times"].items()
+            if nm.startswith("mosaic") and v["status"] == "ok"}
+    best = min(allm, key=allm.get) if allm else None
+    row["breakdown_wt"] = prof.kernel_breakdown(wt_op, (lhs, rhs, sizes))
+    if best:
+      bc, bo = _parse(best)
+      row["breakdown_best"] = prof.kernel_breakdown(_mosaic(bc, bo), (lhs, rhs, sizes))
+      row["best"] = best
+      row["stats_best"] = problem_stats(g, r, k, n, bc, bo.cluster_m, hbm)
+    if isinstance(wt_cfg, Config):
+      row["stats_wt"] = problem_stats(g, r, k, n, wt_cfg, 1, hbm)
+    row["wt_config"] = str(wt_cfg)
+    if a.skew:
+      sk = routing.group_sizes(jax.random.PRNGKey(3), m, g, routing.SKEWED)
+      big = int(jnp.max(sk))
+      xs = jax.random.normal(kx, (g, big, k), jnp.float32).astype(jnp.bfloat16)
+      ref_s = ragged_dot_reference(lhs, rhs, sk, jnp.float32)
+      padded = prof.measure_many([lambda x, w: jnp.einsum("gmk,gkn->gmn", x, w)], (xs, rhs))
+      sk_names = ["wt"] + ([_name(c, o) for c, o in cands] if a.mode == "rule"
+                           else [best] if best else [])
+      sk_fns = [lambda l, w, s: wt.ragged_dot(l, w, s, config=wt_cfg)]
+      sk_fns += [_mosaic(*_parse(nm)) for nm in sk_names[1:]]
+      sres = prof.measure_many(sk_fns, (lhs, rhs, sk), reference=ref_s, tolerance=2e-2,
+                               out_bytes=m * n * 4)
+      row["skew"] = {"max_group": big, "padded_batched": _rec(padded[0]),
+                     **{nm: _rec(x) for nm, x in zip(sk_names, sres)}}
+    out["rows"].append(row)
+    dump()
+    tb = row["times"]["batched"]["us"]
+    tw = row["times"]["wt"]["us"]
+    tbest = allm.get(best, math.nan) if best else math.nan
+    tbase = min(base.values()) if base else math.nan
+    if a.mode == "orders" and best:
+      # The best of each work order.
+      for o in (0, 1, 2):
+        ts = {nm: us for nm, us in allm.items() if f" o{o} " in nm}
+        if ts:
+          b = min(ts, key=ts.get)
+          row[f"best_o{o}"] = (b, ts[b])
+    st = row.get("stats_best", {})
+    print(f"\n== G={g} r={r} K={k} N={n}: {time.time() - t0:.0f} s", flush=True)
+    print(f"  batched {tb:9.1f} us {tf(tb):6.0f} TF/s | lax.ragged_dot "
+          f"{row['times']['lax.ragged_dot']['us']:9.1f} us | wt {tw:9.1f} us {tf(tw):6.0f} TF/s"
+          f" ({wt_cfg})", flush=True)
+    print(f"  best today's schedule {tbase:9.1f} us {tf(tbase):6.0f} TF/s ({top[0] if top else '-'})",
+          flush=True)
+    print(f"  best of all           {tbest:9.1f} us {tf(tbest):6.0f} TF/s ({best})", flush=True)
+    if a.mode == "orders":
+      print("  best per order: " + "; ".join(
+          f"o{o} {row[f'best_o{o}'][1]:.1f} us ({row[f'best_o{o}'][0]})"
+          for o in (0, 1, 2) if f"best_o{o}" in row), flush=True)
+    if st:
+      print(f"  best: {st['tasks']} row tasks x {st['tiles_n']} column tiles = {st['work']} "
+            f"work items, {st['waves']:.2f} waves, rows {st['row_fill']:.3f} filled; floors: "
+            f"FLOPs {st['flops_us']:.0f} us, bytes {st['bytes_us']:.0f} us", flush=True)
+    print("  wt breakdown:   " + ", ".join(f"{nm[:40]} {us:.1f}" for nm, us in row["breakdown_wt"]),
+          flush=True)
+    if best:
+      print("  best breakdown: " + ", ".join(f"{nm[:40]} {us:.1f}"
+                                            for nm, us in row["breakdown_best"]), flush=True)
+    if a.skew:
+      s = row["skew"]
+      pb = s["padded_batched"]["us"]
+      print(f"  skew: max group {s['max_group']}, padded batched {pb:.1f} us; " + "; ".join(
+          f"{nm} {v['us']:.1f} (x{pb / v['us']:.2f})" for nm, v in s.items()
+          if isinstance(v, dict) and nm != "padded_batched"), flush=True)
+    for nm in sorted(row["times"], key=lambda x: row["times"][x]["us"]
+                     if row["times"][x]["us"] == row["times"][x]["us"] else 1e18):
+      v = row["times"][nm]
+      if v["status"] != "ok":
+        print(f"    {nm:<58} {v['status']}: {v['error'][:160]}", flush=True)
+      else:
+        print(f"    {nm:<58} {v['us']:9.1f} us {tf(v['us']):6.0f} TF/s  x{tb / v['us']:.3f} "
+              f"batched", flush=True)
+    summary.append((g, r, k, n, tf(tb), tf(tw), tf(tbase), tf(tbest), tb / tw, tb / tbest))
+  print(f"\n{'G x r, K, N':<26}{'batched':>9}{'wt':>7}{'today':>7}{'best':>8}"
+        f"{'wt/bat':>8}{'best/bat':>9}   (TFLOP/s; ratios are speed over batched)")
+  for g, r, k, n, a1, a2, a3, a4, r1, r2 in summary:
+    print(f"{f'{g} x {r}, {k}, {n}':<26}{a1:9.0f}{a2:7.0f}{a3:7.0f}{a4:8.0f}{r1:8.2f}{r2:9.2f}")
+  dump()
+
+
+def _rec(m):
+  return {"status": m.status, "us": m.median_us if m.status == "ok" else math.nan,
+          "spread_us": m.spread_us, "error": (m.error or "")[:400]}
+
+
+def _geo(xs):
+  xs = [x for x in xs if x == x]
+  return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
+
+
+def summarize(path: str) -> dict:
+  """Prints and returns the summary of a ``--json`` run (module doc)."""
+  with open(path) as f:
+    run = json.load(f)
+  mode = run.get("mode", "rule")
+  print(f"{run['device_kind']}, JAX {run['jax']}: {mode} run, {len(run['rows'])} problems "
+        "(speed over cuBLAS's batched GEMM on the same rows; > 1 is faster)")
+  out = {}
+  for row in run["rows"]:
+    g, r, k, n = row["g"], row["r"], row["k"], row["n"]
+    t = {nm: v["us"] for nm, v in row["times"].items() if v["status"] == "ok"}
+    tb = t["batched"]
+    flops = 2.0 * g * r * k * n
+    res = {"batched_tflops": flops / tb / 1e6, "wt": tb / t["wt"],
+           "lax": tb / t.get("lax.ragged_dot", math.nan)}
+    if mode == "rule":
+      old = old_rule(g, r, k, n)
+      res["old_rule"] = tb / t[_name(old, Options())] if old else res["wt"]
+      res["new_rule"] = res["wt"]
+    elif mode == "orders":
+      for o in (0, 1, 2):
+        ts = [us for nm, us in t.items() if nm.startswith("mosaic") and f" o{o} " in nm]
+        res[f"best_o{o}"] = tb / min(ts) if ts else math.nan
+    else:
+      # Each option: the best config with it over the best without it.
+      mos = [(tuple(nm.split()[5:8]), us) for nm, us in t.items() if nm.startswith("mosaic")]
+      res["orders_0_1"] = tb / min(us for o, us in mos if o == ("cl1", "d0", "b0"))
+      for label, on in (("cluster_2", lambda o: o[0] == "cl2"),
+                        ("delay_1", lambda o: o[1] == "d1"),
+                        ("task_band", lambda o: o[2] != "b0")):
+        res[label] = (min(us for o, us in mos if not on(o)) / min(us for o, us in mos if on(o)))
+    bd = dict(row.get("breakdown_wt", []))
+    main = max(bd.values()) if bd else math.nan
+    res["worklist_us"] = sum(bd.values()) - main if bd else math.nan
+    res["worklist_share"] = res["worklist_us"] / t["wt"] if bd else math.nan
+    if "skew" in row:
+      sk = row["skew"]
+      pb = sk["padded_batched"]["us"]
+      res["skew_wt_vs_padded"] = pb / sk["wt"]["us"]
+      if mode == "rule":
+        res["skew_new_vs_old"] = (sk[_name(old, Options())]["us"] / sk["wt"]["us"] if old
+                                  else 1.0)
+    out[(g, r, k, n)] = res
+  cols = [c for c in next(iter(out.values())) if c != "batched_tflops"]
+  print(f"{'G x r, K, N':<24}{'batched':>8}" + "".join(f"{c[:13]:>14}" for c in cols))
+  if mode == "options":
+    print("(cluster_2, delay_1, task_band: the best config with the option over the best "
+          "without it)")
+  for key, res in out.items():
+    print(f"{'%d x %d, %d, %d' % key:<24}{res['batched_tflops']:8.0f}"
+          + "".join(f"{res[c]:14.3f}" for c in cols))
+  print("geomean" + " " * 25 + "".join(
+      f"{_geo([res[c] for res in out.values()]):14.3f}" if c != "worklist_us" else " " * 14
+      for c in cols))
+  return out
+
+
+def _fits(c: Config, hw) -> bool:
+  return kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
+                           itemsize=2, out_itemsize=2) <= hw.smem_per_block
+
+
+def _candidates(g, r, k, n, hw, mode):
+  """Today's orders (0, 1) on the tiles that fit an expert's rows; with
+  ``mode`` "orders" also order 2, and order 2 with tile pipelining where
+  the K steps allow it."""
+  out = []
+  for bm, bn, ns in TILES + ([(64, 128, 4)] if r <= 96 else []):
+    if bm > max(64, 2 ** math.ceil(math.log2(r))):
+      continue  # taller than an expert's rows: loads other experts' rows
+    for gm in ((1, 0, 2) if mode == "orders" else (1, 0)):
+      c = Config(block_m=bm, block_n=bn, num_stages=ns, grid_minor=gm)
+      if not _fits(c, hw):
+        continue
+      out.append((c, Options()))
+      if gm == 2 and (k // 64) % ns == 0:
+        out.append((c, Options(pipeline_tiles=1)))
+  return out
+
+
+def old_rule(g, r, k, n) -> Config | None:
+  """The Hopper rule's config before order 2, where it used 128 x 256 tiles."""
+  if r <= 64:
+    return None
+  order = 0 if r >= 128 and -(-n // 256) > 16 else 1
+  return Config(block_m=128, block_n=256, num_stages=3, grid_minor=order)
+
+
+def _rule_candidates(g, r, k, n, hw):
+  """The rule's config before and after order 2, the three orders on its
+  tile, and order 2 on the other tiles of 64 to 256 rows."""
+  from wavetune_jax import RAGGED_DOT
+  new = RAGGED_DOT.backend("mosaic").heuristic(wt.RaggedDotProblem(m=g * r, g=g, k=k, n=n), hw)
+  out = [old_rule(g, r, k, n), new]
+  out += [dataclasses.replace(new, grid_minor=o) for o in (0, 1, 2)]
+  if r > 64:
+    out += [Config(block_m=256, block_n=128, num_stages=3, grid_minor=2),
+            Config(block_m=64, block_n=256, num_stages=4, grid_minor=2)]
+  out = [c for c in dict.fromkeys(c for c in out if c is not None) if _fits(c, hw)]
+  return [(c, Options()) for c in out]
+
+
+def _options_on(top):
+  """Clusters, wgmma delay and fixed task bands on the configs named in ``top``."""
+  opt = []
+  for nm in top:
+    c, _ = _parse(nm)
+    c0 = dataclasses.replace(c, grid_minor=0)
+    for cm, dl, band in itertools.product((1, 2), (0, 1), (0, 3, 8)):
+      if (cm, dl, band) != (1, 0, 0):
+        opt.append((c0, Options(cluster_m=cm, delay_release=dl, task_band=band)))
+    if c.grid_minor == 1:
+      opt += [(c, Options(cluster_m=cm, delay_release=dl))
+              for cm, dl in ((1, 1), (2, 0), (2, 1))]
+    if c.block_m == 128 and c.block_n in (128, 256):
+      # Two 64-row CTAs per 128-row task.
+      c64 = dataclasses.replace(c0, block_m=64, num_stages=4)
+      opt += [(c64, Options(cluster_m=2, delay_release=dl, task_band=band))
+              for dl, band in ((0, 0), (0, 3), (1, 3))]
+  return list(dict.fromkeys(opt))
+
+
+def _name(c: Config, o: Options) -> str:
+  return (f"mosaic {c.block_m}x{c.block_n} s{c.num_stages} k{c.split_k} o{c.grid_minor} "
+          f"cl{o.cluster_m} d{o.delay_release} b{o.task_band} p{o.pipeline_tiles}")
+
+
+def _parse(name: str):
+  p = name.split()
+  bm, bn = (int(v) for v in p[1].split("x"))
+  c = Config(block_m=bm, block_n=bn, num_stages=int(p[2][1:]), split_k=int(p[3][1:]),
+             grid_minor=int(p[4][1:]))
+  o = Options(cluster_m=int(p[5][2:]), delay_release=int(p[6][1:]), task_band=int(p[7][1:]),
+              pipeline_tiles=int(p[8][1:]))
+  return c, o
+
+
+def _mosaic(c: Config, o: Options):
+  def f(lhs, rhs, sizes):
+    return kernel.ragged_dot(lhs, rhs, sizes, config=c, options=o)
+  return f
+
+
+if __name__ == "__main__":
+  main()
