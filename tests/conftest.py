@@ -17,12 +17,61 @@ os.environ["XDG_DATA_HOME"] = tempfile.mkdtemp(prefix="wavetune-tests-")
 os.environ.pop("WAVETUNE_TABLES", None)
 
 
+def _free():
+  jax = sys.modules.get("jax")
+  if jax is not None:
+    jax.clear_caches()
+  gc.collect()
+  try:  # hand freed heap pages back to the system (glibc)
+    import ctypes
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):
+    pass
+
+
+def _rss_bytes() -> int:
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return 0
+
+
+#: A test that leaves the process above this much resident memory frees
+#: JAX's compiled executables after it (the suite runs in two processes on
+#: two cores; each stays near this bound).
+RSS_LIMIT = 1536 << 20
+
+
+#: The longest modules (seconds on a 2-core CPU), run first: with the
+#: suite spread over two processes by module (``-n 2 --dist loadfile``), a
+#: long module handed out last would leave one core idle at the end.
+LONG_MODULES = ("test_bad_inputs", "test_op_edge_cases", "test_decode_paged", "test_ragged_dot",
+                "test_tuning", "test_autotune", "test_models", "test_readme",
+                "test_attention_kv_cache", "test_models_paged", "test_table_cache")
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(LONG_MODULES)}
+
+  def key(item):
+    mod = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return rank.get(mod, len(rank))
+  items.sort(key=key)  # stable: the order within a module is kept
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_code():
   """Drops JAX's compiled executables after each test module: kept, they
   add up to gigabytes over the suite (each module compiles its own shapes)."""
   yield
-  jax = sys.modules.get("jax")
-  if jax is not None:
-    jax.clear_caches()
-    gc.collect()
+  _free()
+
+
+@pytest.fixture(autouse=True)
+def _bound_memory():
+  """Frees compiled executables after a test that leaves the process above
+  :data:`RSS_LIMIT` (one module's shapes can pass it)."""
+  yield
+  if _rss_bytes() > RSS_LIMIT:
+    _free()

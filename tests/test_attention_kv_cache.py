@@ -39,12 +39,13 @@ SHAPES = [(3, 37, 37, 4, 2, 64), (3, 5, 50, 4, 1, 96), (3, 1, 40, 2, 2, 128),
 
 
 @pytest.mark.parametrize("shape,causal,align,with_lengths", [
-    (s, c, a, w) for s, c, a, w in itertools.product(SHAPES[:2], (True, False),
+    (s, c, a, w) for s, c, a, w in itertools.product(SHAPES[:1], (True, False),
                                                      ("top_left", "bottom_right"),
                                                      (False, True))
-    if not (s[1] == 37 and not w and a == "top_left")  # the plain case, tested elsewhere
-] + [(s, True, "bottom_right", True) for s in SHAPES[2:]]
-  + [(s, False, "top_left", True) for s in SHAPES[2:]])
+    if not (not w and a == "top_left")  # the plain case, tested elsewhere
+] + [(s, True, "bottom_right", True) for s in SHAPES[1:]]
+  + [(s, False, "top_left", True) for s in SHAPES[1:]]
+  + [(SHAPES[1], True, "top_left", False), (SHAPES[1], True, "bottom_right", False)])
 def test_triton_matches_reference(shape, causal, align, with_lengths):
   b, ql, kl = shape[:3]
   lengths = jnp.array([1, kl, kl // 2 + 1], jnp.int32) if with_lengths else None

@@ -55,7 +55,6 @@ CASES = [
     (4, 1, 8, 2, 16, 4, (0, 1, 21, 64), True),      # GQA, one query
     (4, 3, 4, 4, 16, 4, (0, 1, 37, 64), True),      # MHA, three causal queries
     (4, 3, 8, 2, 64, 2, (0, 1, 70, 128), True),     # GQA, three causal queries
-    (4, 1, 4, 4, 64, 2, (0, 1, 30, 128), True),     # MHA, one query
     (2, 2, 8, 2, 16, 3, (5, 48), False),            # every valid key
 ]
 

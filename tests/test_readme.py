@@ -40,7 +40,7 @@ def _needs_gpu(argv):
 def test_readme_has_the_commands_it_promises():
   cmds = _commands()
   assert "pip install -e . && wavetune demo" in cmds
-  assert 'pip install -e ".[dev]" && python -m pytest -q tests' in cmds
+  assert 'pip install -e ".[dev]" && python -m pytest -q -n 2 --dist loadfile tests' in cmds
 
 
 def test_every_cpu_command_and_example_of_the_readme(tmp_path, monkeypatch):
