@@ -14,8 +14,8 @@ config. ``--skew`` also times the Mosaic space under a skewed router (a few hot
 experts) and prints whether the best config changes and what keeping the
 balanced-routing config costs there. ``--json`` writes every measurement.
 
-    python3 benchmarks/ragged_dot_mosaic.py [--check] [--set quick|suite]
-        [--skew] [--json out.json]
+    python3 benchmarks/ragged_dot_mosaic.py [--check [--check-only TEXT]]
+        [--set quick|none] [--skew] [--json out.json]
     python3 benchmarks/ragged_dot_mosaic.py --summarize out.json [--device h100]   # CPU
 
 ``--summarize`` reads the rows of a run (no GPU): per problem XLA, the best
@@ -58,8 +58,9 @@ def problem(weights: dict, name: str, tokens: int) -> RaggedDotProblem:
   return RaggedDotProblem(m=tokens * w["top_k"], g=w["E"], k=w["K"], n=w["N"])
 
 
-def check_edges() -> int:
-  """Mosaic configs on ragged edge cases, row by row; returns the failures."""
+def check_edges(only: str | None = None) -> int:
+  """Mosaic configs on ragged edge cases (those whose name holds ``only``,
+  if given), row by row; returns the failures."""
   fam = RAGGED_DOT
   configs = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
                                    grid_minor=gm)
@@ -83,6 +84,8 @@ def check_edges() -> int:
   fails = 0
   print("edge cases (Mosaic configs vs float32 reference, every row):", flush=True)
   for name, (m, sizes) in cases.items():
+    if only and only not in name:
+      continue
     g = len(sizes)
     k, n = 256, 512
     kx, kw = jax.random.split(jax.random.PRNGKey(1))
@@ -176,6 +179,8 @@ def main():
   ap.add_argument("--summarize", metavar="JSON", help="summarize a run's rows (CPU)")
   ap.add_argument("--device", default="h100", help="GPU preset of --summarize's heuristic")
   ap.add_argument("--check", action="store_true", help="the ragged edge cases first")
+  ap.add_argument("--check-only", default=None, metavar="TEXT",
+                  help="with --check: only the cases whose name holds TEXT")
   ap.add_argument("--set", choices=("quick", "none"), default="quick")
   ap.add_argument("--skew", action="store_true", help="also a skewed router (see doc)")
   ap.add_argument("--iterations", type=int, default=10)
@@ -191,7 +196,7 @@ def main():
   fam = RAGGED_DOT
   out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": [], "skew": []}
   if a.check:
-    out["edge_failures"] = check_edges()
+    out["edge_failures"] = check_edges(a.check_only)
   prof = profiler.Profiler(iterations=a.iterations)
   mosaic, triton, xla = (fam.backend(n) for n in ("mosaic", "triton", "xla"))
 
