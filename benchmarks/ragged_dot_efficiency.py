@@ -297,6 +297,10 @@ def summarize(path: str) -> dict:
       for o in (0, 1, 2):
         ts = [us for nm, us in t.items() if nm.startswith("mosaic") and f" o{o} " in nm]
         res[f"best_o{o}"] = tb / min(ts) if ts else math.nan
+      # Order 2 with its work items' pipelines chained (p1) over the same
+      # config without (p0).
+      res["p1_over_p0"] = [t[nm[:-1] + "0"] / us for nm, us in t.items()
+                           if nm.endswith(" p1") and nm[:-1] + "0" in t]
     else:
       # Each option: the best config with it over the best without it.
       mos = [(tuple(nm.split()[5:8]), us) for nm, us in t.items() if nm.startswith("mosaic")]
@@ -317,16 +321,22 @@ def summarize(path: str) -> dict:
         res["skew_new_vs_old"] = (sk[_name(old, Options())]["us"] / sk["wt"]["us"] if old
                                   else 1.0)
     out[(g, r, k, n)] = res
+  if mode == "orders":
+    pairs = [x for res in out.values() for x in res.pop("p1_over_p0")]
+    print(f"order 2, pipelines chained over not: {len(pairs)} pairs, {min(pairs):.3f}-"
+          f"{max(pairs):.3f}x, geomean {_geo(pairs):.3f}x")
+    out["p1_over_p0"] = pairs
   cols = [c for c in next(iter(out.values())) if c != "batched_tflops"]
   print(f"{'G x r, K, N':<24}{'batched':>8}" + "".join(f"{c[:13]:>14}" for c in cols))
   if mode == "options":
     print("(cluster_2, delay_1, task_band: the best config with the option over the best "
           "without it)")
-  for key, res in out.items():
+  rows = {key: res for key, res in out.items() if isinstance(key, tuple)}
+  for key, res in rows.items():
     print(f"{'%d x %d, %d, %d' % key:<24}{res['batched_tflops']:8.0f}"
           + "".join(f"{res[c]:14.3f}" for c in cols))
   print("geomean" + " " * 25 + "".join(
-      f"{_geo([res[c] for res in out.values()]):14.3f}" if c != "worklist_us" else " " * 14
+      f"{_geo([res[c] for res in rows.values()]):14.3f}" if c != "worklist_us" else " " * 14
       for c in cols))
   return out
 

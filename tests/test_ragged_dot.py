@@ -183,6 +183,12 @@ def test_mosaic_schedule_options_lower(cm, delay, band, tile):
                                                     task_band=band))
 
 
+@pytest.mark.parametrize("stages", [2, 3])  # 8 K steps: chained pipelines at 2, not at 3
+def test_mosaic_order2_lowers(stages):
+  p = RaggedDotProblem(m=1000, g=8, k=512, n=1024)
+  _lower(p, wt.MosaicRaggedDotConfig(block_m=128, block_n=128, num_stages=stages, grid_minor=2))
+
+
 def test_mosaic_schedule_options_errors():
   o = mosaic_kernel.MosaicRaggedDotOptions
   for bad in (dict(cluster_m=3), dict(delay_release=2), dict(task_band=-1),
@@ -242,17 +248,13 @@ def test_mosaic_space_and_heuristic_rules():
 
 
 def _walk(tasks, count, tiles_n, band_cap):
-  """The kernel's map of work items to (task, column tile) under order 2,
-  in NumPy: the band of task ``rest // tiles_n``, column tiles outer."""
+  """The kernel's map of work items to (task, column tile) under order 2
+  (``worklist.banded_item``, which the kernel calls), over every item."""
   t = np.asarray(tasks)
-  out = []
-  for rest in range(count * tiles_n):
-    guess = rest // tiles_n
-    b0, bw = t[worklist.BAND0, guess], t[worklist.BANDW, guess]
-    assert 1 <= bw <= band_cap
-    b_rest = rest - b0 * tiles_n
-    out.append((int(b0 + b_rest % bw), int(b_rest // bw)))
-  return out
+  assert np.all((t[worklist.BANDW] >= 1) & (t[worklist.BANDW] <= band_cap))
+  rest = jnp.arange(count * tiles_n, dtype=jnp.int32)
+  task, ni = worklist.banded_item(rest, tiles_n, jnp.asarray(t))
+  return list(zip(np.asarray(task).tolist(), np.asarray(ni).tolist()))
 
 
 @pytest.mark.parametrize("sizes,m,block_m,cap", [
@@ -466,9 +468,13 @@ def test_efficiency_runs_on_record_reproduce_the_docs(capsys):
   assert min(new) == pytest.approx(0.888, abs=5e-4) and max(new) == pytest.approx(0.996, abs=5e-4)
   assert min(v["skew_wt_vs_padded"] for v in rule.values()) == pytest.approx(2.746, abs=5e-4)
   orders = mod.summarize(str(root / "ragged_dot_efficiency_orders_h100.json"))
-  assert len(orders) == 11
+  pairs = orders.pop("p1_over_p0")
+  assert len(orders) == 11 and len(pairs) == 25
+  assert min(pairs) == pytest.approx(0.999, abs=5e-4) and max(pairs) == pytest.approx(1.046, abs=5e-4)
   assert mod._geo([v["best_o2"] for v in orders.values()]) == pytest.approx(0.940, abs=5e-4)
   opts = mod.summarize(str(root / "ragged_dot_efficiency_options_h100.json"))
   assert mod._geo([v["cluster_2"] for v in opts.values()]) == pytest.approx(0.906, abs=5e-4)
+  assert min(v["cluster_2"] for v in opts.values()) == pytest.approx(0.835, abs=5e-4)
+  assert max(v["cluster_2"] for v in opts.values()) == pytest.approx(0.988, abs=5e-4)
   assert mod._geo([v["task_band"] for v in opts.values()]) == pytest.approx(1.100, abs=5e-4)
   assert "rule run, 8 problems" in capsys.readouterr().out

@@ -128,7 +128,9 @@ class MosaicRaggedDotOptions:
     cluster_m: 1, or 2 for clusters of two CTAs that run the two
       ``block_m``-row halves of one ``2 * block_m``-row task (one expert):
       each weight block is loaded once per cluster and multicast to both
-      (TMA multicast), halving the weight traffic from L2.
+      (TMA multicast), halving the weight traffic from L2. (Measured slower
+      than one CTA on an H100, docs/results.md; like the next two options
+      it is outside the tuned space.)
     delay_release: 0 waits for each wgmma before releasing its ring slot; 1
       keeps one wgmma in flight (the slot is released one step later).
     task_band: with ``grid_minor`` 0, the tasks are walked in bands of this
@@ -311,13 +313,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
         if config.grid_minor == 1:
           task, ni = lax.div(rest, jnp.int32(tiles_n)), lax.rem(rest, jnp.int32(tiles_n))
         elif config.grid_minor == 2:
-          # The band of tasks [b0, b0 + bw) owns the work items [b0 * tiles_n,
-          # (b0 + bw) * tiles_n): the task at rest // tiles_n names it.
-          guess = lax.div(rest, jnp.int32(tiles_n))
-          b0 = tasks_gmem[worklist.BAND0, guess]
-          bw = tasks_gmem[worklist.BANDW, guess]
-          b_rest = rest - b0 * tiles_n
-          task, ni = b0 + lax.rem(b_rest, bw), lax.div(b_rest, bw)
+          task, ni = worklist.banded_item(rest, tiles_n, tasks_gmem)
         elif band:
           # Bands of ``band`` tasks (the last may be narrower), column tiles
           # outer within a band.

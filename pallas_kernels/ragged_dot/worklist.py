@@ -28,8 +28,8 @@ import jax.numpy as jnp
 
 from pallas_kernels._integers import INT32_MAX, clipped_int32
 
-__all__ = ["ALIGN", "batch_rows", "check_operands", "clip_sizes", "max_tasks", "row_tasks",
-           "GROUP", "ROW0", "START", "SIZE", "BAND0", "BANDW"]
+__all__ = ["ALIGN", "banded_item", "batch_rows", "check_operands", "clip_sizes", "max_tasks",
+           "row_tasks", "GROUP", "ROW0", "START", "SIZE", "BAND0", "BANDW"]
 
 #: Task blocks start at multiples of this many rows.
 ALIGN = 8
@@ -115,6 +115,20 @@ def batch_rows(sizes: jax.Array, m: int, *, shared_groups: bool) -> tuple[jax.Ar
   grp = jax.vmap(lambda e: jnp.searchsorted(e, rows, side="right", method="compare_all"))(ends)
   dest = jnp.take_along_axis(base, grp.astype(jnp.int32), axis=1) + rows[None, :]
   return dest.astype(jnp.int32), flat
+
+
+def banded_item(rest, tiles_n: int, tasks):
+  """``(task, column tile)`` of work item ``rest`` when each band of tasks
+  walks its column tiles, its tasks first within one (the Mosaic kernel's
+  order 2). The band of tasks ``[b0, b0 + bw)`` owns the items ``[b0 *
+  tiles_n, (b0 + bw) * tiles_n)``, so the task at ``rest // tiles_n`` names
+  it. ``tasks`` is the work list with band rows (a kernel's ref or an array)."""
+  from jax import lax
+  guess = lax.div(rest, jnp.int32(tiles_n))
+  b0 = tasks[BAND0, guess]
+  bw = tasks[BANDW, guess]
+  b_rest = rest - b0 * tiles_n
+  return b0 + lax.rem(b_rest, bw), lax.div(b_rest, bw)
 
 
 def max_tasks(m: int, groups: int, block_m: int, align: int = ALIGN) -> int:
