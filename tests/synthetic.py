@@ -49,8 +49,9 @@ class FakeMeasure:
         t = self.latency(problem, c)
         yield "pallas", c, Measurement(status="ok", median_us=t, spread_us=0.01 * t,
                                        samples=20, compile_s=0.1, rel_error=1e-3)
-    if with_baseline:
-      yield "baseline", None, Measurement(status="ok", median_us=5.0, spread_us=0.1,
+    # with_baseline: True, or the baseline impls the sweep lacks
+    for impl in (("baseline",) if with_baseline is True else with_baseline or ()):
+      yield impl, None, Measurement(status="ok", median_us=5.0, spread_us=0.1,
                                           samples=20)
 
 

@@ -96,7 +96,7 @@ def test_a_config_that_kills_workers_is_recorded_failed(tmp_path, monkeypatch):
   failed = [r for r in rows if r["impl"] == "pallas" and r["status"] != "ok"]
   assert counts["worker_deaths"] == parallel.MAX_DEATHS and len(failed) == 1
   assert FAM.config_from_dict(failed[0]["config"]) == FAM.space(PROBS[0], HW)[0]
-  assert max(keys.values()) == 1 and len(keys) == sum(len(c) + b for _, c, b in todo)
+  assert max(keys.values()) == 1 and len(keys) == sum(len(c) + len(b) for _, c, b in todo)
 
 
 def test_a_worker_that_cannot_start_stops_the_sweep(tmp_path, monkeypatch):

@@ -54,6 +54,8 @@ class Progress:
 
 def problems(spec, args):
   """The problems of ``args.shapes`` selected by ``add_problem_args``'s options."""
+  if getattr(args, "problems_of", None):
+    return problems_of(spec, args.problems_of)
   from wavetune_jax.shapes import load_suite
   suite = load_suite(args.shapes)
   probs = spec.problems_from_suite(
@@ -65,6 +67,22 @@ def problems(spec, args):
   if not probs:
     raise ValueError(f"no {spec.name} problem in suite {args.shapes!r} matches the options")
   return probs
+
+
+def problems_of(spec, path: str) -> list:
+  """The problems of sweep file ``path``, in the order of their first rows."""
+  from wavetune_jax.tuning import sweep
+  header, rows = sweep.read_sweep(path, strict=True)
+  if header.get("kernel") != spec.name:
+    raise ValueError(f"{path} is a sweep of {header.get('kernel')!r}, not {spec.name!r}")
+  seen = {}
+  for r in rows:
+    key = r["key"].split("|", 1)[0]
+    if key not in seen:
+      seen[key] = spec.problem_from_dict(r["problem"])
+  if not seen:
+    raise ValueError(f"{path} has no rows")
+  return list(seen.values())
 
 
 def _sweep(args) -> int:
@@ -93,6 +111,8 @@ def _sweep(args) -> int:
   probs = problems(spec, args)
   print(f"{hw.name}: {len(probs)} problems -> {out} ({f.n_rows} rows already there)",
         flush=True)
+  if f.n_rows and sweep.plan_sweep(spec, probs, hw, f, prune=not args.wide)[0]:
+    f.record_run(header)  # this run adds rows to a file on record: its header says so
   t0 = time.perf_counter()
   if len(devices) > 1 or args.workers_per_gpu > 1:
     import tempfile
@@ -262,6 +282,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                   "kv_len] (default: a serving batch of mixed lengths) or all full; "
                   "recorded in the file's header (a resumed file must match), and a "
                   "non-default mix has its own default --out file")
+  sw.add_argument("--problems-of", type=existing_file, metavar="SWEEP",
+                  help="measure the problems of this sweep file instead of the suite's "
+                  "(e.g. the new configs of a grown space, or a new baseline, for the "
+                  "problems on file; with --out the same file, only what is missing)")
   sw.add_argument("--worker-measure", help=argparse.SUPPRESS)  # tests: module:factory
   sw.set_defaults(func=_sweep)
   rp = sub.add_parser("report", help="tables and a wave plot of a sweep file",

@@ -367,6 +367,14 @@ class Family(abc.ABC):
     """Other platform implementations to time in sweeps, by name."""
     return {}
 
+  def speed_references(self, problem) -> dict[str, tuple[Callable, tuple]]:
+    """Platform ops that bound the problem's speed without computing its op,
+    by name: ``{name: (fn, input shapes)}`` (``jax.ShapeDtypeStruct`` values).
+    Sweeps time each on random inputs of those shapes, unchecked, next to the
+    baselines (rows ``baseline_<name>``), e.g. the grouped GEMM's batched GEMM
+    on the same rows per expert."""
+    return {}
+
   @abc.abstractmethod
   def tolerance(self, problem) -> float:
     """Largest acceptable ``|out - ref| / |ref|``."""

@@ -23,7 +23,7 @@ import jax
 from wavetune_jax.core.family import Family
 from wavetune_jax.tuning.profiler import Measurement, Profiler
 
-__all__ = ["measure_points"]
+__all__ = ["baseline_candidates", "baseline_impls", "measure_points"]
 
 
 def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
@@ -36,8 +36,10 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
     family: the family of the problems.
     prof: the CUPTI profiler.
     work: problems and the configs to measure for each.
-    baselines: also time the family's baseline and extra baselines (``True``
-      for every problem, or a set of the problems that need them).
+    baselines: also time the family's baseline, extra baselines and speed
+      references (``True`` for every problem, a set of the problems that
+      need them, or ``{problem: impls}``: of those, only the impls named,
+      ``"baseline"`` or ``"baseline_<name>"``).
     repeat_best: time each problem's fastest config a second time
       (repeatability; impl ``"repeat"``, not checked).
     phase_seconds: if given, wall seconds are added under ``"compile"``,
@@ -52,17 +54,15 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
   t0 = time.perf_counter()
   cands, kits, shapes = [], [], {}
   for p, configs in work:
-    fns = [("pallas", c, family.build(p, c)) for c in configs]
-    if baselines is True or (baselines and p in baselines):
-      fns.append(("baseline", None, family.baseline(p)))
-      fns += [(f"baseline_{name}", None, fn)
-              for name, fn in family.extra_baselines(p).items()]
+    # (impl, config, fn, input shapes: None for the problem's own inputs)
+    fns = [("pallas", c, family.build(p, c), None) for c in configs]
+    fns += baseline_candidates(family, p, baselines)
     cands.append(fns)
     shapes[p] = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
                  jax.eval_shape(functools.partial(family.inputs, p), jax.random.PRNGKey(0))]
     kits.append(functools.partial(prof.compile_kit, family, p, fns[0][2] if fns else None))
-  jobs = [functools.partial(prof.compile_timed, fn, shapes[p])
-          for (p, _), fns in zip(work, cands) for _, _, fn in fns]
+  jobs = [functools.partial(prof.compile_timed, fn, own or shapes[p])
+          for (p, _), fns in zip(work, cands) for _, _, fn, own in fns]
   if prof.gpu_lock is None:
     done = prof.parallel(jobs + kits)
     compiled, kit_of = done[:len(jobs)], done[len(jobs):]
@@ -74,7 +74,7 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
   # compiled on the CPU) compile while they do; library candidates (whose
   # autotuners run kernels) compile, and everything is timed, under the lock.
   pallas = [impl == "pallas" and family.backend_of(c).kernel_cache
-            for fns in cands for impl, c, _ in fns]
+            for fns in cands for impl, c, _, _ in fns]
   done = prof.parallel([j for j, q in zip(jobs, pallas) if q] + kits)
   quiet, kit_of = iter(done[:sum(pallas)]), done[sum(pallas):]
   with prof.on_gpu():
@@ -93,7 +93,7 @@ def _check_and_time(family, prof, work, cands, compiled, kit_of, phases, repeat_
     compiled[pos:pos + len(fns)] = [None] * len(fns)
     pos += len(fns)
     if isinstance(kit, BaseException):
-      for impl, c, _ in fns:
+      for impl, c, _, _ in fns:
         yield p, impl, c, Measurement(status="run_error",
                                       error=f"inputs or reference failed: {kit}"[:400])
       continue
@@ -106,15 +106,18 @@ def _check_and_time(family, prof, work, cands, compiled, kit_of, phases, repeat_
       failed = e
     phases["setup"] = phases.get("setup", 0.0) + time.perf_counter() - t1
     if failed is not None:
-      for impl, c, _ in fns:
+      for impl, c, _, _ in fns:
         yield p, impl, c, Measurement(status="run_error",
                                       error=f"inputs or reference failed: {failed}"[:400])
       continue
     tol = family.tolerance(p)
     best = (None, None, math.inf)
-    for (impl, c, _), (exe, compile_s) in zip(fns, exes):
+    for (impl, c, _, own), (exe, compile_s) in zip(fns, exes):
       t2 = time.perf_counter()
-      m = prof.check_and_time(exe, compile_s, args, ref, tol, kit.out_bytes, kit)
+      if own is None:
+        m = prof.check_and_time(exe, compile_s, args, ref, tol, kit.out_bytes, kit)
+      else:  # a speed reference: its own random inputs, not checked
+        m = _time_reference(prof, exe, compile_s, own, kit.out_bytes, args)
       phases["check_and_time"] = phases.get("check_and_time", 0.0) + time.perf_counter() - t2
       if impl == "pallas" and m.status == "ok" and m.median_us < best[2]:
         best = (c, exe, m.median_us)
@@ -124,3 +127,55 @@ def _check_and_time(family, prof, work, cands, compiled, kit_of, phases, repeat_
                                                       kit.out_bytes, kit)
     del args, ref, exes, best
 
+
+
+def baseline_candidates(family: Family, p, baselines) -> list[tuple]:
+  """``[(impl, None, fn, own input shapes or None)]`` of the baselines,
+  extra baselines and speed references that ``baselines`` asks for ``p``
+  (see :func:`measure_points`)."""
+  if isinstance(baselines, dict):
+    wanted = set(baselines.get(p, ()))
+  elif baselines is True or (baselines and p in baselines):
+    wanted = None  # all of them
+  else:
+    return []
+  out = [("baseline", None, family.baseline(p), None)]
+  out += [(f"baseline_{name}", None, fn, None)
+          for name, fn in family.extra_baselines(p).items()]
+  out += [(f"baseline_{name}", None, fn, tuple(shapes))
+          for name, (fn, shapes) in family.speed_references(p).items()]
+  return [c for c in out if wanted is None or c[0] in wanted]
+
+
+def baseline_impls(family: Family, p) -> list[str]:
+  """The impl names of ``p``'s baseline rows, in the order they are timed."""
+  return [c[0] for c in baseline_candidates(family, p, True)]
+
+
+def _time_reference(prof: Profiler, exe, compile_s: float, shapes, out_bytes: int,
+                    problem_args=()) -> Measurement:
+  """Times a speed reference on random inputs of ``shapes`` (unchecked); an
+  input of the same shape and dtype as one of the problem's is that array
+  (a grouped GEMM's weights: no second copy on the GPU)."""
+  if isinstance(exe, BaseException):
+    return prof.check_and_time(exe, compile_s, (), None, None, out_bytes)
+  jnp = jax.numpy
+
+  def make(key, s):
+    same = [a for a in problem_args if a.shape == s.shape and a.dtype == s.dtype]
+    if same:
+      return same[0]
+    if jnp.issubdtype(s.dtype, jnp.floating):
+      return jax.random.normal(key, s.shape, jnp.float32).astype(s.dtype)
+    return jnp.zeros(s.shape, s.dtype)
+  try:
+    keys = jax.random.split(jax.random.PRNGKey(1), len(shapes))
+    args = [make(key, s) for key, s in zip(keys, shapes)]
+    jax.block_until_ready(args)
+  except Exception as e:  # noqa: BLE001 - e.g. out of memory: recorded
+    return Measurement(status="run_error", compile_s=compile_s,
+                       error=f"inputs of the reference failed: {e}"[:400])
+  try:
+    return prof.check_and_time(exe, compile_s, args, None, None, out_bytes)
+  finally:
+    del args

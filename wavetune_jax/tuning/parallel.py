@@ -64,7 +64,7 @@ def local_gpu_count() -> int:
 class _Job:
   problem: object
   configs: list
-  baseline: bool
+  baseline: tuple  # the baseline impls to time (a bool: all or none)
   deaths: int = 0
 
 
@@ -116,7 +116,10 @@ def run_parallel(spec, todo: Sequence[tuple], out: sweep.SweepFile, *, devices: 
     pk = spec.problem_key(job.problem)
     cfgs = [c for c in job.configs
             if sweep.row_key(pk, "pallas", spec.config_to_dict(c)) not in out.done]
-    base = job.baseline and sweep.row_key(pk, "baseline", None) not in out.done
+    if isinstance(job.baseline, bool):
+      base = job.baseline and sweep.row_key(pk, "baseline", None) not in out.done
+    else:
+      base = tuple(i for i in job.baseline if sweep.row_key(pk, i, None) not in out.done)
     return _Job(job.problem, cfgs, base, job.deaths)
 
   def finish(job):
@@ -176,8 +179,10 @@ def run_parallel(spec, todo: Sequence[tuple], out: sweep.SweepFile, *, devices: 
         if rest.deaths >= MAX_DEATHS:
           # Rows come one by one in the order sent: the first one missing is
           # the one the workers died on. It is recorded failed; the rest goes on.
-          culprit = _Job(rest.problem, rest.configs[:1], not rest.configs and rest.baseline,
-                         rest.deaths)
+          first = (rest.baseline if isinstance(rest.baseline, bool)
+                   else tuple(rest.baseline[:1]))
+          culprit = _Job(rest.problem, rest.configs[:1],
+                         (type(first)() if rest.configs else first), rest.deaths)
           _record_failed(spec, culprit, record)
           rest = remaining(rest)
           rest.deaths = MAX_DEATHS - 1
@@ -265,8 +270,9 @@ def _record_failed(spec, job: _Job, record):
   m = Measurement(status="run_error",
                   error=f"the worker died {job.deaths} times on this problem")
   rows = [sweep.make_row(spec, job.problem, "pallas", c, m) for c in job.configs]
-  if job.baseline:
-    rows.append(sweep.make_row(spec, job.problem, "baseline", None, m))
+  impls = ((["baseline"] if job.baseline else []) if isinstance(job.baseline, bool)
+           else job.baseline)
+  rows += [sweep.make_row(spec, job.problem, i, None, m) for i in impls]
   record(rows)
 
 
@@ -297,7 +303,7 @@ def _run_job(proc, spec, job: _Job, record: Callable, *, timeout_s: float
   ready once the worker said it started."""
   msg = {"problem": spec.problem_to_dict(job.problem),
          "configs": [spec.config_to_dict(c) for c in job.configs],
-         "baseline": job.baseline}
+         "baseline": job.baseline if isinstance(job.baseline, bool) else list(job.baseline)}
   ready = getattr(proc, "ready", False)
   watchdog = [threading.Timer(timeout_s, proc.kill)]
   watchdog[0].start()

@@ -242,6 +242,18 @@ class SweepFile:
       self.header = header
       self._rewrite([header])
 
+  def record_run(self, header: dict) -> None:
+    """Records a run that resumes this file (``header``: its own header) in
+    the file's header, under ``"resumed"``: its date, command, clocks and
+    versions (rows it adds may come from another software stack)."""
+    lines, intact = _read_lines(self.path)
+    if not intact:  # (the constructor repaired the file: never here)
+      raise SweepError(f"{self.path} is truncated; rerun the command to repair it")
+    entry = {k: header[k] for k in ("date", "command", "clocks", "versions", "jax_version")
+             if k in header}
+    self.header = dict(self.header, resumed=list(self.header.get("resumed", [])) + [entry])
+    self._rewrite([self.header] + lines[1:])
+
   def _rewrite(self, lines: Sequence[dict]) -> None:
     tmp = self.path + ".tmp"
     with gzip.open(tmp, "wt") as f:
@@ -342,8 +354,11 @@ def gpu_measure(family, prof) -> "MeasureFn":
   from wavetune_jax.tuning.measure import measure_points
 
   def measure(problem, configs, with_baseline):
+    # with_baseline: True (every baseline row) or the impls to time.
+    which = (bool(with_baseline) if isinstance(with_baseline, bool)
+             else {problem: tuple(with_baseline)})
     for _, impl, c, m in measure_points(family, prof, [(problem, configs)],
-                                        baselines=with_baseline, repeat_best=True):
+                                        baselines=which, repeat_best=True):
       yield impl, c, m
   return measure
 
@@ -365,8 +380,8 @@ def make_header(spec, hw, *, jax_version: str, command: str | None = None,
   }
 
 
-# measure(problem, configs, with_baseline) -> iterator of (impl, config, Measurement)
-# with impl "pallas" (a config of the space), "baseline" (config None: XLA,
+# measure(problem, configs, with_baseline) -> iterator of (impl, config, Measurement);
+# with_baseline: a bool, or the baseline impls to time; impl "pallas" (a config of the space), "baseline" (config None: XLA,
 # cuDNN), "baseline_<name>" (the spec's extra_baselines) or "repeat" (a config timed a second time, for repeatability). The
 # real one uses the profiler; tests pass fakes.
 MeasureFn = Callable[[object, Sequence, bool], Iterator[tuple[str, object, object]]]
@@ -415,7 +430,9 @@ def with_recorded_backends(family, hw, rows: Sequence[dict]) -> list[dict]:
 
 
 def plan_sweep(spec, problems: Iterable, hw, out: SweepFile, *, prune: bool = True):
-  """``([(problem, configs not on file, baseline not on file)], rows skipped)``."""
+  """``([(problem, configs not on file, baseline impls not on file)], rows
+  skipped)``; the impls are ``"baseline"`` and ``"baseline_<name>"``."""
+  from wavetune_jax.tuning.measure import baseline_impls
   todo = []
   skipped = 0
   for p in problems:
@@ -424,8 +441,9 @@ def plan_sweep(spec, problems: Iterable, hw, out: SweepFile, *, prune: bool = Tr
     cfgs = [c for c in every
             if row_key(pk, "pallas", spec.config_to_dict(c)) not in out.done]
     skipped += len(every) - len(cfgs)
-    with_base = row_key(pk, "baseline", None) not in out.done
-    skipped += 0 if with_base else 1
+    impls = baseline_impls(spec, p)
+    with_base = tuple(i for i in impls if row_key(pk, i, None) not in out.done)
+    skipped += len(impls) - len(with_base)
     if cfgs or with_base:
       todo.append((p, cfgs, with_base))
   return todo, skipped
@@ -433,7 +451,9 @@ def plan_sweep(spec, problems: Iterable, hw, out: SweepFile, *, prune: bool = Tr
 
 def planned_measurements(spec, todo) -> int:
   """Measurements of a plan (configs, baselines), for progress."""
-  return sum(len(c) + b * (1 + len(spec.extra_baselines(p))) for p, c, b in todo)
+  from wavetune_jax.tuning.measure import baseline_impls
+  return sum(len(c) + (len(baseline_impls(spec, p)) * b if isinstance(b, bool) else len(b))
+             for p, c, b in todo)
 
 
 def run_sweep(spec, problems: Iterable, hw, out: SweepFile, measure: MeasureFn, *,

@@ -19,7 +19,7 @@ from wavetune_jax.families.ragged_dot import routing
 from wavetune_jax.families.ragged_dot.problem import DTYPES, RaggedDotProblem
 from wavetune_jax.shapes import suite_entries
 
-__all__ = ["RaggedDotFamily", "expert_weights"]
+__all__ = ["RaggedDotFamily", "batched_reference", "expert_weights"]
 
 
 def expert_weights(suite: dict, names=None) -> dict[str, dict]:
@@ -27,6 +27,20 @@ def expert_weights(suite: dict, names=None) -> dict[str, dict]:
   section, optionally filtered."""
   found = suite_entries(suite, "grouped_gemm", "weights", names)
   return found
+
+
+def batched_reference(p: RaggedDotProblem, rows: int | None = None):
+  """``(fn, (lhs, rhs) shapes)`` of the batched GEMM that bounds ``p``
+  (:meth:`RaggedDotFamily.speed_references`); ``rows`` per expert overrides
+  the uniform ``ceil(m / g)`` (e.g. the largest group under skew)."""
+  experts = min(p.g, p.m)
+  per = -(-p.m // experts) if rows is None else int(rows)
+  dt, out = jnp.dtype(p.dtype), jnp.dtype(p.out_dtype)
+
+  def batched(x, w):
+    return jnp.einsum("gmk,gkn->gmn", x, w, preferred_element_type=out)
+  return batched, (jax.ShapeDtypeStruct((experts, per, p.k), dt),
+                   jax.ShapeDtypeStruct((experts, p.k, p.n), dt))
 
 
 class RaggedDotFamily(Family):
@@ -176,6 +190,14 @@ class RaggedDotFamily(Family):
     def f(lhs, rhs, group_sizes):
       return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=out_dtype)
     return f
+
+  def speed_references(self, p: RaggedDotProblem) -> dict:
+    """``"batched"``: cuBLAS's batched GEMM (``jnp.einsum("gmk,gkn->gmn")``
+    through XLA) on the same rows per expert under uniform routing,
+    ``ceil(m / g)`` rows for each of the ``g`` experts (each of ``m`` experts
+    one row when ``m < g``): what a well-built grouped GEMM on these rows
+    gets. Padded to at most ``g - 1`` rows more than ``m`` in all."""
+    return {"batched": batched_reference(p)}
 
   def tolerance(self, p: RaggedDotProblem) -> float:
     return 1e-3 if p.dtype == "float32" and p.out_dtype == "float32" else 1e-2

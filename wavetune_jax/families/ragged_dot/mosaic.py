@@ -26,10 +26,10 @@ TILES = ((64, 128), (64, 256), (128, 64), (128, 128), (128, 192), (128, 256), (2
          (256, 128))
 STAGES = (2, 3, 4, 5, 6)
 SPLIT_K = (1, 2, 4, 8)
-#: Orders of the swept space. Order 2 (by expert, which the rule uses from
-#: 65 rows per expert) is not swept yet: the sweeps on record have no rows
-#: of it, and a space with it would leave every recorded problem partial.
-ORDERS = (1, 0)
+#: Orders of the swept space (order 2 under RG7).
+ORDERS = (1, 0, 2)
+#: Tiles that walk experts in order 2 (RG7).
+ORDER2_TILES = ((64, 256), (128, 256), (256, 128))
 
 # The space (see MosaicRaggedDot.space), on compute capability 9.0 only:
 #  RG1 shape:  bfloat16/float16 inputs, N and K multiples of 64.
@@ -41,6 +41,14 @@ ORDERS = (1, 0)
 #              at least 4 K steps per split.
 #  RG5 order:  both orders only where the work takes more than one wave.
 #  RG6 stages: pruned: 4, or the deepest ring that fits below 4.
+#  RG7 by expert: order 2 only with the 64 x 256, 128 x 256 and 256 x 128
+#              tiles, above 64 rows per expert (balanced routing; at 64 or
+#              fewer an expert's tasks share no weight tile). On an H100, of
+#              the order-2 configs on 10 problems of 128 to 2,048 rows per
+#              expert, one of these was the fastest on 8, and 128 x 128 with
+#              6 stages (out of RG6's space) on 2 by at most 0.4%
+#              (benchmarks/ragged_dot_efficiency.py --mode orders,
+#              data/probes/ragged_dot_efficiency_orders_h100.json).
 
 
 class MosaicRaggedDot(Backend):
@@ -87,6 +95,8 @@ class MosaicRaggedDot(Backend):
         continue  # validity, RG4 (K part)
       if sk > 1 and gm != ORDERS[0]:
         continue  # RG5: split-K runs in one wave or two
+      if gm == 2 and (bm, bn) not in ORDER2_TILES:
+        continue  # RG7
       fits = [ns for ns in STAGES
               if self.smem_bytes(p, MosaicRaggedDotConfig(
                   block_m=bm, block_n=bn, num_stages=ns, split_k=sk)) <= hw.smem_per_block]
@@ -105,6 +115,8 @@ class MosaicRaggedDot(Backend):
       return False  # RG4
     if c.grid_minor != ORDERS[0] and work <= hw.num_sms:
       return False  # RG5
+    if c.grid_minor == 2 and p.m <= 64 * min(p.g, p.m):
+      return False  # RG7
     if prune:
       per = -(-p.m // min(p.g, p.m))
       if c.block_m > max(64, _next_pow2(per)):
