@@ -40,6 +40,11 @@ def main(argv=None):
   ap.add_argument("--below", type=float, default=None, metavar="X",
                   help="also list each problem where the chosen config runs below X times "
                        "the baseline (e.g. 1.0), with the oracle's speed and the config")
+  ap.add_argument("--vs-batched", action="store_true",
+                  help="grouped GEMM: speed against the sweep's batched-GEMM bound (and the "
+                       "faster of it and lax.ragged_dot, what a well-built grouped GEMM "
+                       "gets) by rows per expert, and each problem of >= 128 rows per "
+                       "expert below 0.95x the batched GEMM")
   eval_cli.add_margin_arg(ap)
   a = ap.parse_args(argv)
   if a.heuristic == (a.table is not None):
@@ -109,6 +114,52 @@ def main(argv=None):
   for name, v in sorted(extra.items()):
     print(f"speed vs {name} ({len(v)} problems where it ran): table {_geo([a for a, _ in v]):.2f}x, "
           f"oracle {_geo([b for _, b in v]):.2f}x")
+  if a.vs_batched:
+    _vs_batched(ds, chosen, chosen_cfg, a.sweep)
+
+
+#: Rows per expert (balanced routing) of --vs-batched's groups.
+BINS = ((0, 16), (16, 128), (128, 512), (512, math.inf))
+
+
+def _vs_batched(ds, chosen: dict, chosen_cfg, path: str) -> None:
+  """Speed of the chosen configs against the sweep's ``baseline_batched``
+  rows, by rows per expert (the issue's targets: >= 0.95x from 128 rows per
+  expert, >= 1.0x from 512)."""
+  spec = ds.family
+  if spec.name != "ragged_dot":
+    raise SystemExit("table_vs_sweep.py: --vs-batched is for the ragged_dot family")
+  batched, padded = {}, {}
+  for r in sweep.read_sweep(path)[1]:
+    if r["impl"] in ("baseline_batched", "baseline_batched_padded") and r["status"] == "ok":
+      (batched if r["impl"] == "baseline_batched" else padded)[
+          spec.problem_from_dict(r["problem"])] = r["median_us"]
+  cfg = dict(zip(ds.problems, chosen_cfg))
+  print("speed vs the batched GEMM on the same rows (uniform routing), vs the faster of it "
+        "and lax.ragged_dot, and vs the batched GEMM padded to the largest group of the "
+        "sweep's rows, by rows per expert: table geomean (min) / oracle geomean; problems "
+        ">= 0.95x and >= 1.0x the batched GEMM")
+  low = []
+  for lo, hi in BINS:
+    ps = [p for p in ds.problems if p in batched and lo <= p.m / min(p.g, p.m) < hi]
+    if not ps:
+      continue
+    vb = [batched[p] / chosen[p] for p in ps]
+    vo = [batched[p] / min(ds.times[p].values()) for p in ps]
+    vw = [min(batched[p], ds.baseline.get(p, math.inf)) / chosen[p] for p in ps]
+    vp = [padded[p] / chosen[p] for p in ps if p in padded]
+    print(f"  {lo}-{hi if hi < math.inf else ''} rows: {len(ps)} problems; batched "
+          f"{_geo(vb):.3f}x ({min(vb):.3f}x) / {_geo(vo):.3f}x; >= 0.95x "
+          f"{sum(v >= 0.95 for v in vb)}, >= 1.0x {sum(v >= 1.0 for v in vb)}; faster of the "
+          f"two {_geo(vw):.3f}x ({min(vw):.3f}x); padded {_geo(vp):.3f}x "
+          f"({min(vp, default=math.nan):.3f}x) over {len(vp)}")
+    low += [(v, p) for v, p in zip(vb, ps) if lo >= 128 and v < 0.95]
+  if low:
+    print(f"problems of >= 128 rows per expert below 0.95x the batched GEMM ({len(low)}): "
+          f"table / oracle speed, the chosen config")
+    for v, p in sorted(low, key=lambda x: x[0]):
+      print(f"  {spec.problem_key(p)} ({p.m / min(p.g, p.m):.0f} rows per expert)  {v:.3f}x / "
+            f"{batched[p] / min(ds.times[p].values()):.3f}x  {cfg[p]}")
 
 
 def _per_model(ds, chosen_us, min_tokens: int) -> None:

@@ -156,3 +156,94 @@ def test_report_states_each_backends_best_against_the_baseline_and_oracle():
   assert sum(int(f[4]) for f in found) == 38  # every problem's oracle is one backend's best
   cudnn = next(f for f in found if f[0] == "cudnn")
   assert float(cudnn[1]) == 1.0  # the baseline against itself
+
+
+# --- speed references (the grouped GEMM's batched-GEMM bounds) -------------------------
+
+
+def _rd_problems():
+  from wavetune_jax import RaggedDotProblem
+  return [RaggedDotProblem(m=m, g=8, k=256, n=512) for m in (4, 2048)]
+
+
+def test_baseline_rows_a_file_lacks_are_the_only_ones_measured(tmp_path):
+  # A file recorded before the batched-GEMM references existed (baseline
+  # rows only): a rerun times the two references and nothing else.
+  import jax
+  from wavetune_jax import RAGGED_DOT
+  from wavetune_jax.tuning import measure
+  fam = RAGGED_DOT.with_backends(["mosaic", "xla"])
+  probs = _rd_problems()
+  path = str(tmp_path / "rd.jsonl.gz")
+  hdr = sweep.make_header(fam, HW, jax_version=jax.__version__, command="test")
+
+  def old(problem, configs, with_baseline):  # the measure of an older version
+    for c in configs:
+      yield "pallas", c, _ok(1.0)
+    if with_baseline:
+      yield "baseline", None, _ok(2.0)
+  calls = []
+
+  def new(problem, configs, with_baseline):
+    calls.append((problem, list(configs), tuple(with_baseline)))
+    for impl in with_baseline:
+      yield impl, None, _ok(3.0)
+  f = sweep.SweepFile(path, hdr, fam)
+  todo, _ = sweep.plan_sweep(fam, probs, HW, f)
+  assert [b for _, _, b in todo] == [("baseline", "baseline_batched",
+                                      "baseline_batched_padded")] * 2
+  # The old file: every config and the baseline row.
+  f.append([sweep.make_row(fam, p, impl, c, m) for p in probs
+            for impl, c, m in old(p, sweep.sweep_configs(fam, p, HW), True)])
+  sweep.run_sweep(fam, probs, HW, sweep.SweepFile(path, hdr, fam), new)
+  assert calls == [(p, [], ("baseline_batched", "baseline_batched_padded")) for p in probs]
+  assert measure.baseline_impls(fam, probs[0]) == ["baseline", "baseline_batched",
+                                                   "baseline_batched_padded"]
+  calls.clear()
+  sweep.run_sweep(fam, probs, HW, sweep.SweepFile(path, hdr, fam), new)
+  assert calls == []
+
+
+def _ok(us):
+  from wavetune_jax.tuning.profiler import Measurement
+  return Measurement(status="ok", median_us=us, spread_us=0.0, samples=5)
+
+
+def test_batched_references_run_the_rows_of_the_problem():
+  # Uniform: ceil(m / g) rows for each of min(g, m) experts; padded: every
+  # expert at the largest group of the sweep's own inputs.
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from wavetune_jax import RAGGED_DOT, RaggedDotProblem
+  p = RaggedDotProblem(m=1000, g=8, k=64, n=128)
+  refs = RAGGED_DOT.speed_references(p)
+  (fn, (xs, ws)), (_, (xp, wp)) = refs["batched"], refs["batched_padded"]
+  assert (xs.shape, ws.shape) == ((8, 125, 64), (8, 64, 128))
+  sizes = np.asarray(RAGGED_DOT.inputs(p, jax.random.PRNGKey(0))[2])
+  assert xp.shape == (8, sizes.max(), 64) and sizes.sum() == 1000 and sizes.max() > 125
+  small = RAGGED_DOT.speed_references(RaggedDotProblem(m=3, g=8, k=64, n=128))["batched"][1]
+  assert [s.shape for s in small] == [(3, 1, 64), (3, 64, 128)]
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 3, 64), jnp.float32).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.PRNGKey(2), (2, 64, 128), jnp.float32).astype(jnp.bfloat16)
+  want = jnp.stack([x[i].astype(jnp.float32) @ w[i].astype(jnp.float32) for i in range(2)])
+  np.testing.assert_allclose(np.asarray(fn(x, w), np.float32), want, rtol=2e-2, atol=2e-2)
+
+
+def test_problems_of_a_file_and_a_resumed_run_in_its_header(tmp_path):
+  from wavetune_jax import RAGGED_DOT
+  from wavetune_jax.cli.sweep import problems_of
+  src = os.path.join(os.path.dirname(__file__), "..", "data", "sweeps",
+                     "nvidia_h100_80gb_hbm3", "ragged_dot_bfloat16.jsonl.gz")
+  probs = problems_of(RAGGED_DOT, src)
+  assert len(probs) == len(set(probs)) == 195
+  with pytest.raises(ValueError, match="is a sweep of 'ragged_dot', not 'matmul'"):
+    problems_of(MATMUL, src)
+  path = str(tmp_path / "s.jsonl.gz")
+  f = sweep.SweepFile(path, _header())
+  sweep.run_sweep(MATMUL, PROBLEMS[:1], HW, f, FakeMeasure())
+  again = sweep.SweepFile(path, _header())
+  again.record_run(dict(_header(), command="wavetune sweep (resumed)"))
+  head, rows = sweep.read_sweep(path, strict=True)
+  assert [e["command"] for e in head["resumed"]] == ["wavetune sweep (resumed)"]
+  assert len(rows) == again.n_rows

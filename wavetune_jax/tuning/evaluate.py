@@ -62,12 +62,30 @@ class Dataset:
     return min(t, key=t.get)
 
 
+def _values(spec, config) -> set:
+  return {(spec.backend_of(config).name, k, repr(v))
+          for k, v in spec.config_to_dict(config).items()}
+
+
+def recorded_values(spec, rows) -> set:
+  """``{(backend, field, value)}`` of the config rows of a sweep file."""
+  out = set()
+  for r in rows:
+    if r.get("impl") == "pallas":
+      out |= _values(spec, spec.config_from_dict(r["config"]))
+  return out
+
+
 def load_dataset(path: str) -> Dataset:
   """Reads a sweep file.
 
   Problems without a single ok config are dropped, and so are problems whose
   sweep was cut short (a config of the spec's space has no row): their oracle
-  would be the best of a part of the space. One warning names them.
+  would be the best of a part of the space. One warning names them. A config
+  with a field value that no row of its backend in the whole file has (the
+  space grew that value after the file was recorded, as the grouped GEMM's
+  order 2) does not make a problem partial: the file predates it, as
+  :func:`~wavetune_jax.tuning.sweep.recorded_family` says of backends.
   """
   header, rows = sweep.read_sweep(path, strict=True)
   hw = report.hardware_of(header)
@@ -89,8 +107,10 @@ def load_dataset(path: str) -> Dataset:
       baseline[p] = r["median_us"]
     elif r["impl"] == "timing":
       walls[p] += r["wall_s"]
+  seen = recorded_values(spec, rows)
   partial = {p: n for p in list(times)
              if (n := sum(c not in times[p] and c not in failed[p]
+                          and _values(spec, c) <= seen
                           for c in spec.space(p, hw)))}
   if partial:
     warnings.warn(

@@ -60,7 +60,10 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
     cands.append(fns)
     shapes[p] = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
                  jax.eval_shape(functools.partial(family.inputs, p), jax.random.PRNGKey(0))]
-    kits.append(functools.partial(prof.compile_kit, family, p, fns[0][2] if fns else None))
+    # The check is compiled for the output of a candidate that computes the op.
+    own_inputs = [fn for _, _, fn, own in fns if own is None]
+    kits.append(functools.partial(prof.compile_kit, family, p,
+                                  own_inputs[0] if own_inputs else None))
   jobs = [functools.partial(prof.compile_timed, fn, own or shapes[p])
           for (p, _), fns in zip(work, cands) for _, _, fn, own in fns]
   if prof.gpu_lock is None:

@@ -29,11 +29,13 @@ def expert_weights(suite: dict, names=None) -> dict[str, dict]:
   return found
 
 
-def batched_reference(p: RaggedDotProblem, rows: int | None = None):
+def batched_reference(p: RaggedDotProblem, rows: int | None = None,
+                      experts: int | None = None):
   """``(fn, (lhs, rhs) shapes)`` of the batched GEMM that bounds ``p``
   (:meth:`RaggedDotFamily.speed_references`); ``rows`` per expert overrides
-  the uniform ``ceil(m / g)`` (e.g. the largest group under skew)."""
-  experts = min(p.g, p.m)
+  the uniform ``ceil(m / g)`` (e.g. the largest group under skew), and
+  ``experts`` the ``min(g, m)`` experts that rows reach."""
+  experts = min(p.g, p.m) if experts is None else int(experts)
   per = -(-p.m // experts) if rows is None else int(rows)
   dt, out = jnp.dtype(p.dtype), jnp.dtype(p.out_dtype)
 
@@ -196,8 +198,19 @@ class RaggedDotFamily(Family):
     through XLA) on the same rows per expert under uniform routing,
     ``ceil(m / g)`` rows for each of the ``g`` experts (each of ``m`` experts
     one row when ``m < g``): what a well-built grouped GEMM on these rows
-    gets. Padded to at most ``g - 1`` rows more than ``m`` in all."""
-    return {"batched": batched_reference(p)}
+    gets. Padded to at most ``g - 1`` rows more than ``m`` in all.
+    The sweeps' balanced router gives the experts unequal rows, which a
+    batched GEMM must pad: ``"batched_padded"`` is the batched GEMM over all
+    ``g`` experts at the largest group of the sweep's inputs (what it would
+    run on those very rows)."""
+    big = int(np.max(np.asarray(self.input_group_sizes(p))))
+    return {"batched": batched_reference(p),
+            "batched_padded": batched_reference(p, rows=max(1, big), experts=p.g)}
+
+  def input_group_sizes(self, p: RaggedDotProblem, seed: int = 0) -> jax.Array:
+    """The group sizes of :meth:`inputs` with ``PRNGKey(seed)`` (a sweep's)."""
+    return routing.group_sizes(jax.random.split(jax.random.PRNGKey(seed), 3)[2], p.m, p.g,
+                               self.skew)
 
   def tolerance(self, p: RaggedDotProblem) -> float:
     return 1e-3 if p.dtype == "float32" and p.out_dtype == "float32" else 1e-2
