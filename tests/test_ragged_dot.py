@@ -189,10 +189,19 @@ def test_mosaic_order2_lowers(stages):
   _lower(p, wt.MosaicRaggedDotConfig(block_m=128, block_n=128, num_stages=stages, grid_minor=2))
 
 
+@pytest.mark.parametrize("tile,order", [((128, 256), 2), ((256, 128), 1), ((64, 256), 2)])
+def test_mosaic_skip_idle_lowers(tile, order):
+  # A consumer warpgroup with no valid row in its half of a task skips its
+  # wgmmas (a 64-row tile splits columns instead: nothing to skip).
+  p = RaggedDotProblem(m=1000, g=8, k=512, n=1024)
+  c = wt.MosaicRaggedDotConfig(block_m=tile[0], block_n=tile[1], num_stages=2, grid_minor=order)
+  _lower(p, c, mosaic_kernel.MosaicRaggedDotOptions(skip_idle=1))
+
+
 def test_mosaic_schedule_options_errors():
   o = mosaic_kernel.MosaicRaggedDotOptions
   for bad in (dict(cluster_m=3), dict(delay_release=2), dict(task_band=-1),
-              dict(cluster_m=True)):
+              dict(cluster_m=True), dict(skip_idle=2), dict(skip_idle=1, delay_release=1)):
     with pytest.raises(ValueError, match="MosaicRaggedDotOptions"):
       o(**bad)
   p = RaggedDotProblem(m=64, g=2, k=128, n=128)
@@ -478,3 +487,32 @@ def test_efficiency_runs_on_record_reproduce_the_docs(capsys):
   assert max(v["cluster_2"] for v in opts.values()) == pytest.approx(0.988, abs=5e-4)
   assert mod._geo([v["task_band"] for v in opts.values()]) == pytest.approx(1.100, abs=5e-4)
   assert "rule run, 8 problems" in capsys.readouterr().out
+
+
+def test_tails_and_vs_batched_on_record_reproduce_the_docs(capsys):
+  """docs/results.md's numbers under the sweeps' balanced router: the tails
+  run (``ragged_dot_tails.py --summarize``) and the H100 sweep against its
+  batched-GEMM rows (``table_vs_sweep.py --vs-batched``)."""
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent
+  tails = _load_benchmark("ragged_dot_tails").summarize(
+      str(root / "data/probes/ragged_dot_tails_h100.json"))
+  gains = [x for r in tails.values() for x in r["skip_gain"]]
+  assert len(tails) == 8 and len(gains) == 14
+  assert min(gains) == pytest.approx(0.707, abs=5e-4) and max(gains) == pytest.approx(1.038, abs=5e-4)
+  rule = [v["128x256 s3 o2 skip0"] for v in tails.values() if "128x256 s3 o2 skip0" in v]
+  assert len(rule) == 7  # Arctic's 17 GB of weights left no room for the reference
+  assert min(p for _, p in rule) == pytest.approx(0.744, abs=5e-4)
+  assert max(p for _, p in rule) == pytest.approx(0.972, abs=5e-4)
+  capsys.readouterr()
+  mod = _load_benchmark("table_vs_sweep")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    mod.main([str(root / "data/sweeps/nvidia_h100_80gb_hbm3/ragged_dot_bfloat16.jsonl.gz"),
+              str(root / "tables/nvidia_h100_80gb_hbm3/ragged_dot.json"), "--vs-batched"])
+  out = capsys.readouterr().out
+  assert "efficiency vs oracle: geomean 0.994, min 0.910" in out
+  assert ("128-512 rows: 42 problems; batched 0.840x (0.729x) / 0.847x; >= 0.95x 0, >= 1.0x 0; "
+          "faster of the two 0.840x (0.729x); padded 0.874x (0.736x) over 42") in out
+  assert ("512- rows: 41 problems; batched 0.895x (0.781x) / 0.896x; >= 0.95x 5, >= 1.0x 0; "
+          "faster of the two 0.895x (0.781x); padded 0.935x (0.813x) over 41") in out

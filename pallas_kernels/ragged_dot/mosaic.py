@@ -140,12 +140,17 @@ class MosaicRaggedDotOptions:
       consumers store the last one (one pipeline across a CTA's work
       items; ``grid_minor`` 2 does it wherever it can); needs the K steps
       of a split to be a multiple of ``num_stages`` and ``delay_release`` 0.
+    skip_idle: 1 lets a consumer warpgroup whose half of a task (``block_m``
+      of 128 or 256 rows) holds no valid row skip its wgmmas: an expert's
+      last task of a few rows costs one warpgroup's MMAs, not two. Needs
+      ``delay_release`` 0.
   """
 
   cluster_m: int = 1
   delay_release: int = 0
   task_band: int = 0
   pipeline_tiles: int = 0
+  skip_idle: int = 0
 
   def __post_init__(self):
     check_ints(self)
@@ -161,6 +166,10 @@ class MosaicRaggedDotOptions:
                        f"0 or 1")
     if self.pipeline_tiles and self.delay_release:
       raise ValueError("MosaicRaggedDotOptions: pipeline_tiles=1 needs delay_release=0")
+    if self.skip_idle not in (0, 1):
+      raise ValueError(f"MosaicRaggedDotOptions.skip_idle={self.skip_idle} must be 0 or 1")
+    if self.skip_idle and self.delay_release:
+      raise ValueError("MosaicRaggedDotOptions: skip_idle=1 needs delay_release=0")
 
 
 DEFAULT_OPTIONS = MosaicRaggedDotOptions()
@@ -382,8 +391,14 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
             plgpu.commit_smem_to_gmem_group()
 
         def mma_body(_, x_smem, w_smem, acc_ref):
-          plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n])
-          plgpu.wgmma_wait(delay)
+          def mma():
+            plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n])
+            plgpu.wgmma_wait(delay)
+          if options.skip_idle and split_m:
+            # This warpgroup's rows of the task are all past its group.
+            pl.when(rows > 0)(mma)
+          else:
+            mma()
           return acc_ref
 
         state = None
