@@ -40,6 +40,7 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, config=None) -> jax.Ar
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
               scale: float | None = None, kv_lengths=None, causal_align: str = "top_left",
+              local_window_size=None, logit_soft_cap: float | None = None, sinks=None,
               config=None) -> jax.Array:
   """Flash attention forward with a tuned kernel and launch config.
 
@@ -64,9 +65,21 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
       each sequence, query ``i`` sees keys ``j <= i + L - q_len`` (``L`` its
       valid length), as FlashAttention 2.1+: decode (``q_len = 1`` sees the
       whole cache) and chunked prefill. A query that sees no key gives zeros.
+    local_window_size: a sliding (local) window, as
+      ``jax.nn.dot_product_attention`` takes it: an int ``w`` (``(w, w)``) or
+      a ``(left, right)`` pair of Python ints; query position ``i`` (aligned as
+      ``causal_align`` says) sees keys ``i - left <= j <= i + right``. None:
+      no window.
+    logit_soft_cap: a Python float ``cap > 0``: the scaled scores ``s``
+      become ``cap * tanh(s / cap)`` before the mask and softmax (Gemma-2).
+    sinks: ``[q_heads]`` logits (float32), one per query head, added to each
+      softmax's denominator as ``exp(sink)`` (attention sinks); None: none.
     config: a backend's config (``TritonAttentionConfig``,
       ``MosaicAttentionConfig``) or a dict ``{"backend": name, **fields}``;
-      ``None`` lets the selector choose.
+      ``None`` lets the selector choose. With a window, soft-capping or
+      sinks the Pallas kernels do not run yet: cuDNN runs a window (causal,
+      or a right side of 0) without the other two, XLA's attention any of
+      them.
 
   Returns:
     ``[batch, q_len, q_heads, head_dim]`` of ``q.dtype``.
@@ -75,12 +88,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     ValueError: wrong ranks; batch, head_dim or dtype mismatches; ``kv_heads``
       not dividing ``q_heads``; an unsupported dtype or head_dim (> 256); an
       empty KV sequence; ``causal`` or ``scale`` of the wrong type;
-      ``kv_lengths`` not ``[batch]`` integers; an unknown ``causal_align``; or
-      a config that cannot run this problem here (the Mosaic backend has no
-      KV lengths or bottom-right alignment yet).
+      ``kv_lengths`` not ``[batch]`` integers; an unknown ``causal_align``; a
+      negative or non-int window, a cap that is not a finite float > 0,
+      ``sinks`` not ``[q_heads]`` real numbers; or a config that cannot run
+      this problem here (the Mosaic backend has no KV lengths or bottom-right
+      alignment yet; no Pallas kernel has windows, soft-capping or sinks yet).
   """
   return tuned_call(ATTENTION, q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths,
-                    causal_align=causal_align, config=config)
+                    causal_align=causal_align, local_window_size=local_window_size,
+                    logit_soft_cap=logit_soft_cap, sinks=sinks, config=config)
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lengths=None,

@@ -105,15 +105,80 @@ def check_lengths(kv_lengths, batch: int, kv_len: int):
 
 
 def valid_keys(kv_lengths, kv_len: int, q_len: int, *, causal: bool, causal_align: str,
-               batch: int):
+               batch: int, window: tuple[int, int] | None = None):
   """``[batch, q_len, kv_len]`` bool: which keys each query sees (the mask
-  every backend implements; XLA's backend and the reference use it)."""
+  every backend implements; XLA's backend and the reference use it).
+
+  ``window = (left, right)``: query position ``i`` (``i + L - q_len`` under
+  the bottom-right alignment, ``L`` the sequence's valid length) sees keys
+  ``i - left <= j <= i + right``; a side of -1 is unbounded."""
   lens = (jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None
           else jnp.clip(kv_lengths, 0, kv_len))
   cols = jnp.arange(kv_len)[None, None, :]
   ok = cols < lens[:, None, None]
+  shift = ((lens - q_len) if causal_align == "bottom_right" else jnp.zeros_like(lens))
+  pos = jnp.arange(q_len)[None, :, None] + shift[:, None, None]
   if causal:
-    shift = (lens - q_len) if causal_align == "bottom_right" else jnp.zeros_like(lens)
-    rows = jnp.arange(q_len)[None, :, None]
-    ok = ok & (cols <= rows + shift[:, None, None])
+    ok = ok & (cols <= pos)
+  if window is not None:
+    left, right = window
+    if left >= 0:
+      ok = ok & (cols >= pos - left)
+    if right >= 0:
+      ok = ok & (cols <= pos + right)
   return jnp.broadcast_to(ok, (batch, q_len, kv_len))
+
+
+def check_window(local_window_size) -> tuple[int, int] | None:
+  """``local_window_size`` as ``jax.nn.dot_product_attention`` takes it (an
+  int ``w``: ``(w, w)``; a ``(left, right)`` pair; None: no window) ->
+  ``(left, right)`` or None. Raises ``ValueError`` on anything else."""
+  if local_window_size is None:
+    return None
+  if _is_int(local_window_size):
+    w = int(local_window_size)
+    pair = (w, w)
+  elif (isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2
+        and all(_is_int(x) for x in local_window_size)):
+    pair = tuple(int(x) for x in local_window_size)
+  else:
+    raise ValueError(f"local_window_size={local_window_size!r} must be an int >= 0 or a "
+                     f"(left, right) pair of ints >= 0 (Python ints: a static value)")
+  if min(pair) < 0:
+    raise ValueError(f"local_window_size={local_window_size!r} must be >= 0 on each side")
+  return pair
+
+
+def check_soft_cap(logit_soft_cap) -> float:
+  """``logit_soft_cap``: None or a finite Python float > 0 -> the cap (0.0: none)."""
+  if logit_soft_cap is None:
+    return 0.0
+  if (isinstance(logit_soft_cap, bool) or not isinstance(logit_soft_cap, (int, float))
+      or not math.isfinite(logit_soft_cap) or logit_soft_cap <= 0):
+    raise ValueError(f"logit_soft_cap={logit_soft_cap!r} must be a finite Python float > 0 "
+                     f"(a static value), or None")
+  return float(logit_soft_cap)
+
+
+def check_sinks(sinks, q_heads: int):
+  """``sinks``: None or ``[q_heads]`` real numbers -> a float32 array or None."""
+  if sinks is None:
+    return None
+  shape = getattr(sinks, "shape", None)
+  if shape is None:
+    try:
+      sinks = jnp.asarray(sinks)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"sinks must be a [q_heads] = [{q_heads}] array of logits; "
+                       f"got {type(sinks).__name__}") from None
+    shape = sinks.shape
+  dtype = jnp.dtype(sinks.dtype)
+  if tuple(shape) != (q_heads,):
+    raise ValueError(f"sinks must have shape [q_heads] = ({q_heads},); got {tuple(shape)}")
+  if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+    raise ValueError(f"sinks must be real numbers (float32 logits); got {dtype}")
+  return jnp.asarray(sinks).astype(jnp.float32)
+
+
+def _is_int(x) -> bool:
+  return not isinstance(x, bool) and isinstance(x, (int, np.integer))

@@ -558,6 +558,12 @@ class Family(abc.ABC):
     a = self.backend_of(config).aux(problem, config)
     return tuple(a) if a else (0.0,) * len(self.aux_names)
 
+  def modelled(self, problem) -> bool:
+    """Whether a table's wave models may answer ``problem`` (False: options
+    that no sweep measured, such as attention's windows; the heuristic
+    answers)."""
+    return True
+
   def size_quantum(self, problem) -> int:
     """Sizes in ``(q*(j-1), q*j]`` get the same decision: the gcd of the
     quanta of the backends that run ``problem``."""

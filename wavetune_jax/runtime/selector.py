@@ -173,6 +173,8 @@ class Decider:
 
   def _model(self, problem) -> Selection | None:
     spec = self.spec
+    if not spec.modelled(problem):
+      return None  # the heuristic answers (no evidence of such problems)
     q = spec.size_quantum(problem)
     bucket = -(-spec.size_of(problem) // q)  # 1-based
     block = (bucket - 1) // _BLOCK

@@ -66,6 +66,12 @@ class CudnnAttention(LibraryAttention):
     if p.lengths or p.shifted:
       return ("the cuDNN backend takes no per-sequence KV lengths and no bottom-right "
               "causal alignment (use a Triton or XLA config)")
+    if p.soft_cap or p.sinks:
+      return ("the cuDNN backend (jax.nn.dot_product_attention) takes no logit soft-capping "
+              "and no sinks (use the XLA config)")
+    if not runs_window(p):
+      return ("cuDNN's sliding window bounds the left side only: a window needs causal=True "
+              "or a right side of 0 (use the XLA config)")
     return None
 
   def space(self, problem: AttentionProblem, hw: Hardware, *, prune: bool = True):
@@ -95,6 +101,8 @@ class CudnnAttention(LibraryAttention):
     cuDNN at 777 tokens, Triton 0.66-0.82x)."""
     if self._why_not(problem, hw):
       return None
+    if not problem.plain:
+      return CudnnAttentionConfig()  # a window: no Pallas kernel runs one yet
     g, _ = coords(problem, NOMINAL_BLOCK, NOMINAL_BLOCK)
     if g > hw.num_sms:
       return None if mosaic.wins_above_one_wave(problem, hw) else CudnnAttentionConfig()
@@ -108,4 +116,26 @@ class CudnnAttention(LibraryAttention):
     if interpret:
       raise NotImplementedError("cuDNN attention runs on an NVIDIA GPU only")
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=problem.causal,
+                                        local_window_size=jax_nn_window(problem),
                                         implementation="cudnn")
+
+
+def runs_window(p: AttentionProblem) -> bool:
+  """Whether cuDNN's sliding window (keys ``j > i - w`` of query ``i``,
+  JAX's ``local_window_size=(w - 1, 0)``) runs ``p``'s window: a causal call
+  (the right side is then moot) or a right side of 0."""
+  return not p.windowed or p.causal or p.window_right == 0
+
+
+def jax_nn_window(p: AttentionProblem) -> tuple[int, int] | None:
+  """``local_window_size`` for ``jax.nn.dot_product_attention`` (top-left
+  positions): an unbounded side as the whole sequence; under a causal mask
+  the right side 0 (what cuDNN asks for; the mask bounds it anyway)."""
+  if not p.windowed:
+    return None
+  far = max(p.q_len, p.kv_len)
+  left = far if p.window_left < 0 else p.window_left
+  right = 0 if p.causal else (far if p.window_right < 0 else p.window_right)
+  if p.causal and p.window_left < 0:
+    return None  # a right side under a causal mask bounds nothing
+  return left, right

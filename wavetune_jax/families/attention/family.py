@@ -5,7 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.common import check_align, check_call, check_lengths
+from pallas_kernels.attention.common import (check_align, check_call, check_lengths,
+                                             check_sinks, check_soft_cap, check_window)
 from pallas_kernels.attention.reference import attention_reference
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
@@ -21,6 +22,27 @@ def attention_models(suite: dict, names=None) -> dict[str, dict]:
   section, optionally filtered."""
   found = suite_entries(suite, "attention", "models", names)
   return found
+
+
+def split_extra(problem, extra: tuple):
+  """``(kv_lengths, sinks)`` of the arrays after ``q, k, v`` of a call."""
+  extra = list(extra)
+  lengths = extra.pop(0) if problem.lengths and extra else None
+  sinks = extra.pop(0) if problem.sinks and extra else None
+  return lengths, sinks
+
+
+def options_key(p) -> str:
+  """The problem-key suffix of a window, soft-capping and sinks (empty
+  without them: keys of plain attention are those of files on record)."""
+  out = ""
+  if p.windowed:
+    out += f":w{p.window_left},{p.window_right}"
+  if p.soft_cap:
+    out += f":cap{p.soft_cap:g}"
+  if p.sinks:
+    out += ":sinks"
+  return out
 
 
 class AttentionFamily(Family):
@@ -49,33 +71,49 @@ class AttentionFamily(Family):
 
   # --- the call ------------------------------------------------------------------------
   def bind(self, q, k, v, *, causal: bool = True, scale: float | None = None,
-           kv_lengths=None, causal_align: str = "top_left"):
+           kv_lengths=None, causal_align: str = "top_left", local_window_size=None,
+           logit_soft_cap: float | None = None, sinks=None):
     """Checks ``q [batch, q_len, q_heads, head_dim]``, ``k, v [batch,
-    kv_len, kv_heads, head_dim]`` and ``kv_lengths [batch]``; the problem of
-    the call."""
+    kv_len, kv_heads, head_dim]``, ``kv_lengths [batch]``, the window, the
+    soft cap and ``sinks [q_heads]``; the problem of the call."""
     q, k, v = operand("q", q), operand("k", k), operand("v", v)
     if not isinstance(causal, (bool, jnp.bool_)) or isinstance(causal, jax.Array):
       raise ValueError(f"causal={causal!r} must be a Python bool (a static value)")
     scale = check_call(q, k, v, scale)
     check_align(causal_align)
+    window = check_window(local_window_size)
+    cap = check_soft_cap(logit_soft_cap)
     batch, q_len, q_heads, head_dim = q.shape
     lengths = check_lengths(kv_lengths, batch, k.shape[1])
+    sinks = check_sinks(sinks, q_heads)
     if batch == 0 or q_len == 0 or q_heads == 0:
       return jnp.zeros(q.shape, q.dtype)
+    window = window if window is not None else (-1, -1)
     problem = AttentionProblem(batch=batch, q_heads=q_heads, kv_heads=k.shape[2],
                                q_len=q_len, kv_len=k.shape[1], head_dim=head_dim,
                                causal=bool(causal), dtype=q.dtype.name,
-                               lengths=lengths is not None, causal_align=causal_align)
-    if lengths is None:
-      return Call(problem, (q, k, v), {"scale": scale})
-    return Call(problem, (q, k, v, lengths), {"scale": scale}, ("kv_lengths",))
+                               lengths=lengths is not None, causal_align=causal_align,
+                               window_left=window[0], window_right=window[1], soft_cap=cap,
+                               sinks=sinks is not None)
+    arrays, names = (q, k, v), ()
+    if lengths is not None:
+      arrays, names = arrays + (lengths,), names + ("kv_lengths",)
+    if sinks is not None:
+      arrays, names = arrays + (sinks,), names + ("sinks",)
+    return Call(problem, arrays, {"scale": scale}, names)
+
+  def modelled(self, problem: AttentionProblem) -> bool:
+    """Plain attention only: the sweeps and tables hold no window, soft cap
+    or sinks, and the Pallas kernels run none yet (cuDNN's or XLA's rule)."""
+    return problem.plain
 
   def partition_rule(self, problem):
     """Batch and heads split (a query head with its KV head: the KV heads
     are the factor ``g``, each with ``r`` query heads); the sequence and
     head_dim are gathered: a kernel needs every key of its query rows."""
     lengths = ", b" if problem.lengths else ""
-    return PartitionRule(f"b q (g r) d, b s g d, b s g d{lengths} -> b q (g r) d",
+    sinks = ", (g r)" if problem.sinks else ""
+    return PartitionRule(f"b q (g r) d, b s g d, b s g d{lengths}{sinks} -> b q (g r) d",
                          factor_sizes={"r": problem.q_heads // problem.kv_heads},
                          replicated=("q", "s", "d"))
 
@@ -93,7 +131,7 @@ class AttentionFamily(Family):
   def problem_key(self, problem: AttentionProblem) -> str:
     p = problem
     extra = (":lengths" if p.lengths else "") + (
-        ":bottom_right" if p.causal_align == "bottom_right" else "")
+        ":bottom_right" if p.causal_align == "bottom_right" else "") + options_key(p)
     return (f"b{p.batch}:h{p.q_heads}/{p.kv_heads}:q{p.q_len}:kv{p.kv_len}:d{p.head_dim}:"
             f"{'causal' if p.causal else 'full'}:{p.dtype}{extra}")
 
@@ -104,7 +142,10 @@ class AttentionFamily(Family):
                              kv_heads=problem.kv_heads, q_len=int(size), kv_len=kv,
                              head_dim=problem.head_dim, causal=problem.causal,
                              dtype=problem.dtype, lengths=problem.lengths,
-                             causal_align=problem.causal_align)
+                             causal_align=problem.causal_align,
+                             window_left=problem.window_left,
+                             window_right=problem.window_right, soft_cap=problem.soft_cap,
+                             sinks=problem.sinks)
 
   def weight_of(self, problem: AttentionProblem) -> tuple:
     """Every field but the lengths; self-attention (kv_len = q_len) is its own kind."""
@@ -112,7 +153,9 @@ class AttentionFamily(Family):
     return (("batch", problem.batch), ("causal", problem.causal), ("dtype", problem.dtype),
             ("head_dim", problem.head_dim), ("kv_heads", problem.kv_heads),
             ("kv_len", kv), ("q_heads", problem.q_heads), ("lengths", problem.lengths),
-            ("causal_align", problem.causal_align))
+            ("causal_align", problem.causal_align)) + (() if problem.plain else (
+                ("window_left", problem.window_left), ("window_right", problem.window_right),
+                ("soft_cap", problem.soft_cap), ("sinks", problem.sinks)))
 
   def inputs(self, problem: AttentionProblem, key: jax.Array):
     p = problem
@@ -125,11 +168,16 @@ class AttentionFamily(Family):
     if p.lengths:  # a KV cache: valid lengths from 1 to kv_len
       lens = jax.random.randint(jax.random.fold_in(key, 1), (p.batch,), 1, p.kv_len + 1)
       out += (lens.astype(jnp.int32),)
+    if p.sinks:  # learned logits of the order of the scores
+      out += (jax.random.normal(jax.random.fold_in(key, 2), (p.q_heads,), jnp.float32),)
     return out
 
-  def reference(self, problem: AttentionProblem, q, k, v, kv_lengths=None):
+  def reference(self, problem: AttentionProblem, q, k, v, *extra):
+    kv_lengths, sinks = split_extra(problem, extra)
     return attention_reference(q, k, v, causal=problem.causal, out_dtype=jnp.float32,
-                               kv_lengths=kv_lengths, causal_align=problem.causal_align)
+                               kv_lengths=kv_lengths, causal_align=problem.causal_align,
+                               local_window_size=problem.window,
+                               logit_soft_cap=problem.soft_cap or None, sinks=sinks)
 
   def baseline(self, problem: AttentionProblem):
     """cuDNN's fused attention through ``jax.nn.dot_product_attention``."""
@@ -140,14 +188,18 @@ class AttentionFamily(Family):
 
   @staticmethod
   def _jax_nn(problem, implementation):
-    if problem.shifted or (problem.lengths and implementation == "xla"):
+    from wavetune_jax.families.attention import cudnn, xla
+    if (problem.shifted or (problem.lengths and implementation == "xla")
+        or problem.soft_cap or problem.sinks
+        or (implementation == "cudnn" and not cudnn.runs_window(problem))):
       # An explicit mask, XLA's implementation: what the XLA backend runs.
-      from wavetune_jax.families.attention.xla import masked_attention
-      return lambda *a: masked_attention(problem, *a)
+      return lambda q, k, v, *extra: xla.masked_attention(
+          problem, q, k, v, *split_extra(problem, extra))
 
     def f(q, k, v, kv_lengths=None):
       return jax.nn.dot_product_attention(q, k, v, is_causal=problem.causal,
                                           key_value_seq_lengths=kv_lengths,
+                                          local_window_size=cudnn.jax_nn_window(problem),
                                           implementation=implementation)
     return f
 

@@ -33,6 +33,11 @@ STAGES = (2, 3, 4)
 #                fitted on unpadded calls, do not see that cost.
 
 
+#: A Pallas kernel asked for a window, soft-capping or sinks.
+NO_OPTIONS = ("the {kernel} attention kernel has no sliding window, logit soft-capping or "
+              "sinks yet (use the XLA config, or cuDNN's for a window)")
+
+
 class MosaicAttention(Backend):
   """The warp-specialized Mosaic GPU flash attention (Hopper: TMA ring,
   wgmma, one producer and two consumer warpgroups). No CPU interpret mode."""
@@ -53,7 +58,8 @@ class MosaicAttention(Backend):
   def _runs_shape(p: AttentionProblem) -> bool:
     return (p.head_dim % kernel.HEAD_DIM_MULTIPLE == 0
             and kernel.HEAD_DIM_MIN <= p.head_dim <= kernel.HEAD_DIM_MAX
-            and not (p.causal and p.q_len > p.kv_len) and not p.lengths and not p.shifted)
+            and not (p.causal and p.q_len > p.kv_len) and not p.lengths and not p.shifted
+            and p.plain)
 
   def smem_bytes(self, problem: AttentionProblem, c: MosaicAttentionConfig) -> int:
     return kernel.smem_bytes(block_q=c.block_q, block_k=c.block_k, num_stages=c.num_stages,
@@ -94,7 +100,7 @@ class MosaicAttention(Backend):
     p = problem
     return 1 if (p.head_dim % kernel.HEAD_DIM_MULTIPLE == 0
                  and kernel.HEAD_DIM_MIN <= p.head_dim <= kernel.HEAD_DIM_MAX
-                 and not p.lengths and not p.shifted) else None
+                 and not p.lengths and not p.shifted and p.plain) else None
 
   def validate(self, problem: AttentionProblem, config: MosaicAttentionConfig,
                hw: Hardware | None = None) -> None:
@@ -104,6 +110,8 @@ class MosaicAttention(Backend):
     if p.lengths or p.shifted:
       raise ValueError("the Mosaic GPU attention kernel has no per-sequence KV lengths and "
                        "no bottom-right causal alignment yet (use a Triton or XLA config)")
+    if not p.plain:
+      raise ValueError(NO_OPTIONS.format(kernel="Mosaic GPU"))
     kernel.check_shapes((p.batch, p.q_len, p.q_heads, p.head_dim),
                         (p.batch, p.kv_len, p.kv_heads, p.head_dim), p.dtype, causal=p.causal)
     if hw is not None and self.smem_bytes(p, config) > hw.smem_per_block:
@@ -130,7 +138,7 @@ class MosaicAttention(Backend):
     of the oracle (geomean) on them."""
     p = problem
     c = self.HEURISTIC
-    if p.q_len < c.block_q or pads(p):
+    if p.q_len < c.block_q or pads(p) or not self._runs_shape(p):
       return None
     if p.batch * p.q_heads * -(-p.q_len // c.block_q) >= hw.num_sms // 2:
       return c if c in self.space(p, hw) else None

@@ -33,6 +33,14 @@ class AttentionProblem(Problem):
       run-time data, not part of the problem).
     causal_align: ``"top_left"`` or ``"bottom_right"`` (see
       ``pallas_kernels.attention.common.ALIGNS``).
+    window_left, window_right: a sliding (local) window: query position
+      ``i`` (aligned as ``causal_align`` says) sees keys ``i - window_left
+      <= j <= i + window_right``; -1 leaves that side unbounded (the
+      default: no window).
+    soft_cap: logit soft-capping, ``cap * tanh(s / cap)`` of the scaled
+      scores (Gemma-2); 0.0: none.
+    sinks: the call gives per-query-head sink logits (their values are
+      run-time data).
   """
 
   batch: int
@@ -45,6 +53,10 @@ class AttentionProblem(Problem):
   dtype: str = "bfloat16"
   lengths: bool = False
   causal_align: str = "top_left"
+  window_left: int = -1
+  window_right: int = -1
+  soft_cap: float = 0.0
+  sinks: bool = False
   _key: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
   _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
 
@@ -71,7 +83,34 @@ class AttentionProblem(Problem):
     if not isinstance(self.lengths, bool):
       raise ValueError(f"AttentionProblem.lengths={self.lengths!r} must be a bool")
     check_align(self.causal_align)
+    for name in ("window_left", "window_right"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < -1:
+        raise ValueError(f"AttentionProblem.{name}={v!r} must be an int >= 0, or -1 "
+                         f"(unbounded)")
+    cap = self.soft_cap
+    if (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
+        or cap < 0):
+      raise ValueError(f"AttentionProblem.soft_cap={cap!r} must be a finite float >= 0 "
+                       f"(0: no soft-capping)")
+    object.__setattr__(self, "soft_cap", float(cap))
+    if not isinstance(self.sinks, bool):
+      raise ValueError(f"AttentionProblem.sinks={self.sinks!r} must be a bool")
     self._freeze()
+
+  @property
+  def windowed(self) -> bool:
+    """A sliding window bounds one side or both."""
+    return self.window_left >= 0 or self.window_right >= 0
+
+  @property
+  def plain(self) -> bool:
+    """No window, no soft-capping, no sinks (what every backend runs)."""
+    return not (self.windowed or self.soft_cap or self.sinks)
+
+  @property
+  def window(self) -> tuple[int, int] | None:
+    return (self.window_left, self.window_right) if self.windowed else None
 
   @property
   def shifted(self) -> bool:
@@ -91,6 +130,16 @@ class AttentionProblem(Problem):
   def flops(self) -> float:
     """Useful FLOPs (two matmuls; half of the scores under a causal mask)."""
     q, kv = self.q_len, self.kv_len
+    if self.windowed:
+      pos = np.arange(q, dtype=np.int64)[:, None]
+      lo = np.zeros_like(pos) if self.window_left < 0 else np.maximum(pos - self.window_left, 0)
+      hi = np.full_like(pos, kv - 1)
+      if self.causal:
+        hi = np.minimum(hi, pos)
+      if self.window_right >= 0:
+        hi = np.minimum(hi, pos + self.window_right)
+      pairs = int(np.maximum(hi - lo + 1, 0).sum())
+      return 4.0 * self.batch * self.q_heads * self.head_dim * pairs
     if not self.causal:
       pairs = q * kv
     elif q <= kv:

@@ -61,6 +61,8 @@ class TritonAttention(_triton.TritonBackend):
             prune: bool = True) -> tuple[TritonAttentionConfig, ...]:
     """Valid configs pruned by rules A1-A4 (``prune=False``: A2 only)."""
     p = problem
+    if not p.plain:
+      return ()  # no window, soft-capping or sinks in this kernel
     # Rule A1 sees the lengths only through next_pow2, capped at the largest
     # block: problems of any other length share one cached space.
     return self._space(min(next_pow2(p.q_len), BLOCK_Q[-1]),
@@ -89,12 +91,15 @@ class TritonAttention(_triton.TritonBackend):
   def size_quantum(self, problem: AttentionProblem) -> int:
     """Every block is a multiple of 32: within (32(j-1), 32j] the block counts,
     and with them (G, L) and the space, are the same."""
-    return 32
+    return 32 if problem.plain else None
 
   def validate(self, problem: AttentionProblem, config: TritonAttentionConfig,
                hw: Hardware | None = None) -> None:
     if not isinstance(config, TritonAttentionConfig):
       raise ValueError(f"config must be a TritonAttentionConfig; got {config!r}")
+    if not problem.plain:
+      from wavetune_jax.families.attention.mosaic import NO_OPTIONS
+      raise ValueError(NO_OPTIONS.format(kernel="Pallas Triton"))
     if hw is not None and self.smem_bytes(problem, config) > hw.smem_per_block:
       raise ValueError(
           f"config {config} needs {self.smem_bytes(problem, config)} bytes of shared "
@@ -109,6 +114,8 @@ class TritonAttention(_triton.TritonBackend):
     few, 128-key blocks (2 stages up to 256 keys): the best Triton configs
     of the one-wave problems of the H100 and H200 sweeps."""
     p = problem
+    if not p.plain:
+      return None
     ctas = lambda bq: p.batch * p.q_heads * -(-p.q_len // bq)  # noqa: E731
     bk = min(64, max(32, next_pow2(p.kv_len)))
     long_k = min(128, max(32, next_pow2(p.kv_len)))

@@ -4,6 +4,7 @@ with XLA's own implementation (no launch parameters)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -58,28 +59,67 @@ class XlaAttention(LibraryAttention):
   def size_quantum(self, problem) -> int:
     return NOMINAL_BLOCK
 
+  def heuristic(self, problem: AttentionProblem, hw: Hardware) -> XlaAttentionConfig | None:
+    """Soft-capping, sinks, or a window cuDNN does not run: only XLA's
+    attention runs them (None elsewhere: the other backends answer)."""
+    return None if problem.plain else XlaAttentionConfig()
+
   def validate(self, problem, config, hw: Hardware | None = None) -> None:
     if not isinstance(config, XlaAttentionConfig):
       raise ValueError(f"config must be an XlaAttentionConfig; got {config!r}")
 
-  def run(self, problem: AttentionProblem, config, q, k, v, kv_lengths=None, *,
+  def run(self, problem: AttentionProblem, config, q, k, v, *extra,
           interpret: bool = False, scale: float | None = None):
-    if kv_lengths is None and not problem.shifted:
+    # extra: kv_lengths where the problem has lengths, then sinks where it has them.
+    from wavetune_jax.families.attention.family import split_extra
+    kv_lengths, sinks = split_extra(problem, extra)
+    if kv_lengths is None and not problem.shifted and problem.plain:
       return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=problem.causal,
                                           implementation="xla")
-    return masked_attention(problem, q, k, v, kv_lengths, scale=scale)
+    return masked_attention(problem, q, k, v, kv_lengths, sinks, scale=scale)
 
 
-def masked_attention(problem: AttentionProblem, q, k, v, kv_lengths=None, *, scale=None):
+def masked_attention(problem: AttentionProblem, q, k, v, kv_lengths=None, sinks=None, *,
+                     scale=None):
   """XLA's attention with the op's mask (valid lengths, either causal
-  alignment): keys past a sequence's length are zeroed before use (NaN there
-  never reaches the output) and a query that sees no key gives zeros."""
+  alignment, a sliding window), soft-capping and sinks: keys past a
+  sequence's length are zeroed before use (NaN there never reaches the
+  output) and a query that sees no key gives zeros."""
   ok = valid_keys(kv_lengths, k.shape[1], q.shape[1], causal=problem.causal,
-                  causal_align=problem.causal_align, batch=q.shape[0])
+                  causal_align=problem.causal_align, batch=q.shape[0], window=problem.window)
   seen = jnp.any(ok, axis=1)[:, :, None, None]
   k = jnp.where(seen, k, jnp.zeros((), k.dtype))
   v = jnp.where(seen, v, jnp.zeros((), v.dtype))
-  out = jax.nn.dot_product_attention(q, k, v, scale=scale, mask=ok[:, None],
-                                     implementation="xla")
+  if problem.soft_cap or sinks is not None:
+    out = _capped_attention(q, k, v, ok, sinks, scale=scale, cap=problem.soft_cap)
+  else:
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, mask=ok[:, None],
+                                       implementation="xla")
   sees = jnp.any(ok, axis=2)[:, :, None, None]
   return jnp.where(sees, out, jnp.zeros((), out.dtype))
+
+
+def _capped_attention(q, k, v, ok, sinks, *, scale, cap: float):
+  """Attention with soft-capped scores and sinks, float32 softmax (what
+  ``jax.nn.dot_product_attention`` has no argument for)."""
+  b, q_len, q_heads, d = q.shape
+  kv_heads = k.shape[2]
+  group = q_heads // kv_heads
+  scale = 1.0 / math.sqrt(d) if scale is None else scale
+  qg = q.reshape(b, q_len, kv_heads, group, d)
+  s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32) * scale
+  if cap:
+    s = cap * jnp.tanh(s / cap)
+  s = jnp.where(ok[:, None, None], s, -jnp.inf)
+  mx = jnp.max(s, axis=-1, keepdims=True)
+  if sinks is not None:
+    sk = sinks.astype(jnp.float32).reshape(kv_heads, group)[None, :, :, None, None]
+    mx = jnp.maximum(mx, sk)
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  e = jnp.exp(s - mx)
+  den = jnp.sum(e, axis=-1, keepdims=True)
+  if sinks is not None:
+    den = den + jnp.exp(sk - mx)
+  p = (e / jnp.where(den > 0, den, 1.0)).astype(v.dtype)
+  out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v, preferred_element_type=jnp.float32)
+  return out.reshape(b, q_len, q_heads, d).astype(q.dtype)

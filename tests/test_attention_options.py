@@ -1,0 +1,203 @@
+"""Sliding windows, logit soft-capping and sinks in ``wt.attention`` (CPU).
+
+The reference against ``jax.nn.dot_product_attention(local_window_size=)``
+and against a direct NumPy computation; the op (XLA's backend on a CPU)
+against the reference; which backends the selector offers; bad arguments.
+"""
+
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import wavetune_jax as wt
+from pallas_kernels.attention.reference import attention_reference
+from wavetune_jax import AttentionProblem
+
+warnings.filterwarnings("ignore", message=".*no GPU.*")
+
+
+def _qkv(b=2, t=40, s=None, h=4, kvh=2, d=32, seed=0):
+  s = t if s is None else s
+  kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = jax.random.normal(kq, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(kk, (b, s, kvh, d), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(kv, (b, s, kvh, d), jnp.float32).astype(jnp.bfloat16)
+  return q, k, v
+
+
+def _f32(*xs):
+  return [x.astype(jnp.float32) for x in xs]
+
+
+# Windows smaller than, equal to and larger than the sequence (40), either
+# side, an int (symmetric) and (0, 0) (each query sees itself).
+WINDOWS = [3, (7, 2), (0, 0), (39, 0), 40, (100, 100), (5, 0)]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_window_is_jax_nn_local_window(window, causal):
+  q, k, v = _qkv()
+  lens = jnp.array([40, 17], jnp.int32)
+  want = jax.nn.dot_product_attention(*_f32(q, k, v), is_causal=causal,
+                                      local_window_size=window, key_value_seq_lengths=lens,
+                                      implementation="xla")
+  got = attention_reference(q, k, v, causal=causal, local_window_size=window, kv_lengths=lens,
+                            out_dtype=jnp.float32)
+  # A query that sees no key gives zeros here (jax.nn leaves its row to the
+  # softmax of an all-masked row): compared where a key is seen.
+  from pallas_kernels.attention.common import check_window, valid_keys
+  sees = np.asarray(valid_keys(lens, 40, 40, causal=causal, causal_align="top_left", batch=2,
+                               window=check_window(window)).any(axis=2))
+  assert sees.sum() > 40
+  np.testing.assert_allclose(np.asarray(got)[sees], np.asarray(want)[sees], rtol=1e-5,
+                             atol=1e-5)
+  assert not np.asarray(got)[~sees].any()
+
+
+def _numpy_attention(q, k, v, *, causal, window, cap, sinks, shift=0):
+  """One head at a time, in float64: the definitions written out."""
+  q, k, v = (np.asarray(x, np.float64) for x in _f32(q, k, v))
+  b, t, h, d = q.shape
+  s_len, kvh = k.shape[1], k.shape[2]
+  out = np.zeros_like(q)
+  for bi in range(b):
+    for hi in range(h):
+      kh = hi // (h // kvh)
+      for i in range(t):
+        pos = i + shift
+        js = [j for j in range(s_len)
+              if (not causal or j <= pos)
+              and (window is None or (window[0] < 0 or j >= pos - window[0])
+                   and (window[1] < 0 or j <= pos + window[1]))]
+        if not js:
+          continue
+        sc = np.array([q[bi, i, hi] @ k[bi, j, kh] / math.sqrt(d) for j in js])
+        if cap:
+          sc = cap * np.tanh(sc / cap)
+        mx = max(sc.max(), sinks[hi]) if sinks is not None else sc.max()
+        e = np.exp(sc - mx)
+        den = e.sum() + (math.exp(sinks[hi] - mx) if sinks is not None else 0.0)
+        out[bi, i, hi] = (e / den) @ v[bi, js, kh]
+  return out
+
+
+@pytest.mark.parametrize("causal,window,cap,with_sinks", [
+    (True, None, 5.0, False), (True, None, None, True), (True, (6, 0), 2.0, True),
+    (False, (3, 4), 30.0, True), (False, None, None, True)])
+def test_reference_soft_cap_and_sinks_are_the_definitions(causal, window, cap, with_sinks):
+  q, k, v = _qkv(b=1, t=12, h=4, kvh=2, d=16)
+  sinks = (np.asarray(jax.random.normal(jax.random.PRNGKey(3), (4,))) * 2
+           if with_sinks else None)
+  got = attention_reference(q, k, v, causal=causal, local_window_size=window,
+                            logit_soft_cap=cap, sinks=sinks, out_dtype=jnp.float32)
+  want = _numpy_attention(q, k, v, causal=causal, window=window, cap=cap, sinks=sinks)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(local_window_size=8), dict(local_window_size=(5, 3), causal=False),
+    dict(logit_soft_cap=4.0), dict(with_sinks=True),
+    dict(local_window_size=(6, 0), logit_soft_cap=3.0, with_sinks=True),
+    dict(local_window_size=4, with_lengths=True, causal_align="bottom_right"),
+    dict(with_sinks=True, with_lengths=True, q_len=5)])
+def test_op_matches_the_reference(kw):
+  kw = dict(kw)
+  q_len = kw.pop("q_len", 40)
+  q, k, v = _qkv(t=q_len, s=40)
+  if kw.pop("with_sinks", False):
+    kw["sinks"] = jax.random.normal(jax.random.PRNGKey(5), (4,))
+  if kw.pop("with_lengths", False):
+    kw["kv_lengths"] = jnp.array([40, 9], jnp.int32)
+  got = jax.jit(lambda q, k, v: wt.attention(q, k, v, **kw))(q, k, v)
+  want = attention_reference(q, k, v, out_dtype=jnp.float32, **kw)
+  assert got.dtype == q.dtype and got.shape == q.shape
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2,
+                             atol=2e-2)
+
+
+def test_sinks_are_traced_and_vmapped():
+  q, k, v = _qkv(b=1, t=16)
+  sinks = jnp.stack([jnp.zeros(4), jnp.full((4,), 3.0)])
+  f = jax.jit(jax.vmap(lambda s: wt.attention(q, k, v, sinks=s)))
+  got = f(sinks)
+  for i in range(2):
+    want = attention_reference(q, k, v, sinks=sinks[i], out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got[i], np.float32), np.asarray(want), rtol=2e-2,
+                               atol=2e-2)
+  # A large sink takes most of the mass: the output shrinks toward 0.
+  assert float(jnp.abs(got[1].astype(jnp.float32)).mean()) < float(
+      jnp.abs(got[0].astype(jnp.float32)).mean())
+
+
+def _problem(**kw):
+  return AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=8192, head_dim=128, **kw)
+
+
+@pytest.mark.parametrize("kw,backend", [
+    (dict(window_left=1024), "CudnnAttentionConfig"),
+    (dict(window_left=1024, window_right=0, causal=False), "CudnnAttentionConfig"),
+    (dict(window_left=4, window_right=4, causal=False), "XlaAttentionConfig"),
+    (dict(soft_cap=50.0), "XlaAttentionConfig"),
+    (dict(window_left=512, sinks=True), "XlaAttentionConfig")])
+def test_selector_offers_only_backends_that_run_the_options(kw, backend):
+  p = _problem(**kw)
+  for policy in ("tables", "heuristic"):
+    with wt.policy(policy):
+      assert type(wt.select("attention", p, "h100").config).__name__ == backend
+  hw = wt.get_hardware("h100")
+  assert not wt.ATTENTION.backend("triton").space(p, hw)
+  assert not wt.ATTENTION.backend("mosaic").space(p, hw)
+
+
+def test_pinned_pallas_config_with_options_is_a_clear_error():
+  q, k, v = _qkv(b=1, t=16)
+  for cfg in (wt.TritonAttentionConfig(), {"backend": "mosaic"}):
+    with pytest.raises(ValueError, match="no sliding window, logit soft-capping or sinks"):
+      wt.attention(q, k, v, local_window_size=4, config=cfg)
+
+
+def test_problem_key_and_fields():
+  plain = _problem()
+  assert wt.ATTENTION.problem_key(plain) == "b1:h32/8:q8192:kv8192:d128:causal:bfloat16"
+  p = _problem(window_left=1024, window_right=0, soft_cap=50.0, sinks=True)
+  assert wt.ATTENTION.problem_key(p).endswith(":w1024,0:cap50:sinks")
+  assert wt.ATTENTION.problem_from_dict(wt.ATTENTION.problem_to_dict(p)) == p
+  assert wt.ATTENTION.with_size(p, 4096).window == (1024, 0)
+  assert p.window == (1024, 0) and not p.plain and plain.plain
+  # A 1,024 window at 8k tokens: about an eighth of the causal work.
+  ratio = p.flops / plain.flops
+  assert 0.2 < ratio < 0.3 and ratio == pytest.approx(
+      (1025 * 8192 - 1024 * 1025 / 2) / (8192 * 8193 / 2), rel=1e-6)
+  for bad in (dict(window_left=-2), dict(window_right=1.5), dict(soft_cap=-1.0),
+              dict(soft_cap=math.inf), dict(sinks=1), dict(window_left=True)):
+    with pytest.raises(ValueError, match="AttentionProblem"):
+      _problem(**bad)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(local_window_size=-1), "local_window_size=-1 must be >= 0"),
+    (dict(local_window_size=(1, 2, 3)), "local_window_size=.* must be an int"),
+    (dict(local_window_size=2.5), "must be an int"),
+    (dict(local_window_size=True), "must be an int"),
+    (dict(local_window_size=jnp.array(3)), "must be an int"),
+    (dict(logit_soft_cap=0.0), "logit_soft_cap=0.0 must be a finite"),
+    (dict(logit_soft_cap=-2.0), "must be a finite"),
+    (dict(logit_soft_cap=float("nan")), "must be a finite"),
+    (dict(logit_soft_cap="50"), "must be a finite"),
+    (dict(logit_soft_cap=jnp.float32(5.0)), "must be a finite"),
+    (dict(sinks=jnp.zeros((3,))), r"sinks must have shape \[q_heads\] = \(4,\)"),
+    (dict(sinks=jnp.zeros((4, 1))), "sinks must have shape"),
+    (dict(sinks=jnp.zeros((4,), bool)), "sinks must be real numbers"),
+    (dict(sinks=jnp.zeros((4,), jnp.complex64)), "sinks must be real numbers"),
+    (dict(sinks="x"), "sinks must"),
+])
+def test_bad_options_are_one_line_errors(kw, match):
+  q, k, v = _qkv(b=1, t=8)
+  with pytest.raises(ValueError, match=match) as e:
+    wt.attention(q, k, v, **kw)
+  assert "\n" not in str(e.value)
