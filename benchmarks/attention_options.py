@@ -1,0 +1,92 @@
+"""Sliding windows, soft-capping and sinks on a GPU: right, and how fast.
+
+Per problem (batch 1, causal prefill; CUPTI, L2 flushed, each output checked
+against the float32 reference first): ``wt.attention`` with the option (the
+backend the selector picks), the other backend that runs it (cuDNN's sliding
+window or XLA's attention), and cuDNN's full causal attention without the
+option (what a model runs when its attention library has no window).
+
+    python3 benchmarks/attention_options.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+
+import wavetune_jax as wt
+from pallas_kernels.attention.reference import attention_reference
+from wavetune_jax.tuning import profiler
+
+# (name, q_heads, kv_heads, head_dim, seq, options)
+PROBLEMS = [
+    ("llama-like w1024", 32, 8, 128, 8192, dict(local_window_size=(1024, 0))),
+    ("llama-like w1024", 32, 8, 128, 16384, dict(local_window_size=(1024, 0))),
+    ("mistral w4096", 32, 8, 128, 16384, dict(local_window_size=(4096, 0))),
+    ("gemma-2 cap 50", 8, 4, 256, 4096, dict(logit_soft_cap=50.0)),
+    ("gemma-2 cap 50 w4096", 8, 4, 256, 8192,
+     dict(logit_soft_cap=50.0, local_window_size=(4096, 0))),
+    ("sinks w128", 64, 8, 64, 4096, dict(local_window_size=(128, 0), sinks=True)),
+]
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="the first two problems")
+  ap.add_argument("--iterations", type=int, default=10)
+  ap.add_argument("--json", default=None)
+  a = ap.parse_args(argv)
+  prof = profiler.Profiler(iterations=a.iterations)
+  dev = jax.devices()[0]
+  print(dev.device_kind, jax.__version__, flush=True)
+  rows = []
+  for name, h, kvh, d, t, opts in PROBLEMS[:2] if a.quick else PROBLEMS:
+    kq, kk, kv, ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(kq, (1, t, h, d), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (1, t, kvh, d), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (1, t, kvh, d), jnp.float32).astype(jnp.bfloat16)
+    kw = dict(opts)
+    if kw.pop("sinks", False):
+      kw["sinks"] = jax.random.normal(ks, (h,), jnp.float32)
+    ref = attention_reference(q, k, v, out_dtype=jnp.float32, **kw)
+    problem, _ = wt.ATTENTION.bind(q, k, v, **kw)[:2]
+    with wt.policy("tables"):
+      chosen = wt.select("attention", problem, wt.detect()).config
+    cands = {"wt": lambda q, k, v, s=None: wt.attention(q, k, v, **kw)}
+    for label, cfg in (("cudnn", wt.CudnnAttentionConfig()), ("xla", wt.XlaAttentionConfig())):
+      try:
+        wt.ATTENTION.backend(label).validate(problem, cfg, wt.detect())
+      except ValueError:
+        continue
+      cands[label] = (lambda cfg: lambda q, k, v: wt.attention(q, k, v, config=cfg, **kw))(cfg)
+    res = prof.measure_many(list(cands.values()), (q, k, v), reference=ref, tolerance=2e-2,
+                            out_bytes=q.size * 4)
+    full = prof.measure_many([lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn")], (q, k, v))[0]
+    row = {"name": name, "seq": t, "q_heads": h, "kv_heads": kvh, "head_dim": d,
+           "options": {k_: (v_ if not hasattr(v_, "shape") else "array")
+                       for k_, v_ in kw.items()},
+           "chosen": type(chosen).__name__, "full_causal_cudnn_us": full.median_us,
+           "times": {lab: {"status": m.status, "us": m.median_us if m.status == "ok"
+                           else math.nan, "error": (m.error or "")[:200]}
+                     for lab, m in zip(cands, res)}}
+    rows.append(row)
+    print(f"== {name}, {t} tokens, {h}/{kvh} heads, d {d}: wt chose {row['chosen']}; "
+          f"cuDNN full causal {full.median_us:.1f} us", flush=True)
+    for lab, r in row["times"].items():
+      extra = (f" ({full.median_us / r['us']:.2f}x the full causal)" if r["us"] == r["us"]
+               else f" {r['status']}: {r['error']}")
+      print(f"  {lab:<6} {r['us']:10.1f} us{extra}", flush=True)
+    del q, k, v, ref
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump({"device_kind": dev.device_kind, "jax": jax.__version__, "rows": rows}, f,
+                indent=1)
+
+
+if __name__ == "__main__":
+  main()
