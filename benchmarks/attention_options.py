@@ -2,9 +2,9 @@
 
 Per problem (batch 1, causal prefill; CUPTI, L2 flushed, each output checked
 against the float32 reference first): ``wt.attention`` with the option (the
-backend the selector picks), the other backend that runs it (cuDNN's sliding
-window or XLA's attention), and cuDNN's full causal attention without the
-option (what a model runs when its attention library has no window).
+backend the selector picks), the other backends that run it (cuDNN's
+sliding window, XLA's attention, the Mosaic kernel at 128 x 128 and 128 x 64
+tiles), and cuDNN's full causal attention without the option (what a model runs when its attention library has no window).
 
     python3 benchmarks/attention_options.py [--quick] [--json out.json]
 """
@@ -31,12 +31,23 @@ PROBLEMS = [
     ("gemma-2 cap 50 w4096", 8, 4, 256, 8192,
      dict(logit_soft_cap=50.0, local_window_size=(4096, 0))),
     ("sinks w128", 64, 8, 64, 4096, dict(local_window_size=(128, 0), sinks=True)),
+    ("gemma-2 cap 50", 8, 4, 256, 8192, dict(logit_soft_cap=50.0)),
+    ("sinks", 64, 8, 64, 8192, dict(sinks=True)),
+]
+#: Edge cases, checked only: windows of 0 and below a block, lengths that
+#: are not multiples of 8, all options at once.
+EDGES = [
+    ("edge w0", 8, 2, 64, 1000, dict(local_window_size=(0, 0))),
+    ("edge w100 cap sinks", 8, 8, 128, 777, dict(local_window_size=(100, 0),
+                                                 logit_soft_cap=20.0, sinks=True)),
+    ("edge w300 d96", 4, 2, 96, 1536, dict(local_window_size=300)),
 ]
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="the first two problems")
+  ap.add_argument("--edges", action="store_true", help="also the edge cases (checked, timed)")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
@@ -44,7 +55,8 @@ def main(argv=None):
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__, flush=True)
   rows = []
-  for name, h, kvh, d, t, opts in PROBLEMS[:2] if a.quick else PROBLEMS:
+  probs = (PROBLEMS[:2] if a.quick else PROBLEMS) + (EDGES if a.edges else [])
+  for name, h, kvh, d, t, opts in probs:
     kq, kk, kv, ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q = jax.random.normal(kq, (1, t, h, d), jnp.float32).astype(jnp.bfloat16)
     k = jax.random.normal(kk, (1, t, kvh, d), jnp.float32).astype(jnp.bfloat16)
@@ -57,11 +69,17 @@ def main(argv=None):
     with wt.policy("tables"):
       chosen = wt.select("attention", problem, wt.detect()).config
     cands = {"wt": lambda q, k, v, s=None: wt.attention(q, k, v, **kw)}
-    for label, cfg in (("cudnn", wt.CudnnAttentionConfig()), ("xla", wt.XlaAttentionConfig())):
+    for label, cfg in (("cudnn", wt.CudnnAttentionConfig()), ("xla", wt.XlaAttentionConfig()),
+                       ("mosaic", wt.MosaicAttentionConfig(block_q=128, block_k=128,
+                                                           num_stages=2)),
+                       ("mosaic64", wt.MosaicAttentionConfig(block_q=128, block_k=64,
+                                                             num_stages=2))):
       try:
-        wt.ATTENTION.backend(label).validate(problem, cfg, wt.detect())
+        wt.ATTENTION.backend_of(cfg).validate(problem, cfg, wt.detect())
       except ValueError:
         continue
+      if label == "xla" and t > 8192:
+        continue  # its score matrix alone is 34 GB at 16k (measured: 40-116x slower)
       cands[label] = (lambda cfg: lambda q, k, v: wt.attention(q, k, v, config=cfg, **kw))(cfg)
     res = prof.measure_many(list(cands.values()), (q, k, v), reference=ref, tolerance=2e-2,
                             out_bytes=q.size * 4)

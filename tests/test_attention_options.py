@@ -138,27 +138,61 @@ def _problem(**kw):
   return AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=8192, head_dim=128, **kw)
 
 
-@pytest.mark.parametrize("kw,backend", [
-    (dict(window_left=1024), "CudnnAttentionConfig"),
-    (dict(window_left=1024, window_right=0, causal=False), "CudnnAttentionConfig"),
-    (dict(window_left=4, window_right=4, causal=False), "XlaAttentionConfig"),
-    (dict(soft_cap=50.0), "XlaAttentionConfig"),
-    (dict(window_left=512, sinks=True), "XlaAttentionConfig")])
-def test_selector_offers_only_backends_that_run_the_options(kw, backend):
-  p = _problem(**kw)
+@pytest.mark.parametrize("kw,backend,mosaic", [
+    (dict(window_left=1024), "CudnnAttentionConfig", True),
+    (dict(window_left=1024, window_right=0, causal=False), "CudnnAttentionConfig", False),
+    (dict(window_left=4, window_right=4, causal=False), "XlaAttentionConfig", False),
+    (dict(soft_cap=50.0), "MosaicAttentionConfig", True),
+    (dict(window_left=512, sinks=True), "MosaicAttentionConfig", True),
+    (dict(soft_cap=50.0, q_len=100, causal=False), "MosaicAttentionConfig", True),
+    (dict(sinks=True, head_dim=40), "XlaAttentionConfig", False)])
+def test_selector_offers_only_backends_that_run_the_options(kw, backend, mosaic):
+  # cuDNN's window where it runs it (faster than the Mosaic kernel's on an
+  # H100), the Mosaic kernel for soft-capping and sinks (guarded by the
+  # family's measured rule: no table holds such problems), else XLA.
+  kw = dict(kw)
+  q_len, d = kw.pop("q_len", 8192), kw.pop("head_dim", 128)
+  p = AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=q_len, head_dim=d, **kw)
   for policy in ("tables", "heuristic"):
     with wt.policy(policy):
       assert type(wt.select("attention", p, "h100").config).__name__ == backend
   hw = wt.get_hardware("h100")
   assert not wt.ATTENTION.backend("triton").space(p, hw)
-  assert not wt.ATTENTION.backend("mosaic").space(p, hw)
+  assert bool(wt.ATTENTION.backend("mosaic").space(p, hw, prune=False)) == mosaic
 
 
-def test_pinned_pallas_config_with_options_is_a_clear_error():
+def test_pinned_config_that_cannot_run_the_options_is_a_clear_error():
   q, k, v = _qkv(b=1, t=16)
-  for cfg in (wt.TritonAttentionConfig(), {"backend": "mosaic"}):
-    with pytest.raises(ValueError, match="no sliding window, logit soft-capping or sinks"):
-      wt.attention(q, k, v, local_window_size=4, config=cfg)
+  with pytest.raises(ValueError, match="no sliding window, logit soft-capping or sinks"):
+    wt.attention(q, k, v, local_window_size=4, config=wt.TritonAttentionConfig())
+  with pytest.raises(ValueError, match="sliding window only with causal=True"):
+    wt.attention(q, k, v, local_window_size=4, causal=False, config={"backend": "mosaic"})
+  with pytest.raises(ValueError, match="soft-capping and no sinks"):
+    wt.attention(q, k, v, logit_soft_cap=3.0, config={"backend": "cudnn"})
+
+
+@pytest.mark.parametrize("kw", [dict(soft_cap=50.0), dict(window_left=100),
+                                dict(window_left=300, soft_cap=20.0, sinks=True),
+                                dict(sinks=True)])
+def test_mosaic_kernel_with_options_lowers_for_cuda(kw, monkeypatch):
+  # The GPU checks are benchmarks/attention_options.py (docs/results.md).
+  from pallas_kernels.attention import mosaic as kernel
+  monkeypatch.setattr(kernel, "check_device", lambda: None)
+  kw = dict(kw)
+  with_sinks = kw.pop("sinks", False)
+
+  def f(q, k, v, *s):
+    return kernel.attention(q, k, v, config=kernel.MosaicAttentionConfig(), causal=True,
+                            sinks=s[0] if s else None, **kw)
+  args = (jax.ShapeDtypeStruct((1, 777, 8, 128), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, 777, 4, 128), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1, 777, 4, 128), jnp.bfloat16))
+  args += (jax.ShapeDtypeStruct((8,), jnp.float32),) if with_sinks else ()
+  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+  with pytest.raises(ValueError, match="only with causal=True"):
+    kernel.attention(jnp.zeros((1, 8, 2, 64), jnp.bfloat16), jnp.zeros((1, 8, 2, 64),
+                     jnp.bfloat16), jnp.zeros((1, 8, 2, 64), jnp.bfloat16),
+                     config=kernel.MosaicAttentionConfig(), causal=False, window_left=3)
 
 
 def test_problem_key_and_fields():

@@ -77,9 +77,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     config: a backend's config (``TritonAttentionConfig``,
       ``MosaicAttentionConfig``) or a dict ``{"backend": name, **fields}``;
       ``None`` lets the selector choose. With a window, soft-capping or
-      sinks the Pallas kernels do not run yet: cuDNN runs a window (causal,
-      or a right side of 0) without the other two, XLA's attention any of
-      them.
+      sinks: cuDNN runs a window (causal, or a right side of 0) without the
+      other two, the Mosaic kernel soft-capping, sinks and causal windows,
+      XLA's attention any of them; the Triton kernel none.
 
   Returns:
     ``[batch, q_len, q_heads, head_dim]`` of ``q.dtype``.
@@ -92,7 +92,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
       negative or non-int window, a cap that is not a finite float > 0,
       ``sinks`` not ``[q_heads]`` real numbers; or a config that cannot run
       this problem here (the Mosaic backend has no KV lengths or bottom-right
-      alignment yet; no Pallas kernel has windows, soft-capping or sinks yet).
+      alignment yet, and windows only under a causal mask; the Triton backend
+      has no window, soft-capping or sinks).
   """
   return tuned_call(ATTENTION, q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths,
                     causal_align=causal_align, local_window_size=local_window_size,

@@ -17,7 +17,7 @@
 The forward kernel of JAX's ``jax.experimental.pallas.ops.gpu.attention_mgpu``
 (FlashAttention-3 style: TMA loads into a ring of ``num_stages`` shared-memory
 K/V buffers, wgmma, one producer warpgroup and two consumer warpgroups of
-``block_q / 2`` query rows each), changed here in six ways:
+``block_q / 2`` query rows each), changed here in seven ways:
 
 * the shared-memory buffers take the input dtype (upstream hard-codes
   float16, so bfloat16 inputs fail to compile in JAX 0.11.2);
@@ -38,6 +38,10 @@ K/V buffers, wgmma, one producer warpgroup and two consumer warpgroups of
   (128 bytes for multiples of 64 in 16-bit types, 64 bytes for multiples of
   32 such as 96, else 32 bytes), so wgmma and TMA run on the rows as they are,
   with no padding of ``head_dim``;
+* logit soft-capping (``tanh`` of the fp32 scores), attention sinks (each
+  row's running max starts at its head's sink logit and its sum at 1) and a
+  causal left window (a program starts at the KV block of its first row's
+  first key, every block masked);
 * the checks raise ``ValueError`` with what to change.
 
 Layout ``[batch, seq, heads, head_dim]``, grouped-query attention read in place,
@@ -155,7 +159,8 @@ def check_device() -> None:
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttentionConfig,
-              causal: bool = True, scale: float | None = None) -> jax.Array:
+              causal: bool = True, scale: float | None = None, soft_cap: float = 0.0,
+              window_left: int = -1, sinks: jax.Array | None = None) -> jax.Array:
   """Flash attention forward with the Mosaic GPU kernel (Hopper only).
 
   Args:
@@ -165,6 +170,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttenti
     config: launch parameters; used as given, never changed.
     causal: mask keys after the query (top-left aligned).
     scale: softmax scale (default ``1 / sqrt(head_dim)``).
+    soft_cap: above 0, the scaled scores ``s`` become ``cap * tanh(s / cap)``.
+    window_left: with ``causal``, query ``i`` sees keys ``j >= i -
+      window_left`` only; a program skips the KV blocks left of its first
+      row's window. -1: no window.
+    sinks: ``[q_heads]`` float32 logits added to each softmax's denominator.
 
   Raises:
     ValueError: invalid arguments (as the Triton kernel), shapes this kernel
@@ -176,9 +186,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttenti
   if q.shape[1] == 0 or q.shape[0] == 0 or q.shape[2] == 0:
     return jnp.zeros(q.shape, q.dtype)
   check_shapes(q.shape, k.shape, q.dtype, causal=bool(causal))
+  if window_left >= 0 and not causal:
+    raise ValueError("the Mosaic GPU attention kernel runs a window only with causal=True")
+  if soft_cap and scale <= 0:
+    raise ValueError(f"the Mosaic GPU attention kernel soft-caps only with scale > 0; "
+                     f"got scale={scale}")
   check_device()
-  return _attention(q, k, v, block_q=config.block_q, block_k=config.block_k,
-                    num_stages=config.num_stages, causal=bool(causal), scale=scale)
+  has_sinks = sinks is not None
+  sinks = (jnp.zeros((q.shape[2],), jnp.float32) if sinks is None
+           else jnp.asarray(sinks, jnp.float32))
+  return _attention(q, k, v, sinks, block_q=config.block_q, block_k=config.block_k,
+                    num_stages=config.num_stages, causal=bool(causal), scale=scale,
+                    soft_cap=float(soft_cap), window_left=int(window_left),
+                    has_sinks=has_sinks)
 
 
 def _pad_seq(x, multiple: int):
@@ -188,11 +208,15 @@ def _pad_seq(x, multiple: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_k", "num_stages", "causal",
-                                             "scale"))
-def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
-               causal: bool, scale: float):
+                                             "scale", "soft_cap", "window_left", "has_sinks"))
+def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: int,
+               causal: bool, scale: float, soft_cap: float = 0.0, window_left: int = -1,
+               has_sinks: bool = False):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  if sinks is None:
+    sinks = jnp.zeros((q.shape[2],), jnp.float32)  # read only where has_sinks
 
   check_shapes(q.shape, k.shape, q.dtype, causal=causal)
   q_len = q.shape[1]
@@ -216,14 +240,17 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
   num_q_tiles = pl.cdiv(q_seq_len, block_q)
   # exp(s * scale) = exp2(s * c). With c > 0, max(s * c) = max(s) * c, so the
   # scale folds into the FMA of the exponent.
-  if scale > 0:
+  if soft_cap:  # s = cap * tanh(qk * scale / cap), then exp(s) = exp2(s * log2(e))
+    c, pre = _LOG2E, None
+  elif scale > 0:
     c, pre = scale * _LOG2E, None
   else:
     c, pre = _LOG2E, scale
+  windowed = window_left >= 0
 
   iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
 
-  def kernel(q_ref, k_ref, v_ref, out_ref, scoped):
+  def kernel(q_ref, k_ref, v_ref, sinks_ref, out_ref, scoped):
     batch = lax.axis_index("batch")
     q_head = lax.axis_index("heads")
     q_tile = lax.axis_index("q_seq")
@@ -248,6 +275,17 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
       block_max_kv_steps = kv_steps_to((q_tile + 1) * block_q)
     else:
       block_max_kv_steps = num_kv_steps
+    # The first KV step of this program: under a window, the block of its
+    # first row's first key (every step before it is out of every row's window).
+    if windowed:
+      kv_start = lax.div(jnp.maximum(q_tile * block_q - window_left, 0),
+                         jnp.array(block_kv, jnp.int32))
+    else:
+      kv_start = 0  # (a Python int: the plain kernel's loops are as before)
+
+    def slot_of(kv_step):
+      return lax.rem(kv_step - kv_start if windowed else kv_step,
+                     jnp.array(max_concurrent_steps, kv_step.dtype))
 
     @pl.when(wg_idx < 2)
     def _compute_wg():
@@ -267,14 +305,21 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
       )
       plgpu.barrier_wait(q_barriers.at[wg_idx])
 
-      m_i = plgpu.layout_cast(jnp.full((wg_rows,), -jnp.inf, dtype=jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
-      l_i = plgpu.layout_cast(jnp.full((wg_rows,), 0, dtype=jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
+      if has_sinks:
+        # The sink's exp(sink - m) starts the denominator (m kept scaled by c).
+        m0 = jnp.broadcast_to(sinks_ref[q_head] * _LOG2E, (wg_rows,))
+        l0 = jnp.full((wg_rows,), 1, dtype=jnp.float32)
+      else:
+        # Finite under a window: a row whose first blocks are all out of its
+        # window keeps alpha = 1 and p = 0 there (-inf - -inf would be NaN).
+        m0 = jnp.full((wg_rows,), -1e30 if windowed else -jnp.inf, dtype=jnp.float32)
+        l0 = jnp.full((wg_rows,), 0, dtype=jnp.float32)
+      m_i = plgpu.layout_cast(m0, plgpu.Layout.WGMMA.reduce(1))
+      l_i = plgpu.layout_cast(l0, plgpu.Layout.WGMMA.reduce(1))
       acc = plgpu.layout_cast(jnp.full((wg_rows, head_dim), 0, dtype=jnp.float32),
                               plgpu.Layout.WGMMA)
 
-      @pl.when(kv_steps > 0)
+      @pl.when(kv_steps > kv_start)
       def _():
         plgpu.barrier_wait(k_barriers.at[0])
 
@@ -282,7 +327,7 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
 
       def kv_loop(kv_step, carry, causal: bool = False, kv_tail: bool = False):
         acc, m_i, l_i = carry
-        slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+        slot = slot_of(kv_step)
 
         def compute_qk(acc_ref):
           plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
@@ -292,11 +337,15 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
         plgpu.barrier_arrive(k_consumed_barriers.at[slot])
         if pre is not None:
           qk = qk * pre
+        if soft_cap:
+          qk = soft_cap * jnp.tanh(qk * (scale / soft_cap))
 
         if causal:
           q_ids = iota((wg_rows, block_kv), 0)
           kv_ids = iota((wg_rows, block_kv), 1)
           mask = (q_ids + q_seq_base) >= (kv_ids + kv_step * block_kv)
+          if windowed:
+            mask = mask & ((kv_ids + kv_step * block_kv) >= (q_ids + q_seq_base - window_left))
           qk = jnp.where(mask, qk, -jnp.inf)
         if kv_tail:
           kv_ids = iota((wg_rows, block_kv), 1)
@@ -327,7 +376,7 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
         def compute_pv(acc_ref):
           plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
           wait_step = kv_step + 1
-          wait_slot = lax.rem(wait_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+          wait_slot = slot_of(wait_step)
 
           @pl.when(wait_step < kv_steps)
           def _wait():
@@ -347,7 +396,7 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
       else:
         def epilogue_kv_loop(kv_step, _):
           # Drains the pipeline when this warpgroup finishes before the other.
-          slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+          slot = slot_of(kv_step)
           plgpu.barrier_arrive(k_consumed_barriers.at[slot])
           plgpu.barrier_arrive(v_consumed_barriers.at[slot])
           perform_schedule_barrier()
@@ -356,8 +405,10 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
         causal_kv_loop = functools.partial(kv_loop, causal=True)
         full_kv_steps = jnp.minimum(lax.div(q_seq_base, jnp.array(block_kv, jnp.int32)),
                                     kv_steps)
+        if windowed:  # every block masked (the window's left edge moves per row)
+          full_kv_steps = kv_start
         # Unmasked blocks, the diagonal blocks, then the drain.
-        acc, m_i, l_i = lax.fori_loop(0, full_kv_steps, kv_loop, (acc, m_i, l_i))
+        acc, m_i, l_i = lax.fori_loop(kv_start, full_kv_steps, kv_loop, (acc, m_i, l_i))
         acc, m_i, l_i = lax.fori_loop(full_kv_steps, kv_steps, causal_kv_loop,
                                       (acc, m_i, l_i))
         lax.fori_loop(kv_steps, block_max_kv_steps, epilogue_kv_loop, None)
@@ -378,21 +429,21 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
       # runs past kv_len is a TMA copy (zero-filled), not a static slice error.
       @pl.loop(0, max_concurrent_steps)
       def _prologue(i):
-        s = (batch, pl.ds(i * block_kv, block_kv), kv_head)
+        s = (batch, pl.ds((kv_start + i) * block_kv, block_kv), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[i], k_barriers.at[i])
         plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[i], v_barriers.at[i])
 
-      @pl.loop(0, block_max_kv_steps - max_concurrent_steps)
+      @pl.loop(kv_start, block_max_kv_steps - max_concurrent_steps)
       def _kv_loop(kv_step):
         tma_step = kv_step + max_concurrent_steps
-        tma_slot = lax.rem(kv_step, jnp.array(max_concurrent_steps, kv_step.dtype))
+        tma_slot = slot_of(kv_step)
         s = (batch, pl.ds(tma_step * block_kv, block_kv), kv_head)
         plgpu.barrier_wait(k_consumed_barriers.at[tma_slot])
         plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[tma_slot], k_barriers.at[tma_slot])
         plgpu.barrier_wait(v_consumed_barriers.at[tma_slot])
         plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[tma_slot], v_barriers.at[tma_slot])
 
-  def entry(q_ref, k_ref, v_ref, out_ref):
+  def entry(q_ref, k_ref, v_ref, sinks_ref, out_ref):
     compute_wgs = 2
     swizzle_b = swizzle_bytes(head_dim, jnp.dtype(dtype).itemsize)
     tiling = plgpu.TilingTransform((8, swizzle_b // jnp.dtype(dtype).itemsize))
@@ -404,7 +455,7 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
     v_scratch = plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), dtype,
                            transforms=(tiling, swizzle))
     pl.run_scoped(
-        lambda *args: kernel(q_ref, k_ref, v_ref, out_ref, args),
+        lambda *args: kernel(q_ref, k_ref, v_ref, sinks_ref, out_ref, args),
         (qo_scratch, k_scratch, v_scratch),
         (
             plgpu.Barrier(num_barriers=max_concurrent_steps),
@@ -416,7 +467,7 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
         collective_axes="wg",
     )
 
-  (q, k, v), axes = match_varying(q, k, v)
+  (q, k, v, sinks), axes = match_varying(q, k, v, sinks)
   out = plgpu.kernel(
       entry,
       out_type=out_struct(q.shape, dtype, axes),
@@ -425,6 +476,6 @@ def _attention(q, k, v, *, block_q: int, block_k: int, num_stages: int,
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v)
+  )(q, k, v, sinks)
   return out if out.shape[1] == q_len else out[:, :q_len]
 

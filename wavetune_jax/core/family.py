@@ -558,6 +558,12 @@ class Family(abc.ABC):
     a = self.backend_of(config).aux(problem, config)
     return tuple(a) if a else (0.0,) * len(self.aux_names)
 
+  def trusted_without_evidence(self, problem, config, platform) -> bool:
+    """Whether the guard lets ``config`` replace ``platform`` on ``problem``
+    without table evidence (a family's measured rule for problems no table
+    holds; default: never)."""
+    return False
+
   def modelled(self, problem) -> bool:
     """Whether a table's wave models may answer ``problem`` (False: options
     that no sweep measured, such as attention's windows; the heuristic

@@ -107,6 +107,18 @@ class AttentionFamily(Family):
     or sinks, and the Pallas kernels run none yet (cuDNN's or XLA's rule)."""
     return problem.plain
 
+  def trusted_without_evidence(self, problem: AttentionProblem, config, platform) -> bool:
+    """The Mosaic kernel over XLA's attention where the problem soft-caps or
+    has sinks (cuDNN runs neither, so XLA's attention is the platform op): no
+    table holds such problems, and XLA writes the whole score matrix. On an
+    H100 the kernel ran 6.5-72x faster than it on every such problem measured
+    (``benchmarks/attention_options.py``, docs/results.md)."""
+    from wavetune_jax.families.attention.mosaic import MosaicAttentionConfig
+    from wavetune_jax.families.attention.xla import XlaAttentionConfig
+    return ((problem.soft_cap > 0 or problem.sinks)
+            and isinstance(config, MosaicAttentionConfig)
+            and isinstance(platform, XlaAttentionConfig))
+
   def partition_rule(self, problem):
     """Batch and heads split (a query head with its KV head: the KV heads
     are the factor ``g``, each with ``r`` query heads); the sequence and

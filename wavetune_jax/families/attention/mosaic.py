@@ -59,7 +59,7 @@ class MosaicAttention(Backend):
     return (p.head_dim % kernel.HEAD_DIM_MULTIPLE == 0
             and kernel.HEAD_DIM_MIN <= p.head_dim <= kernel.HEAD_DIM_MAX
             and not (p.causal and p.q_len > p.kv_len) and not p.lengths and not p.shifted
-            and p.plain)
+            and (not p.windowed or p.causal))
 
   def smem_bytes(self, problem: AttentionProblem, c: MosaicAttentionConfig) -> int:
     return kernel.smem_bytes(block_q=c.block_q, block_k=c.block_k, num_stages=c.num_stages,
@@ -100,7 +100,7 @@ class MosaicAttention(Backend):
     p = problem
     return 1 if (p.head_dim % kernel.HEAD_DIM_MULTIPLE == 0
                  and kernel.HEAD_DIM_MIN <= p.head_dim <= kernel.HEAD_DIM_MAX
-                 and not p.lengths and not p.shifted and p.plain) else None
+                 and not p.lengths and not p.shifted and (not p.windowed or p.causal)) else None
 
   def validate(self, problem: AttentionProblem, config: MosaicAttentionConfig,
                hw: Hardware | None = None) -> None:
@@ -110,8 +110,9 @@ class MosaicAttention(Backend):
     if p.lengths or p.shifted:
       raise ValueError("the Mosaic GPU attention kernel has no per-sequence KV lengths and "
                        "no bottom-right causal alignment yet (use a Triton or XLA config)")
-    if not p.plain:
-      raise ValueError(NO_OPTIONS.format(kernel="Mosaic GPU"))
+    if p.windowed and not p.causal:
+      raise ValueError("the Mosaic GPU attention kernel runs a sliding window only with "
+                       "causal=True (use the XLA config)")
     kernel.check_shapes((p.batch, p.q_len, p.q_heads, p.head_dim),
                         (p.batch, p.kv_len, p.kv_heads, p.head_dim), p.dtype, causal=p.causal)
     if hw is not None and self.smem_bytes(p, config) > hw.smem_per_block:
@@ -120,6 +121,8 @@ class MosaicAttention(Backend):
           f"memory; {hw.name} allows {hw.smem_per_block} per block")
 
   HEURISTIC = MosaicAttentionConfig(block_q=128, block_k=128, num_stages=2)
+  #: Soft-capping or sinks where 128 x 128 does not fit (head_dim 256).
+  OPTIONS_NARROW = MosaicAttentionConfig(block_q=128, block_k=64, num_stages=2)
   #: Below half the SMs, where the Triton kernel would recompute much of
   #: its last query block (see :func:`triton_recompute`).
   SHORT = MosaicAttentionConfig(block_q=128, block_k=64, num_stages=2)
@@ -138,7 +141,14 @@ class MosaicAttention(Backend):
     of the oracle (geomean) on them."""
     p = problem
     c = self.HEURISTIC
-    if p.q_len < c.block_q or pads(p) or not self._runs_shape(p):
+    if not self._runs_shape(p):
+      return None
+    if p.soft_cap or p.sinks:
+      # cuDNN runs neither; the kernel ran 6.5-72x faster than XLA's attention
+      # (the other backend that does) on an H100 (benchmarks/attention_options.py).
+      return next((x for x in (c, self.OPTIONS_NARROW) if x in self.space(p, hw, prune=False)),
+                  None)
+    if p.q_len < c.block_q or pads(p):
       return None
     if p.batch * p.q_heads * -(-p.q_len // c.block_q) >= hw.num_sms // 2:
       return c if c in self.space(p, hw) else None
@@ -160,7 +170,11 @@ class MosaicAttention(Backend):
           kv_lengths=None, *, interpret: bool = False, scale: float | None = None):
     if interpret:
       raise NotImplementedError(kernel.NO_INTERPRET)
-    return kernel.attention(q, k, v, config=config, causal=problem.causal, scale=scale)
+    from wavetune_jax.families.attention.family import split_extra
+    _, sinks = split_extra(problem, (kv_lengths,) if kv_lengths is not None else ())
+    return kernel.attention(q, k, v, config=config, causal=problem.causal, scale=scale,
+                            soft_cap=problem.soft_cap, window_left=problem.window_left,
+                            sinks=sinks)
 
 
 def pads(p: AttentionProblem) -> bool:
