@@ -41,7 +41,8 @@ K/V buffers, wgmma, one producer warpgroup and two consumer warpgroups of
 * logit soft-capping (``tanh`` of the fp32 scores), attention sinks (each
   row's running max starts at its head's sink logit and its sum at 1) and a
   causal left window (a program starts at the KV block of its first row's
-  first key, every block masked);
+  first key; only the blocks at the window's edge and the diagonal are
+  masked);
 * the checks raise ``ValueError`` with what to change.
 
 Layout ``[batch, seq, heads, head_dim]``, grouped-query attention read in place,
@@ -405,10 +406,19 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
         causal_kv_loop = functools.partial(kv_loop, causal=True)
         full_kv_steps = jnp.minimum(lax.div(q_seq_base, jnp.array(block_kv, jnp.int32)),
                                     kv_steps)
-        if windowed:  # every block masked (the window's left edge moves per row)
-          full_kv_steps = kv_start
-        # Unmasked blocks, the diagonal blocks, then the drain.
-        acc, m_i, l_i = lax.fori_loop(kv_start, full_kv_steps, kv_loop, (acc, m_i, l_i))
+        if windowed:
+          # The blocks at the window's left edge (masked), those inside every
+          # row's window and left of the diagonal (unmasked), the diagonal.
+          bk = jnp.array(block_kv, jnp.int32)
+          inside = lax.div(jnp.maximum(q_seq_base + wg_rows - 1 - window_left, 0) + bk - 1,
+                           bk)
+          edge_end = jnp.minimum(jnp.maximum(inside, kv_start), kv_steps)
+          acc, m_i, l_i = lax.fori_loop(kv_start, edge_end, causal_kv_loop, (acc, m_i, l_i))
+          full_kv_steps = jnp.maximum(edge_end, full_kv_steps)
+          acc, m_i, l_i = lax.fori_loop(edge_end, full_kv_steps, kv_loop, (acc, m_i, l_i))
+        else:
+          # Unmasked blocks, then the diagonal blocks.
+          acc, m_i, l_i = lax.fori_loop(0, full_kv_steps, kv_loop, (acc, m_i, l_i))
         acc, m_i, l_i = lax.fori_loop(full_kv_steps, kv_steps, causal_kv_loop,
                                       (acc, m_i, l_i))
         lax.fori_loop(kv_steps, block_max_kv_steps, epilogue_kv_loop, None)
