@@ -146,8 +146,13 @@ def summarize(path: str) -> dict:
   for row in run_["rows"]:
     t = {nm: v["us"] for nm, v in row["times"].items() if v["status"] == "ok"}
     key = (row["m"], row["g"], row["k"], row["n"])
+    # Work items of the rule's 128 x 256 tiles and their waves on 132 SMs,
+    # with these sizes and at uniform routing.
+    tiles_n = -(-row["n"] // 256)
+    uniform = row["g"] * -(-row["m"] // (row["g"] * 128))
     res = {"rows_per_expert": row["m"] / min(row["g"], row["m"]),
-           "tail_tasks": f"{row['tail_tasks']}/{row['tasks']}"}
+           "tail_tasks": f"{row['tail_tasks']}/{row['tasks']}",
+           "waves": row["tasks"] * tiles_n / 132, "waves_uniform": uniform * tiles_n / 132}
     for nm, us in t.items():
       if nm.startswith("batched"):
         continue
@@ -156,7 +161,8 @@ def summarize(path: str) -> dict:
                         if nm.endswith("skip1") and nm[:-1] + "0" in t]
     out[key] = res
     print(f"{'%d x %d x %d x %d' % key:<26} {res['rows_per_expert']:6.0f} rows/expert, tails "
-          f"{res['tail_tasks']:>7}: " + "; ".join(
+          f"{res['tail_tasks']:>7}, waves {res['waves']:.2f} (uniform {res['waves_uniform']:.2f}): "
+          + "; ".join(
               f"{nm} {v[0]:.3f}/{v[1]:.3f}" for nm, v in res.items() if isinstance(v, tuple)))
   gains = [x for r in out.values() for x in r["skip_gain"]]
   if gains:

@@ -118,6 +118,30 @@ def main(argv=None):
     _vs_batched(ds, chosen, chosen_cfg, a.sweep)
 
 
+def _order2_over_before(ds) -> None:
+  """The Hopper rule's config (128 x 256, 3 stages) walked expert by expert
+  (order 2) over the same config with the orders the rule used before
+  (order 0 from 128 rows per expert where the weight has more than 16
+  column tiles of 256, else 1), above 64 rows per expert."""
+  from wavetune_jax import MosaicRaggedDotConfig as C
+  by = collections.defaultdict(list)
+  for p in ds.problems:
+    r = p.m / min(p.g, p.m)
+    if r <= 64:
+      continue
+    old = C(block_m=128, block_n=256, num_stages=3,
+            grid_minor=0 if r >= 128 and -(-p.n // 256) > 16 else 1)
+    new = C(block_m=128, block_n=256, num_stages=3, grid_minor=2)
+    t = ds.times[p]
+    if old in t and new in t:
+      by["65-127" if r < 128 else "128-511" if r < 512 else ">= 512"].append(t[old] / t[new])
+  every = [x for v in by.values() for x in v]
+  if every:
+    print(f"order 2 over the earlier orders (128 x 256, 3 stages), {len(every)} problems: "
+          f"{_geo(every):.3f}x ({min(every):.3f}-{max(every):.3f}); by rows per expert "
+          + ", ".join(f"{k} {_geo(v):.3f}x over {len(v)}" for k, v in sorted(by.items())))
+
+
 #: Rows per expert (balanced routing) of --vs-batched's groups.
 BINS = ((0, 16), (16, 128), (128, 512), (512, math.inf))
 
@@ -154,6 +178,7 @@ def _vs_batched(ds, chosen: dict, chosen_cfg, path: str) -> None:
           f"two {_geo(vw):.3f}x ({min(vw):.3f}x); padded {_geo(vp):.3f}x "
           f"({min(vp, default=math.nan):.3f}x) over {len(vp)}")
     low += [(v, p) for v, p in zip(vb, ps) if lo >= 128 and v < 0.95]
+  _order2_over_before(ds)
   if low:
     print(f"problems of >= 128 rows per expert below 0.95x the batched GEMM ({len(low)}): "
           f"table / oracle speed, the chosen config")

@@ -499,6 +499,9 @@ def test_tails_and_vs_batched_on_record_reproduce_the_docs(capsys):
       str(root / "data/probes/ragged_dot_tails_h100.json"))
   gains = [x for r in tails.values() for x in r["skip_gain"]]
   assert len(tails) == 8 and len(gains) == 14
+  mixtral_w2 = tails[(2048, 8, 14336, 4096)]
+  assert mixtral_w2["tail_tasks"] == "5/21"
+  assert (round(mixtral_w2["waves"], 2), round(mixtral_w2["waves_uniform"], 2)) == (2.55, 1.94)
   assert min(gains) == pytest.approx(0.707, abs=5e-4) and max(gains) == pytest.approx(1.038, abs=5e-4)
   rule = [v["128x256 s3 o2 skip0"] for v in tails.values() if "128x256 s3 o2 skip0" in v]
   assert len(rule) == 7  # Arctic's 17 GB of weights left no room for the reference
@@ -512,6 +515,9 @@ def test_tails_and_vs_batched_on_record_reproduce_the_docs(capsys):
               str(root / "tables/nvidia_h100_80gb_hbm3/ragged_dot.json"), "--vs-batched"])
   out = capsys.readouterr().out
   assert "efficiency vs oracle: geomean 0.994, min 0.910" in out
+  assert ("order 2 over the earlier orders (128 x 256, 3 stages), 91 problems: 1.136x "
+          "(0.993-2.118); by rows per expert 128-511 1.125x over 42, 65-127 1.014x over 8, "
+          ">= 512 1.172x over 41") in out
   assert ("128-512 rows: 42 problems; batched 0.840x (0.729x) / 0.847x; >= 0.95x 0, >= 1.0x 0; "
           "faster of the two 0.840x (0.729x); padded 0.874x (0.736x) over 42") in out
   assert ("512- rows: 41 problems; batched 0.895x (0.781x) / 0.896x; >= 0.95x 5, >= 1.0x 0; "

@@ -64,7 +64,7 @@ def local_gpu_count() -> int:
 class _Job:
   problem: object
   configs: list
-  baseline: tuple  # the baseline impls to time (a bool: all or none)
+  baseline: tuple  # the baseline impls to time ("baseline", "baseline_<name>")
   deaths: int = 0
 
 
@@ -75,7 +75,7 @@ def run_parallel(spec, todo: Sequence[tuple], out: sweep.SweepFile, *, devices: 
 
   Args:
     spec: the family (with the backends swept).
-    todo: ``[(problem, configs, with_baseline)]``.
+    todo: ``[(problem, configs, baseline impls)]`` (``plan_sweep``'s).
     out: the sweep file; the only writer is this process.
     devices: device ids, one worker each (``CUDA_VISIBLE_DEVICES``); an id
       listed k times gets k workers that share it (module doc).
@@ -116,10 +116,7 @@ def run_parallel(spec, todo: Sequence[tuple], out: sweep.SweepFile, *, devices: 
     pk = spec.problem_key(job.problem)
     cfgs = [c for c in job.configs
             if sweep.row_key(pk, "pallas", spec.config_to_dict(c)) not in out.done]
-    if isinstance(job.baseline, bool):
-      base = job.baseline and sweep.row_key(pk, "baseline", None) not in out.done
-    else:
-      base = tuple(i for i in job.baseline if sweep.row_key(pk, i, None) not in out.done)
+    base = tuple(i for i in job.baseline if sweep.row_key(pk, i, None) not in out.done)
     return _Job(job.problem, cfgs, base, job.deaths)
 
   def finish(job):
@@ -179,10 +176,8 @@ def run_parallel(spec, todo: Sequence[tuple], out: sweep.SweepFile, *, devices: 
         if rest.deaths >= MAX_DEATHS:
           # Rows come one by one in the order sent: the first one missing is
           # the one the workers died on. It is recorded failed; the rest goes on.
-          first = (rest.baseline if isinstance(rest.baseline, bool)
-                   else tuple(rest.baseline[:1]))
           culprit = _Job(rest.problem, rest.configs[:1],
-                         (type(first)() if rest.configs else first), rest.deaths)
+                         () if rest.configs else tuple(rest.baseline[:1]), rest.deaths)
           _record_failed(spec, culprit, record)
           rest = remaining(rest)
           rest.deaths = MAX_DEATHS - 1
@@ -251,7 +246,7 @@ class ParallelMeasurer:
         todo.setdefault(p, []).append(c)
     t0 = time.perf_counter()
     if todo:
-      run_parallel(self.spec, [(p, cs, False) for p, cs in todo.items()], self.log,
+      run_parallel(self.spec, [(p, cs, ()) for p, cs in todo.items()], self.log,
                    devices=self.devices, worker_args=self.worker_args,
                    measure=self._measure, on_rows=self._on_rows)
     self.seconds += time.perf_counter() - t0
@@ -270,9 +265,7 @@ def _record_failed(spec, job: _Job, record):
   m = Measurement(status="run_error",
                   error=f"the worker died {job.deaths} times on this problem")
   rows = [sweep.make_row(spec, job.problem, "pallas", c, m) for c in job.configs]
-  impls = ((["baseline"] if job.baseline else []) if isinstance(job.baseline, bool)
-           else job.baseline)
-  rows += [sweep.make_row(spec, job.problem, i, None, m) for i in impls]
+  rows += [sweep.make_row(spec, job.problem, i, None, m) for i in job.baseline]
   record(rows)
 
 
@@ -303,7 +296,7 @@ def _run_job(proc, spec, job: _Job, record: Callable, *, timeout_s: float
   ready once the worker said it started."""
   msg = {"problem": spec.problem_to_dict(job.problem),
          "configs": [spec.config_to_dict(c) for c in job.configs],
-         "baseline": job.baseline if isinstance(job.baseline, bool) else list(job.baseline)}
+         "baseline": list(job.baseline)}
   ready = getattr(proc, "ready", False)
   watchdog = [threading.Timer(timeout_s, proc.kill)]
   watchdog[0].start()

@@ -104,7 +104,7 @@ class AttentionFamily(Family):
 
   def modelled(self, problem: AttentionProblem) -> bool:
     """Plain attention only: the sweeps and tables hold no window, soft cap
-    or sinks, and the Pallas kernels run none yet (cuDNN's or XLA's rule)."""
+    or sinks (the backends' rules answer those)."""
     return problem.plain
 
   def trusted_without_evidence(self, problem: AttentionProblem, config, platform) -> bool:

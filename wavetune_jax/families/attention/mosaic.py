@@ -33,11 +33,6 @@ STAGES = (2, 3, 4)
 #                fitted on unpadded calls, do not see that cost.
 
 
-#: A Pallas kernel asked for a window, soft-capping or sinks.
-NO_OPTIONS = ("the {kernel} attention kernel has no sliding window, logit soft-capping or "
-              "sinks yet (use the XLA config, or cuDNN's for a window)")
-
-
 class MosaicAttention(Backend):
   """The warp-specialized Mosaic GPU flash attention (Hopper: TMA ring,
   wgmma, one producer and two consumer warpgroups). No CPU interpret mode."""
@@ -166,12 +161,12 @@ class MosaicAttention(Backend):
     """The Triton kernel's mapping: one program per ``block_q`` query rows."""
     return coords(problem, macro["block_q"], macro["block_k"])
 
-  def run(self, problem: AttentionProblem, config: MosaicAttentionConfig, q, k, v,
-          kv_lengths=None, *, interpret: bool = False, scale: float | None = None):
+  def run(self, problem: AttentionProblem, config: MosaicAttentionConfig, q, k, v, *extra,
+          interpret: bool = False, scale: float | None = None):
     if interpret:
       raise NotImplementedError(kernel.NO_INTERPRET)
     from wavetune_jax.families.attention.family import split_extra
-    _, sinks = split_extra(problem, (kv_lengths,) if kv_lengths is not None else ())
+    _, sinks = split_extra(problem, extra)  # (no KV lengths: validate refuses them)
     return kernel.attention(q, k, v, config=config, causal=problem.causal, scale=scale,
                             soft_cap=problem.soft_cap, window_left=problem.window_left,
                             sinks=sinks)

@@ -98,8 +98,8 @@ class TritonAttention(_triton.TritonBackend):
     if not isinstance(config, TritonAttentionConfig):
       raise ValueError(f"config must be a TritonAttentionConfig; got {config!r}")
     if not problem.plain:
-      from wavetune_jax.families.attention.mosaic import NO_OPTIONS
-      raise ValueError(NO_OPTIONS.format(kernel="Pallas Triton"))
+      raise ValueError("the Pallas Triton attention kernel has no sliding window, logit "
+                       "soft-capping or sinks (use a Mosaic, cuDNN or XLA config)")
     if hw is not None and self.smem_bytes(problem, config) > hw.smem_per_block:
       raise ValueError(
           f"config {config} needs {self.smem_bytes(problem, config)} bytes of shared "
