@@ -102,6 +102,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lengths=None,
                      block_tables=None, causal: bool = True, scale: float | None = None,
+                     local_window_size=None, logit_soft_cap: float | None = None, sinks=None,
                      config=None) -> jax.Array:
   """Attention of a few new queries per sequence against a KV cache
   (flash-decoding: the cache split across programs), tuned like :func:`matmul`.
@@ -139,9 +140,23 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lengths=Non
       clipped to ``[0, num_pages - 1]`` (and lengths to ``[0, kv_len]``).
     causal: a Python bool; False: every query sees every valid key.
     scale: softmax scale, a Python float (default ``1 / sqrt(head_dim)``).
-    config: a backend's config (``TritonDecodeConfig``, ``XlaDecodeConfig``,
-      ``CudnnDecodeConfig``) or a dict ``{"backend": name, **fields}``;
-      ``None`` lets the selector choose.
+    local_window_size: a sliding (local) window, an int ``w`` (``(w, w)``)
+      or a ``(left, right)`` pair: query ``t``, at position ``i = t + L -
+      q_len``, sees keys ``i - left <= j <= i + right`` (Mistral's 4,096
+      window is ``(4095, 0)``). The Mosaic kernel reads only the window's
+      keys (from the block that holds its first one); block-table entries
+      of pages wholly left of a sequence's window are never read and may
+      hold anything. None: no window.
+    logit_soft_cap: a Python float ``cap > 0``: the scaled scores ``s``
+      become ``cap * tanh(s / cap)`` before the mask and softmax (Gemma-2).
+    sinks: ``[q_heads]`` logits (float32), one per query head, added to each
+      softmax's denominator as ``exp(sink)`` (attention sinks); None: none.
+    config: a backend's config (``MosaicDecodeConfig``,
+      ``TritonDecodeConfig``, ``XlaDecodeConfig``, ``CudnnDecodeConfig``) or a
+      dict ``{"backend": name, **fields}``; ``None`` lets the selector
+      choose. With a window, soft-capping or sinks the Mosaic kernel (on
+      Hopper) or XLA's attention runs the call; cuDNN and the Triton
+      kernel run none of them.
 
   Returns:
     ``[batch, q_len, q_heads, head_dim]`` of ``q.dtype``; a query that sees
@@ -156,10 +171,13 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lengths=Non
       above ``max_pages * page_size`` or a page id read outside
       ``[0, num_pages)`` (the sequence and entry are named); or a config
       that cannot run here (cuDNN takes ``kv_lengths`` with one query only;
-      a Triton ``block_k`` must divide ``page_size``).
+      a Triton ``block_k`` must divide ``page_size``); a negative or non-int
+      window, a cap that is not a finite float > 0, ``sinks`` not
+      ``[q_heads]`` real numbers.
   """
   return tuned_call(DECODE, q, k, v, kv_lengths=kv_lengths, block_tables=block_tables,
-                    causal=causal, scale=scale, config=config)
+                    causal=causal, scale=scale, local_window_size=local_window_size,
+                    logit_soft_cap=logit_soft_cap, sinks=sinks, config=config)
 
 
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dtype=None,

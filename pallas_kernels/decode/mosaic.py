@@ -35,6 +35,15 @@ With one split the CTA normalizes and writes the output. With several it
 writes float32 partial outputs (normalized) and their log-sum-exp, and one
 small XLA reduction combines them (:func:`combine`).
 
+Options (static): a sliding window ``(left, right)`` (query position ``i``
+sees keys ``i - left <= j <= i + right``, -1 unbounded): the chunks are cut
+from the window's keys, so a CTA loads no block left of its sequence's
+window, and only the blocks at the window's edges are masked; soft-capping
+(``cap * tanh(s / cap)`` of the fp32 scores); per-head sinks (a logit added
+to each softmax's denominator): with one split each row's running max
+starts at its head's sink and its sum at 1; with several the combine adds
+the sink once.
+
 Requirements (:func:`check_shapes`): compute capability 9.0; bfloat16 or
 float16; ``head_dim`` a multiple of 16 in [64, 256]; the cache's sequence
 dimension (``kv_len``, or ``page_size``) a multiple of 8 (TMA tiles it by 8
@@ -53,12 +62,14 @@ from jax import lax
 
 from pallas_kernels._launch import check_ints, match_varying, out_struct, \
     require_compute_capability
-from pallas_kernels.attention.common import check_call, check_lengths
+from pallas_kernels.attention.common import (check_call, check_lengths, check_sinks,
+                                             check_soft_cap, check_window)
 from pallas_kernels.attention.mosaic import swizzle_bytes
 from pallas_kernels.decode import chunk_len, paging, splits_of
 
 __all__ = ["BLOCK_H", "BLOCK_K", "COMPUTE_CAPABILITY", "MAX_SPLITS", "MosaicDecodeConfig",
-           "NO_INTERPRET", "check_shapes", "combine", "decode_attention", "smem_bytes"]
+           "NO_INTERPRET", "check_shapes", "chunk_plan", "combine", "decode_attention",
+           "sink_rows", "smem_bytes"]
 
 COMPUTE_CAPABILITY = "9.0"
 #: Query rows per CTA: one wgmma tile of the consumer warpgroup.
@@ -157,7 +168,8 @@ def check_device() -> None:
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicDecodeConfig,
                      causal: bool = True, scale: float | None = None, kv_lengths=None,
-                     block_tables=None) -> jax.Array:
+                     block_tables=None, local_window_size=None, logit_soft_cap=None,
+                     sinks=None) -> jax.Array:
   """Flash-decoding with the Mosaic GPU kernel (Hopper only).
 
   Args:
@@ -173,6 +185,15 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mosaic
       ``[0, kv_len]``), or None (all ``kv_len``).
     block_tables: ``[batch, max_pages]`` int32 page ids (clipped to the
       pool), or None for a contiguous cache.
+    local_window_size: an int ``w`` (``(w, w)``) or ``(left, right)``:
+      query position ``i`` sees keys ``i - left <= j <= i + right`` (-1: a
+      side unbounded); None: no window. Keys (and pages) more than one
+      block left of a sequence's window are never read; values left of the
+      window in the block that is read are zeroed, like those past a length.
+    logit_soft_cap: above 0, the scaled scores ``s`` become ``cap * tanh(s
+      / cap)``.
+    sinks: ``[q_heads]`` float32 logits, each added to its head's softmax
+      denominator as ``exp(sink)``.
 
   Raises:
     ValueError: bad arguments, shapes the kernel does not run
@@ -180,10 +201,11 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mosaic
   """
   if not isinstance(config, MosaicDecodeConfig):
     raise ValueError(f"config must be a MosaicDecodeConfig; got {type(config).__name__}")
+  window = check_window(local_window_size) or (-1, -1)
   paged = block_tables is not None
   if paged:
     scale, kv_len, _, page_size, block_tables = paging.check_paged_call(
-        q, k, v, block_tables, kv_lengths, scale)
+        q, k, v, block_tables, kv_lengths, scale, window_left=window[0])
   else:
     scale, kv_len = check_call(q, k, v, scale), k.shape[1]
   if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
@@ -191,12 +213,14 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mosaic
   check_shapes(q.shape, k.shape, q.dtype, page_size=page_size if paged else None,
                block_k=config.block_k)
   kv_lengths = check_lengths(kv_lengths, q.shape[0], kv_len)
+  soft_cap = check_soft_cap(logit_soft_cap)
+  sinks = check_sinks(sinks, q.shape[2])
   if not isinstance(q, jax.core.Tracer):
     # A call on concrete arrays runs now: say so here if no Hopper GPU can
     # (traced calls are checked where they compile; the tests lower them).
     check_device()
-  return _decode(q, k, v, kv_lengths, block_tables, config=config, causal=bool(causal),
-                 scale=scale)
+  return _decode(q, k, v, kv_lengths, block_tables, sinks, config=config, causal=bool(causal),
+                 scale=scale, window=window, soft_cap=soft_cap)
 
 
 def group_rows(q: jax.Array, kv_heads: int, rows_p: int) -> jax.Array:
@@ -220,20 +244,80 @@ def ungroup_rows(o: jax.Array, batch: int, q_len: int, q_heads: int) -> jax.Arra
   return o.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, q_heads, d)
 
 
-def combine(o: jax.Array, lse: jax.Array, dtype) -> jax.Array:
+def combine(o: jax.Array, lse: jax.Array, dtype, sinks=None) -> jax.Array:
   """Merges ``num_splits`` normalized partial outputs ``o [S, ..., d]`` by
   their log2-sum-exp ``lse [S, ...]`` (``-inf``: the split saw no key; NaN
-  propagates). Rows that saw no key anywhere give 0."""
+  propagates). Rows that saw no key anywhere give 0. ``sinks [...]``: a
+  log2 logit per row, a split of output 0 (the softmax's sink)."""
   mx = jnp.max(lse, axis=0)
-  w = jnp.where(lse == -jnp.inf, 0.0, jnp.exp2(lse - jnp.where(mx == -jnp.inf, 0.0, mx)))
+  if sinks is not None:
+    mx = jnp.maximum(mx, sinks)
+  safe = jnp.where(mx == -jnp.inf, 0.0, mx)
+  w = jnp.where(lse == -jnp.inf, 0.0, jnp.exp2(lse - safe))
   den = jnp.sum(w, axis=0)
+  if sinks is not None:
+    den = den + jnp.exp2(sinks - safe)
   num = jnp.sum(w[..., None] * o, axis=0)
   return (num / jnp.where(den == 0, 1.0, den)[..., None]).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "causal", "scale"))
-def _decode(q, k, v, kv_lengths, block_tables, *, config: MosaicDecodeConfig, causal: bool,
-            scale: float):
+def chunk_plan(valid, split, *, q_len: int, kv_len: int, splits: int, block_k: int,
+               window: tuple[int, int], causal: bool, dynamic: bool):
+  """The keys one CTA of a sequence of valid length ``valid`` reads, as
+  int32 scalars ``(first, lo, n_steps, lead, full)``: its chunk starts at key
+  ``lo`` and takes ``n_steps`` blocks of ``block_k``; steps ``[0, lead)`` are
+  masked on the left (keys left of some row's window, ``first`` the first
+  key of any row's), ``[lead, full)`` are seen whole by every row, ``[full,
+  n_steps)`` masked on the right (the length, the diagonal or the window's
+  right side). The window's keys ``[first, valid)`` are cut into ``splits``
+  chunks from the block that holds ``first``. ``window``: ``(left, right)``,
+  -1 unbounded (``right`` is ignored under ``causal``); ``dynamic``: the
+  chunks follow ``valid`` (per-sequence lengths or a window), else they are
+  the static ones of the whole cache. Pure jnp arithmetic: the kernel runs
+  it on its scalars, the tests on every case."""
+  left, right = window
+  if causal:
+    right = -1
+  bk = jnp.int32(block_k)
+  valid = jnp.asarray(valid, jnp.int32)
+  shift = valid - q_len  # row position t sees keys <= t + shift (causal)
+  first = jnp.maximum(shift - left, 0) if left >= 0 else jnp.int32(0)
+  base = lax.div(first, bk) * bk
+  if dynamic:
+    per = lax.div(jnp.maximum(valid - base, 0) + (splits - 1), jnp.int32(splits))
+    chunk = lax.div(per + (block_k - 1), bk) * bk
+  else:
+    chunk = jnp.int32(chunk_len(kv_len, splits, block_k))
+  lo = base + split * chunk
+  hi = jnp.minimum(lo + chunk, valid)
+  n_steps = jnp.maximum(lax.div(hi - lo + (block_k - 1), bk), 0)
+  seen_by_all = hi  # right of it some row does not see a key
+  if causal:
+    seen_by_all = jnp.minimum(hi, shift + 1)
+  elif right >= 0:
+    seen_by_all = jnp.minimum(hi, shift + right + 1)
+  full = jnp.clip(lax.div(jnp.maximum(seen_by_all - lo, 0), bk), 0, n_steps)
+  lead = jnp.int32(0)
+  if left >= 0:
+    inside = shift + q_len - 1 - left  # the last row's first key
+    lead = jnp.clip(lax.div(jnp.maximum(inside - lo, 0) + (block_k - 1), bk), 0, n_steps)
+    full = jnp.maximum(full, lead)
+  return first, lo, n_steps, lead, full
+
+
+def sink_rows(sinks: jax.Array, batch: int, kv_heads: int, rows_p: int) -> jax.Array:
+  """``[q_heads]`` sink logits -> ``[batch * kv_heads, rows_p]`` in log2
+  units, row ``t * group + g`` of KV head ``h`` holding head ``h * group + g``'s."""
+  group = sinks.shape[0] // kv_heads
+  rows = sinks.astype(jnp.float32).reshape(kv_heads, group)[:, jnp.arange(rows_p) % group]
+  return jnp.tile(rows * _LOG2E, (batch, 1))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "causal", "scale", "window",
+                                             "soft_cap"))
+def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDecodeConfig,
+            causal: bool, scale: float, window: tuple[int, int] = (-1, -1),
+            soft_cap: float = 0.0):
   batch, q_len, q_heads, head_dim = q.shape
   kv_heads = k.shape[2]
   paged = block_tables is not None
@@ -246,7 +330,15 @@ def _decode(q, k, v, kv_lengths, block_tables, *, config: MosaicDecodeConfig, ca
   rows_store = min(rows_p, BLOCK_H)
   bk = config.block_k
   splits = splits_of(kv_len, config.num_splits, bk)
+  has_sinks = sinks is not None
   split = splits > 1
+  # One split: each row's running max starts at its head's sink logit and its
+  # sum at 1. Several: the combine adds the sink once.
+  kernel_sinks = has_sinks and not split
+  left, right = window
+  if causal:
+    right = -1  # the diagonal bounds the right side more tightly
+  windowed = left >= 0 or right >= 0
   dtype = q.dtype
   stages = config.num_stages
   has_lengths = kv_lengths is not None
@@ -255,8 +347,11 @@ def _decode(q, k, v, kv_lengths, block_tables, *, config: MosaicDecodeConfig, ca
   else:
     copies = 1
   qg = group_rows(q, kv_heads, rows_p)
-  c = scale * _LOG2E if scale > 0 else _LOG2E
-  pre = None if scale > 0 else scale
+  if soft_cap:  # s = cap * tanh(qk * scale / cap); exp(s) = exp2(s * log2(e))
+    c, pre = _LOG2E, None
+  else:
+    c = scale * _LOG2E if scale > 0 else _LOG2E
+    pre = None if scale > 0 else scale
 
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -275,6 +370,7 @@ def _decode(q, k, v, kv_lengths, block_tables, *, config: MosaicDecodeConfig, ca
     q_ref, k_ref, v_ref, *rest = refs
     len_ref = rest.pop(0) if has_lengths else None
     bt_ref = rest.pop(0) if paged else None
+    sink_ref = rest.pop(0) if kernel_sinks else None
     if split:
       o_ref, lse_ref, scoped = rest
     else:
@@ -287,28 +383,29 @@ def _decode(q, k, v, kv_lengths, block_tables, *, config: MosaicDecodeConfig, ca
     b = lax.div(bh, jnp.int32(kv_heads))
     kvh = lax.rem(bh, jnp.int32(kv_heads))
     wg = lax.axis_index("wg")
-    if has_lengths:
-      valid = jnp.clip(len_ref[b], 0, kv_len)
-      per = lax.div(valid + (splits - 1), jnp.int32(splits))
-      chunk = lax.div(per + (bk - 1), jnp.int32(bk)) * bk
-    else:
-      valid = jnp.int32(kv_len)
-      chunk = jnp.int32(chunk_len(kv_len, splits, bk))
-    lo = s * chunk
-    hi = jnp.minimum(lo + chunk, valid)
-    n_steps = jnp.maximum(lax.div(hi - lo + (bk - 1), jnp.int32(bk)), 0)
+    valid = jnp.clip(len_ref[b], 0, kv_len) if has_lengths else jnp.int32(kv_len)
     shift = valid - q_len  # row r (position t = r // group) sees keys <= t + shift
-    seen_by_all = jnp.minimum(hi, shift + 1) if causal else hi
-    full = jnp.clip(lax.div(jnp.maximum(seen_by_all - lo, 0), jnp.int32(bk)), 0, n_steps)
+    first, lo, n_steps, lead, full = chunk_plan(
+        valid, s, q_len=q_len, kv_len=kv_len, splits=splits, block_k=bk, window=(left, right),
+        causal=causal, dynamic=has_lengths or windowed)
 
     @pl.when(wg == 0)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
       plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(rb * BLOCK_H, BLOCK_H)], q_smem, q_bar)
-      plgpu.barrier_wait(q_bar)
       row0 = rb * BLOCK_H
+      if kernel_sinks:
+        # Row r holds head kvh * group + r % group: its sink, as a row
+        # maximum of a tile (the layout of m), scaled like m; read while Q
+        # is in flight.
+        head = lax.rem(iota((BLOCK_H, bk), 0) + row0, jnp.int32(group))
+        sk = jnp.full((BLOCK_H, bk), -jnp.inf, jnp.float32)
+        for g in range(group):
+          sk = jnp.where(head == g, sink_ref[kvh * group + g], sk)
+        sink_m = sk.max(axis=1) * _LOG2E
+      plgpu.barrier_wait(q_bar)
 
-      def step(j, carry, *, edge: bool):
+      def step(j, carry, *, edge: bool, left_edge: bool = False):
         acc, m_i, l_i = carry
         slot = lax.rem(j, jnp.int32(stages))
         start = lo + j * bk
@@ -321,12 +418,20 @@ def _decode(q, k, v, kv_lengths, block_tables, *, config: MosaicDecodeConfig, ca
         plgpu.barrier_arrive(k_done.at[slot])
         if pre is not None:
           qk = qk * pre
+        if soft_cap:
+          qk = soft_cap * jnp.tanh(qk * (scale / soft_cap))
         if edge:
           col = iota((BLOCK_H, bk), 1) + start
+          r = iota((BLOCK_H, bk), 0) + row0
           ok = col < valid
           if causal:
             # r // group >= col - shift  <=>  r >= (col - shift) * group
-            ok = ok & (iota((BLOCK_H, bk), 0) + row0 >= (col - shift) * group)
+            ok = ok & (r >= (col - shift) * group)
+          elif right >= 0:
+            ok = ok & (r >= (col - shift - right) * group)
+          if left_edge:
+            # r // group <= col - shift + left  <=>  r < (col - shift + left + 1) * group
+            ok = ok & (r < (col - shift + left + 1) * group)
           qk = jnp.where(ok, qk, -jnp.inf)
         m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
         # A row with every score masked so far keeps m = -inf: its p and
@@ -343,7 +448,10 @@ def _decode(q, k, v, kv_lengths, block_tables, *, config: MosaicDecodeConfig, ca
           # in P V): zero those rows of the buffer.
           vb = v_smem.at[slot]
           rows_k = iota((bk, head_dim), 0) + start
-          vb[...] = jnp.where(rows_k < valid, vb[...], jnp.zeros((), dtype))
+          keep = rows_k < valid
+          if left_edge:  # and left of the window (pages there may be anyone's)
+            keep = keep & (rows_k >= first)
+          vb[...] = jnp.where(keep, vb[...], jnp.zeros((), dtype))
           plgpu.commit_smem()
 
         def compute_pv(acc_ref):
@@ -354,11 +462,22 @@ def _decode(q, k, v, kv_lengths, block_tables, *, config: MosaicDecodeConfig, ca
 
       acc = plgpu.layout_cast(jnp.full((BLOCK_H, head_dim), 0, jnp.float32),
                               plgpu.Layout.WGMMA)
-      m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
-      l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0, jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
-      carry = lax.fori_loop(0, full, functools.partial(step, edge=False), (acc, m_i, l_i))
+      if kernel_sinks:
+        m_i = sink_m
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 1, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+      else:
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+      carry = (acc, m_i, l_i)
+      start_full = 0
+      if left >= 0:
+        carry = lax.fori_loop(0, lead, functools.partial(step, edge=True, left_edge=True),
+                              carry)
+        start_full = lead
+      carry = lax.fori_loop(start_full, full, functools.partial(step, edge=False), carry)
       acc, m_i, l_i = lax.fori_loop(full, n_steps, functools.partial(step, edge=True), carry)
 
       # A row that saw no key has l = 0 and acc = 0: it gives 0.
@@ -447,6 +566,8 @@ def _decode(q, k, v, kv_lengths, block_tables, *, config: MosaicDecodeConfig, ca
     args.append(kv_lengths.astype(jnp.int32))
   if paged:
     args.append(block_tables.astype(jnp.int32))
+  if kernel_sinks:
+    args.append(sinks.astype(jnp.float32))
   args, axes = match_varying(*args)
   bh_count = batch * kv_heads
   if split:
@@ -464,5 +585,6 @@ def _decode(q, k, v, kv_lengths, block_tables, *, config: MosaicDecodeConfig, ca
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(*args)
   if split:
-    out = combine(out[0], out[1], dtype)
+    out = combine(out[0], out[1], dtype,
+                  sink_rows(sinks, batch, kv_heads, rows_p) if has_sinks else None)
   return ungroup_rows(out, batch, q_len, q_heads)

@@ -70,12 +70,16 @@ def check_pages(q, k_pages, v_pages, block_tables) -> tuple[int, int, int]:
   return num_pages, page_size, shape[1]
 
 
-def check_block_tables(block_tables, kv_lengths, *, num_pages: int, page_size: int) -> None:
+def check_block_tables(block_tables, kv_lengths, *, num_pages: int, page_size: int,
+                       q_len: int = 1, window_left: int = -1) -> None:
   """Where the table and the lengths are concrete (``kv_lengths`` None: every
   sequence full), checks that every entry holding keys of its sequence is a
   page of the pool and that no length passes the table's ``max_pages *
   page_size``; traced ones are left to :func:`clip_pages` and the kernels'
-  clip of the lengths. Negative lengths count as 0, as everywhere.
+  clip of the lengths. Negative lengths count as 0, as everywhere. Under a
+  left window bound ``window_left`` the pages wholly left of a sequence's
+  window (keys below ``length - q_len - window_left``) hold none of its
+  keys: their entries may hold anything, as a serving stack frees them.
 
   Raises:
     ValueError: a length above ``max_pages * page_size``, or a page id
@@ -100,6 +104,9 @@ def check_block_tables(block_tables, kv_lengths, *, num_pages: int, page_size: i
     lens = np.clip(raw, 0, kv_len).astype(np.int64)
   used = -(-lens // page_size)                                     # [batch]
   in_use = np.arange(max_pages)[None, :] < used[:, None]           # [batch, max_pages]
+  if window_left >= 0:
+    gone = np.maximum(lens - q_len - window_left, 0) // page_size  # pages left of the window
+    in_use &= np.arange(max_pages)[None, :] >= gone[:, None]
   bad = in_use & ((table < 0) | (table >= num_pages))
   if bad.any():
     b, j = (int(i) for i in np.argwhere(bad)[0])
@@ -165,7 +172,8 @@ def to_pages(cache: jax.Array, block_tables, num_pages: int, fill=0) -> jax.Arra
   return pool.at[jnp.asarray(block_tables).reshape(-1)].set(rows)
 
 
-def check_paged_call(q, k_pages, v_pages, block_tables, kv_lengths, scale):
+def check_paged_call(q, k_pages, v_pages, block_tables, kv_lengths, scale, *,
+                     window_left: int = -1):
   """The checks of a decode call on a paged cache, in the order a user meets
   them (ranks, pages, the attention call on the logical cache, the lengths,
   then the table's entries): ``(scale, kv_len, num_pages, page_size, table)``
@@ -178,5 +186,6 @@ def check_paged_call(q, k_pages, v_pages, block_tables, kv_lengths, scale):
   kv_len = cache.shape[1]
   if kv_lengths is not None:
     check_lengths(kv_lengths, q.shape[0], kv_len)  # shape and dtype errors first
-  check_block_tables(block_tables, kv_lengths, num_pages=num_pages, page_size=page_size)
+  check_block_tables(block_tables, kv_lengths, num_pages=num_pages, page_size=page_size,
+                     q_len=q.shape[1], window_left=window_left)
   return scale, kv_len, num_pages, page_size, table_int32(block_tables, num_pages)

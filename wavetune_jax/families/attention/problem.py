@@ -13,13 +13,60 @@ from pallas_kernels.attention.common import MAX_HEAD_DIM, check_align
 from pallas_kernels.attention.triton import kv_blocks
 from wavetune_jax.core.family import Problem
 
-__all__ = ["AttentionProblem", "DTYPES", "coords", "next_pow2"]
+__all__ = ["AttentionProblem", "DTYPES", "OPTION_DEFAULTS", "OptionFields", "coords", "next_pow2"]
 
 DTYPES = ("bfloat16", "float16")
 
 
+class OptionFields(Problem):
+  """The attention options an attention or decode problem shares: fields
+  ``window_left``, ``window_right`` (-1: that side unbounded), ``soft_cap``
+  (0.0: none) and ``sinks`` (bool), declared by each dataclass; their checks
+  and views."""
+
+  __slots__ = ()
+
+  def _check_options(self) -> None:
+    name = type(self).__name__
+    for field in ("window_left", "window_right"):
+      v = getattr(self, field)
+      if isinstance(v, bool) or not isinstance(v, int) or v < -1:
+        raise ValueError(f"{name}.{field}={v!r} must be an int >= 0, or -1 (unbounded)")
+    cap = self.soft_cap
+    if (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
+        or cap < 0):
+      raise ValueError(f"{name}.soft_cap={cap!r} must be a finite float >= 0 "
+                       f"(0: no soft-capping)")
+    object.__setattr__(self, "soft_cap", float(cap))
+    if not isinstance(self.sinks, bool):
+      raise ValueError(f"{name}.sinks={self.sinks!r} must be a bool")
+
+  @property
+  def windowed(self) -> bool:
+    """A sliding window bounds one side or both."""
+    return self.window_left >= 0 or self.window_right >= 0
+
+  @property
+  def plain(self) -> bool:
+    """No window, no soft-capping, no sinks (what every backend runs)."""
+    return not (self.windowed or self.soft_cap or self.sinks)
+
+  @property
+  def window(self) -> tuple[int, int] | None:
+    return (self.window_left, self.window_right) if self.windowed else None
+
+  @property
+  def options(self) -> dict:
+    """The option fields that differ from their defaults."""
+    return {f: getattr(self, f) for f, d in OPTION_DEFAULTS.items() if getattr(self, f) != d}
+
+
+#: The option fields and their defaults (no window, no soft cap, no sinks).
+OPTION_DEFAULTS = {"window_left": -1, "window_right": -1, "soft_cap": 0.0, "sinks": False}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class AttentionProblem(Problem):
+class AttentionProblem(OptionFields):
   """Static facts of one attention call (layout ``[batch, seq, heads, head_dim]``).
 
   Attributes:
@@ -83,34 +130,8 @@ class AttentionProblem(Problem):
     if not isinstance(self.lengths, bool):
       raise ValueError(f"AttentionProblem.lengths={self.lengths!r} must be a bool")
     check_align(self.causal_align)
-    for name in ("window_left", "window_right"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < -1:
-        raise ValueError(f"AttentionProblem.{name}={v!r} must be an int >= 0, or -1 "
-                         f"(unbounded)")
-    cap = self.soft_cap
-    if (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
-        or cap < 0):
-      raise ValueError(f"AttentionProblem.soft_cap={cap!r} must be a finite float >= 0 "
-                       f"(0: no soft-capping)")
-    object.__setattr__(self, "soft_cap", float(cap))
-    if not isinstance(self.sinks, bool):
-      raise ValueError(f"AttentionProblem.sinks={self.sinks!r} must be a bool")
+    self._check_options()
     self._freeze()
-
-  @property
-  def windowed(self) -> bool:
-    """A sliding window bounds one side or both."""
-    return self.window_left >= 0 or self.window_right >= 0
-
-  @property
-  def plain(self) -> bool:
-    """No window, no soft-capping, no sinks (what every backend runs)."""
-    return not (self.windowed or self.soft_cap or self.sinks)
-
-  @property
-  def window(self) -> tuple[int, int] | None:
-    return (self.window_left, self.window_right) if self.windowed else None
 
   @property
   def shifted(self) -> bool:

@@ -9,17 +9,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention.common import check_call, check_lengths
+from pallas_kernels.attention.common import (check_call, check_lengths, check_sinks,
+                                             check_soft_cap, check_window)
 from pallas_kernels.attention.reference import attention_reference
 from pallas_kernels.decode import paging
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.decode.library import library_attention, plain_mask
 from wavetune_jax.families.decode.problem import MAX_Q_LEN, DecodeProblem
+from wavetune_jax.families.attention.family import options_key
+from wavetune_jax.families.attention.problem import OPTION_DEFAULTS
 from wavetune_jax.families.matmul.family import operand
 from wavetune_jax.shapes import suite_entries
 
-__all__ = ["DecodeFamily", "decode_models", "LENGTH_MIXES"]
+__all__ = ["DecodeFamily", "decode_models", "decode_extra", "LENGTH_MIXES"]
 
 #: The valid lengths :meth:`DecodeFamily.inputs` gives a batch
 #: (:meth:`DecodeFamily.with_lengths`): "spread", evenly over ``[q_len,
@@ -32,6 +35,16 @@ def decode_models(suite: dict, names=None) -> dict[str, dict]:
   """``{model name: {"q_heads", "kv_heads", "head_dim"}}`` of a suite's
   ``decode`` section, optionally filtered."""
   return suite_entries(suite, "decode", "models", names)
+
+
+def decode_extra(problem: DecodeProblem, extra: tuple):
+  """``(kv_lengths, block_tables, sinks)`` of the arrays after ``q, k, v``
+  of a call (each None where the problem has none)."""
+  extra = list(extra)
+  lengths = extra.pop(0) if problem.lengths and extra else None
+  tables = extra.pop(0) if problem.page_size and extra else None
+  sinks = extra.pop(0) if problem.sinks and extra else None
+  return lengths, tables, sinks
 
 
 class DecodeFamily(Family):
@@ -94,30 +107,34 @@ class DecodeFamily(Family):
 
   # --- the call ------------------------------------------------------------------------
   def bind(self, q, k, v, *, kv_lengths=None, block_tables=None, causal: bool = True,
-           scale=None):
+           scale=None, local_window_size=None, logit_soft_cap=None, sinks=None):
     """Checks ``q [batch, q_len, q_heads, head_dim]`` (q_len at most
     :data:`MAX_Q_LEN`), ``k, v [batch, kv_len, kv_heads, head_dim]`` (or
     pages ``[num_pages, page_size, kv_heads, head_dim]`` with
-    ``block_tables [batch, max_pages]``) and ``kv_lengths [batch]``; the
-    problem of the call. A paged call's arrays are always ``(q, k, v,
-    kv_lengths, block_tables)`` (full lengths where none are given), the
-    table as int32."""
+    ``block_tables [batch, max_pages]``), ``kv_lengths [batch]``, the
+    window, the soft cap and ``sinks [q_heads]``; the problem of the call.
+    A paged call's arrays are always ``(q, k, v, kv_lengths, block_tables)``
+    (full lengths where none are given), the table as int32; sinks come
+    last (:func:`decode_extra`)."""
     q, k, v = operand("q", q), operand("k", k), operand("v", v)
     if not isinstance(causal, (bool, jnp.bool_)) or isinstance(causal, jax.Array):
       raise ValueError(f"causal={causal!r} must be a Python bool (a static value)")
+    window = check_window(local_window_size) or (-1, -1)
+    cap = check_soft_cap(logit_soft_cap)
     page_size = 0
     if block_tables is None:
       scale = check_call(q, k, v, scale)
       kv_len = k.shape[1]
     else:
       scale, kv_len, num_pages, page_size, table = paging.check_paged_call(
-          q, k, v, block_tables, kv_lengths, scale)
+          q, k, v, block_tables, kv_lengths, scale, window_left=window[0])
     batch, q_len, q_heads, head_dim = q.shape
     if q_len > MAX_Q_LEN:
       raise ValueError(f"decode_attention takes at most {MAX_Q_LEN} new queries per "
                        f"sequence; got q_len={q_len} (use wavetune_jax.attention with "
                        f"causal_align='bottom_right' for longer chunks)")
     lengths = check_lengths(kv_lengths, batch, kv_len)
+    sinks = check_sinks(sinks, q_heads)
     if batch == 0 or q_len == 0 or q_heads == 0:
       return jnp.zeros(q.shape, q.dtype)
     if page_size and lengths is None:
@@ -125,13 +142,33 @@ class DecodeFamily(Family):
     problem = DecodeProblem(batch=batch, q_heads=q_heads, kv_heads=k.shape[2],
                             kv_len=kv_len, q_len=q_len, head_dim=head_dim,
                             dtype=q.dtype.name, lengths=lengths is not None,
-                            causal=bool(causal), page_size=page_size)
+                            causal=bool(causal), page_size=page_size,
+                            window_left=window[0], window_right=window[1], soft_cap=cap,
+                            sinks=sinks is not None)
+    arrays, names = (q, k, v), ()
     if page_size:
-      return Call(problem, (q, k, v, lengths, table), {"scale": scale},
-                  ("kv_lengths", "block_tables"))
-    if lengths is None:
-      return Call(problem, (q, k, v), {"scale": scale})
-    return Call(problem, (q, k, v, lengths), {"scale": scale}, ("kv_lengths",))
+      arrays, names = arrays + (lengths, table), ("kv_lengths", "block_tables")
+    elif lengths is not None:
+      arrays, names = arrays + (lengths,), ("kv_lengths",)
+    if sinks is not None:
+      arrays, names = arrays + (sinks,), names + ("sinks",)
+    return Call(problem, arrays, {"scale": scale}, names)
+
+  def modelled(self, problem: DecodeProblem) -> bool:
+    """No window, soft cap or sinks: the sweeps and tables hold none (the
+    backends' rules answer those)."""
+    return problem.plain
+
+  def trusted_without_evidence(self, problem: DecodeProblem, config, platform) -> bool:
+    """The Mosaic kernel over XLA's attention where the problem has a
+    window, soft-capping or sinks (cuDNN's decode in JAX runs none of them,
+    so XLA's attention of the whole cache is the platform op): no table
+    holds such problems. Measured by ``benchmarks/decode_options.py``
+    (docs/results.md, "Decode with windows, soft-capping and sinks")."""
+    from wavetune_jax.families.decode.library import XlaDecodeConfig
+    from wavetune_jax.families.decode.mosaic import MosaicDecodeConfig
+    return (not problem.plain and isinstance(config, MosaicDecodeConfig)
+            and isinstance(platform, XlaDecodeConfig))
 
   def partition_rule(self, problem: DecodeProblem):
     """Batch and heads split (a KV head with its query heads); the sequence
@@ -139,12 +176,13 @@ class DecodeFamily(Family):
     lengths and block tables, the heads split the queries and the pages;
     the pool of pages is whole on every batch shard (a table names pages
     anywhere in it), and a table's pages are gathered."""
+    sinks = ", (g r)" if problem.sinks else ""
     if problem.page_size:
-      return PartitionRule("b q (g r) d, n p g d, n p g d, b, b m -> b q (g r) d",
+      return PartitionRule(f"b q (g r) d, n p g d, n p g d, b, b m{sinks} -> b q (g r) d",
                            factor_sizes={"r": problem.group},
                            replicated=("q", "n", "p", "m", "d"))
     lengths = ", b" if problem.lengths else ""
-    return PartitionRule(f"b q (g r) d, b s g d, b s g d{lengths} -> b q (g r) d",
+    return PartitionRule(f"b q (g r) d, b s g d, b s g d{lengths}{sinks} -> b q (g r) d",
                          factor_sizes={"r": problem.group}, replicated=("q", "s", "d"))
 
   # --- problems ------------------------------------------------------------------------
@@ -165,7 +203,7 @@ class DecodeFamily(Family):
     p = problem
     return (f"b{p.batch}:h{p.q_heads}/{p.kv_heads}:q{p.q_len}:kv{p.kv_len}:d{p.head_dim}:"
             f"{'causal' if p.causal else 'full'}:{p.dtype}{':lengths' if p.lengths else ''}"
-            f"{f':page{p.page_size}' if p.page_size else ''}")
+            f"{f':page{p.page_size}' if p.page_size else ''}{options_key(p)}")
 
   def problem_to_dict(self, problem: DecodeProblem) -> dict:
     """The fields; ``page_size`` only for a paged problem (files written
@@ -173,6 +211,9 @@ class DecodeFamily(Family):
     d = super().problem_to_dict(problem)
     if not d["page_size"]:
       del d["page_size"]
+    for name, default in OPTION_DEFAULTS.items():  # likewise the options
+      if d[name] == default:
+        del d[name]
     return d
 
   def size_quantum(self, problem: DecodeProblem) -> int:
@@ -196,6 +237,8 @@ class DecodeFamily(Family):
       out += (self.length_values(p, jax.random.fold_in(key, 1)),)
     if p.page_size:
       out += (paging.shuffled_tables(jax.random.fold_in(key, 2), p.batch, p.max_pages),)
+    if p.sinks:  # learned logits of the order of the scores
+      out += (jax.random.normal(jax.random.fold_in(key, 3), (p.q_heads,), jnp.float32),)
     return out
 
   def length_values(self, problem: DecodeProblem, key: jax.Array) -> jax.Array:
@@ -217,14 +260,16 @@ class DecodeFamily(Family):
     lens = lo + ((p.kv_len - lo) * (2 * np.arange(p.batch) + 1)) // (2 * p.batch)
     return jax.random.permutation(key, jnp.asarray(lens, jnp.int32))
 
-  def reference(self, problem: DecodeProblem, q, k, v, kv_lengths=None, block_tables=None):
+  def reference(self, problem: DecodeProblem, q, k, v, *extra):
     # All queries in one chunk: no padding rows, so the float32 scores stay
     # [batch, heads, q_len, kv_len]. Pages: the gathered contiguous cache.
+    kv_lengths, block_tables, sinks = decode_extra(problem, extra)
     if block_tables is not None:
       k, v = paging.gather_pages(k, block_tables), paging.gather_pages(v, block_tables)
     return attention_reference(q, k, v, causal=problem.causal, out_dtype=jnp.float32,
                                kv_lengths=kv_lengths, causal_align="bottom_right",
-                               q_chunk=problem.q_len)
+                               q_chunk=problem.q_len, local_window_size=problem.window,
+                               logit_soft_cap=problem.soft_cap or None, sinks=sinks)
 
   def baseline(self, problem: DecodeProblem):
     """cuDNN through ``jax.nn.dot_product_attention`` (lengths as
@@ -232,15 +277,20 @@ class DecodeFamily(Family):
     (several causal queries) or head_dim. A paged problem: cuDNN's paged
     attention where the cuDNN backend runs the problem, else XLA's on the
     gathered pages."""
-    if problem.page_size:
+    if problem.page_size or not problem.plain:
       from wavetune_jax.families.decode.library import CudnnDecode
       impl = "xla" if CudnnDecode()._why_not(problem, None) else "cudnn"
     else:
       impl = "cudnn" if plain_mask(problem) and problem.head_dim % 8 == 0 else "xla"
-    return lambda *a: library_attention(problem, impl, *a)
+    return self._library(problem, impl)
 
   def extra_baselines(self, problem: DecodeProblem) -> dict:
-    return {"xla": lambda *a: library_attention(problem, "xla", *a)}
+    return {"xla": self._library(problem, "xla")}
+
+  @staticmethod
+  def _library(problem: DecodeProblem, impl: str):
+    return lambda q, k, v, *extra: library_attention(problem, impl, q, k, v,
+                                                     *decode_extra(problem, extra))
 
   def tolerance(self, problem: DecodeProblem) -> float:
     return 1e-2

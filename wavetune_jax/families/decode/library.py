@@ -57,7 +57,7 @@ def plain_mask(p: DecodeProblem) -> bool:
 
 
 def library_attention(p: DecodeProblem, implementation: str, q, k, v, kv_lengths=None,
-                      block_tables=None, *, scale=None, safe: bool = False):
+                      block_tables=None, sinks=None, *, scale=None, safe: bool = False):
   """``jax.nn.dot_product_attention`` for a decode problem. ``safe``: values
   past a sequence's length are zeroed first, so NaN or Inf there never reaches
   the output (JAX masks the scores, but ``0 * NaN`` in ``p @ V`` is NaN).
@@ -65,12 +65,19 @@ def library_attention(p: DecodeProblem, implementation: str, q, k, v, kv_lengths
   A paged cache (``block_tables``): cuDNN's paged attention where the pool
   holds exactly ``batch * max_pages`` pages (JAX's wrapper takes no other
   pool); otherwise, and for XLA, the pages are gathered into a contiguous
-  cache first (page ids clipped to the pool)."""
+  cache first (page ids clipped to the pool).
+
+  A window, soft-capping or sinks: XLA's attention with the window's mask
+  over the whole cache and a float32 softmax (the prefill family's
+  ``masked_attention``; NaN-safe), whatever ``implementation`` says."""
   if block_tables is not None:
     if (implementation == "cudnn" and _cudnn_paged is not None
         and k.shape[0] == p.batch * p.max_pages):
       return _cudnn_paged_attention(p, q, k, v, kv_lengths, block_tables, scale=scale)
     k, v = paging.gather_pages(k, block_tables), paging.gather_pages(v, block_tables)
+  if not p.plain:
+    from wavetune_jax.families.attention.xla import masked_attention
+    return masked_attention(as_attention(p), q, k, v, kv_lengths, sinks, scale=scale)
   if plain_mask(p):
     if kv_lengths is not None and implementation == "cudnn":
       # int32 lengths are clipped where they are used (check_lengths); XLA's
@@ -90,6 +97,15 @@ def library_attention(p: DecodeProblem, implementation: str, q, k, v, kv_lengths
   out = jax.nn.dot_product_attention(q, k, v, scale=scale, mask=ok[:, None],
                                      implementation="xla")
   return jnp.where(jnp.any(ok, axis=2)[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def as_attention(p: DecodeProblem):
+  """The prefill problem of the same call: bottom-right aligned queries."""
+  from wavetune_jax.families.attention.problem import AttentionProblem
+  return AttentionProblem(batch=p.batch, q_heads=p.q_heads, kv_heads=p.kv_heads,
+                          q_len=p.q_len, kv_len=p.kv_len, head_dim=p.head_dim,
+                          causal=p.causal, dtype=p.dtype, lengths=p.lengths,
+                          causal_align="bottom_right", **p.options)
 
 
 def _cudnn_paged_attention(p: DecodeProblem, q, k_pages, v_pages, kv_lengths, block_tables, *,
@@ -164,10 +180,11 @@ class XlaDecode(_Library):
     32-bit offsets)."""
     return XlaDecodeConfig()
 
-  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, block_tables=None,
-          *, interpret: bool = False, scale: float | None = None):
-    return library_attention(problem, "xla", q, k, v, kv_lengths, block_tables, scale=scale,
-                             safe=True)
+  def run(self, problem: DecodeProblem, config, q, k, v, *extra, interpret: bool = False,
+          scale: float | None = None):
+    from wavetune_jax.families.decode.family import decode_extra
+    return library_attention(problem, "xla", q, k, v, *decode_extra(problem, extra),
+                             scale=scale, safe=True)
 
 
 class CudnnDecode(_Library):
@@ -186,6 +203,9 @@ class CudnnDecode(_Library):
     return _capability(hw) >= MIN_COMPUTE_CAPABILITY
 
   def _why_not(self, p: DecodeProblem, hw) -> str | None:
+    if not p.plain:
+      return ("cuDNN's decode attention in JAX has no sliding window over per-sequence "
+              "lengths, no soft-capping and no sinks (use a Mosaic or XLA config)")
     if p.head_dim % 8 or p.head_dim > 256:
       return f"cuDNN attention needs head_dim a multiple of 8 up to 256; got {p.head_dim}"
     if p.paged and cudnn_paged_reason():
@@ -197,10 +217,11 @@ class CudnnDecode(_Library):
       return "cuDNN has no bottom-right causal mask in JAX (use a Triton or XLA config)"
     return None
 
-  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, block_tables=None,
-          *, interpret: bool = False, scale: float | None = None):
+  def run(self, problem: DecodeProblem, config, q, k, v, *extra, interpret: bool = False,
+          scale: float | None = None):
     if interpret:
       raise NotImplementedError("cuDNN attention runs on an NVIDIA GPU only")
-    return library_attention(problem, "cudnn", q, k, v,
-                             kv_lengths if problem.lengths else None, block_tables,
+    from wavetune_jax.families.decode.family import decode_extra
+    kv_lengths, block_tables, _ = decode_extra(problem, extra)
+    return library_attention(problem, "cudnn", q, k, v, kv_lengths, block_tables,
                              scale=scale)

@@ -11,7 +11,7 @@ from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.decode.problem import DecodeProblem
 
-__all__ = ["MosaicDecode", "MosaicDecodeConfig", "coords_aux"]
+__all__ = ["MosaicDecode", "MosaicDecodeConfig", "bounded_window", "coords_aux"]
 
 STAGES = (2, 3)
 NUM_SPLITS = (1, 2, 4, 8, 16, 32, 64)
@@ -44,6 +44,14 @@ def coords_aux(p: DecodeProblem, block_k: int, num_splits: int):
   mb = (s * p.batch * p.kv_heads * kernel.padded_rows(p.rows) * p.head_dim * 4 / 1e6
         if s > 1 else 0.0)
   return g, float(l), (float(s > 1), mb)
+
+
+def bounded_window(p: DecodeProblem) -> tuple[int, int] | None:
+  """The problem's window with an unbounded side (-1) as the cache's length
+  (the same keys), as the kernel takes it; None without a window."""
+  if not p.windowed:
+    return None
+  return tuple(p.kv_len if w < 0 else w for w in p.window)
 
 
 class MosaicDecode(Backend):
@@ -135,21 +143,30 @@ class MosaicDecode(Backend):
     """Two stages; 128-key blocks up to head_dim 128, else 64 (registers);
     splits, a power of two, so that the CTAs reach four waves with
     per-sequence lengths (a short sequence's CTAs finish early) and half a
-    wave with full caches, at most 64, at least 256 keys per chunk. Read off
+    wave with full caches, at most 64, at least 256 keys per chunk (of the
+    keys a sequence reads: half the cache with lengths, the whole cache
+    without). A window of at most half the cache: the window's keys, as
+    many splits as fill one wave, 64-key blocks. On the eight window
+    problems of ``benchmarks/decode_options.py --space`` (H100, full
+    lengths) that config was the space's fastest on six and within 1.6% on
+    the others, 1.03-1.27x the lengths' rule with 128-key blocks. Read off
     ``benchmarks/decode_mosaic.py`` on an H100 (docs/results.md, "Decode
     on Hopper: the Mosaic kernel and the paged cache")."""
     p = problem
     if self.why_not(p):
       return None
     page = p.page_size
-    bk = 128 if p.head_dim <= 128 else 64
+    bk = 128 if p.head_dim <= 128 and not p.windowed else 64
     if page and page % bk and bk % page:
       bk = 64 if page % 64 == 0 or 64 % page == 0 else None
       if bk is None:
         return None
     ctas = p.batch * p.kv_heads * -(-p.rows // kernel.BLOCK_H)
-    target = 4 * hw.num_sms if p.lengths else hw.num_sms // 2
-    keys = p.kv_len / 2 if p.lengths else p.kv_len
+    # A window at most half the cache: most sequences read all of it, so
+    # their CTAs take equal time, as with full caches (one wave of them).
+    local = p.lengths and p.window_left >= 0 and 2 * p.span <= p.kv_len
+    target = hw.num_sms if local else (4 * hw.num_sms if p.lengths else hw.num_sms // 2)
+    keys = p.span if local or not p.lengths else p.kv_len / 2
     ns = 1
     while ctas * ns * 2 <= target and ns < 64 and keys / (2 * ns) >= 256:
       ns *= 2
@@ -167,9 +184,13 @@ class MosaicDecode(Backend):
   def aux(self, problem: DecodeProblem, config) -> tuple[float, ...]:
     return coords_aux(problem, config.block_k, config.num_splits)[2]
 
-  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, block_tables=None,
-          *, interpret: bool = False, scale: float | None = None):
+  def run(self, problem: DecodeProblem, config, q, k, v, *extra, interpret: bool = False,
+          scale: float | None = None):
     if interpret:
       raise NotImplementedError(kernel.NO_INTERPRET)
+    from wavetune_jax.families.decode.family import decode_extra
+    kv_lengths, block_tables, sinks = decode_extra(problem, extra)
     return kernel.decode_attention(q, k, v, config=config, causal=problem.causal, scale=scale,
-                                   kv_lengths=kv_lengths, block_tables=block_tables)
+                                   kv_lengths=kv_lengths, block_tables=block_tables,
+                                   local_window_size=bounded_window(problem),
+                                   logit_soft_cap=problem.soft_cap or None, sinks=sinks)

@@ -8,7 +8,7 @@ import math
 import jax.numpy as jnp
 
 from pallas_kernels.attention.common import MAX_HEAD_DIM
-from wavetune_jax.core.family import Problem
+from wavetune_jax.families.attention.problem import OptionFields
 
 __all__ = ["DecodeProblem", "DTYPES", "MAX_Q_LEN"]
 
@@ -19,7 +19,7 @@ MAX_Q_LEN = 64
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class DecodeProblem(Problem):
+class DecodeProblem(OptionFields):
   """Static facts of one decode-attention call.
 
   Attributes:
@@ -39,6 +39,13 @@ class DecodeProblem(Problem):
       pages of its sequences, wherever the pool's other pages are). A paged
       problem always has ``lengths`` (a call without them passes every
       sequence's full length).
+    window_left, window_right: a sliding (local) window: query position
+      ``i`` (``t + L - q_len`` for new query ``t``, ``L`` the sequence's valid
+      length) sees keys ``i - window_left <= j <= i + window_right``; -1
+      leaves that side unbounded (the default: no window).
+    soft_cap: logit soft-capping, ``cap * tanh(s / cap)`` of the scaled
+      scores (Gemma-2); 0.0: none.
+    sinks: the call gives per-query-head sink logits (run-time values).
   """
 
   batch: int
@@ -51,6 +58,10 @@ class DecodeProblem(Problem):
   lengths: bool = True
   causal: bool = True
   page_size: int = 0
+  window_left: int = -1
+  window_right: int = -1
+  soft_cap: float = 0.0
+  sinks: bool = False
   _key: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
   _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
 
@@ -85,6 +96,7 @@ class DecodeProblem(Problem):
     if dtype not in DTYPES:
       raise ValueError(f"DecodeProblem.dtype={self.dtype!r} must be one of {DTYPES}")
     object.__setattr__(self, "dtype", dtype)
+    self._check_options()
     self._freeze()
 
   @property
@@ -108,6 +120,15 @@ class DecodeProblem(Problem):
   def max_pages(self) -> int:
     """Block-table entries per sequence (0 for a contiguous cache)."""
     return self.kv_len // self.page_size if self.page_size else 0
+
+  @property
+  def span(self) -> int:
+    """Keys a sequence of the full cache length reads: the cache, or under a
+    left window bound the queries' positions widened by it (no key lies past
+    the last query's position, so the right side adds none)."""
+    if self.window_left < 0:
+      return self.kv_len
+    return min(self.kv_len, self.q_len + self.window_left)
 
   @property
   def itemsize(self) -> int:

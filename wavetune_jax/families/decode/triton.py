@@ -96,8 +96,8 @@ class TritonDecode(_triton.TritonBackend):
     """The kernel addresses the cache with 32-bit offsets (a paged problem:
     its sequences' pages; a larger pool is refused when the kernel is
     called), and a paged cache's blocks of keys lie in one page (pages of
-    a multiple of 16 rows)."""
-    if p.page_size % 16:
+    a multiple of 16 rows). No window, soft-capping or sinks."""
+    if p.page_size % 16 or not p.plain:
       return False
     return p.batch * p.kv_len * p.kv_heads * p.head_dim <= MAX_ELEMENTS
 
@@ -208,6 +208,9 @@ class TritonDecode(_triton.TritonBackend):
     if not isinstance(config, TritonDecodeConfig):
       raise ValueError(f"config must be a TritonDecodeConfig; got {config!r}")
     p = problem
+    if not p.plain:
+      raise ValueError("the Pallas Triton decode kernel has no sliding window, logit "
+                       "soft-capping or sinks (use a Mosaic or XLA config)")
     if p.page_size and (config.block_k > p.page_size or p.page_size % config.block_k):
       raise ValueError(f"config {config}: block_k={config.block_k} must divide "
                        f"page_size={p.page_size} (a block of keys lies in one page)")
@@ -268,8 +271,10 @@ class TritonDecode(_triton.TritonBackend):
   def aux(self, problem: DecodeProblem, config) -> tuple[float, ...]:
     return coords_aux(problem, config.block_h, config.block_k, config.num_splits)[2]
 
-  def run(self, problem: DecodeProblem, config, q, k, v, kv_lengths=None, block_tables=None,
-          *, interpret: bool = False, scale: float | None = None):
+  def run(self, problem: DecodeProblem, config, q, k, v, *extra, interpret: bool = False,
+          scale: float | None = None):
+    from wavetune_jax.families.decode.family import decode_extra
+    kv_lengths, block_tables, _ = decode_extra(problem, extra)
     return decode_attention(q, k, v, config=config, causal=problem.causal, scale=scale,
                             kv_lengths=kv_lengths, block_tables=block_tables,
                             interpret=interpret)

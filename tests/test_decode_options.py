@@ -1,0 +1,297 @@
+"""Sliding windows, logit soft-capping and sinks in ``wt.decode_attention`` (CPU).
+
+The op (XLA's backend on a CPU) against the float32 reference on contiguous
+and paged caches; the Mosaic kernel's plan of which keys each CTA reads and
+masks, checked key by key against the reference's mask; its split combine
+with sinks against a direct softmax; its lowering with every option; which
+backends the selector offers; keys, fields and bad arguments. The kernel's
+numerics on a Hopper GPU: ``benchmarks/decode_options.py``.
+"""
+
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import wavetune_jax as wt
+from pallas_kernels.attention.common import valid_keys
+from pallas_kernels.attention.reference import attention_reference
+from pallas_kernels.decode import mosaic as kernel
+from pallas_kernels.decode import paging
+from wavetune_jax import DECODE, DecodeProblem
+from wavetune_jax.families.decode.mosaic import bounded_window
+
+warnings.filterwarnings("ignore", message=".*no GPU.*")
+H100 = wt.get_hardware("h100")
+
+
+def _qkv(b=3, t=2, s=96, h=8, kvh=2, d=32, seed=0):
+  kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = jax.random.normal(kq, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(kk, (b, s, kvh, d), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(kv, (b, s, kvh, d), jnp.float32).astype(jnp.bfloat16)
+  return q, k, v
+
+
+def _close(got, want):
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=2e-2,
+                             atol=2e-2)
+
+
+SINKS = jax.random.normal(jax.random.PRNGKey(7), (8,), jnp.float32)
+# Windows smaller than, equal to and larger than the cache (96), lengths
+# shorter than the window, a length of 0, GQA, one and several queries.
+CASES = [
+    dict(local_window_size=(16, 0)),
+    dict(local_window_size=(16, 0), t=1),
+    dict(local_window_size=(95, 0)),
+    dict(local_window_size=(500, 0)),
+    dict(local_window_size=(0, 0), t=4),
+    dict(local_window_size=(10, 3), causal=False, t=5),
+    dict(local_window_size=7, causal=False),
+    dict(logit_soft_cap=3.0),
+    dict(sinks=SINKS),
+    dict(sinks=SINKS, t=1),
+    dict(local_window_size=(20, 0), logit_soft_cap=5.0, sinks=SINKS, t=3),
+]
+
+
+@pytest.mark.parametrize("kw", CASES)
+@pytest.mark.parametrize("lengths", [None, (96, 9, 0)])
+def test_op_matches_the_reference(kw, lengths):
+  kw = dict(kw)
+  q, k, v = _qkv(t=kw.pop("t", 2))
+  lens = None if lengths is None else jnp.array(lengths, jnp.int32)
+  got = jax.jit(lambda q, k, v: wt.decode_attention(q, k, v, kv_lengths=lens, **kw))(q, k, v)
+  want = attention_reference(q, k, v, kv_lengths=lens, causal_align="bottom_right",
+                             out_dtype=jnp.float32, **kw)
+  assert got.shape == q.shape and got.dtype == q.dtype
+  _close(got, want)
+
+
+@pytest.mark.parametrize("kw", [CASES[0], CASES[5], CASES[-1]])
+def test_paged_cache_matches_the_contiguous_one(kw):
+  # Pages left of each window freed (-1), NaN in the pool's free pages.
+  kw = dict(kw)
+  q, k, v = _qkv(t=kw.pop("t", 2))
+  page, lens = 16, jnp.array([96, 40, 70], jnp.int32)
+  tables = paging.shuffled_tables(jax.random.PRNGKey(3), 3, 6, num_pages=20)
+  kp = paging.to_pages(k, tables, 20, fill=jnp.nan)
+  vp = paging.to_pages(v, tables, 20, fill=jnp.nan)
+  left = (kw.get("local_window_size") or (-1,))[0]
+  left = left if isinstance(left, int) else -1
+  t = np.array(tables)
+  if left >= 0:  # a serving stack frees the pages left of the window
+    gone = np.maximum(np.asarray(lens) - q.shape[1] - left, 0) // page
+    t[np.arange(6)[None, :] < gone[:, None]] = -1
+    assert (t == -1).any()
+  got = wt.decode_attention(q, kp, vp, kv_lengths=lens, block_tables=jnp.asarray(t), **kw)
+  want = attention_reference(q, k, v, kv_lengths=lens, causal_align="bottom_right",
+                             out_dtype=jnp.float32, **kw)
+  assert not np.isnan(np.asarray(got, np.float32)).any()
+  _close(got, want)
+  if left >= 0:  # without the window those entries are read: a clear error
+    with pytest.raises(ValueError, match=r"block_tables\[\d, \d\]=-1 is not a page"):
+      wt.decode_attention(q, kp, vp, kv_lengths=lens, block_tables=jnp.asarray(t))
+
+
+PLAN_CASES = list(itertools.product(
+    [1, 3, 8],                        # queries
+    [(-1, -1), (0, -1), (5, -1), (100, -1), (1000, -1), (7, 2)],  # window
+    [True, False],                    # causal
+    [1, 2, 4],                        # splits
+    [64, 128],                        # block_k
+))
+
+
+@pytest.mark.parametrize("q_len,window,causal,splits,bk", PLAN_CASES)
+def test_kernel_plan_reads_every_seen_key_once_and_masks_the_edges(q_len, window, causal,
+                                                                   splits, bk):
+  # The plan the kernel runs on its scalars, for lengths 0 to past a block:
+  # every key some row sees lies in exactly one CTA's steps; a step of
+  # [lead, full) is seen whole by every row; no step lies wholly left of
+  # the window or past the length.
+  kv_len, group = 640, 2
+  lengths = [0, 1, q_len, 63, 64, 65, 200, 511, 640]
+  for valid in lengths:
+    ok = np.asarray(valid_keys(jnp.array([valid]), kv_len, q_len, causal=causal,
+                               causal_align="bottom_right", batch=1,
+                               window=window if window != (-1, -1) else None))[0]
+    ok = np.repeat(ok, group, axis=0)  # rows r = t * group + g
+    count = np.zeros(kv_len + 1024, int)
+    for s in range(splits):
+      first, lo, n, lead, full = (int(x) for x in kernel.chunk_plan(
+          jnp.int32(valid), jnp.int32(s), q_len=q_len, kv_len=kv_len, splits=splits,
+          block_k=bk, window=window, causal=causal, dynamic=True))
+      assert 0 <= lead <= full <= n
+      for j in range(n):
+        keys = np.arange(lo + j * bk, lo + (j + 1) * bk)
+        assert keys[-1] >= first and keys[0] < valid, (s, j)
+        count[keys] += 1
+        if lead <= j < full:
+          assert (keys < valid).all() and ok[:, keys].all(), (valid, s, j)
+    seen = np.nonzero(ok.any(axis=0))[0]
+    assert (count[seen] == 1).all(), valid
+    assert count.max() <= 1
+
+
+def test_kernel_plan_without_lengths_or_window_is_the_static_chunking():
+  for splits, bk in [(1, 64), (4, 128), (3, 64)]:
+    a = kernel.chunk_plan(jnp.int32(640), jnp.int32(1), q_len=1, kv_len=640, splits=splits,
+                          block_k=bk, window=(-1, -1), causal=True, dynamic=False)
+    b = kernel.chunk_plan(jnp.int32(640), jnp.int32(1), q_len=1, kv_len=640, splits=splits,
+                          block_k=bk, window=(-1, -1), causal=True, dynamic=True)
+    assert [int(x) for x in a[1:3]] == [int(x) for x in b[1:3]]
+
+
+def test_combine_adds_the_sink_once_across_splits():
+  # Partials of two chunks, as the kernel writes them, merged with a sink,
+  # against one softmax over every key and the sink.
+  rng = np.random.default_rng(0)
+  s = rng.normal(size=(5, 40)) * 3          # rows x keys (natural-log scores)
+  v = rng.normal(size=(40, 8))
+  sink = rng.normal(size=(5,))
+  o, lse = [], []
+  for part in (slice(0, 17), slice(17, 40)):
+    e = np.exp(s[:, part])
+    o.append(e @ v[part] / e.sum(1, keepdims=True))
+    lse.append(np.log2(e.sum(1)))
+  got = kernel.combine(jnp.asarray(np.stack(o), jnp.float32), jnp.asarray(np.stack(lse),
+                       jnp.float32), jnp.float32, jnp.asarray(sink * np.log2(np.e), jnp.float32))
+  e = np.exp(s)
+  want = e @ v / (e.sum(1) + np.exp(sink))[:, None]
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+  # One split with no key (lse -inf) and a sink: the row is 0.
+  got = kernel.combine(jnp.zeros((1, 1, 8)), jnp.full((1, 1), -jnp.inf), jnp.float32,
+                       jnp.zeros((1,)))
+  assert float(jnp.abs(got).max()) == 0.0
+
+
+def test_sink_rows_follow_the_kernels_row_order():
+  sinks = jnp.arange(8, dtype=jnp.float32)  # 2 KV heads of 4 query heads
+  rows = kernel.sink_rows(sinks, batch=2, kv_heads=2, rows_p=16)
+  assert rows.shape == (4, 16)
+  np.testing.assert_allclose(np.asarray(rows[1, :5]) / np.log2(np.e), [4, 5, 6, 7, 4])
+  np.testing.assert_allclose(np.asarray(rows[2]), np.asarray(rows[0]))
+
+
+def _lower(p: DecodeProblem, c, page: int = 0):
+  q = jax.ShapeDtypeStruct((p.batch, p.q_len, p.q_heads, p.head_dim), jnp.bfloat16)
+  if page:
+    max_pages = p.kv_len // page
+    k = jax.ShapeDtypeStruct((p.batch * max_pages, page, p.kv_heads, p.head_dim),
+                             jnp.bfloat16)
+    bt = jax.ShapeDtypeStruct((p.batch, max_pages), jnp.int32)
+  else:
+    k = jax.ShapeDtypeStruct((p.batch, p.kv_len, p.kv_heads, p.head_dim), jnp.bfloat16)
+    bt = None
+  ln = jax.ShapeDtypeStruct((p.batch,), jnp.int32)
+  sk = jax.ShapeDtypeStruct((p.q_heads,), jnp.float32) if p.sinks else None
+
+  def f(q, k, v, ln, bt, sk):
+    return kernel.decode_attention(q, k, v, config=c, causal=p.causal, kv_lengths=ln,
+                                   block_tables=bt, local_window_size=bounded_window(p),
+                                   logit_soft_cap=p.soft_cap or None, sinks=sk)
+  return jax.jit(f).trace(q, k, k, ln, bt, sk).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("kw", [dict(window_left=1024, window_right=0),
+                                dict(window_left=100, window_right=20, causal=False, q_len=4),
+                                dict(soft_cap=50.0, head_dim=256),
+                                dict(sinks=True), dict(window_left=511, sinks=True, soft_cap=30.0)])
+@pytest.mark.parametrize("page", [0, 16, 256])
+def test_mosaic_kernel_with_options_lowers_for_cuda(kw, page):
+  kw = dict(kw)
+  p = DecodeProblem(batch=4, q_heads=32, kv_heads=8, kv_len=4096, q_len=kw.pop("q_len", 1),
+                    head_dim=kw.pop("head_dim", 128), **kw)
+  backend = DECODE.backend("mosaic")
+  c = backend.heuristic(p, H100)
+  assert c is not None
+  backend.validate(p, c, H100)
+  for splits in sorted({1, c.num_splits}):
+    bk = 64 if p.head_dim > 128 else 128
+    _lower(p, kernel.MosaicDecodeConfig(block_k=bk, num_stages=2, num_splits=splits),
+           page=page)
+
+
+def _problem(**kw):
+  return DecodeProblem(batch=8, q_heads=32, kv_heads=8, kv_len=32768, **kw)
+
+
+@pytest.mark.parametrize("kw,backend", [
+    (dict(window_left=4095, window_right=0), "MosaicDecodeConfig"),
+    (dict(soft_cap=50.0), "MosaicDecodeConfig"),
+    (dict(sinks=True, window_left=127), "MosaicDecodeConfig"),
+    (dict(sinks=True, page_size=64), "MosaicDecodeConfig"),
+    (dict(soft_cap=50.0, head_dim=40), "XlaDecodeConfig"),
+    (dict(), "CudnnDecodeConfig")])
+def test_selector_offers_only_backends_that_run_the_options(kw, backend):
+  # The Mosaic kernel where it runs the problem (guarded by the family's
+  # measured rule: no table holds such problems), else XLA; cuDNN and the
+  # Triton kernel run none of the options.
+  kw = dict(kw)
+  p = DecodeProblem(batch=1, q_heads=32, kv_heads=8, kv_len=32768,
+                    head_dim=kw.pop("head_dim", 128), **kw)
+  for policy in ("tables", "heuristic"):
+    with wt.policy(policy):
+      assert type(wt.select("decode", p, "h100").config).__name__ == backend
+  if kw:
+    assert not DECODE.backend("triton").space(p, H100)
+    assert not DECODE.backend("cudnn").space(p, H100)
+    assert not DECODE.modelled(p)
+
+
+def test_splits_follow_the_window_not_the_cache():
+  plain = DECODE.backend("mosaic").heuristic(_problem(), H100)
+  local = DECODE.backend("mosaic").heuristic(_problem(window_left=511), H100)
+  assert local.num_splits < plain.num_splits
+
+
+def test_pinned_configs_that_cannot_run_the_options_are_clear_errors():
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="no sliding window, logit soft-capping or sinks"):
+    wt.decode_attention(q, k, v, logit_soft_cap=3.0, config={"backend": "triton"})
+  with pytest.raises(ValueError, match="no sliding window over per-sequence lengths"):
+    wt.decode_attention(q, k, v, local_window_size=8, config={"backend": "cudnn"})
+
+
+def test_problem_key_fields_and_span():
+  plain = _problem()
+  assert DECODE.problem_key(plain) == "b8:h32/8:q1:kv32768:d128:causal:bfloat16:lengths"
+  assert "window_left" not in DECODE.problem_to_dict(plain)  # files on record unchanged
+  p = _problem(window_left=4095, window_right=0, soft_cap=50.0, sinks=True, page_size=64)
+  assert DECODE.problem_key(p).endswith(":page64:w4095,0:cap50:sinks")
+  assert DECODE.problem_from_dict(DECODE.problem_to_dict(p)) == p
+  assert p.span == 4096 and plain.span == 32768
+  assert _problem(window_left=100000).span == 32768
+  for bad in (dict(window_left=-2), dict(soft_cap=-1.0), dict(sinks=1)):
+    with pytest.raises(ValueError, match="DecodeProblem"):
+      _problem(**bad)
+
+
+def test_the_call_binds_the_options_and_the_sinks_last():
+  q, k, v = _qkv()
+  call = DECODE.bind(q, k, v, kv_lengths=jnp.array([5, 6, 7]), local_window_size=(8, 0),
+                     logit_soft_cap=2.0, sinks=SINKS)
+  assert call.problem.window == (8, 0) and call.problem.soft_cap == 2.0 and call.problem.sinks
+  assert call.kw_arrays == ("kv_lengths", "sinks") and call.arrays[-1].dtype == jnp.float32
+  rule = DECODE.partition_rule(call.problem)
+  assert rule.rule.count(",") == 4
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(local_window_size=-1), "local_window_size=-1 must be >= 0"),
+    (dict(local_window_size=(1, 2, 3)), "must be an int"),
+    (dict(logit_soft_cap=0.0), "logit_soft_cap=0.0 must be a finite"),
+    (dict(logit_soft_cap="50"), "must be a finite"),
+    (dict(sinks=jnp.zeros((3,))), r"sinks must have shape \[q_heads\] = \(8,\)"),
+    (dict(sinks=jnp.zeros((8,), bool)), "sinks must be real numbers"),
+])
+def test_bad_options_are_one_line_errors(kw, match):
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match=match) as e:
+    wt.decode_attention(q, k, v, **kw)
+  assert "\n" not in str(e.value)
