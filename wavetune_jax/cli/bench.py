@@ -39,6 +39,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  "gemma_2_2b are outside the training suites; small, small_moe run on a CPU)")
   m.add_argument("--layers", type=positive_int, default=None,
                  help="decoder layers (default: 4, or the model's for small models)")
+  m.add_argument("--window", type=int, default=None, metavar="N",
+                 help="local layers attend to the last N positions (default: the model's; "
+                 "gemma_3_4b 1024, gpt_oss_20b 128; 0: every layer global)")
+  m.add_argument("--global-every", type=int, default=None, metavar="K",
+                 help="with --window, every K-th layer is global (6: five local to one "
+                 "global; 0: every layer local; default: the model's)")
+  m.add_argument("--soft-cap", type=float, default=None, metavar="C",
+                 help="attention logit soft-capping, C * tanh(s / C) (Gemma-2: 50; 0: "
+                 "none; default: the model's)")
+  m.add_argument("--sinks", choices=("on", "off"), default=None,
+                 help="a learned sink logit per query head (default: the model's; "
+                 "gpt_oss_20b has them)")
   m.add_argument("--ops", default=",".join(OPS),
                  help=f"comma-separated settings: xla, default (the fixed policy) or a "
                  f"selection policy of the wavetune ops ({','.join(POLICIES)}; default: "
@@ -63,6 +75,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  "sequence's pages a random permutation of the pool; the xla setting "
                  "gathers them into a contiguous cache for cuDNN, the wavetune ops read "
                  "the pages)")
+  m.add_argument("--cache-multiple", type=positive_int, default=1, metavar="N",
+                 help="a contiguous cache holds the cache length + 1 positions rounded up "
+                 "to a multiple of N, as a serving stack allocates it (the Mosaic decode "
+                 "kernel needs a multiple of 8; default: 1, no rounding)")
   m.add_argument("--page-size", type=int, default=None, metavar="N",
                  help="positions per page of --cache-layout paged, in [8, 1024], dividing "
                  "every --cache length (default: 64)")
@@ -92,6 +108,39 @@ def _settings(text: str):
   return list(dict.fromkeys(["xla"] + names))  # xla first: the reference
 
 
+def _attention_summary(cfg) -> str:
+  """``", layers local (window 1024), global, ...; soft cap 50; sinks"`` or ""."""
+  parts = []
+  if cfg.window:
+    kinds = ["local" if cfg.layer_window(i) else "global" for i in range(cfg.layers)]
+    parts.append(f"attention {'/'.join(kinds)} (window {cfg.window})")
+  if cfg.soft_cap:
+    parts.append(f"soft cap {cfg.soft_cap:g}")
+  if cfg.sinks:
+    parts.append("sinks")
+  return "".join(f", {p}" for p in parts)
+
+
+def _with_attention_options(cfg, a):
+  """The model's config with the attention options given on the command line."""
+  import dataclasses
+  import math
+  change = {}
+  for flag, name in (("window", "window"), ("global_every", "global_every")):
+    v = getattr(a, flag)
+    if v is not None:
+      if v < 0:
+        raise CliError(f"--{flag.replace('_', '-')} {v}: must be >= 0")
+      change[name] = v
+  if a.soft_cap is not None:
+    if not math.isfinite(a.soft_cap) or a.soft_cap < 0:
+      raise CliError(f"--soft-cap {a.soft_cap}: must be a finite number >= 0")
+    change["soft_cap"] = a.soft_cap
+  if a.sinks is not None:
+    change["sinks"] = a.sinks == "on"
+  return dataclasses.replace(cfg, **change) if change else cfg
+
+
 def _bench_model(a) -> int:
   import jax
   import jax.numpy as jnp
@@ -102,6 +151,7 @@ def _bench_model(a) -> int:
   cfg = M.MODELS[a.model]
   small = a.model.startswith("small")
   cfg = cfg.with_layers(a.layers or (cfg.layers if small else 4))
+  cfg = _with_attention_options(cfg, a)
   settings = _settings(a.ops)
   page_size = _page_size(a)
   if a.plot:
@@ -115,7 +165,8 @@ def _bench_model(a) -> int:
     from wavetune_jax.tuning.profiler import Profiler
     prof = Profiler(iterations=a.iterations)
   layout = f"paged KV cache (pages of {page_size})" if page_size else "contiguous KV cache"
-  print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers, {layout}, "
+  attn = _attention_summary(cfg)
+  print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers{attn}, {layout}, "
         f"settings {','.join(settings)}", flush=True)
   params = M.init(jax.random.PRNGKey(0), cfg)
   rows = []
@@ -131,8 +182,9 @@ def _bench_model(a) -> int:
                                         -(-length // page_size)),)
     else:  # each sequence at `filled`; the step attends over filled + 1 positions
       # Paged: the new token at position `length` opens one more page.
+      cache_rows = -(-(length + 1) // a.cache_multiple) * a.cache_multiple
       shape = ((batch * (length // page_size + 1), page_size) if page_size
-               else (batch, length + 1)) + (cfg.kv_heads, cfg.head_dim)
+               else (batch, cache_rows)) + (cfg.kv_heads, cfg.head_dim)
       kc = [jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16)
             for i in range(cfg.layers)]
       tables = ((M.random_block_tables(jax.random.PRNGKey(4), batch, length // page_size + 1),)
@@ -186,7 +238,8 @@ def _bench_model(a) -> int:
         kernels = prof.kernel_breakdown(fn, args)[:a.breakdown]
       done += 1
       row = {"setting": name, "kind": kind, "length": length, "batch": batch,
-             **({"cache_fill": a.cache_fill} if kind == "decode" else {}),
+             **({"cache_fill": a.cache_fill, "cache_multiple": a.cache_multiple}
+                if kind == "decode" else {}),
              "cache_layout": a.cache_layout, "page_size": page_size,
              "us": us, "compile_s": compile_s, **phases, "rel_diff_vs_xla": err,
              "kernels": kernels}
@@ -194,7 +247,9 @@ def _bench_model(a) -> int:
       if a.json:  # rewritten whole after every row (a crash keeps the rows so far)
         with open(a.json + ".tmp", "w") as f:
           json.dump({"device": jax.devices()[0].device_kind, "model": cfg.name,
-                     "layers": cfg.layers, "xla_autotune": a.xla_autotune,
+                     "layers": cfg.layers, "window": cfg.window,
+                     "global_every": cfg.global_every, "soft_cap": cfg.soft_cap,
+                     "sinks": cfg.sinks, "xla_autotune": a.xla_autotune,
                      "compile_cache": bool(a.compile_cache), "cache_fill": a.cache_fill,
                      "cache_layout": a.cache_layout, "page_size": page_size,
                      "rows": rows}, f, indent=1)

@@ -8,6 +8,9 @@ SwiGLU: dense (gate and up as one fused GEMM, down) or routed to experts
 unsort). Layers are unrolled, each with weights and a cache of its own (no
 stacked arrays sliced per layer, so no setting pays for slicing copies).
 Rotary embeddings are left out: elementwise, the same in every configuration.
+Attention may have the options of current models (``ModelConfig.window``,
+``global_every``, ``soft_cap``, ``sinks``): local and global layers,
+soft-capped logits, per-head sinks.
 
 The KV cache is contiguous (``prefill``, ``decode_step``: per layer
 ``[batch, max_len, kv_heads, head_dim]``) or paged as serving stacks keep it
@@ -47,7 +50,14 @@ __all__ = ["ModelConfig", "MODELS", "OPS", "Ops", "make_ops", "ops_names", "init
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shapes of a decoder (public configs). ``experts = 0``: a dense MLP."""
+  """Shapes of a decoder (public configs). ``experts = 0``: a dense MLP.
+
+  Attention options: ``window > 0``: local layers attend to the last
+  ``window`` positions (the query's own included); ``global_every = k > 0``:
+  every k-th layer (``i % k == k - 1``) is global, the others local (Gemma-3's
+  five local to one global: 6; 0: every layer local). ``soft_cap``: attention
+  logit soft-capping (Gemma-2: 50.0; 0: none). ``sinks``: a learned sink
+  logit per query head in every layer (gpt-oss)."""
 
   name: str
   hidden: int
@@ -59,11 +69,41 @@ class ModelConfig:
   vocab: int
   experts: int = 0
   top_k: int = 0
+  window: int = 0
+  global_every: int = 0
+  soft_cap: float = 0.0
+  sinks: bool = False
+
+  def __post_init__(self):
+    for name in ("window", "global_every"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"ModelConfig.{name}={v!r} must be an int >= 0")
+    if (isinstance(self.soft_cap, bool) or not isinstance(self.soft_cap, (int, float))
+        or not self.soft_cap >= 0 or self.soft_cap == float("inf")):
+      raise ValueError(f"ModelConfig.soft_cap={self.soft_cap!r} must be a finite float >= 0")
 
   def with_layers(self, layers: int) -> "ModelConfig":
     if layers < 1:
       raise ValueError(f"layers={layers} must be >= 1")
     return dataclasses.replace(self, layers=layers)
+
+  def layer_window(self, i: int) -> int:
+    """Layer ``i``'s window (0: global attention)."""
+    if not self.window or (self.global_every and i % self.global_every == self.global_every - 1):
+      return 0
+    return self.window
+
+  def attention_options(self, i: int, params: dict) -> dict:
+    """Layer ``i``'s keyword options of ``wt.attention`` / ``wt.decode_attention``."""
+    out = {}
+    if self.layer_window(i):
+      out["local_window_size"] = (self.layer_window(i) - 1, 0)
+    if self.soft_cap:
+      out["logit_soft_cap"] = float(self.soft_cap)
+    if self.sinks:
+      out["sinks"] = params["sinks"]
+    return out
 
 
 MODELS = {m.name: m for m in (
@@ -78,9 +118,19 @@ MODELS = {m.name: m for m in (
     ModelConfig("llama3_2_1b", 2048, 8192, 32, 8, 64, 16, 128256),
     ModelConfig("qwen2_5_1_5b", 1536, 8960, 12, 2, 128, 28, 151936),
     ModelConfig("gemma_2_2b", 2304, 9216, 8, 4, 256, 26, 256000),
+    # Models whose attention has the options (their GEMM and attention shapes,
+    # windows, soft caps and sinks): Gemma-3-4B (five local layers of 1,024
+    # positions to one global), gpt-oss-20b (a mixture of 32 experts, top 4;
+    # local layers of 128 positions alternating with global ones; sinks).
+    ModelConfig("gemma_3_4b", 2560, 10240, 8, 4, 256, 34, 262144, window=1024,
+                global_every=6),
+    ModelConfig("gpt_oss_20b", 2880, 2880, 64, 8, 64, 24, 201088, experts=32, top_k=4,
+                window=128, global_every=2, sinks=True),
     # Tiny versions of both kinds, for CPU tests (Pallas interpret mode).
     ModelConfig("small", 64, 128, 4, 2, 32, 2, 256),
     ModelConfig("small_moe", 64, 64, 4, 2, 32, 2, 256, experts=4, top_k=2),
+    ModelConfig("small_local", 64, 128, 4, 2, 32, 3, 256, window=8, global_every=3,
+                soft_cap=20.0, sinks=True),
 )}
 
 #: The op switch's usual settings (``wavetune bench model``'s default);
@@ -100,9 +150,10 @@ class Ops(NamedTuple):
 
   name: str
   matmul: Callable
-  attention: Callable         # (q, k, v) -> causal prefill attention
-  # (q, k_cache, v_cache, lengths, block_tables=None) -> one token's attention;
-  # with block_tables the caches are pages [num_pages, page_size, kv_heads, head_dim].
+  attention: Callable         # (q, k, v, **options) -> causal prefill attention
+  # (q, k_cache, v_cache, lengths, block_tables=None, **options) -> one token's
+  # attention; with block_tables the caches are pages [num_pages, page_size,
+  # kv_heads, head_dim]. options: ModelConfig.attention_options.
   decode_attention: Callable
   ragged_dot: Callable
   context: Callable           # () -> context manager active while tracing
@@ -129,23 +180,41 @@ def make_ops(name: str) -> Ops:
   """The ops of one setting of the switch (see the module doc)."""
   import wavetune_jax as wt
   if name == "xla":
-    return Ops("xla", lambda x, w: jnp.dot(x, w),
-               lambda q, k, v: jax.nn.dot_product_attention(
-                   q, k, v, is_causal=True, implementation=library_attention_impl(q)),
-               _xla_decode_attention, jax.lax.ragged_dot, contextlib.nullcontext)
+    return Ops("xla", lambda x, w: jnp.dot(x, w), _xla_attention, _xla_decode_attention,
+               jax.lax.ragged_dot, contextlib.nullcontext)
   from wavetune_jax.runtime.selector import POLICIES
   policy = "fixed" if name == "default" else name if name in POLICIES else None
   if policy is None:
     raise ValueError(f"unknown ops {name!r}; choose from {ops_names()}")
-  return Ops(name, wt.matmul, lambda q, k, v: wt.attention(q, k, v, causal=True),
-             lambda q, k, v, n, block_tables=None: wt.decode_attention(
-                 q, k, v, kv_lengths=n, block_tables=block_tables),
+  return Ops(name, wt.matmul, lambda q, k, v, **o: wt.attention(q, k, v, causal=True, **o),
+             lambda q, k, v, n, block_tables=None, **o: wt.decode_attention(
+                 q, k, v, kv_lengths=n, block_tables=block_tables, **o),
              wt.ragged_dot, lambda: wt.policy(policy))
 
 
-def _xla_decode_attention(q, k, v, lengths, block_tables=None):
+def _xla_attention(q, k, v, **options):
+  """The xla setting's prefill attention: ``jax.nn.dot_product_attention``
+  (cuDNN where it runs the shape, with its sliding window); soft-capping or
+  sinks, which it has no argument for: XLA's attention written out with a
+  float32 softmax (``wt.XlaAttentionConfig``)."""
+  if "logit_soft_cap" in options or "sinks" in options:
+    import wavetune_jax as wt
+    return wt.attention(q, k, v, causal=True, config=wt.XlaAttentionConfig(), **options)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                      local_window_size=options.get("local_window_size"),
+                                      implementation=library_attention_impl(q))
+
+
+def _xla_decode_attention(q, k, v, lengths, block_tables=None, **options):
   """The xla setting's decode attention: on a paged cache, the pages gathered
-  into a contiguous ``[batch, max_pages * page_size, ...]`` cache first."""
+  into a contiguous ``[batch, max_pages * page_size, ...]`` cache first. A
+  window, soft-capping or sinks: XLA's attention with the window's mask (the
+  queries sit at each sequence's length, where ``jax.nn``'s window does not
+  put them) and a float32 softmax (``wt.XlaDecodeConfig``)."""
+  if options:
+    import wavetune_jax as wt
+    return wt.decode_attention(q, k, v, kv_lengths=lengths, block_tables=block_tables,
+                               config=wt.XlaDecodeConfig(), **options)
   if block_tables is not None:
     b, pages = block_tables.shape
     k = k[block_tables].reshape(b, pages * k.shape[1], *k.shape[2:])
@@ -164,14 +233,20 @@ def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
                   w2=(cfg.experts, cfg.inter, h))
   else:
     shapes.update(w13=(h, 2 * cfg.inter), w2=(cfg.inter, h))
+  if cfg.sinks:  # learned logits of the order of the scores
+    shapes.update(sinks=(1, cfg.q_heads))
   keys = jax.random.split(key, len(shapes) + 2)
 
   def normal(k, shape, fan_in, dt=dtype):
     return (jax.random.normal(k, shape, jnp.float32) / fan_in ** 0.5).astype(dt)
 
-  stacked = {n: normal(k, (cfg.layers,) + s, s[-2], jnp.float32 if n == "router" else dtype)
+  stacked = {n: normal(k, (cfg.layers,) + s, s[-2],
+                      jnp.float32 if n in ("router", "sinks") else dtype)
              for k, (n, s) in zip(keys, shapes.items())}
   layers = [{n: w[i] for n, w in stacked.items()} for i in range(cfg.layers)]
+  for p in layers:
+    if "sinks" in p:
+      p["sinks"] = p["sinks"][0]
   return {"embed": normal(keys[-2], (cfg.vocab, h), 1), "layers": layers,
           "lm_head": normal(keys[-1], (h, cfg.vocab), h)}
 
@@ -233,9 +308,9 @@ def _prefill(params, tokens, cfg: ModelConfig, ops: Ops):
   ks, vs = [], []
   with ops.context():
     x = params["embed"][tokens]
-    for p in params["layers"]:
+    for i, p in enumerate(params["layers"]):
       q, k, v = _qkv(p, x, cfg, ops)
-      x = _finish(p, x, ops.attention(q, k, v), cfg, ops)
+      x = _finish(p, x, ops.attention(q, k, v, **cfg.attention_options(i, p)), cfg, ops)
       ks.append(k)
       vs.append(v)
     logits = ops.matmul(_norm(x[:, -1]), params["lm_head"])
@@ -407,10 +482,11 @@ def _decode(params, kc, vc, lengths, tokens, at, block_tables, cfg: ModelConfig,
       if write_cache:
         kc[i] = kc[i].at[at].set(k[:, 0])
         vc[i] = vc[i].at[at].set(v[:, 0])
+      options = cfg.attention_options(i, p)
       if block_tables is None:
-        a = ops.decode_attention(q, kc[i], vc[i], lengths + 1)
+        a = ops.decode_attention(q, kc[i], vc[i], lengths + 1, **options)
       else:
-        a = ops.decode_attention(q, kc[i], vc[i], lengths + 1, block_tables)
+        a = ops.decode_attention(q, kc[i], vc[i], lengths + 1, block_tables, **options)
       x = _finish(p, x, a, cfg, ops)
     logits = ops.matmul(_norm(x[:, 0]), params["lm_head"])
   return logits, kc, vc
