@@ -37,7 +37,7 @@ def test_presets_layer_patterns():
       M.ModelConfig("x", 64, 64, 4, 2, 32, 2, 256, **bad)
 
 
-@pytest.mark.parametrize("ops", ["xla", "tables"])
+@pytest.mark.parametrize("ops", ["tables"])  # (on a CPU the xla setting runs the same ops)
 def test_decode_step_continues_the_prompt(ops):
   """Prefill of 11 tokens then one decode step = prefill of the 12 tokens,
   with a window of 4 (shorter than the prompt), soft-capping and sinks."""

@@ -5,7 +5,7 @@ from wavetune_jax.dropin import autotune
 from wavetune_jax.core.family import Backend, Family, Problem
 from wavetune_jax.core.hardware import Hardware, detect, device_key, get_hardware
 from wavetune_jax.core.registry import get_family, register, registered
-from wavetune_jax.families import ATTENTION, DECODE, MATMUL, RAGGED_DOT
+from wavetune_jax.families import ATTENTION, DECODE, MATMUL, QMATMUL, RAGGED_DOT
 from wavetune_jax.families.attention import (AttentionProblem, CudnnAttentionConfig,
                                              MosaicAttentionConfig, TritonAttentionConfig,
                                              XlaAttentionConfig)
@@ -13,9 +13,10 @@ from wavetune_jax.families.decode import (CudnnDecodeConfig, DecodeProblem, Mosa
                                           TritonDecodeConfig, XlaDecodeConfig)
 from wavetune_jax.families.matmul import (MatmulProblem, MosaicMatmulConfig,
                                           TritonMatmulConfig, XlaMatmulConfig)
+from wavetune_jax.families.qmatmul import QMatmulProblem, XlaQMatmulConfig
 from wavetune_jax.families.ragged_dot import (MosaicRaggedDotConfig, RaggedDotProblem,
                                               TritonRaggedDotConfig, XlaRaggedDotConfig)
-from wavetune_jax.ops import attention, decode_attention, matmul, ragged_dot
+from wavetune_jax.ops import attention, decode_attention, matmul, quantized_matmul, ragged_dot
 from wavetune_jax.runtime.selector import (POLICIES, load_tables, policy, select, set_policy,
                                            use_config, use_tables)
 from wavetune_jax.runtime.tables import TableError
@@ -40,6 +41,8 @@ __all__ = [
     "MosaicRaggedDotConfig",
     "POLICIES",
     "Problem",
+    "QMATMUL",
+    "QMatmulProblem",
     "RAGGED_DOT",
     "RaggedDotProblem",
     "TableError",
@@ -50,6 +53,7 @@ __all__ = [
     "XlaAttentionConfig",
     "XlaDecodeConfig",
     "XlaMatmulConfig",
+    "XlaQMatmulConfig",
     "XlaRaggedDotConfig",
     "attention",
     "autotune",
@@ -61,6 +65,7 @@ __all__ = [
     "load_tables",
     "matmul",
     "policy",
+    "quantized_matmul",
     "ragged_dot",
     "register",
     "registered",

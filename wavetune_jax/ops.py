@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax
 
 from wavetune_jax.core.op import tuned_call
-from wavetune_jax.families import ATTENTION, DECODE, MATMUL, RAGGED_DOT
+from wavetune_jax.families import ATTENTION, DECODE, MATMUL, QMATMUL, RAGGED_DOT
 
-__all__ = ["matmul", "attention", "decode_attention", "ragged_dot"]
+__all__ = ["matmul", "quantized_matmul", "attention", "decode_attention", "ragged_dot"]
 
 
 def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, config=None) -> jax.Array:
@@ -36,6 +36,39 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, config=None) -> jax.Ar
       number of K blocks, beyond the GPU's shared memory, ...).
   """
   return tuned_call(MATMUL, x, w, out_dtype=out_dtype, config=config)
+
+
+def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, out_dtype=None,
+                     config=None) -> jax.Array:
+  """``(x @ w) * scales`` with 8-bit weights (weight-only quantization),
+  tuned like :func:`matmul`.
+
+  The dequantized weight is ``w * scales`` (``w`` int8 or float8_e4m3fn,
+  one float32 scale per output channel, as ``qwix`` and most checkpoints
+  quantize a linear layer). A channel's scale leaves the dot product, so the
+  kernels multiply the 8-bit values (exact in bfloat16 and float16) with
+  fp32 accumulation and scale the result once: a decode step reads half the
+  bytes of a 16-bit weight. Tolerance against the float32 product of ``x``
+  and the dequantized weight: that of a bfloat16 GEMM (1e-2 relative).
+
+  Args:
+    x: ``[M, K]`` bfloat16 or float16 activations.
+    w: ``[K, N]`` int8 or float8_e4m3fn weight.
+    scales: ``[N]`` floating point (used as float32), one per output channel.
+    out_dtype: bfloat16, float16 or float32 (default ``x.dtype``).
+    config: ``XlaQMatmulConfig()`` (XLA's dot on the converted weight,
+      scales after), ``MosaicMatmulConfig`` (the Mosaic weight-only kernel:
+      Hopper, up to 64 rows, 64 x 256 tiles), a dict ``{"backend": name,
+      **fields}``, or ``None`` to let the selector choose.
+
+  Returns:
+    ``[M, N]`` array of ``out_dtype``.
+
+  Raises:
+    ValueError: ranks, inner dimensions, dtypes or the scales' shape wrong,
+      or a config that cannot run this problem here.
+  """
+  return tuned_call(QMATMUL, x, w, scales, out_dtype=out_dtype, config=config)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,

@@ -558,6 +558,10 @@ class Family(abc.ABC):
     a = self.backend_of(config).aux(problem, config)
     return tuple(a) if a else (0.0,) * len(self.aux_names)
 
+  #: The project ships tables of this family for its GPUs (False: none yet,
+  #: so a missing table is expected and not warned about).
+  tables_shipped: ClassVar[bool] = True
+
   def trusted_without_evidence(self, problem, config, platform) -> bool:
     """Whether the guard lets ``config`` replace ``platform`` on ``problem``
     without table evidence (a family's measured rule for problems no table

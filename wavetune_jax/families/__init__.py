@@ -6,11 +6,12 @@ and one class per backend) plus a folder of kernels in ``pallas_kernels``;
 """
 
 from wavetune_jax.core import registry
-from wavetune_jax.families import attention, decode, matmul, ragged_dot
+from wavetune_jax.families import attention, decode, matmul, qmatmul, ragged_dot
 
-__all__ = ["MATMUL", "ATTENTION", "RAGGED_DOT", "DECODE"]
+__all__ = ["MATMUL", "ATTENTION", "RAGGED_DOT", "DECODE", "QMATMUL"]
 
 MATMUL = registry.register(matmul.make())
 ATTENTION = registry.register(attention.make())
 RAGGED_DOT = registry.register(ragged_dot.make())
 DECODE = registry.register(decode.make())
+QMATMUL = registry.register(qmatmul.make())

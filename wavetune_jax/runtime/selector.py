@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 import threading
 import time
 import warnings
@@ -442,9 +443,10 @@ def _decider(spec: Family, hw: Hardware) -> Decider | None:
       _shipped[key] = Decider(tables_lib.load(path, spec, hw), hw)
     except tables_lib.TableError as e:
       _shipped[key] = None
-      _warn_once(key[:1] + (hw.device_key,),
-                 f"wavetune_jax: no usable {spec.name} table for {hw.device_key} "
-                      f"({e}); using the heuristic config")
+      if spec.tables_shipped or os.path.exists(path):  # (none expected: no warning)
+        _warn_once(key[:1] + (hw.device_key,),
+                   f"wavetune_jax: no usable {spec.name} table for {hw.device_key} "
+                   f"({e}); using the heuristic config")
   return _shipped[key]
 
 

@@ -1,0 +1,118 @@
+"""Weight-only 8-bit GEMM on a GPU: right, and how fast.
+
+``y = (x @ w) * scales`` with ``x [M, K]`` bfloat16, ``w [K, N]`` int8 or
+float8_e4m3fn and per-output-channel float32 scales. Per problem (CUPTI, L2
+flushed, median of 10; every candidate checked first against the float32
+product of ``x`` and the dequantized weight): bfloat16 ``jnp.dot`` on the
+dequantized weight (what the 8-bit weight saves against), XLA's dequantize
+then dot (what a JAX user writes: ``jnp.dot(x, (w * scales).astype(bf16))``),
+XLA's dot on the converted 8-bit weight with the scales after it, and the
+Mosaic kernel (``pallas_kernels.matmul.weight_only``) at a few configs.
+
+    PYTHONPATH=. python3 benchmarks/weight_only.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.matmul.mosaic import MosaicMatmulConfig
+from pallas_kernels.matmul.weight_only import check_shapes, decode_config, weight_only_matmul
+from wavetune_jax.tuning import profiler
+
+# (name, K, N): Llama-3-8B's MLP and attention output.
+WEIGHTS = [("llama3_8b.w1", 4096, 14336), ("llama3_8b.w2", 14336, 4096),
+           ("llama3_8b.wo", 4096, 4096), ("qwen2_5_1_5b.w13", 1536, 17920),
+           ("qwen2_5_1_5b.w2", 8960, 1536)]
+#: Rows; 2,048 (prefill: XLA's GEMM is the faster there) on the first weight only.
+MS = (1, 16, 64, 2048)
+
+
+def configs(m: int, k: int, n: int):
+  """The rule's config (``decode_config``), its split halved and doubled,
+  and 5 stages; 128 x 128 tiles above 64 rows."""
+  if m > 64:
+    return [MosaicMatmulConfig(block_m=128, block_n=128, num_stages=4)]
+  rule = decode_config(m, k, n, 132)
+  out = [rule, dataclasses.replace(rule, num_stages=5), dataclasses.replace(rule, num_stages=3)]
+  for sk in (rule.split_k // 2, rule.split_k * 2):
+    if 1 <= sk <= k // 64:
+      out.append(dataclasses.replace(rule, split_k=sk))
+  return out
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="int8 only, the first weight")
+  ap.add_argument("--iterations", type=int, default=10)
+  ap.add_argument("--json", default=None)
+  a = ap.parse_args(argv)
+  prof = profiler.Profiler(iterations=a.iterations)
+  dev = jax.devices()[0]
+  print(dev.device_kind, jax.__version__, flush=True)
+  rows = []
+  wdtypes = ("int8",) if a.quick else ("int8", "float8_e4m3fn")
+  for wname, k, n in (WEIGHTS[:1] if a.quick else WEIGHTS):
+    for wd in wdtypes:
+      kw, ks = jax.random.split(jax.random.PRNGKey(1))
+      if wd == "int8":
+        w = jax.random.randint(kw, (k, n), -127, 128, jnp.int32).astype(jnp.int8)
+      else:
+        w = (jax.random.normal(kw, (k, n), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+      s = jax.random.uniform(ks, (n,), jnp.float32, 0.5, 1.5) / (127 * math.sqrt(k))
+      w_bf16 = (w.astype(jnp.float32) * s).astype(jnp.bfloat16)
+      for m in (MS if wname == WEIGHTS[0][0] else MS[:-1]):
+        x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+        ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32) * s,
+                      precision=jax.lax.Precision.HIGHEST)
+        cands = {
+            "xla_dequant_dot": lambda x, w, s: jnp.dot(
+                x, (w.astype(jnp.float32) * s).astype(jnp.bfloat16)),
+            "xla_dot_scale": lambda x, w, s: (jnp.dot(
+                x, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+                * s).astype(jnp.bfloat16),
+        }
+        for c in configs(m, k, n):
+          try:
+            check_shapes(m, n, k, jnp.bfloat16, w.dtype, c)
+          except ValueError:
+            continue
+          cands[f"mosaic {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k}"] = (
+              lambda c: lambda x, w, s: weight_only_matmul(x, w, s, config=c))(c)
+        res = dict(zip(cands, prof.measure_many(list(cands.values()), (x, w, s),
+                                                reference=ref, tolerance=2e-2,
+                                                out_bytes=m * n * 4)))
+        (bf,) = prof.measure_many([lambda x, wb: jnp.dot(x, wb)], (x, w_bf16))
+        times = {lab: (r.median_us if r.status == "ok" else math.nan) for lab, r in res.items()}
+        errs = {lab: f"{r.status}: {(r.error or '')[:150]}" for lab, r in res.items()
+                if r.status != "ok"}
+        mos = {lab: t for lab, t in times.items() if lab.startswith("mosaic") and t == t}
+        best = min(mos, key=mos.get) if mos else None
+        row = {"weight": wname, "k": k, "n": n, "w_dtype": wd, "m": m,
+               "bf16_dot_us": bf.median_us, "times": times, "errors": errs,
+               "best_mosaic": best}
+        rows.append(row)
+        xla = min(times["xla_dequant_dot"], times["xla_dot_scale"])
+        line = (f"{wname} {wd:<13} M={m:<5} bf16 dot {bf.median_us:8.1f} us | XLA dequant+dot "
+                f"{times['xla_dequant_dot']:8.1f} | XLA dot*scale {times['xla_dot_scale']:8.1f}")
+        if best:
+          t = mos[best]
+          line += (f" | {best} {t:8.1f} us: {bf.median_us / t:.2f}x bf16, "
+                   f"{xla / t:.2f}x XLA's best")
+        print(line, flush=True)
+        for lab, e in errs.items():
+          print(f"    {lab}: {e}", flush=True)
+        if a.json:  # after every row: a run cut short keeps its rows
+          with open(a.json, "w") as f:
+            json.dump({"device_kind": dev.device_kind, "jax": jax.__version__, "rows": rows},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

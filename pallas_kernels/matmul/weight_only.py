@@ -1,0 +1,252 @@
+"""Pallas Mosaic GPU weight-only quantized GEMM for Hopper: ``y = (x @ w) * scales``.
+
+``x [M, K]`` bfloat16 or float16, ``w [K, N]`` int8 or float8_e4m3fn (the
+layout of ``jnp.dot(x, w)``), ``scales [N]`` float32, one per output channel:
+the dequantized weight is ``w * scales``, and since a channel's scale is
+common to its whole column it leaves the dot product: the kernel computes
+``x @ w`` on the 8-bit values (exact in bfloat16 and float16) and the scales
+multiply the fp32 result once. A step reads half the bytes of a bfloat16
+weight, which is what bounds a decode step (a few rows against a whole
+weight).
+
+The structure is the project's Mosaic GEMM (:mod:`pallas_kernels.matmul.mosaic`):
+a persistent grid, one producer warpgroup streaming ``[block_m, 64]`` blocks of
+``x`` and ``[64, block_n]`` 8-bit blocks of ``w`` with TMA into a ring of
+shared-memory buffers (128-byte swizzle), two consumer warpgroups, split-K
+with fp32 partials. What differs: each consumer converts its half of the
+8-bit block to the activations' dtype in registers and stores it to a
+shared-memory buffer of its own, from which wgmma reads it (wgmma's right
+operand lives in shared memory). The kernel writes fp32; one XLA fusion sums
+the splits, applies the scales and casts.
+
+Requirements (:func:`check_shapes`): compute capability 9.0; ``block_n = 256``
+with ``block_m = 64`` (each consumer's half of an 8-bit block is one
+128-byte swizzle row wide) or any ``block_n`` of 128 / 256 with ``block_m >=
+128``; ``N`` a multiple of 128 and ``K`` of 64; ``M`` a multiple of 8 or below it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, k_steps,
+                                          persistent_kernel, wg_tile)
+from pallas_kernels._launch import match_varying, out_struct, require_compute_capability
+
+__all__ = ["WEIGHT_DTYPES", "check_shapes", "decode_config", "smem_bytes", "weight_only_matmul"]
+
+#: 8-bit weight dtypes.
+WEIGHT_DTYPES = ("int8", "float8_e4m3fn")
+#: N must be a multiple of this (an 8-bit block is tiled by 128 columns).
+N_MULTIPLE = 128
+_BARRIER_BYTES = 1024
+#: Columns of an fp32 epilogue store (one 128-byte swizzle row).
+EPI_N = 32
+_MEMORY_REGISTERS = 40
+
+
+def smem_bytes(*, block_m: int, block_n: int, num_stages: int, itemsize: int) -> int:
+  """The operand ring (x blocks and 8-bit w blocks), two dequantized blocks
+  per consumer, and two 64x32 fp32 output slots per consumer."""
+  wm, wn = wg_tile(block_m, block_n)
+  ring = num_stages * (block_m * BLOCK_K * itemsize + BLOCK_K * block_n)
+  deq = 2 * 2 * BLOCK_K * (block_n if block_m >= 128 else wn) * itemsize
+  return ring + deq + 2 * 2 * 64 * EPI_N * 4 + _BARRIER_BYTES
+
+
+def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulConfig) -> None:
+  """Raises ``ValueError`` unless the kernel runs these shapes with ``config``."""
+  if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
+    raise ValueError(f"the Mosaic GPU weight-only GEMM takes bfloat16 or float16 "
+                     f"activations; got {jnp.dtype(dtype).name}")
+  if jnp.dtype(w_dtype).name not in WEIGHT_DTYPES:
+    raise ValueError(f"the Mosaic GPU weight-only GEMM takes {WEIGHT_DTYPES} weights; got "
+                     f"{jnp.dtype(w_dtype).name}")
+  if config.block_n not in (128, 256) or (config.block_m == 64 and config.block_n != 256):
+    raise ValueError(f"config {config}: the weight-only GEMM needs block_n 256 with "
+                     f"block_m 64, or block_n 128 / 256 with block_m >= 128")
+  if n % N_MULTIPLE or k % BLOCK_K:
+    raise ValueError(f"the Mosaic GPU weight-only GEMM needs N a multiple of {N_MULTIPLE} "
+                     f"and K of {BLOCK_K}; got N={n}, K={k} (use the XLA config)")
+  if m > M_MULTIPLE and m % M_MULTIPLE:
+    raise ValueError(f"the Mosaic GPU weight-only GEMM needs M a multiple of {M_MULTIPLE} "
+                     f"or below it; got M={m} (use the XLA config)")
+  if config.split_k > k // BLOCK_K:
+    raise ValueError(f"split_k={config.split_k} is more than the {k // BLOCK_K} K blocks "
+                     f"of K={k}")
+
+
+def decode_config(m: int, k: int, n: int, num_sms: int) -> MosaicMatmulConfig | None:
+  """The config for a few rows (``m <= 64``): 64 x 256 tiles, 4 stages, and
+  the largest power-of-two split of K whose CTAs (column tiles times splits)
+  fit one wave, with at least four K steps a split; None above 64 rows (XLA's GEMM is the faster there: the
+  conversion costs the consumers more than the halved bytes save)."""
+  if m > 64:
+    return None
+  tiles = -(-n // 256)
+  sk = 1
+  while tiles * sk * 2 <= num_sms and sk * 2 * 4 <= k // BLOCK_K:  # >= 4 K steps a split
+    sk *= 2
+  return MosaicMatmulConfig(block_m=64, block_n=256, num_stages=4, split_k=sk)
+
+
+def weight_only_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *,
+                       config: MosaicMatmulConfig, out_dtype=None,
+                       num_sms: int | None = None) -> jax.Array:
+  """``(x @ w) * scales`` with 8-bit ``w`` (Hopper only).
+
+  Args:
+    x: ``[M, K]`` bfloat16 or float16.
+    w: ``[K, N]`` int8 or float8_e4m3fn.
+    scales: ``[N]`` float32, the dequantization scale of each output channel.
+    config: launch parameters (:class:`MosaicMatmulConfig`), used as given.
+    out_dtype: bfloat16, float16 or float32 (default ``x.dtype``).
+    num_sms: CTAs of the persistent grid (default: the default device's SMs).
+
+  Raises:
+    ValueError: bad shapes or dtypes, shapes the kernel does not run, or no
+      Hopper GPU.
+  """
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or scales.shape != (w.shape[1],):
+    raise ValueError(f"need x [M, K], w [K, N] and scales [N]; got {x.shape}, {w.shape}, "
+                     f"{scales.shape}")
+  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  (m, k), n = x.shape, w.shape[1]
+  check_shapes(m, n, k, x.dtype, w.dtype, config)
+  if config.num_stages < 3:
+    raise ValueError(f"config {config}: the weight-only GEMM needs num_stages >= 3 (a ring "
+                     f"slot of x is released one step late)")
+  if num_sms is None:
+    num_sms = int(require_compute_capability("9.0", "Mosaic GPU weight-only GEMM",
+                                             "use the XLA config").core_count)
+  return _matmul(x, w, scales, config=config, out_dtype=out_dtype, num_sms=int(num_sms))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
+def _matmul(x, w, scales, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
+  acc = _kernel_call(x, w, config=config, num_sms=num_sms)
+  if config.split_k > 1:
+    acc = acc.sum(axis=0)
+  return (acc * scales.astype(jnp.float32)[None, :]).astype(out_dtype)
+
+
+def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  (m, k), n = x.shape, w.shape[1]
+  dtype = x.dtype
+  item = jnp.dtype(dtype).itemsize
+  sk = config.split_k
+  bm, bn = config.block_m, config.block_n
+  wm, wn = wg_tile(bm, bn)
+  split_m = bm >= 128
+  deq_n = bn if split_m else wn  # the w columns one consumer needs
+  tiles_m, tiles_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
+  steps = k_steps(k, sk)
+  split_len = steps * BLOCK_K
+  out_dtype = jnp.dtype(jnp.float32)
+  out_transforms = (plgpu.TilingTransform((8, EPI_N)), plgpu.SwizzleTransform(128))
+  epi_m, epi_n = min(64, wm), EPI_N
+  num_slots = min(2, (wm * wn) // (epi_m * epi_n))
+  x_transforms = (plgpu.TilingTransform((8, 128 // item)), plgpu.SwizzleTransform(128))
+  w_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+
+  def get_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=_MEMORY_REGISTERS,
+        in_specs=[
+            # x is read by a wgmma still in flight when the body returns (the
+            # pipeline releases every input alike).
+            plgpu.BlockSpec((bm, BLOCK_K), lambda kk: (0, kk), transforms=x_transforms,
+                            memory_space=plgpu.SMEM, delay_release=1),
+            plgpu.BlockSpec((BLOCK_K, bn), lambda kk: (kk, 0), transforms=w_transforms,
+                            memory_space=plgpu.SMEM, delay_release=1),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=min(config.num_stages, steps),
+        compute_context=compute_context,
+    )
+
+  def kernel(x_gmem, w_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+        out_smem=plgpu.SMEM((2, num_slots, epi_m, epi_n), out_dtype,
+                            transforms=out_transforms),
+        deq_smem=plgpu.SMEM((2, 2, BLOCK_K, deq_n), dtype, transforms=x_transforms),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem, deq_smem):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((tiles_m * tiles_n * sk,), collective_axes="sm")
+      def _tile_loop(info: plgpu.NDLoopInfo):
+        (lin,) = info.index
+        split = lax.div(lin, jnp.int32(tiles_m * tiles_n))
+        mn = lax.rem(lin, jnp.int32(tiles_m * tiles_n))
+        mi, ni = plgpu.planar_snake(mn, (tiles_m, tiles_n), config.grid_minor,
+                                    config.grid_width)
+        m_slice = pl.ds(mi * bm, bm)
+        n_slice = pl.ds(ni * bn, bn)
+        k_slice = pl.ds(split * split_len, split_len)
+        if split_m:
+          wg_m, wg_n = pl.ds(wg * wm, wm), slice(None)
+        else:
+          wg_m, wg_n = slice(None), pl.ds(wg * wn, wn)
+        out_ref = out_gmem.at[split] if sk > 1 else out_gmem
+
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
+          def _acc_scope(acc_ref):
+            eval_pipeline(acc_ref)
+            plgpu.wgmma_wait(0)
+            acc = acc_ref[...]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for ei in range(wm // epi_m):
+              for ej in range(wn // epi_n):
+                e_m = slice(ei * epi_m, (ei + 1) * epi_m)
+                e_n = slice(ej * epi_n, (ej + 1) * epi_n)
+                slot = (ei * (wn // epi_n) + ej) % num_slots
+                plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
+                out_smem[wg, slot] = acc[e_m, e_n]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    out_smem.at[wg, slot],
+                    out_ref.at[m_slice, n_slice].at[wg_m, wg_n].at[e_m, e_n])
+
+        def mma_body(idx, x_smem, w_smem, acc_ref):
+          # The consumer's columns of the 8-bit block, converted in registers
+          # (exact: 8-bit values are bfloat16 / float16 values), to one of its
+          # two buffers while the last step's wgmma reads the other.
+          buf = lax.rem(idx[0], 2)
+          wv = w_smem[:, wg_n]
+          if wv.dtype != jnp.int8 and dtype != jnp.float16:
+            wv = wv.astype(jnp.float16)  # e4m3 -> bfloat16 has no single cvt on sm_90
+          deq_smem[wg, buf] = wv.astype(dtype)
+          plgpu.commit_smem()
+          plgpu.wgmma(acc_ref, x_smem.at[wg_m], deq_smem.at[wg, buf])
+          plgpu.wgmma_wait(1)  # the last step's: its buffer is free for the next
+          return acc_ref
+
+        get_pipeline(mma_body, compute_context)(
+            x_gmem.at[m_slice, k_slice],
+            w_gmem.at[k_slice, n_slice],
+            allocations=pipeline_allocs,
+        )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  out_shape = (sk, m, n) if sk > 1 else (m, n)
+  (x, w), axes = match_varying(x, w)
+  return persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
+                           min(num_sms, tiles_m * tiles_n * sk))(x, w)

@@ -1,0 +1,148 @@
+"""Weight-only 8-bit GEMM, ``wt.quantized_matmul`` (CPU).
+
+The op (XLA's backend on a CPU) against the float32 product with the
+dequantized weight; the Mosaic kernel's lowering and its config rule; which
+backend the selector offers; keys and bad arguments. The kernel's numerics
+and speed on a Hopper GPU: ``benchmarks/weight_only.py``.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import wavetune_jax as wt
+from pallas_kernels.matmul.mosaic import MosaicMatmulConfig
+from pallas_kernels.matmul.weight_only import decode_config, weight_only_matmul
+from wavetune_jax import QMATMUL, QMatmulProblem
+
+warnings.filterwarnings("ignore", message=".*no GPU.*")
+H100 = wt.get_hardware("h100")
+
+
+def _inputs(m, k, n, w_dtype="int8", dtype="bfloat16", seed=0):
+  p = QMatmulProblem(m=m, n=n, k=k, dtype=dtype, w_dtype=w_dtype)
+  return p, QMATMUL.inputs(p, jax.random.PRNGKey(seed))
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 256, 384), (5, 100, 70), (64, 512, 256)])
+@pytest.mark.parametrize("w_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype,out_dtype", [("bfloat16", None), ("float16", "float32")])
+def test_op_matches_the_dequantized_reference(m, k, n, w_dtype, dtype, out_dtype):
+  p, (x, w, s) = _inputs(m, k, n, w_dtype, dtype)
+  got = jax.jit(lambda x, w, s: wt.quantized_matmul(x, w, s, out_dtype=out_dtype))(x, w, s)
+  want = QMATMUL.reference(p, x, w, s)
+  assert got.shape == (m, n) and got.dtype == jnp.dtype(out_dtype or dtype)
+  err = float(jnp.abs(got.astype(jnp.float32) - want).max() / jnp.abs(want).max())
+  assert err < 1e-2
+  # Not the unscaled product: the scales are applied.
+  assert float(jnp.abs(want).max()) < 0.1 * float(jnp.abs(jnp.dot(
+      x.astype(jnp.float32), w.astype(jnp.float32))).max())
+
+
+def test_xla_dequantize_baseline_agrees():
+  p, (x, w, s) = _inputs(16, 256, 128)
+  a = QMATMUL.baseline(p)(x, w, s).astype(jnp.float32)
+  b = QMATMUL.extra_baselines(p)["xla_dequantize"](x, w, s).astype(jnp.float32)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=3e-2, atol=3e-2)
+
+
+def test_empty_dimensions_give_zeros():
+  x = jnp.zeros((0, 8), jnp.bfloat16)
+  assert wt.quantized_matmul(x, jnp.zeros((8, 4), jnp.int8), jnp.ones((4,))).shape == (0, 4)
+
+
+@pytest.mark.parametrize("m,backend", [(1, "MosaicMatmulConfig"), (16, "XlaQMatmulConfig"),
+                                       (64, "XlaQMatmulConfig"), (512, "XlaQMatmulConfig")])
+def test_selection_without_a_table(m, backend):
+  # One row: the Mosaic kernel by the family's measured rule; other row
+  # counts keep XLA's GEMM without a table's evidence (first-use refinement
+  # measures the kernel's rule on a GPU); the heuristic alone offers the
+  # kernel up to 64 rows.
+  p = QMatmulProblem(m=m, n=14336, k=4096)
+  with wt.policy("tables"):
+    assert type(wt.select("qmatmul", p, "h100").config).__name__ == backend
+  with wt.policy("heuristic"):
+    want = "MosaicMatmulConfig" if m <= 64 else "XlaQMatmulConfig"
+    assert type(wt.select("qmatmul", p, "h100").config).__name__ == want
+  mosaic = QMATMUL.backend("mosaic")
+  assert bool(mosaic.space(p, H100)) == (m <= 64)
+  if m <= 64:
+    assert mosaic.heuristic(p, H100) in mosaic.space(p, H100)
+
+
+def test_shapes_the_kernel_does_not_run_fall_back_to_xla():
+  for p in (QMatmulProblem(m=1, n=100, k=4096), QMatmulProblem(m=1, n=4096, k=100),
+            QMatmulProblem(m=12, n=4096, k=4096)):
+    assert not QMATMUL.backend("mosaic").space(p, H100)
+    with wt.policy("heuristic"):
+      assert isinstance(wt.select("qmatmul", p, "h100").config, wt.XlaQMatmulConfig)
+
+
+def test_decode_config_fills_one_wave_with_four_steps_a_split():
+  for k, n in [(4096, 14336), (14336, 4096), (4096, 4096), (1536, 17920), (8960, 1536)]:
+    c = decode_config(16, k, n, 132)
+    tiles = -(-n // 256)
+    assert tiles * c.split_k <= 132 and (k // 64) // c.split_k >= 4
+    assert c.split_k == 1 or tiles * c.split_k * 2 > 132 or (k // 64) // (2 * c.split_k) < 4
+  assert decode_config(65, 4096, 4096, 132) is None
+  # The splits measured fastest on an H100 (benchmarks/weight_only.py).
+  assert [decode_config(1, k, n, 132).split_k for k, n in
+          [(4096, 14336), (14336, 4096), (4096, 4096), (1536, 17920), (8960, 1536)]] == [
+              2, 8, 8, 1, 16]
+
+
+@pytest.mark.parametrize("w_dtype,dtype", [("int8", jnp.bfloat16),
+                                           ("float8_e4m3fn", jnp.bfloat16),
+                                           ("float8_e4m3fn", jnp.float16)])
+@pytest.mark.parametrize("m,split_k", [(1, 1), (16, 4), (64, 2)])
+def test_mosaic_kernel_lowers_for_cuda(w_dtype, dtype, m, split_k):
+  c = MosaicMatmulConfig(block_m=64, block_n=256, num_stages=4, split_k=split_k)
+  args = (jax.ShapeDtypeStruct((m, 1024), dtype),
+          jax.ShapeDtypeStruct((1024, 512), jnp.dtype(w_dtype)),
+          jax.ShapeDtypeStruct((512,), jnp.float32))
+  f = lambda x, w, s: weight_only_matmul(x, w, s, config=c, num_sms=132)  # noqa: E731
+  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_pinned_configs_that_cannot_run_are_clear_errors():
+  p, (x, w, s) = _inputs(128, 256, 256)
+  with pytest.raises(ValueError, match="runs up to 64 rows"):
+    wt.quantized_matmul(x, w, s, config=MosaicMatmulConfig(block_m=64, block_n=256))
+  with pytest.raises(ValueError, match="num_stages >= 3"):
+    wt.quantized_matmul(x[:8], w, s, config=MosaicMatmulConfig(block_m=64, block_n=256,
+                                                               num_stages=2))
+
+
+def test_problem_key_fields_and_suite():
+  p = QMatmulProblem(m=16, n=4096, k=14336, w_dtype="float8_e4m3fn")
+  assert QMATMUL.problem_key(p) == "16x4096x14336:bfloat16:wfloat8_e4m3fn:bfloat16"
+  assert QMATMUL.problem_from_dict(QMATMUL.problem_to_dict(p)) == p
+  from wavetune_jax.shapes import load_suite
+  suite = load_suite()
+  probs = QMATMUL.problems_from_suite(suite)
+  assert {q.w_dtype for q in probs} == {"int8", "float8_e4m3fn"}
+  assert len(probs) == 2 * len(wt.MATMUL.problems_from_suite(suite))
+  for bad in (dict(w_dtype="int4"), dict(dtype="float32"), dict(m=0)):
+    with pytest.raises(ValueError, match="QMatmulProblem"):
+      QMatmulProblem(**{"m": 1, "n": 128, "k": 128, **bad})
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda x, w, s: (x[0], w, s), "x must have rank 2"),
+    (lambda x, w, s: (x, w[:, :, None], s), "w must have rank 2"),
+    (lambda x, w, s: (x[:, :8], w, s), "inner dimensions differ"),
+    (lambda x, w, s: (x.astype(jnp.float32), w, s), "x.dtype=float32 must be one of"),
+    (lambda x, w, s: (x, w.astype(jnp.bfloat16), s), "a quantized weight"),
+    (lambda x, w, s: (x, w, s[:3]), r"scales must have shape \[N\]"),
+    (lambda x, w, s: (x, w, s.astype(jnp.int32)), "scales must be floating point"),
+])
+def test_bad_arguments_are_one_line_errors(edit, match):
+  _, arrays = _inputs(4, 64, 128)
+  with pytest.raises(ValueError, match=match) as e:
+    wt.quantized_matmul(*edit(*arrays))
+  assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match="out_dtype"):
+    wt.quantized_matmul(*arrays, out_dtype="int8")
