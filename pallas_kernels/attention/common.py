@@ -129,6 +129,15 @@ def valid_keys(kv_lengths, kv_len: int, q_len: int, *, causal: bool, causal_alig
   return jnp.broadcast_to(ok, (batch, q_len, kv_len))
 
 
+def bounded_window(window: tuple[int, int] | None, kv_len: int) -> tuple[int, int] | None:
+  """A problem's ``(left, right)`` window (-1: a side unbounded) as the ops
+  take it: an unbounded side becomes ``kv_len`` (the same keys); None stays
+  None."""
+  if window is None or window == (-1, -1):
+    return None
+  return tuple(kv_len if w < 0 else int(w) for w in window)
+
+
 def check_window(local_window_size) -> tuple[int, int] | None:
   """``local_window_size`` as ``jax.nn.dot_product_attention`` takes it (an
   int ``w``: ``(w, w)``; a ``(left, right)`` pair; None: no window) ->

@@ -22,7 +22,8 @@ the splits, applies the scales and casts.
 Requirements (:func:`check_shapes`): compute capability 9.0; ``block_n = 256``
 with ``block_m = 64`` (each consumer's half of an 8-bit block is one
 128-byte swizzle row wide) or any ``block_n`` of 128 / 256 with ``block_m >=
-128``; ``N`` a multiple of 128 and ``K`` of 64; ``M`` a multiple of 8 or below it.
+128``; ``N`` a multiple of 128 and ``K`` of 64, at least two K steps of 64 per
+split; ``M`` a multiple of 8 or below it.
 """
 
 from __future__ import annotations
@@ -75,9 +76,11 @@ def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulCon
   if m > M_MULTIPLE and m % M_MULTIPLE:
     raise ValueError(f"the Mosaic GPU weight-only GEMM needs M a multiple of {M_MULTIPLE} "
                      f"or below it; got M={m} (use the XLA config)")
-  if config.split_k > k // BLOCK_K:
-    raise ValueError(f"split_k={config.split_k} is more than the {k // BLOCK_K} K blocks "
-                     f"of K={k}")
+  if k_steps(k, config.split_k) < 2:
+    raise ValueError(f"config {config}: the weight-only GEMM needs at least 2 K steps of "
+                     f"{BLOCK_K} per split (a ring slot is released one step late); K={k} "
+                     f"gives {k_steps(k, config.split_k)} (use fewer splits or the XLA "
+                     f"config)")
 
 
 def decode_config(m: int, k: int, n: int, num_sms: int) -> MosaicMatmulConfig | None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention.common import (check_align, check_call, check_lengths,
-                                             check_sinks, check_soft_cap, check_window)
+from pallas_kernels.attention.common import (bounded_window, check_align, check_call,
+                                             check_lengths, check_sinks, check_soft_cap,
+                                             check_window)
 from pallas_kernels.attention.reference import attention_reference
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
@@ -188,7 +189,8 @@ class AttentionFamily(Family):
     kv_lengths, sinks = split_extra(problem, extra)
     return attention_reference(q, k, v, causal=problem.causal, out_dtype=jnp.float32,
                                kv_lengths=kv_lengths, causal_align=problem.causal_align,
-                               local_window_size=problem.window,
+                               local_window_size=bounded_window(problem.window,
+                                                                problem.kv_len),
                                logit_soft_cap=problem.soft_cap or None, sinks=sinks)
 
   def baseline(self, problem: AttentionProblem):
@@ -220,7 +222,12 @@ class AttentionFamily(Family):
 
   def default(self, problem: AttentionProblem):
     """The fixed config of an untuned library: the defaults of JAX's own Pallas
-    flash attention (128x128 blocks, 8 warps above head_dim 64, 2 stages)."""
+    flash attention (128x128 blocks, 8 warps above head_dim 64, 2 stages).
+    XLA's attention where that kernel does not run the problem (a window,
+    soft-capping or sinks)."""
     from wavetune_jax.families.attention.triton import TritonAttentionConfig
+    if not problem.plain:
+      from wavetune_jax.families.attention.xla import XlaAttentionConfig
+      return XlaAttentionConfig()
     return TritonAttentionConfig(block_q=128, block_k=128,
                                  num_warps=4 if problem.head_dim <= 64 else 8, num_stages=2)

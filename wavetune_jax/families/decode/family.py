@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention.common import (check_call, check_lengths, check_sinks,
-                                             check_soft_cap, check_window)
+from pallas_kernels.attention.common import (bounded_window, check_call, check_lengths,
+                                             check_sinks, check_soft_cap, check_window)
 from pallas_kernels.attention.reference import attention_reference
 from pallas_kernels.decode import paging
 from wavetune_jax.core.family import Call, Family
@@ -268,7 +268,8 @@ class DecodeFamily(Family):
       k, v = paging.gather_pages(k, block_tables), paging.gather_pages(v, block_tables)
     return attention_reference(q, k, v, causal=problem.causal, out_dtype=jnp.float32,
                                kv_lengths=kv_lengths, causal_align="bottom_right",
-                               q_chunk=problem.q_len, local_window_size=problem.window,
+                               q_chunk=problem.q_len,
+                               local_window_size=bounded_window(problem.window, problem.kv_len),
                                logit_soft_cap=problem.soft_cap or None, sinks=sinks)
 
   def baseline(self, problem: DecodeProblem):
@@ -298,10 +299,14 @@ class DecodeFamily(Family):
   def default(self, problem: DecodeProblem):
     """The fixed config of an untuned library: the defaults of JAX's own
     Pallas decode attention (16 query rows, 128-key blocks, 16 splits, 4
-    warps, 2 stages), rows and splits fitted to the problem."""
+    warps, 2 stages), rows and splits fitted to the problem. XLA's
+    attention where the kernel does not run the problem (a window,
+    soft-capping or sinks)."""
     from wavetune_jax.families.decode.library import XlaDecodeConfig
     from wavetune_jax.families.decode.triton import _rows_block, block_ks, splits_of
     from pallas_kernels.decode.triton import TritonDecodeConfig
+    if not problem.plain:
+      return XlaDecodeConfig()
     bk = 128
     if problem.page_size:  # the largest block up to 128 that fits the pages
       fits = [b for b in block_ks(problem.page_size, False) if b <= 128]

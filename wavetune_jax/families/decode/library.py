@@ -71,7 +71,7 @@ def library_attention(p: DecodeProblem, implementation: str, q, k, v, kv_lengths
   over the whole cache and a float32 softmax (the prefill family's
   ``masked_attention``; NaN-safe), whatever ``implementation`` says."""
   if block_tables is not None:
-    if (implementation == "cudnn" and _cudnn_paged is not None
+    if (implementation == "cudnn" and _cudnn_paged is not None and p.plain
         and k.shape[0] == p.batch * p.max_pages):
       return _cudnn_paged_attention(p, q, k, v, kv_lengths, block_tables, scale=scale)
     k, v = paging.gather_pages(k, block_tables), paging.gather_pages(v, block_tables)

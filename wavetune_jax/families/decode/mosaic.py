@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+from pallas_kernels.attention import common
 from pallas_kernels.decode import mosaic as kernel
 from pallas_kernels.decode.mosaic import MosaicDecodeConfig
 from wavetune_jax.core.family import Backend
@@ -49,9 +50,7 @@ def coords_aux(p: DecodeProblem, block_k: int, num_splits: int):
 def bounded_window(p: DecodeProblem) -> tuple[int, int] | None:
   """The problem's window with an unbounded side (-1) as the cache's length
   (the same keys), as the kernel takes it; None without a window."""
-  if not p.windowed:
-    return None
-  return tuple(p.kv_len if w < 0 else w for w in p.window)
+  return common.bounded_window(p.window, p.kv_len)
 
 
 class MosaicDecode(Backend):
