@@ -159,3 +159,55 @@ def test_a_split_of_one_k_step_is_left_to_xla():
     QMATMUL.backend("mosaic").validate(
         QMatmulProblem(m=1, n=256, k=512),
         MosaicMatmulConfig(block_m=64, block_n=256, num_stages=4, split_k=8))
+
+
+def test_quantize_weight_error_bounds():
+  w = jax.random.normal(jax.random.PRNGKey(3), (300, 70), jnp.float32)
+  w = w.at[:, 5].set(0.0)  # a zero column: scale 1, values 0
+  for dtype, bound in (("int8", 0.5 / 127 * 1.0001), ("float8_e4m3fn", 1 / 16)):
+    q, s = wt.quantize_weight(w, dtype)
+    assert q.dtype == jnp.dtype(dtype) and s.shape == (70,) and s.dtype == jnp.float32
+    err = jnp.abs(q.astype(jnp.float32) * s - w) / jnp.maximum(jnp.abs(w).max(0), 1e-30)
+    assert float(err.max()) <= bound and float(s[5]) == 1.0
+  with pytest.raises(ValueError, match="must be one of"):
+    wt.quantize_weight(w, "int4")
+  with pytest.raises(ValueError, match=r"\[K, N\] floating"):
+    wt.quantize_weight(w[0])
+
+
+def test_quantized_decoder_continues_the_prompt_and_matches_xla():
+  import wavetune_jax.models as M
+  cfg = M.MODELS["small"].with_layers(1)
+  params = M.init(jax.random.PRNGKey(0), cfg)
+  toks = jax.random.randint(jax.random.PRNGKey(1), (2, 10), 0, cfg.vocab)
+  q8 = M.quantize_params(params, cfg, "int8")
+  assert q8["layers"][0]["w13"]["q"].dtype == jnp.int8 and params["layers"][0]["w13"].ndim == 2
+  outs = {}
+  for ops in ("xla", "tables"):
+    o = M.make_ops(ops)
+    full, _, _ = M.prefill(q8, toks, cfg=cfg, ops=o, max_len=10)
+    _, kc, vc = M.prefill(q8, toks[:, :9], cfg=cfg, ops=o, max_len=12)
+    step, _, _ = M.decode_step(q8, kc, vc, jnp.array([9, 9]), toks[:, 9], cfg=cfg, ops=o)
+    np.testing.assert_allclose(np.asarray(step, np.float32), np.asarray(full, np.float32),
+                               rtol=5e-2, atol=5e-2)
+    outs[ops] = np.asarray(full, np.float32)
+  np.testing.assert_allclose(outs["tables"], outs["xla"], rtol=5e-2, atol=5e-2)
+  bf16 = np.asarray(M.prefill(params, toks, cfg=cfg, ops=M.make_ops("xla"), max_len=10)[0],
+                    np.float32)
+  rel = np.sqrt(np.mean((outs["xla"] - bf16) ** 2) / np.mean(bf16 ** 2))
+  assert 0 < rel < 0.05  # quantized, and close to the 16-bit model
+  with pytest.raises(ValueError, match="weights='int4'"):
+    M.quantize_params(params, cfg, "int4")
+
+
+def test_bench_model_with_quantized_weights(tmp_path, capsys):
+  import json
+
+  from wavetune_jax.cli.main import main
+  out = tmp_path / "bench.json"
+  assert main(["bench", "model", "--model", "small", "--layers", "1", "--prompt", "8",
+               "--decode-batch", "2", "--cache", "16", "--ops", "tables", "--weights", "fp8",
+               "--json", str(out)]) == 0
+  assert "fp8 weights" in capsys.readouterr().out
+  got = json.loads(out.read_text())
+  assert got["weights"] == "fp8" and all(r["rel_diff_vs_xla"] < 5e-2 for r in got["rows"])

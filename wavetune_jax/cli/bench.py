@@ -75,6 +75,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  "sequence's pages a random permutation of the pool; the xla setting "
                  "gathers them into a contiguous cache for cuDNN, the wavetune ops read "
                  "the pages)")
+  m.add_argument("--weights", choices=("bf16", "int8", "fp8"), default="bf16",
+                 help="the dense GEMMs' weights: bf16 (default), or int8 / fp8 (e4m3) with a "
+                 "scale per output channel, run by every setting (xla: XLA's GEMM on the "
+                 "converted weight; the wavetune ops: wt.quantized_matmul); expert weights "
+                 "stay bf16")
   m.add_argument("--cache-multiple", type=positive_int, default=1, metavar="N",
                  help="a contiguous cache holds the cache length + 1 positions rounded up "
                  "to a multiple of N, as a serving stack allocates it (the Mosaic decode "
@@ -166,9 +171,10 @@ def _bench_model(a) -> int:
     prof = Profiler(iterations=a.iterations)
   layout = f"paged KV cache (pages of {page_size})" if page_size else "contiguous KV cache"
   attn = _attention_summary(cfg)
-  print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers{attn}, {layout}, "
-        f"settings {','.join(settings)}", flush=True)
-  params = M.init(jax.random.PRNGKey(0), cfg)
+  wts = "" if a.weights == "bf16" else f", {a.weights} weights"
+  print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers{attn}{wts}, "
+        f"{layout}, settings {','.join(settings)}", flush=True)
+  params = M.quantize_params(M.init(jax.random.PRNGKey(0), cfg), cfg, a.weights)
   rows = []
   work = ([("prefill", s, a.batch) for s in a.prompt]
           + [("decode", c, b) for b in a.decode_batch for c in a.cache])
@@ -249,7 +255,7 @@ def _bench_model(a) -> int:
           json.dump({"device": jax.devices()[0].device_kind, "model": cfg.name,
                      "layers": cfg.layers, "window": cfg.window,
                      "global_every": cfg.global_every, "soft_cap": cfg.soft_cap,
-                     "sinks": cfg.sinks, "xla_autotune": a.xla_autotune,
+                     "sinks": cfg.sinks, "weights": a.weights, "xla_autotune": a.xla_autotune,
                      "compile_cache": bool(a.compile_cache), "cache_fill": a.cache_fill,
                      "cache_layout": a.cache_layout, "page_size": page_size,
                      "rows": rows}, f, indent=1)

@@ -43,7 +43,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.decode import paging
 
-__all__ = ["ModelConfig", "MODELS", "OPS", "Ops", "make_ops", "ops_names", "init", "prefill",
+__all__ = ["ModelConfig", "MODELS", "OPS", "Ops", "make_ops", "ops_names", "init",
+           "quantize_params", "WEIGHT_FORMATS", "prefill",
            "decode_step", "paged_prefill", "paged_decode_step", "random_block_tables",
            "moe_mlp", "library_attention_impl"]
 
@@ -146,7 +147,7 @@ def ops_names() -> tuple[str, ...]:
 
 
 class Ops(NamedTuple):
-  """The four ops a decoder calls, and the context its trace runs in."""
+  """The ops a decoder calls, and the context its trace runs in."""
 
   name: str
   matmul: Callable
@@ -157,6 +158,8 @@ class Ops(NamedTuple):
   decode_attention: Callable
   ragged_dot: Callable
   context: Callable           # () -> context manager active while tracing
+  # (x, w_q, scales) -> (x @ w_q) * scales: a weight of quantize_params.
+  qmatmul: Callable = None
 
 
 def library_attention_impl(q: jax.Array) -> str | None:
@@ -180,8 +183,10 @@ def make_ops(name: str) -> Ops:
   """The ops of one setting of the switch (see the module doc)."""
   import wavetune_jax as wt
   if name == "xla":
+    from wavetune_jax.families.qmatmul.backends import xla_qmatmul
     return Ops("xla", lambda x, w: jnp.dot(x, w), _xla_attention, _xla_decode_attention,
-               jax.lax.ragged_dot, contextlib.nullcontext)
+               jax.lax.ragged_dot, contextlib.nullcontext,
+               lambda x, w, s: xla_qmatmul(x, w, s, x.dtype))
   from wavetune_jax.runtime.selector import POLICIES
   policy = "fixed" if name == "default" else name if name in POLICIES else None
   if policy is None:
@@ -189,7 +194,7 @@ def make_ops(name: str) -> Ops:
   return Ops(name, wt.matmul, lambda q, k, v, **o: wt.attention(q, k, v, causal=True, **o),
              lambda q, k, v, n, block_tables=None, **o: wt.decode_attention(
                  q, k, v, kv_lengths=n, block_tables=block_tables, **o),
-             wt.ragged_dot, lambda: wt.policy(policy))
+             wt.ragged_dot, lambda: wt.policy(policy), wt.quantized_matmul)
 
 
 def _xla_attention(q, k, v, **options):
@@ -251,6 +256,44 @@ def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
           "lm_head": normal(keys[-1], (h, cfg.vocab), h)}
 
 
+#: ``quantize_params``'s formats: 16-bit weights as they are, or the dense
+#: GEMMs' weights in int8 / float8_e4m3fn with a scale per output channel.
+WEIGHT_FORMATS = {"bf16": None, "int8": "int8", "fp8": "float8_e4m3fn"}
+#: The layer weights quantize_params quantizes (dense MLPs; experts and the
+#: embedding, router and LM head stay 16-bit).
+_QUANTIZED = ("wqkv", "wo", "w13", "w2")
+
+
+def quantize_params(params: dict, cfg: ModelConfig, weights: str) -> dict:
+  """``params`` with each layer's dense GEMM weights quantized
+  (``wavetune_jax.quantize_weight``) to ``{"q": w_q, "s": scales}``;
+  ``weights`` one of :data:`WEIGHT_FORMATS` (``"bf16"``: unchanged). A
+  mixture-of-experts model keeps its expert weights 16-bit (the grouped GEMM
+  takes no 8-bit weights yet); its attention weights are quantized."""
+  if weights not in WEIGHT_FORMATS:
+    raise ValueError(f"weights={weights!r} must be one of {sorted(WEIGHT_FORMATS)}")
+  dtype = WEIGHT_FORMATS[weights]
+  if dtype is None:
+    return params
+  from wavetune_jax.families.qmatmul.quantize import quantize_weight
+  names = _QUANTIZED[:2] if cfg.experts else _QUANTIZED
+  layers = []
+  for p in params["layers"]:
+    p = dict(p)
+    for n in names:
+      q, s = quantize_weight(p[n], dtype)
+      p[n] = {"q": q, "s": s}
+    layers.append(p)
+  return {**params, "layers": layers}
+
+
+def _mm(ops: Ops, x, w):
+  """``x @ w`` for a 16-bit weight or a quantized one (``quantize_params``)."""
+  if isinstance(w, dict):
+    return ops.qmatmul(x, w["q"], w["s"])
+  return ops.matmul(x, w)
+
+
 def _norm(x):
   x32 = x.astype(jnp.float32)
   return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5)).astype(x.dtype)
@@ -259,9 +302,9 @@ def _norm(x):
 def _mlp(p, h, cfg: ModelConfig, ops: Ops):
   """``h [tokens, hidden]`` through the SwiGLU MLP (dense or experts)."""
   if not cfg.experts:
-    g, u = jnp.split(ops.matmul(h, p["w13"]), 2, axis=-1)
+    g, u = jnp.split(_mm(ops, h, p["w13"]), 2, axis=-1)
     m = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
-    return ops.matmul(m, p["w2"])
+    return _mm(ops, m, p["w2"])
   return moe_mlp(p, h, top_k=cfg.top_k, gemm=ops.ragged_dot)
 
 
@@ -290,7 +333,7 @@ def moe_mlp(params, x, *, top_k: int, gemm):
 def _qkv(p, x, cfg: ModelConfig, ops: Ops):
   b, s, _ = x.shape
   d = cfg.head_dim
-  qkv = ops.matmul(_norm(x).reshape(b * s, cfg.hidden), p["wqkv"])
+  qkv = _mm(ops, _norm(x).reshape(b * s, cfg.hidden), p["wqkv"])
   q, k, v = jnp.split(qkv, [cfg.q_heads * d, (cfg.q_heads + cfg.kv_heads) * d], axis=-1)
   return (q.reshape(b, s, cfg.q_heads, d), k.reshape(b, s, cfg.kv_heads, d),
           v.reshape(b, s, cfg.kv_heads, d))
@@ -298,7 +341,7 @@ def _qkv(p, x, cfg: ModelConfig, ops: Ops):
 
 def _finish(p, x, a, cfg: ModelConfig, ops: Ops):
   b, s, _ = x.shape
-  x = x + ops.matmul(a.reshape(b * s, -1), p["wo"]).reshape(x.shape)
+  x = x + _mm(ops, a.reshape(b * s, -1), p["wo"]).reshape(x.shape)
   return x + _mlp(p, _norm(x).reshape(b * s, cfg.hidden), cfg, ops).reshape(x.shape)
 
 

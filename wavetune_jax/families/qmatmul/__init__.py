@@ -4,9 +4,10 @@ from wavetune_jax.families.qmatmul.backends import (MosaicQMatmul, XlaQMatmul,
                                                     XlaQMatmulConfig)
 from wavetune_jax.families.qmatmul.family import QMatmulFamily
 from wavetune_jax.families.qmatmul.problem import QMatmulProblem
+from wavetune_jax.families.qmatmul.quantize import quantize_weight
 
 __all__ = ["MosaicQMatmul", "QMatmulFamily", "QMatmulProblem", "XlaQMatmul",
-           "XlaQMatmulConfig", "make"]
+           "XlaQMatmulConfig", "make", "quantize_weight"]
 
 
 def make() -> QMatmulFamily:
