@@ -311,3 +311,28 @@ def test_fixed_policy_and_the_reference_take_one_sided_windows():
                            window_left=5)
   assert wt.ATTENTION.reference(ap, *wt.ATTENTION.inputs(ap, jax.random.PRNGKey(0))).shape == (
       1, 32, 4, 32)
+
+
+def test_suite_windows_and_the_fit_leaves_option_problems_out():
+  import argparse
+
+  from wavetune_jax.cli import sweep
+  from wavetune_jax.tuning.tuner import fit_entries
+  ns = argparse.Namespace(shapes="train", weights=None, m=[4096, 8192], m_range=None,
+                          dtype="bfloat16", windows=True, problems_of=None)
+  probs = sweep.problems(DECODE, ns)
+  local = [p for p in probs if p.windowed]
+  assert {p.window_left + 1 for p in local} == {128, 512, 1024, 4096}
+  assert all(p.window_right == 0 and p.window_left < p.kv_len for p in local)
+  assert len(probs) - len(local) == len([p for p in probs if p.plain])
+  with pytest.raises(ValueError, match="no sliding windows"):
+    sweep.problems(wt.MATMUL, ns)
+  # Measurements of windowed problems fit no wave model (their (G, L) is the
+  # whole cache's); plain ones do.
+  c = kernel.MosaicDecodeConfig(block_k=64, num_stages=2, num_splits=1)
+  pts = [(DecodeProblem(batch=b, q_heads=32, kv_heads=8, kv_len=4096, window_left=511), c,
+          10.0 + b) for b in (1, 2, 4, 8)]
+  assert fit_entries(DECODE, H100, pts) == {}
+  plain = [(DecodeProblem(batch=b, q_heads=32, kv_heads=8, kv_len=4096), c, 10.0 + b)
+           for b in (1, 2, 4, 8)]
+  assert fit_entries(DECODE, H100, plain)

@@ -64,6 +64,8 @@ def problems(spec, args):
   if args.m_range:
     lo, hi = args.m_range
     probs = [p for p in probs if lo <= spec.size_of(p) <= hi]
+  if getattr(args, "windows", False):
+    probs = probs + spec.window_variants(probs, suite)
   if not probs:
     raise ValueError(f"no {spec.name} problem in suite {args.shapes!r} matches the options")
   return probs
@@ -251,6 +253,9 @@ def add_problem_args(ap: argparse.ArgumentParser) -> None:
                   help="keep only sizes in [LO, HI]")
   ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                   help="input dtype (default: bfloat16)")
+  ap.add_argument("--windows", action="store_true",
+                  help="also each problem with each of the suite's sliding windows shorter "
+                  "than its sequence (attention and decode; train: 128, 512, 1024, 4096)")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

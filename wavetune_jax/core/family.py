@@ -558,6 +558,12 @@ class Family(abc.ABC):
     a = self.backend_of(config).aux(problem, config)
     return tuple(a) if a else (0.0,) * len(self.aux_names)
 
+  def window_variants(self, problems: list, suite: dict) -> list:
+    """Each of ``problems`` with each of the suite's sliding windows (the
+    attention families; ``wavetune sweep --windows``)."""
+    raise ValueError(f"the {self.name} family has no sliding windows (--windows: attention "
+                     f"and decode)")
+
   #: The project ships tables of this family for its GPUs (False: none yet,
   #: so a missing table is expected and not warned about).
   tables_shipped: ClassVar[bool] = True

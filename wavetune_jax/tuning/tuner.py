@@ -205,10 +205,13 @@ def fit_entries(spec: Family, hw: Hardware, points: Sequence[tuple], *,
   Variants with fewer than 2 points get no entry. With ``family_weight > 0``
   a variant's fit also sees the points of its family (same macro tile, other
   micro fields) at that weight: sparse anchors borrow the family's curve.
+  Problems the models do not answer (``Family.modelled``: attention's
+  windows, soft caps, sinks) are left out: their (G, L) is not the work
+  they do. Their measurements still make exact entries and evidence.
   """
   groups = collections.defaultdict(list)
   for p, c, us in points:
-    if us is not None and us > 0:
+    if us is not None and us > 0 and spec.modelled(p):
       groups[spec.variant(c)].append((p, c, us))
   groups = {v: pts for v, pts in groups.items() if len(pts) >= _MIN_POINTS}
   if not groups:

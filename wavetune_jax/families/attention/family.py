@@ -33,6 +33,15 @@ def split_extra(problem, extra: tuple):
   return lengths, sinks
 
 
+def window_variants(problems: list, windows) -> list:
+  """Each problem with each window ``w`` shorter than its keys: the query
+  sees its last ``w`` positions, ``(w - 1, 0)``."""
+  return [p.__class__(**{**{f: getattr(p, f) for f in p.__dataclass_fields__
+                            if p.__dataclass_fields__[f].init},
+                         "window_left": w - 1, "window_right": 0})
+          for p in problems for w in windows if w < p.kv_len]
+
+
 def options_key(p) -> str:
   """The problem-key suffix of a window, soft-capping and sinks (empty
   without them: keys of plain attention are those of files on record)."""
@@ -102,6 +111,11 @@ class AttentionFamily(Family):
     if sinks is not None:
       arrays, names = arrays + (sinks,), names + ("sinks",)
     return Call(problem, arrays, {"scale": scale}, names)
+
+  def window_variants(self, problems: list, suite: dict) -> list:
+    """Each problem with each of ``suite["attention"]["windows"]`` shorter
+    than its sequence."""
+    return window_variants(problems, suite["attention"].get("windows", ()))
 
   def modelled(self, problem: AttentionProblem) -> bool:
     """Plain attention only: the sweeps and tables hold no window, soft cap

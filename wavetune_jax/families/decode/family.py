@@ -17,7 +17,7 @@ from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.decode.library import library_attention, plain_mask
 from wavetune_jax.families.decode.problem import MAX_Q_LEN, DecodeProblem
-from wavetune_jax.families.attention.family import options_key
+from wavetune_jax.families.attention.family import options_key, window_variants
 from wavetune_jax.families.attention.problem import OPTION_DEFAULTS
 from wavetune_jax.families.matmul.family import operand
 from wavetune_jax.shapes import suite_entries
@@ -153,6 +153,11 @@ class DecodeFamily(Family):
     if sinks is not None:
       arrays, names = arrays + (sinks,), names + ("sinks",)
     return Call(problem, arrays, {"scale": scale}, names)
+
+  def window_variants(self, problems: list, suite: dict) -> list:
+    """Each problem with each of ``suite["decode"]["windows"]`` shorter than
+    its cache."""
+    return window_variants(problems, suite["decode"].get("windows", ()))
 
   def modelled(self, problem: DecodeProblem) -> bool:
     """No window, soft cap or sinks: the sweeps and tables hold none (the
