@@ -226,7 +226,6 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
   sk = config.split_k
   bm, bn = config.block_m, config.block_n
   wm, wn = wg_tile(bm, bn)
-  split_m = bm >= 128  # the consumer warpgroups split M (wg_tile)
   tiles_m, tiles_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
   steps = k_steps(k, sk)  # pipeline steps per split
   split_len = steps * BLOCK_K
@@ -257,37 +256,16 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
       @plgpu.nd_loop((tiles_m * tiles_n * sk,), collective_axes="sm")
       def _tile_loop(info: plgpu.NDLoopInfo):
         (lin,) = info.index
-        # Splits outermost: the CTAs of one wave share K ranges of w.
-        split = lax.div(lin, jnp.int32(tiles_m * tiles_n))
-        mn = lax.rem(lin, jnp.int32(tiles_m * tiles_n))
-        mi, ni = plgpu.planar_snake(mn, (tiles_m, tiles_n), config.grid_minor,
-                                    config.grid_width)
-        m_slice = pl.ds(mi * bm, bm)
-        n_slice = pl.ds(ni * bn, bn)
-        k_slice = pl.ds(split * split_len, split_len)
-        if split_m:
-          wg_m, wg_n = pl.ds(wg * wm, wm), slice(None)
-        else:
-          wg_m, wg_n = slice(None), pl.ds(wg * wn, wn)
+        split, m_slice, n_slice, k_slice, wg_m, wg_n = work_tile(
+            lin, wg, tiles=(tiles_m, tiles_n), config=config, split_len=split_len)
         out_ref = out_gmem.at[split] if sk > 1 else out_gmem
 
         def compute_context(eval_pipeline):
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
           def _acc_scope(acc_ref):
             eval_pipeline(acc_ref)
-            acc = acc_ref[...].astype(out_dtype)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            for ei in range(wm // epi_m):
-              for ej in range(wn // epi_n):
-                e_m = slice(ei * epi_m, (ei + 1) * epi_m)
-                e_n = slice(ej * epi_n, (ej + 1) * epi_n)
-                slot = (ei * (wn // epi_n) + ej) % num_slots
-                plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
-                out_smem[wg, slot] = acc[e_m, e_n]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem.at[wg, slot],
-                    out_ref.at[m_slice, n_slice].at[wg_m, wg_n].at[e_m, e_n])
+            store_tile(acc_ref[...].astype(out_dtype), out_smem, wg,
+                       out_ref.at[m_slice, n_slice].at[wg_m, wg_n], epi=(epi_m, epi_n))
 
         def mma_body(_, x_smem, w_smem, acc_ref):
           plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n])
@@ -306,6 +284,49 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
   (x, w), axes = match_varying(x, w)
   return persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
                            min(num_sms, tiles_m * tiles_n * sk))(x, w)
+
+
+def work_tile(lin, wg, *, tiles: tuple[int, int], config, split_len: int):
+  """Work tile ``lin`` of a persistent GEMM grid, seen by consumer warpgroup
+  ``wg``: ``(split, m_slice, n_slice, k_slice, wg_m, wg_n)``. Splits
+  outermost (the CTAs of one wave share K ranges of w), tiles in
+  ``config``'s planar-snake order; the warpgroups split the CTA tile along M
+  from 128 rows, else along N (:func:`wg_tile`)."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  tiles_m, tiles_n = tiles
+  bm, bn = config.block_m, config.block_n
+  wm, wn = wg_tile(bm, bn)
+  split = lax.div(lin, jnp.int32(tiles_m * tiles_n))
+  mn = lax.rem(lin, jnp.int32(tiles_m * tiles_n))
+  mi, ni = plgpu.planar_snake(mn, (tiles_m, tiles_n), config.grid_minor, config.grid_width)
+  m_slice, n_slice = pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)
+  k_slice = pl.ds(split * split_len, split_len)
+  if bm >= 128:
+    wg_m, wg_n = pl.ds(wg * wm, wm), slice(None)
+  else:
+    wg_m, wg_n = slice(None), pl.ds(wg * wn, wn)
+  return split, m_slice, n_slice, k_slice, wg_m, wg_n
+
+
+def store_tile(acc, out_smem, wg, dst, *, epi: tuple[int, int]) -> None:
+  """A consumer warpgroup's tile ``acc`` (in the output dtype) to ``dst``
+  through ``out_smem[wg]``'s slots, ``epi``-sized sub-tiles, TMA stores
+  overlapping the next sub-tile's copy to shared memory."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  wm, wn = acc.shape
+  epi_m, epi_n = epi
+  num_slots = out_smem.shape[1]
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  for ei in range(wm // epi_m):
+    for ej in range(wn // epi_n):
+      e_m = slice(ei * epi_m, (ei + 1) * epi_m)
+      e_n = slice(ej * epi_n, (ej + 1) * epi_n)
+      slot = (ei * (wn // epi_n) + ej) % num_slots
+      plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
+      out_smem[wg, slot] = acc[e_m, e_n]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[e_m, e_n])
 
 
 def operand_pipeline(body, compute_context, *, block_m: int, block_n: int, steps: int,

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, k_steps,
-                                          persistent_kernel, wg_tile)
+                                          persistent_kernel, store_tile, wg_tile, work_tile)
 from pallas_kernels._launch import match_varying, out_struct, require_compute_capability
 
 __all__ = ["WEIGHT_DTYPES", "check_shapes", "decode_config", "smem_bytes", "weight_only_matmul"]
@@ -195,17 +195,8 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
       @plgpu.nd_loop((tiles_m * tiles_n * sk,), collective_axes="sm")
       def _tile_loop(info: plgpu.NDLoopInfo):
         (lin,) = info.index
-        split = lax.div(lin, jnp.int32(tiles_m * tiles_n))
-        mn = lax.rem(lin, jnp.int32(tiles_m * tiles_n))
-        mi, ni = plgpu.planar_snake(mn, (tiles_m, tiles_n), config.grid_minor,
-                                    config.grid_width)
-        m_slice = pl.ds(mi * bm, bm)
-        n_slice = pl.ds(ni * bn, bn)
-        k_slice = pl.ds(split * split_len, split_len)
-        if split_m:
-          wg_m, wg_n = pl.ds(wg * wm, wm), slice(None)
-        else:
-          wg_m, wg_n = slice(None), pl.ds(wg * wn, wn)
+        split, m_slice, n_slice, k_slice, wg_m, wg_n = work_tile(
+            lin, wg, tiles=(tiles_m, tiles_n), config=config, split_len=split_len)
         out_ref = out_gmem.at[split] if sk > 1 else out_gmem
 
         def compute_context(eval_pipeline):
@@ -213,19 +204,8 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
           def _acc_scope(acc_ref):
             eval_pipeline(acc_ref)
             plgpu.wgmma_wait(0)
-            acc = acc_ref[...]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            for ei in range(wm // epi_m):
-              for ej in range(wn // epi_n):
-                e_m = slice(ei * epi_m, (ei + 1) * epi_m)
-                e_n = slice(ej * epi_n, (ej + 1) * epi_n)
-                slot = (ei * (wn // epi_n) + ej) % num_slots
-                plgpu.wait_smem_to_gmem(num_slots - 1, wait_read_only=True)
-                out_smem[wg, slot] = acc[e_m, e_n]
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem.at[wg, slot],
-                    out_ref.at[m_slice, n_slice].at[wg_m, wg_n].at[e_m, e_n])
+            store_tile(acc_ref[...], out_smem, wg, out_ref.at[m_slice, n_slice].at[wg_m, wg_n],
+                       epi=(epi_m, epi_n))
 
         def mma_body(idx, x_smem, w_smem, acc_ref):
           # The consumer's columns of the 8-bit block, converted in registers
