@@ -41,6 +41,17 @@ def operand(name: str, value) -> jax.Array:
                      f"({why})") from None
 
 
+def check_operands(x, w) -> None:
+  """Ranks and inner dimensions of ``x [M, K] @ w [K, N]`` (one-line errors)."""
+  if x.ndim != 2:
+    raise ValueError(f"x must have rank 2 ([M, K]); got x.shape={x.shape}")
+  if w.ndim != 2:
+    raise ValueError(f"w must have rank 2 ([K, N]); got w.shape={w.shape}")
+  if x.shape[1] != w.shape[0]:
+    raise ValueError(f"inner dimensions differ: x.shape={x.shape} and w.shape={w.shape} "
+                     f"(x.shape[1] must equal w.shape[0])")
+
+
 def _out_dtype(x_dtype, out_dtype) -> jnp.dtype:
   if out_dtype is None:
     return jnp.dtype(x_dtype)
@@ -87,13 +98,7 @@ class MatmulFamily(Family):
   def bind(self, x, w, *, out_dtype=None):
     """Checks ``x [M, K]`` and ``w [K, N]``; the problem of ``x @ w``."""
     x, w = operand("x", x), operand("w", w)
-    if x.ndim != 2:
-      raise ValueError(f"x must have rank 2 ([M, K]); got x.shape={x.shape}")
-    if w.ndim != 2:
-      raise ValueError(f"w must have rank 2 ([K, N]); got w.shape={w.shape}")
-    if x.shape[1] != w.shape[0]:
-      raise ValueError(f"inner dimensions differ: x.shape={x.shape} and w.shape={w.shape} "
-                       f"(x.shape[1] must equal w.shape[0])")
+    check_operands(x, w)
     if x.dtype != w.dtype:
       raise ValueError(f"x.dtype={x.dtype} and w.dtype={w.dtype} must be the same")
     if x.dtype not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from wavetune_jax.core.family import Problem
 
-__all__ = ["MatmulProblem", "DTYPES", "OUT_DTYPES"]
+__all__ = ["GemmShape", "MatmulProblem", "DTYPES", "OUT_DTYPES"]
 
 #: Input dtypes (both operands share one).
 DTYPES = ("bfloat16", "float16", "float32")
@@ -16,8 +16,23 @@ DTYPES = ("bfloat16", "float16", "float32")
 OUT_DTYPES = ("bfloat16", "float16", "float32")
 
 
+class GemmShape(Problem):
+  """Views shared by the GEMM-like problems (fields ``m``, ``n``, ``k``,
+  ``dtype``)."""
+
+  __slots__ = ()
+
+  @property
+  def itemsize(self) -> int:
+    return jnp.dtype(self.dtype).itemsize
+
+  @property
+  def flops(self) -> int:
+    return 2 * self.m * self.n * self.k
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class MatmulProblem(Problem):
+class MatmulProblem(GemmShape):
   """Static facts of one GEMM call.
 
   Attributes:
@@ -36,14 +51,6 @@ class MatmulProblem(Problem):
 
   def __post_init__(self):
     check_gemm_fields(self, ("m", "n", "k"), DTYPES)
-
-  @property
-  def itemsize(self) -> int:
-    return jnp.dtype(self.dtype).itemsize
-
-  @property
-  def flops(self) -> int:
-    return 2 * self.m * self.n * self.k
 
 
 def check_gemm_fields(problem, dims, dtypes) -> None:

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
-from wavetune_jax.families.matmul.family import _out_dtype, gemm_weights, operand
+from wavetune_jax.families.matmul.family import (_out_dtype, check_operands, gemm_weights,
+                                                 operand)
 from wavetune_jax.families.qmatmul.problem import DTYPES, WEIGHT_DTYPES, QMatmulProblem
 
 __all__ = ["QMatmulFamily"]
@@ -33,13 +34,7 @@ class QMatmulFamily(Family):
   def bind(self, x, w, scales, *, out_dtype=None):
     """Checks ``x [M, K]``, ``w [K, N]`` and ``scales [N]``; the problem."""
     x, w, scales = operand("x", x), operand("w", w), operand("scales", scales)
-    if x.ndim != 2:
-      raise ValueError(f"x must have rank 2 ([M, K]); got x.shape={x.shape}")
-    if w.ndim != 2:
-      raise ValueError(f"w must have rank 2 ([K, N]); got w.shape={w.shape}")
-    if x.shape[1] != w.shape[0]:
-      raise ValueError(f"inner dimensions differ: x.shape={x.shape} and w.shape={w.shape} "
-                       f"(x.shape[1] must equal w.shape[0])")
+    check_operands(x, w)
     if x.dtype.name not in DTYPES:
       raise ValueError(f"x.dtype={x.dtype} must be one of {DTYPES}")
     if w.dtype.name not in WEIGHT_DTYPES:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 
-from wavetune_jax.core.family import Problem
-from wavetune_jax.families.matmul.problem import _dtype_name, check_gemm_fields
+from wavetune_jax.families.matmul.problem import GemmShape, _dtype_name, check_gemm_fields
 
 __all__ = ["QMatmulProblem", "DTYPES", "WEIGHT_DTYPES"]
 
@@ -18,7 +16,7 @@ WEIGHT_DTYPES = ("int8", "float8_e4m3fn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class QMatmulProblem(Problem):
+class QMatmulProblem(GemmShape):
   """Static facts of one weight-only quantized GEMM call.
 
   Attributes:
@@ -42,11 +40,3 @@ class QMatmulProblem(Problem):
     object.__setattr__(self, "w_dtype",
                        _dtype_name("QMatmulProblem.w_dtype", self.w_dtype, WEIGHT_DTYPES))
     check_gemm_fields(self, ("m", "n", "k"), DTYPES)
-
-  @property
-  def itemsize(self) -> int:
-    return jnp.dtype(self.dtype).itemsize
-
-  @property
-  def flops(self) -> int:
-    return 2 * self.m * self.n * self.k

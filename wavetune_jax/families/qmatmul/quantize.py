@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from wavetune_jax.families.matmul.problem import _dtype_name
 from wavetune_jax.families.qmatmul.problem import WEIGHT_DTYPES
 
 __all__ = ["quantize_weight", "FP8_MAX", "INT8_MAX"]
@@ -29,12 +30,7 @@ def quantize_weight(w: jax.Array, dtype: str = "int8") -> tuple[jax.Array, jax.A
   w = jnp.asarray(w)
   if w.ndim != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"w must be a [K, N] floating array; got {w.shape} {w.dtype}")
-  try:
-    name = jnp.dtype(dtype).name
-  except TypeError:
-    name = None
-  if name not in WEIGHT_DTYPES:
-    raise ValueError(f"dtype={dtype!r} must be one of {WEIGHT_DTYPES}")
+  name = _dtype_name("dtype", dtype, WEIGHT_DTYPES)
   top = INT8_MAX if name == "int8" else FP8_MAX
   w32 = w.astype(jnp.float32)
   amax = jnp.max(jnp.abs(w32), axis=0)

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 
-from wavetune_jax.core.family import Problem
-from wavetune_jax.families.matmul.problem import OUT_DTYPES, check_gemm_fields
+from wavetune_jax.families.matmul.problem import OUT_DTYPES, GemmShape, check_gemm_fields
 
 __all__ = ["RaggedDotProblem", "DTYPES", "OUT_DTYPES"]
 
@@ -22,7 +20,7 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class RaggedDotProblem(Problem):
+class RaggedDotProblem(GemmShape):
   """Static facts of one grouped-GEMM call.
 
   Attributes:
@@ -43,11 +41,3 @@ class RaggedDotProblem(Problem):
 
   def __post_init__(self):
     check_gemm_fields(self, ("m", "g", "k", "n"), DTYPES)
-
-  @property
-  def itemsize(self) -> int:
-    return jnp.dtype(self.dtype).itemsize
-
-  @property
-  def flops(self) -> int:
-    return 2 * self.m * self.n * self.k
