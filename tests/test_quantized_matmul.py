@@ -124,7 +124,9 @@ def test_problem_key_fields_and_suite():
   suite = load_suite()
   probs = QMATMUL.problems_from_suite(suite)
   assert {q.w_dtype for q in probs} == {"int8", "float8_e4m3fn"}
-  assert len(probs) == 2 * len(wt.MATMUL.problems_from_suite(suite))
+  # Weight-only int8 and e4m3, and W8A8-FP8 with the [N, K] weight.
+  assert len(probs) == 3 * len(wt.MATMUL.problems_from_suite(suite))
+  assert sum(q.w8a8 and q.w_layout == "nk" for q in probs) == len(probs) // 3
   for bad in (dict(w_dtype="int4"), dict(dtype="float32"), dict(m=0)):
     with pytest.raises(ValueError, match="QMatmulProblem"):
       QMatmulProblem(**{"m": 1, "n": 128, "k": 128, **bad})
@@ -200,14 +202,15 @@ def test_quantized_decoder_continues_the_prompt_and_matches_xla():
     M.quantize_params(params, cfg, "int4")
 
 
-def test_bench_model_with_quantized_weights(tmp_path, capsys):
+@pytest.mark.parametrize("weights,tol", [("fp8", 5e-2), ("w8a8", 15e-2)])
+def test_bench_model_with_quantized_weights(tmp_path, capsys, weights, tol):
   import json
 
   from wavetune_jax.cli.main import main
   out = tmp_path / "bench.json"
   assert main(["bench", "model", "--model", "small", "--layers", "1", "--prompt", "8",
-               "--decode-batch", "2", "--cache", "16", "--ops", "tables", "--weights", "fp8",
+               "--decode-batch", "2", "--cache", "16", "--ops", "tables", "--weights", weights,
                "--json", str(out)]) == 0
-  assert "fp8 weights" in capsys.readouterr().out
+  assert f"{weights} weights" in capsys.readouterr().out
   got = json.loads(out.read_text())
-  assert got["weights"] == "fp8" and all(r["rel_diff_vs_xla"] < 5e-2 for r in got["rows"])
+  assert got["weights"] == weights and all(r["rel_diff_vs_xla"] < tol for r in got["rows"])

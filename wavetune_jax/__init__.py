@@ -13,7 +13,8 @@ from wavetune_jax.families.decode import (CudnnDecodeConfig, DecodeProblem, Mosa
                                           TritonDecodeConfig, XlaDecodeConfig)
 from wavetune_jax.families.matmul import (MatmulProblem, MosaicMatmulConfig,
                                           TritonMatmulConfig, XlaMatmulConfig)
-from wavetune_jax.families.qmatmul import QMatmulProblem, XlaQMatmulConfig, quantize_weight
+from wavetune_jax.families.qmatmul import (QMatmulProblem, XlaQMatmulConfig, quantize_rows,
+                                           quantize_weight)
 from wavetune_jax.families.ragged_dot import (MosaicRaggedDotConfig, RaggedDotProblem,
                                               TritonRaggedDotConfig, XlaRaggedDotConfig)
 from wavetune_jax.ops import attention, decode_attention, matmul, quantized_matmul, ragged_dot
@@ -65,6 +66,7 @@ __all__ = [
     "load_tables",
     "matmul",
     "policy",
+    "quantize_rows",
     "quantize_weight",
     "quantized_matmul",
     "ragged_dot",

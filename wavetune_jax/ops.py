@@ -38,37 +38,49 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, config=None) -> jax.Ar
   return tuned_call(MATMUL, x, w, out_dtype=out_dtype, config=config)
 
 
-def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, out_dtype=None,
-                     config=None) -> jax.Array:
-  """``(x @ w) * scales`` with 8-bit weights (weight-only quantization),
-  tuned like :func:`matmul`.
+def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, x_scales=None,
+                     w_layout: str = "kn", out_dtype=None, config=None) -> jax.Array:
+  """A GEMM on 8-bit weights, tuned like :func:`matmul`: ``(x @ w) * scales``
+  (weight-only, W8A16), or with e4m3 activations and their per-row scales
+  ``(x @ w) * x_scales[:, None] * scales`` (W8A8-FP8).
 
   The dequantized weight is ``w * scales`` (``w`` int8 or float8_e4m3fn,
   one float32 scale per output channel, as ``qwix`` and most checkpoints
-  quantize a linear layer). A channel's scale leaves the dot product, so the
-  kernels multiply the 8-bit values (exact in bfloat16 and float16) with
-  fp32 accumulation and scale the result once: a decode step reads half the
-  bytes of a 16-bit weight. Tolerance against the float32 product of ``x``
-  and the dequantized weight: that of a bfloat16 GEMM (1e-2 relative).
+  quantize a linear layer); W8A8's dequantized activations are ``x *
+  x_scales[:, None]`` (one scale per token: :func:`quantize_rows`). The
+  scales leave the dot product, so the kernels multiply the 8-bit values
+  with fp32 accumulation and scale the result once: a decode step reads half
+  the bytes of a 16-bit weight, and W8A8 runs on the FP8 tensor cores (twice
+  bfloat16's rate). Tolerance against the float32 product of the
+  dequantized operands: that of a bfloat16 GEMM (1e-2 relative).
 
   Args:
-    x: ``[M, K]`` bfloat16 or float16 activations.
-    w: ``[K, N]`` int8 or float8_e4m3fn weight.
+    x: ``[M, K]`` bfloat16 or float16 activations, or float8_e4m3fn with
+      ``x_scales``.
+    w: ``[K, N]`` int8 or float8_e4m3fn weight (``[N, K]`` with
+      ``w_layout="nk"``; W8A8 takes e4m3).
     scales: ``[N]`` floating point (used as float32), one per output channel.
-    out_dtype: bfloat16, float16 or float32 (default ``x.dtype``).
-    config: ``XlaQMatmulConfig()`` (XLA's dot on the converted weight,
-      scales after), ``MosaicMatmulConfig`` (the Mosaic weight-only kernel:
-      Hopper, up to 64 rows, 64 x 256 tiles), a dict ``{"backend": name,
-      **fields}``, or ``None`` to let the selector choose.
+    x_scales: ``[M]`` floating point, one per row; only with e4m3 ``x``.
+    w_layout: ``"kn"`` (default) or ``"nk"``: the weight transposed, K
+      contiguous, the layout FP8 tensor cores read; the Mosaic FP8 kernel
+      needs it (``quantize_weight(w, "float8_e4m3fn", layout="nk")``), with
+      ``"kn"`` W8A8 runs on XLA.
+    out_dtype: bfloat16, float16 or float32 (default ``x.dtype``;
+      bfloat16 for e4m3 ``x``).
+    config: ``XlaQMatmulConfig()`` (XLA's dot with the scales after),
+      ``MosaicMatmulConfig`` (the Mosaic kernels: weight-only up to 64 rows;
+      W8A8 at any M), a dict ``{"backend": name, **fields}``, or ``None`` to
+      let the selector choose.
 
   Returns:
     ``[M, N]`` array of ``out_dtype``.
 
   Raises:
-    ValueError: ranks, inner dimensions, dtypes or the scales' shape wrong,
-      or a config that cannot run this problem here.
+    ValueError: ranks, inner dimensions, dtypes, the scales' shapes or the
+      layout wrong, or a config that cannot run this problem here.
   """
-  return tuned_call(QMATMUL, x, w, scales, out_dtype=out_dtype, config=config)
+  return tuned_call(QMATMUL, x, w, scales, x_scales=x_scales, w_layout=w_layout,
+                    out_dtype=out_dtype, config=config)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,

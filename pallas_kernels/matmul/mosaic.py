@@ -54,7 +54,8 @@ from pallas_kernels._launch import (check_ints, match_varying, out_struct,
                                      require_compute_capability)
 
 __all__ = ["BLOCK_K", "BLOCK_M", "BLOCK_N", "COMPUTE_CAPABILITY", "DTYPES", "NO_INTERPRET",
-           "MosaicMatmulConfig", "check_shapes", "matmul", "smem_bytes", "wg_tile"]
+           "MosaicMatmulConfig", "check_shapes", "matmul", "smem_bytes", "wg_tile",
+           "wgmma_wait_delayed"]
 
 #: The GPUs the kernel runs on (wgmma and TMA: Hopper).
 COMPUTE_CAPABILITY = "9.0"
@@ -327,6 +328,22 @@ def store_tile(acc, out_smem, wg, dst, *, epi: tuple[int, int]) -> None:
       out_smem[wg, slot] = acc[e_m, e_n]
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst.at[e_m, e_n])
+
+
+def wgmma_wait_delayed(step, steps: int, delay: int) -> None:
+  """A consumer's wait after issuing the wgmma of pipeline step ``step`` of
+  ``steps`` when ring slots are released ``delay`` steps late: all but
+  ``delay`` wgmmas, and at the last step all of them. (The pipeline never
+  releases the last step's slot; the producer starts the next work tile's
+  prologue, refilling every slot, as soon as it sees the step before
+  released, which the pipeline signals right after this body returns.)"""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  plgpu.wgmma_wait(delay)
+  if delay:
+    @pl.when(step == steps - 1)
+    def _drain():
+      plgpu.wgmma_wait(0)
 
 
 def operand_pipeline(body, compute_context, *, block_m: int, block_n: int, steps: int,

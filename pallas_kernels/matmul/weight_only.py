@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, k_steps,
-                                          persistent_kernel, store_tile, wg_tile, work_tile)
+                                          persistent_kernel, store_tile, wg_tile,
+                                          wgmma_wait_delayed, work_tile)
 from pallas_kernels._launch import match_varying, out_struct, require_compute_capability
 
 __all__ = ["WEIGHT_DTYPES", "check_shapes", "decode_config", "smem_bytes", "weight_only_matmul"]
@@ -218,7 +219,8 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
           deq_smem[wg, buf] = wv.astype(dtype)
           plgpu.commit_smem()
           plgpu.wgmma(acc_ref, x_smem.at[wg_m], deq_smem.at[wg, buf])
-          plgpu.wgmma_wait(1)  # the last step's: its buffer is free for the next
+          # The last step's: its buffer is free for the next.
+          wgmma_wait_delayed(idx[0], steps, 1)
           return acc_ref
 
         get_pipeline(mma_body, compute_context)(

@@ -390,10 +390,10 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
               p //= 2
             plgpu.commit_smem_to_gmem_group()
 
-        def mma_body(_, x_smem, w_smem, acc_ref):
+        def mma_body(idx, x_smem, w_smem, acc_ref):
           def mma():
             plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n])
-            plgpu.wgmma_wait(delay)
+            gemm.wgmma_wait_delayed(idx[0], steps, delay)
           if options.skip_idle and split_m:
             # This warpgroup's rows of the task are all past its group.
             pl.when(rows > 0)(mma)

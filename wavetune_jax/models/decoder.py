@@ -158,7 +158,8 @@ class Ops(NamedTuple):
   decode_attention: Callable
   ragged_dot: Callable
   context: Callable           # () -> context manager active while tracing
-  # (x, w_q, scales) -> (x @ w_q) * scales: a weight of quantize_params.
+  # (x, w_q, scales, x_scales=None, w_layout="kn", out_dtype=None) -> the
+  # product with a weight of quantize_params (wt.quantized_matmul's arguments).
   qmatmul: Callable = None
 
 
@@ -186,7 +187,8 @@ def make_ops(name: str) -> Ops:
     from wavetune_jax.families.qmatmul.backends import xla_qmatmul
     return Ops("xla", lambda x, w: jnp.dot(x, w), _xla_attention, _xla_decode_attention,
                jax.lax.ragged_dot, contextlib.nullcontext,
-               lambda x, w, s: xla_qmatmul(x, w, s, x.dtype))
+               lambda x, w, s, out_dtype=None, **kw: xla_qmatmul(
+                   x, w, s, out_dtype or x.dtype, **kw))
   from wavetune_jax.runtime.selector import POLICIES
   policy = "fixed" if name == "default" else name if name in POLICIES else None
   if policy is None:
@@ -256,9 +258,13 @@ def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
           "lm_head": normal(keys[-1], (h, cfg.vocab), h)}
 
 
-#: ``quantize_params``'s formats: 16-bit weights as they are, or the dense
-#: GEMMs' weights in int8 / float8_e4m3fn with a scale per output channel.
-WEIGHT_FORMATS = {"bf16": None, "int8": "int8", "fp8": "float8_e4m3fn"}
+#: ``quantize_params``'s formats: 16-bit weights as they are, the dense
+#: GEMMs' weights in int8 / float8_e4m3fn with a scale per output channel
+#: (weight-only), or ``"w8a8"``: e4m3 weights stored ``[N, K]`` and e4m3
+#: activations, each GEMM's input quantized per token as it runs
+#: (``wavetune_jax.quantize_rows``), the FP8 tensor cores' GEMM.
+WEIGHT_FORMATS = {"bf16": None, "int8": "int8", "fp8": "float8_e4m3fn",
+                  "w8a8": "float8_e4m3fn"}
 #: The layer weights quantize_params quantizes (dense MLPs; experts and the
 #: embedding, router and LM head stay 16-bit).
 _QUANTIZED = ("wqkv", "wo", "w13", "w2")
@@ -266,7 +272,8 @@ _QUANTIZED = ("wqkv", "wo", "w13", "w2")
 
 def quantize_params(params: dict, cfg: ModelConfig, weights: str) -> dict:
   """``params`` with each layer's dense GEMM weights quantized
-  (``wavetune_jax.quantize_weight``) to ``{"q": w_q, "s": scales}``;
+  (``wavetune_jax.quantize_weight``) to ``{"q": w_q, "s": scales}`` (``"w8a8"``:
+  ``{"qt": w_q [N, K], "s": scales}``, its inputs quantized per token as they run);
   ``weights`` one of :data:`WEIGHT_FORMATS` (``"bf16"``: unchanged). A
   mixture-of-experts model keeps its expert weights 16-bit (the grouped GEMM
   takes no 8-bit weights yet); its attention weights are quantized."""
@@ -277,18 +284,24 @@ def quantize_params(params: dict, cfg: ModelConfig, weights: str) -> dict:
     return params
   from wavetune_jax.families.qmatmul.quantize import quantize_weight
   names = _QUANTIZED[:2] if cfg.experts else _QUANTIZED
+  layout = "nk" if weights == "w8a8" else "kn"
   layers = []
   for p in params["layers"]:
     p = dict(p)
     for n in names:
-      q, s = quantize_weight(p[n], dtype)
-      p[n] = {"q": q, "s": s}
+      q, s = quantize_weight(p[n], dtype, layout=layout)
+      # "qt": the weight transposed ([N, K]), run as W8A8.
+      p[n] = {"q" if layout == "kn" else "qt": q, "s": s}
     layers.append(p)
   return {**params, "layers": layers}
 
 
 def _mm(ops: Ops, x, w):
   """``x @ w`` for a 16-bit weight or a quantized one (``quantize_params``)."""
+  if isinstance(w, dict) and "qt" in w:
+    from wavetune_jax.families.qmatmul.quantize import quantize_rows
+    x8, xs = quantize_rows(x)
+    return ops.qmatmul(x8, w["qt"], w["s"], x_scales=xs, w_layout="nk", out_dtype=x.dtype)
   if isinstance(w, dict):
     return ops.qmatmul(x, w["q"], w["s"])
   return ops.matmul(x, w)

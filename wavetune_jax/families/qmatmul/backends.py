@@ -1,6 +1,7 @@
-"""The backends of the weight-only quantized GEMM: XLA's dot on the converted
-weight (the platform op) and the Mosaic GPU kernel
-(``pallas_kernels.matmul.weight_only``)."""
+"""The backends of the quantized GEMM: XLA's dot (the platform op: on the
+converted weight for weight-only problems, on the e4m3 operands for W8A8)
+and the Mosaic GPU kernels (``pallas_kernels.matmul.weight_only`` and
+``pallas_kernels.matmul.fp8``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import dataclasses
 import itertools
 
 import jax.numpy as jnp
+from jax import lax
 
+from pallas_kernels.matmul import fp8 as fp8_kernel
 from pallas_kernels.matmul import weight_only as kernel
 from pallas_kernels.matmul.mosaic import BLOCK_K, MosaicMatmulConfig
 from wavetune_jax.core.family import Backend
@@ -16,7 +19,7 @@ from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.qmatmul.problem import QMatmulProblem
 
 __all__ = ["XlaQMatmul", "XlaQMatmulConfig", "MosaicQMatmul", "xla_qmatmul",
-           "xla_dequantize_dot"]
+           "xla_dequantize_dot", "dequantized_product"]
 
 #: The nominal tiling of the XLA backend's (G, L).
 NOMINAL_M, NOMINAL_N = 64, 128
@@ -25,14 +28,40 @@ NOMINAL_M, NOMINAL_N = 64, 128
 MOSAIC_MAX_M = 64
 STAGES = (3, 4, 5)
 SPLIT_K = (1, 2, 4, 8, 16, 32)
+#: CTA tiles of the W8A8 space.
+FP8_TILES = ((64, 128), (64, 256), (128, 128), (128, 192), (128, 256), (256, 128))
 
 
-def xla_qmatmul(x, w, scales, out_dtype):
-  """XLA's dot on the weight converted to the activations' dtype (exact for
-  8-bit values), fp32 accumulation, the scales on the result: XLA fuses the
-  conversion into its GEMM, reading the 8-bit weight."""
-  acc = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-  return (acc * scales.astype(jnp.float32)).astype(out_dtype)
+def _dims(w_layout: str):
+  return (((1,), (0 if w_layout == "kn" else 1,)), ((), ()))
+
+
+def xla_qmatmul(x, w, scales, out_dtype, *, x_scales=None, w_layout: str = "kn"):
+  """What a JAX user writes, XLA's dot with fp32 accumulation and the scales
+  on the result. Weight-only: the weight converted to the activations'
+  dtype (exact for 8-bit values; XLA fuses the conversion into its GEMM,
+  reading the 8-bit weight). W8A8: ``lax.dot_general`` on the e4m3
+  operands with ``preferred_element_type=float32`` (XLA's FP8 GEMM), then
+  the rows' and the channels' scales."""
+  if x_scales is None:
+    acc = lax.dot_general(x, w.astype(x.dtype), _dims(w_layout),
+                          preferred_element_type=jnp.float32)
+    return (acc * scales.astype(jnp.float32)).astype(out_dtype)
+  acc = lax.dot_general(x, w, _dims(w_layout), preferred_element_type=jnp.float32)
+  return (acc * x_scales.astype(jnp.float32)[:, None]
+          * scales.astype(jnp.float32)[None, :]).astype(out_dtype)
+
+
+def dequantized_product(x, w, scales, x_scales=None, w_layout: str = "kn"):
+  """The float32 product of the dequantized operands at highest precision:
+  the reference every backend is checked against."""
+  x32 = x.astype(jnp.float32)
+  if x_scales is not None:
+    x32 = x32 * x_scales.astype(jnp.float32)[:, None]
+  w32 = w.astype(jnp.float32)
+  w32 = w32 * scales.astype(jnp.float32) if w_layout == "kn" else (
+      w32 * scales.astype(jnp.float32)[:, None])
+  return lax.dot_general(x32, w32, _dims(w_layout), precision=lax.Precision.HIGHEST)
 
 
 def xla_dequantize_dot(x, w, scales, out_dtype):
@@ -76,19 +105,23 @@ class XlaQMatmul(Backend):
     return (-(-problem.m // NOMINAL_M) * -(-problem.n // NOMINAL_N),
             float(-(-problem.k // BLOCK_K)))
 
-  def run(self, problem: QMatmulProblem, config, x, w, scales, *, interpret: bool = False):
-    return xla_qmatmul(x, w, scales, jnp.dtype(problem.out_dtype))
+  def run(self, problem: QMatmulProblem, config, x, w, scales, x_scales=None, *,
+          interpret: bool = False):
+    return xla_qmatmul(x, w, scales, jnp.dtype(problem.out_dtype), x_scales=x_scales,
+                       w_layout=problem.w_layout)
 
 
 class MosaicQMatmul(Backend):
-  """The Mosaic GPU weight-only GEMM (Hopper): up to 64 rows, 64 x 256
-  tiles, K split to fill the SMs. No CPU interpret mode."""
+  """The Mosaic GPU kernels (Hopper). Weight-only: up to 64 rows, 64 x 256
+  tiles, K split to fill the SMs. W8A8-FP8: FP8 wgmma on ``x [M, K]`` and
+  ``w [N, K]`` (``w_layout="nk"``), the scales in the epilogue. No CPU
+  interpret mode."""
 
   name = "mosaic"
   kernel_cache = True
   config_cls = MosaicMatmulConfig
   macro_fields = ("block_m", "block_n", "split_k")
-  micro_fields = ("num_stages",)
+  micro_fields = ("num_stages", "grid_minor", "grid_width")
   folded_fields = ("split_k",)
   interpret = False
 
@@ -98,6 +131,19 @@ class MosaicQMatmul(Backend):
   @staticmethod
   def why_not(p: QMatmulProblem, c: MosaicMatmulConfig | None = None) -> str | None:
     """Why the kernel cannot run ``p`` (with ``c``); None where it can."""
+    if p.w8a8:
+      if p.w_layout != "nk":
+        return ("the Mosaic FP8 GEMM reads the weight as [N, K] (FP8 tensor cores take "
+                "8-bit operands K-major); pass it with w_layout='nk' (or use the XLA config)")
+      c = c or MosaicMatmulConfig(block_m=64, block_n=128, num_stages=4)
+      try:
+        fp8_kernel.check_shapes(p.m, p.n, p.k, p.dtype, p.w_dtype, c)
+      except ValueError as e:
+        return str(e)
+      return None
+    if p.w_layout != "kn":
+      return ("the Mosaic weight-only GEMM takes the weight as [K, N] (w_layout='kn'); use "
+              "the XLA config")
     if p.m > MOSAIC_MAX_M:
       return (f"the Mosaic weight-only GEMM runs up to {MOSAIC_MAX_M} rows; got M={p.m} "
               f"(use the XLA config)")
@@ -111,15 +157,24 @@ class MosaicQMatmul(Backend):
     return None
 
   def smem_bytes(self, p: QMatmulProblem, c: MosaicMatmulConfig) -> int:
+    if p.w8a8:
+      out = 4 if c.split_k > 1 else jnp.dtype(p.out_dtype).itemsize
+      return fp8_kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n,
+                                   num_stages=c.num_stages, out_itemsize=out)
     return kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
                              itemsize=p.itemsize)
 
   def space(self, problem: QMatmulProblem, hw: Hardware, *, prune: bool = True) -> tuple:
-    """64 x 256 tiles, 3-5 stages, power-of-two K splits with at least four
-    K steps each and (pruned) column tiles times splits within two waves."""
+    """Weight-only: 64 x 256 tiles, 3-5 stages, power-of-two K splits with
+    at least four K steps each and (pruned) column tiles times splits within
+    two waves. W8A8: :data:`FP8_TILES`, 3-5 stages, K splits where the
+    output has less than a wave of tiles, the tile order's band 1 or 8
+    where it has more than a wave."""
     p = problem
     if self.why_not(p):
       return ()
+    if p.w8a8:
+      return self._fp8_space(p, hw, prune)
     tiles = -(-p.n // 256)
     out = []
     for st, sk in itertools.product(STAGES, SPLIT_K):
@@ -128,6 +183,22 @@ class MosaicQMatmul(Backend):
       c = MosaicMatmulConfig(block_m=64, block_n=256, num_stages=st, split_k=sk)
       if self.smem_bytes(p, c) <= hw.smem_per_block:
         out.append(c)
+    return tuple(out)
+
+  def _fp8_space(self, p: QMatmulProblem, hw: Hardware, prune: bool) -> tuple:
+    out = []
+    for (bm, bn), st, sk in itertools.product(FP8_TILES, STAGES, SPLIT_K):
+      tiles = -(-p.m // bm) * -(-p.n // bn)
+      if fp8_kernel.k_steps(p.k, sk) < 4 and sk > 1:
+        continue
+      if prune and sk > 1 and (tiles >= hw.num_sms or tiles * sk > 2 * hw.num_sms):
+        continue
+      orders = ((1, 1),) if tiles <= hw.num_sms else ((1, 1), (1, 8), (0, 8))
+      for minor, width in orders:
+        c = MosaicMatmulConfig(block_m=bm, block_n=bn, num_stages=st, split_k=sk,
+                               grid_minor=minor, grid_width=width)
+        if not self.why_not(p, c) and self.smem_bytes(p, c) <= hw.smem_per_block:
+          out.append(c)
     return tuple(out)
 
   def validate(self, problem: QMatmulProblem, config, hw: Hardware | None = None) -> None:
@@ -141,26 +212,36 @@ class MosaicQMatmul(Backend):
                        f"shared memory; {hw.name} allows {hw.smem_per_block} per block")
 
   def heuristic(self, problem: QMatmulProblem, hw: Hardware) -> MosaicMatmulConfig | None:
-    """``pallas_kernels.matmul.weight_only.decode_config``: on an H100 it was
-    the fastest of its neighbours (split halved and doubled, 3 and 5 stages)
-    on 30 of 32 problems and within 0.9% on the others
-    (``benchmarks/weight_only.py``)."""
-    if self.why_not(problem):
+    """Weight-only: ``pallas_kernels.matmul.weight_only.decode_config``; on
+    an H100 it was the fastest of its neighbours (split halved and doubled,
+    3 and 5 stages) on 30 of 32 problems and within 0.9% on the others
+    (``benchmarks/weight_only.py``). W8A8: ``pallas_kernels.matmul.fp8.
+    heuristic_config`` (``benchmarks/fp8_gemm.py``)."""
+    p = problem
+    if self.why_not(p):
       return None
-    return kernel.decode_config(problem.m, problem.k, problem.n, hw.num_sms)
+    if p.w8a8:
+      c = fp8_kernel.heuristic_config(p.m, p.n, p.k, hw.num_sms)
+      return None if self.why_not(p, c) else c
+    return kernel.decode_config(p.m, p.k, p.n, hw.num_sms)
 
   def occupancy_bound(self, problem, config, hw: Hardware) -> int:
     return 1
 
   def coords(self, problem: QMatmulProblem, macro: dict) -> tuple[int, float]:
     sk = macro["split_k"]
-    steps = -(-(problem.k // BLOCK_K) // sk)
+    block_k = fp8_kernel.BLOCK_K if problem.w8a8 else BLOCK_K
+    steps = -(-(problem.k // block_k) // sk)
     return (-(-problem.m // macro["block_m"]) * -(-problem.n // macro["block_n"]) * sk,
             float(steps))
 
-  def run(self, problem: QMatmulProblem, config, x, w, scales, *, interpret: bool = False):
+  def run(self, problem: QMatmulProblem, config, x, w, scales, x_scales=None, *,
+          interpret: bool = False):
     if interpret:
-      raise NotImplementedError("the Mosaic GPU weight-only GEMM has no CPU interpret mode; "
-                                "benchmarks/weight_only.py checks it on a Hopper GPU")
-    return kernel.weight_only_matmul(x, w, scales, config=config,
-                                     out_dtype=jnp.dtype(problem.out_dtype))
+      raise NotImplementedError("the Mosaic GPU quantized GEMMs have no CPU interpret mode; "
+                                "benchmarks/weight_only.py and benchmarks/fp8_gemm.py "
+                                "check them on a Hopper GPU")
+    out = jnp.dtype(problem.out_dtype)
+    if problem.w8a8:
+      return fp8_kernel.fp8_matmul(x, w, x_scales, scales, config=config, out_dtype=out)
+    return kernel.weight_only_matmul(x, w, scales, config=config, out_dtype=out)

@@ -1,4 +1,6 @@
-"""The weight-only quantized GEMM family: ``y = (x @ w) * scales`` with 8-bit ``w``."""
+"""The quantized GEMM family: ``y = (x @ w) * scales`` with 8-bit ``w``
+(weight-only), and ``(x @ w) * x_scales[:, None] * scales`` with e4m3 ``x``
+too (W8A8-FP8)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.matmul.family import (_out_dtype, check_operands, gemm_weights,
                                                  operand)
-from wavetune_jax.families.qmatmul.problem import DTYPES, WEIGHT_DTYPES, QMatmulProblem
+from wavetune_jax.families.qmatmul.problem import (DTYPES, W_LAYOUTS, WEIGHT_DTYPES,
+                                                   QMatmulProblem)
 
 __all__ = ["QMatmulFamily"]
 
@@ -31,81 +34,131 @@ class QMatmulFamily(Family):
   tables_shipped = False
 
   # --- the call ------------------------------------------------------------------------
-  def bind(self, x, w, scales, *, out_dtype=None):
-    """Checks ``x [M, K]``, ``w [K, N]`` and ``scales [N]``; the problem."""
+  def bind(self, x, w, scales, *, x_scales=None, w_layout="kn", out_dtype=None):
+    """Checks ``x [M, K]``, ``w [K, N]`` (``[N, K]`` with ``w_layout="nk"``),
+    ``scales [N]`` and, for e4m3 ``x``, ``x_scales [M]``; the problem."""
+    if w_layout not in W_LAYOUTS:
+      raise ValueError(f"w_layout={w_layout!r} must be one of {W_LAYOUTS} (w as [K, N] or "
+                       f"[N, K])")
     x, w, scales = operand("x", x), operand("w", w), operand("scales", scales)
-    check_operands(x, w)
+    if w_layout == "kn":
+      check_operands(x, w)
+    elif x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+      raise ValueError(f"need x [M, K] and w [N, K] (w_layout='nk'); got x.shape={x.shape}, "
+                       f"w.shape={w.shape}")
     if x.dtype.name not in DTYPES:
       raise ValueError(f"x.dtype={x.dtype} must be one of {DTYPES}")
     if w.dtype.name not in WEIGHT_DTYPES:
       raise ValueError(f"w.dtype={w.dtype} must be one of {WEIGHT_DTYPES} (a quantized "
                        f"weight; use wavetune_jax.matmul for 16-bit weights)")
-    if scales.shape != (w.shape[1],):
-      raise ValueError(f"scales must have shape [N] = ({w.shape[1]},), one per output "
-                       f"channel; got {scales.shape}")
+    (m, k), n = x.shape, w.shape[1] if w_layout == "kn" else w.shape[0]
+    if scales.shape != (n,):
+      raise ValueError(f"scales must have shape [N] = ({n},), one per output channel; got "
+                       f"{scales.shape}")
     if not jnp.issubdtype(scales.dtype, jnp.floating):
       raise ValueError(f"scales must be floating point (float32); got {scales.dtype}")
-    out = _out_dtype(x.dtype, out_dtype)
-    (m, k), n = x.shape, w.shape[1]
+    fp8 = x.dtype.name == "float8_e4m3fn"
+    if fp8:
+      if w.dtype.name != "float8_e4m3fn":
+        raise ValueError(f"e4m3 activations take an e4m3 weight (W8A8-FP8); got "
+                         f"w.dtype={w.dtype}")
+      if x_scales is None:
+        raise ValueError("e4m3 activations need x_scales [M], one float32 scale per row "
+                         "(wavetune_jax.quantize_rows makes both)")
+      x_scales = operand("x_scales", x_scales)
+      if x_scales.shape != (m,) or not jnp.issubdtype(x_scales.dtype, jnp.floating):
+        raise ValueError(f"x_scales must be a floating [M] = ({m},) array, one per row; got "
+                         f"{x_scales.shape} {x_scales.dtype}")
+    elif x_scales is not None:
+      raise ValueError(f"x_scales is for e4m3 activations (W8A8); x is {x.dtype}")
+    out = _out_dtype(jnp.bfloat16 if fp8 else x.dtype, out_dtype)
     if m == 0 or n == 0 or k == 0:
       return jnp.zeros((m, n), out)
     problem = QMatmulProblem(m=m, n=n, k=k, dtype=x.dtype.name, w_dtype=w.dtype.name,
-                             out_dtype=out.name)
+                             out_dtype=out.name, w_layout=w_layout)
+    if fp8:
+      return Call(problem, (x, w, scales.astype(jnp.float32), x_scales.astype(jnp.float32)),
+                  {}, ("scales", "x_scales"))
     return Call(problem, (x, w, scales.astype(jnp.float32)), {}, ("scales",))
 
-  def partition_rule(self, problem):
+  def partition_rule(self, problem: QMatmulProblem):
     """Rows, columns and K split like XLA's dot (a channel's scale is
-    linear over the K partials); the scales split with the columns."""
-    return PartitionRule("m k, k n, n -> m n", reduction=("k",))
+    linear over the K partials); the scales split with the columns, the
+    rows' scales with the rows."""
+    w = "k n" if problem.w_layout == "kn" else "n k"
+    return PartitionRule(f"m k, {w}, n{', m' if problem.w8a8 else ''} -> m n",
+                         reduction=("k",))
 
   def trusted_without_evidence(self, problem: QMatmulProblem, config, platform) -> bool:
     """The Mosaic kernel over XLA's GEMM at one row (a decode step of one
     sequence): on an H100 it ran 1.17-1.81x XLA's on all ten problems
     measured (five weights, int8 and e4m3; ``benchmarks/weight_only.py``).
     At 16 rows XLA's own fused GEMM ran at 0.96-1.06x of it, so other row
-    counts need a table's evidence or first-use measurement."""
+    counts need a table's evidence or first-use measurement.
+
+    W8A8-FP8: the FP8 kernel over XLA's FP8 dot where its rule gives more
+    than a wave of 128 x 256 tiles (bands of 8): 1.10-1.37x on all 13 such
+    problems measured on an H100 (``benchmarks/fp8_gemm.py``); with fewer
+    tiles its margin was 0.98-1.13x, left to evidence."""
     from pallas_kernels.matmul.mosaic import MosaicMatmulConfig
     from wavetune_jax.families.qmatmul.backends import XlaQMatmulConfig
-    return (problem.m == 1 and isinstance(config, MosaicMatmulConfig)
-            and isinstance(platform, XlaQMatmulConfig))
+    if not (isinstance(config, MosaicMatmulConfig) and isinstance(platform, XlaQMatmulConfig)):
+      return False
+    if problem.w8a8:
+      return config.block_m * config.block_n >= 128 * 256 and config.grid_width > 1
+    return problem.m == 1
 
   # --- problems ------------------------------------------------------------------------
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):
-    """``suite["gemm"]``'s weights in int8 and float8_e4m3fn at every M."""
+    """``suite["gemm"]``'s weights at every M: in int8 and float8_e4m3fn
+    under ``dtype`` activations (weight-only), and W8A8-FP8 (e4m3
+    activations, the weight ``[N, K]``)."""
     ws = gemm_weights(suite, weights)
     ms = suite["gemm"]["M"] if sizes is None else sizes
-    return [QMatmulProblem(m=m, n=n, k=k, dtype=dtype, w_dtype=wd)
-            for n, k in ws.values() for wd in WEIGHT_DTYPES for m in ms]
+    out = [QMatmulProblem(m=m, n=n, k=k, dtype=dtype, w_dtype=wd)
+           for n, k in ws.values() for wd in WEIGHT_DTYPES for m in ms]
+    return out + [QMatmulProblem(m=m, n=n, k=k, dtype="float8_e4m3fn",
+                                 w_dtype="float8_e4m3fn", w_layout="nk")
+                  for n, k in ws.values() for m in ms]
 
   def problem_key(self, problem: QMatmulProblem) -> str:
     p = problem
-    return f"{p.m}x{p.n}x{p.k}:{p.dtype}:w{p.w_dtype}:{p.out_dtype}"
+    nk = ":nk" if p.w_layout == "nk" else ""
+    return f"{p.m}x{p.n}x{p.k}:{p.dtype}:w{p.w_dtype}:{p.out_dtype}{nk}"
 
   def inputs(self, problem: QMatmulProblem, key: jax.Array):
-    """``(x, w, scales)``: int8 weights uniform in [-127, 127], e4m3 ones a
-    normal times 64 (most of e4m3's range); scales about ``1 / (127 sqrt(K))``."""
+    """``(x, w, scales[, x_scales])``: int8 weights uniform in [-127, 127],
+    e4m3 ones a normal times 64 (most of e4m3's range); scales about ``1 /
+    (127 sqrt(K))``; e4m3 activations a normal times 64 with scales about
+    1 / 64."""
     p = problem
-    kx, kw, ks = jax.random.split(key, 3)
-    x = jax.random.normal(kx, (p.m, p.k), jnp.float32).astype(jnp.dtype(p.dtype))
+    kx, kw, ks, kr = jax.random.split(key, 4)
+    x = jax.random.normal(kx, (p.m, p.k), jnp.float32)
+    x = (x * 64 if p.w8a8 else x).astype(jnp.dtype(p.dtype))
+    wshape = (p.k, p.n) if p.w_layout == "kn" else (p.n, p.k)
     if p.w_dtype == "int8":
-      w = jax.random.randint(kw, (p.k, p.n), -127, 128, jnp.int32).astype(jnp.int8)
+      w = jax.random.randint(kw, wshape, -127, 128, jnp.int32).astype(jnp.int8)
     else:
-      w = (jax.random.normal(kw, (p.k, p.n), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+      w = (jax.random.normal(kw, wshape, jnp.float32) * 64).astype(jnp.float8_e4m3fn)
     s = jax.random.uniform(ks, (p.n,), jnp.float32, 0.5, 1.5) / (127 * math.sqrt(p.k))
+    if p.w8a8:
+      return x, w, s, jax.random.uniform(kr, (p.m,), jnp.float32, 0.5, 1.5) / 64
     return x, w, s
 
-  def reference(self, problem: QMatmulProblem, x, w, scales):
-    """``x @ (w * scales)`` in float32 at highest precision."""
-    return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32) * scales.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
+  def reference(self, problem: QMatmulProblem, x, w, scales, x_scales=None):
+    """The float32 product of the dequantized operands, at highest precision."""
+    from wavetune_jax.families.qmatmul.backends import dequantized_product
+    return dequantized_product(x, w, scales, x_scales, problem.w_layout)
 
   def baseline(self, problem: QMatmulProblem):
     from wavetune_jax.families.qmatmul.backends import xla_qmatmul
-    out = jnp.dtype(problem.out_dtype)
-    return lambda x, w, s: xla_qmatmul(x, w, s, out)
+    out, layout = jnp.dtype(problem.out_dtype), problem.w_layout
+    return lambda x, w, s, xs=None: xla_qmatmul(x, w, s, out, x_scales=xs, w_layout=layout)
 
   def extra_baselines(self, problem: QMatmulProblem) -> dict:
     from wavetune_jax.families.qmatmul.backends import xla_dequantize_dot
+    if problem.w8a8 or problem.w_layout != "kn":
+      return {}
     out = jnp.dtype(problem.out_dtype)
     return {"xla_dequantize": lambda x, w, s: xla_dequantize_dot(x, w, s, out)}
 

@@ -1,30 +1,40 @@
-"""The weight-only quantized GEMM problem: ``y = (x @ w) * scales``."""
+"""The quantized GEMM problem: ``y = (x @ w) * scales`` with 8-bit weights
+(weight-only, W8A16), or ``(x @ w) * x_scales[:, None] * scales`` with 8-bit
+activations too (W8A8-FP8)."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 
 from wavetune_jax.families.matmul.problem import GemmShape, _dtype_name, check_gemm_fields
 
-__all__ = ["QMatmulProblem", "DTYPES", "WEIGHT_DTYPES"]
+__all__ = ["QMatmulProblem", "DTYPES", "WEIGHT_DTYPES", "W_LAYOUTS"]
 
-#: Activation dtypes.
-DTYPES = ("bfloat16", "float16")
+#: Activation dtypes: 16-bit (weight-only) or e4m3 with per-row scales (W8A8).
+DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
 #: 8-bit weight dtypes.
 WEIGHT_DTYPES = ("int8", "float8_e4m3fn")
+#: The weight's layout: ``"kn"`` (``[K, N]``, as ``jnp.dot(x, w)`` takes it) or
+#: ``"nk"`` (``[N, K]``, K contiguous: what FP8 tensor cores read).
+W_LAYOUTS = ("kn", "nk")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
 class QMatmulProblem(GemmShape):
-  """Static facts of one weight-only quantized GEMM call.
+  """Static facts of one quantized GEMM call.
 
   Attributes:
-    m, n, k: ``x`` is ``[m, k]``, ``w`` is ``[k, n]``, ``scales`` ``[n]``.
-    dtype: the activations' dtype (``"bfloat16"`` or ``"float16"``).
-    w_dtype: the weight's (``"int8"`` or ``"float8_e4m3fn"``); the scales
-      are float32, one per output channel (the layout is part of the family).
-    out_dtype: output dtype name (default: ``dtype``).
+    m, n, k: ``x`` is ``[m, k]``, ``w`` is ``[k, n]`` (or ``[n, k]``),
+      ``scales`` ``[n]``.
+    dtype: the activations' dtype: ``"bfloat16"`` or ``"float16"``
+      (weight-only), or ``"float8_e4m3fn"`` (W8A8: ``x_scales [m]``, one
+      float32 scale per row, then come with ``x``).
+    w_dtype: the weight's (``"int8"`` or ``"float8_e4m3fn"``; W8A8 takes
+      e4m3); the scales are float32, one per output channel.
+    out_dtype: output dtype name (default: ``dtype``, bfloat16 for W8A8).
+    w_layout: ``"kn"`` (default) or ``"nk"`` (:data:`W_LAYOUTS`).
   """
 
   m: int
@@ -33,10 +43,28 @@ class QMatmulProblem(GemmShape):
   dtype: str = "bfloat16"
   w_dtype: str = "int8"
   out_dtype: str = ""
+  w_layout: str = "kn"
   _key: tuple = dataclasses.field(init=False, repr=False, compare=False, default=())
   _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
 
   def __post_init__(self):
     object.__setattr__(self, "w_dtype",
                        _dtype_name("QMatmulProblem.w_dtype", self.w_dtype, WEIGHT_DTYPES))
+    if self.w_layout not in W_LAYOUTS:
+      raise ValueError(f"QMatmulProblem.w_layout={self.w_layout!r} must be one of "
+                       f"{W_LAYOUTS}")
+    try:
+      fp8 = jnp.dtype(self.dtype).name == "float8_e4m3fn"
+    except TypeError:
+      fp8 = False
+    if fp8 and not self.out_dtype:
+      object.__setattr__(self, "out_dtype", "bfloat16")
     check_gemm_fields(self, ("m", "n", "k"), DTYPES)
+    if self.w8a8 and self.w_dtype != "float8_e4m3fn":
+      raise ValueError(f"QMatmulProblem: e4m3 activations take an e4m3 weight; got "
+                       f"w_dtype={self.w_dtype}")
+
+  @property
+  def w8a8(self) -> bool:
+    """Both operands 8-bit (FP8), with per-row scales of ``x``."""
+    return self.dtype == "float8_e4m3fn"

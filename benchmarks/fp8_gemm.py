@@ -1,0 +1,166 @@
+"""W8A8-FP8 GEMM on a GPU: right, and how fast.
+
+``y = (x @ w.T) * x_scales[:, None] * w_scales`` with ``x [M, K]`` and
+``w [N, K]`` float8_e4m3fn (per-token and per-channel float32 scales, output
+bfloat16). Per problem (CUPTI, L2 flushed, median of 10; every candidate
+checked first against the float32 product of the dequantized operands):
+
+* bf16 ``jnp.dot`` on the dequantized operands (what FP8 saves against);
+* XLA's FP8 path, what a JAX user writes: ``lax.dot_general`` on the e4m3
+  operands with ``preferred_element_type=float32``, the scales after it,
+  with the weight as ``[K, N]`` (``xla_fp8_kn``) and as ``[N, K]``
+  (``xla_fp8_nk``, cuBLASLt's layout);
+* the Mosaic kernel (``pallas_kernels.matmul.fp8``) at a few configs.
+
+    PYTHONPATH=. python3 benchmarks/fp8_gemm.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.matmul.fp8 import check_shapes, fp8_matmul, heuristic_config, wave_split
+from pallas_kernels.matmul.mosaic import MosaicMatmulConfig as C
+from wavetune_jax.tuning import profiler
+
+# (name, K, N): Llama-3-8B's and Qwen2.5-1.5B's MLP and attention output, and 8192^3.
+WEIGHTS = [("llama3_8b.w1", 4096, 14336), ("llama3_8b.w2", 14336, 4096),
+           ("llama3_8b.wo", 4096, 4096), ("qwen2_5_1_5b.w13", 1536, 17920),
+           ("qwen2_5_1_5b.w2", 8960, 1536), ("square_8192", 8192, 8192)]
+MS = (16, 64, 256, 2048, 4096, 8192)
+FP8_MAX = 448.0
+
+
+def configs(m: int, n: int, k: int, full: bool):
+  """The rule's config and some neighbours."""
+  out = [heuristic_config(m, n, k, 132)]
+  r = out[0]
+  if r.block_n == 128:  # the 256-column tile the rule passed over
+    out.append(C(block_m=r.block_m, block_n=256, num_stages=3 if r.block_m > 64 else 4,
+                 split_k=r.split_k, grid_width=r.grid_width))
+  if r.grid_width == 1:  # below a wave of tiles: the split halved and doubled, no
+    # split, and 128-column tiles split to fill a wave
+    for sk in sorted({1, max(1, r.split_k // 2), r.split_k * 2}):
+      out.append(C(block_m=r.block_m, block_n=256, num_stages=3 if r.block_m > 64 else 4,
+                   split_k=sk))
+    for bm in ((64, 128) if m > 64 else (64,)):
+      tiles = -(-m // bm) * -(-n // 128)
+      for sk in sorted({1, wave_split(tiles, k, 132)}):
+        out.append(C(block_m=bm, block_n=128, num_stages=4, split_k=sk))
+  elif m > 64:
+    out += [C(block_m=256, block_n=128, num_stages=4, grid_width=8),
+            C(block_m=128, block_n=128, num_stages=5, grid_width=8),
+            C(block_m=128, block_n=256, num_stages=3, grid_minor=0, grid_width=8)]
+    if full:
+      out += [C(block_m=128, block_n=192, num_stages=4, grid_width=8),
+              C(block_m=128, block_n=256, num_stages=3, grid_width=16),
+              C(block_m=256, block_n=128, num_stages=3, grid_width=1)]
+  if full and m <= 64:
+    out.append(C(block_m=64, block_n=128, num_stages=5, split_k=r.split_k))
+  seen, res = set(), []
+  for c in out:
+    if c not in seen:
+      seen.add(c)
+      res.append(c)
+  return res
+
+
+def quantize_rows(a):
+  """``a [R, K]`` -> ``(a8, scales [R])``, absmax per row."""
+  a32 = a.astype(jnp.float32)
+  s = jnp.maximum(jnp.max(jnp.abs(a32), axis=1), 1e-12) / FP8_MAX
+  return (a32 / s[:, None]).astype(jnp.float8_e4m3fn), s
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true",
+                  help="Llama-3-8B w1 and 8192^3 at M 16, 64, 2048, 8192")
+  ap.add_argument("--full", action="store_true", help="more configs above 64 rows")
+  ap.add_argument("--weights", help="comma-separated weight names (default: all)")
+  ap.add_argument("--m", type=int, nargs="+", help="rows (default: 16 64 256 2048 4096 8192)")
+  ap.add_argument("--iterations", type=int, default=10)
+  ap.add_argument("--json", default=None)
+  a = ap.parse_args(argv)
+  prof = profiler.Profiler(iterations=a.iterations)
+  dev = jax.devices()[0]
+  print(dev.device_kind, jax.__version__, flush=True)
+  rows = []
+  weights = [WEIGHTS[0], WEIGHTS[-1]] if a.quick else WEIGHTS
+  if a.weights:
+    names = a.weights.split(",")
+    unknown = sorted(set(names) - {w[0] for w in WEIGHTS})
+    if unknown:
+      ap.error(f"unknown weights {unknown}; choose from {[w[0] for w in WEIGHTS]}")
+    weights = [w for w in weights if w[0] in names]
+  for wname, k, n in weights:
+    kw = jax.random.PRNGKey(1)
+    w_nk, ws = quantize_rows(jax.random.normal(kw, (n, k), jnp.float32))
+    w_kn = w_nk.T
+    w_bf16 = (w_nk.astype(jnp.float32) * ws[:, None]).astype(jnp.bfloat16).T
+    ms = (8192,) if wname == "square_8192" else (
+        (16, 64, 2048, 8192) if a.quick else tuple(a.m or MS))
+    for m in ms:
+      x8, xs = quantize_rows(jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32))
+      x_bf16 = (x8.astype(jnp.float32) * xs[:, None]).astype(jnp.bfloat16)
+      ref = lax.dot_general(x8.astype(jnp.float32), w_nk.astype(jnp.float32),
+                            (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
+      ref = ref * xs[:, None] * ws[None, :]
+
+      def xla_fp8(dims):
+        def f(x8, w, xs, ws):
+          acc = lax.dot_general(x8, w, (dims, ((), ())), preferred_element_type=jnp.float32)
+          return (acc * xs[:, None] * ws[None, :]).astype(jnp.bfloat16)
+        return f
+
+      cands = {"xla_fp8_nk": (xla_fp8(((1,), (1,))), w_nk),
+               "xla_fp8_kn": (xla_fp8(((1,), (0,))), w_kn)}
+      for c in configs(m, n, k, a.full):
+        try:
+          check_shapes(m, n, k, x8.dtype, w_nk.dtype, c)
+        except ValueError:
+          continue
+        lab = (f"mosaic {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k} "
+               f"g{c.grid_minor}/{c.grid_width}")
+        cands[lab] = ((lambda c: lambda x8, w, xs, ws: fp8_matmul(x8, w, xs, ws, config=c))(c),
+                      w_nk)
+      times, errs = {}, {}
+      for lab, (fn, wt) in cands.items():
+        (r,) = prof.measure_many([fn], (x8, wt, xs, ws), reference=ref, tolerance=2e-2,
+                                 out_bytes=m * n * 2)
+        times[lab] = r.median_us if r.status == "ok" else math.nan
+        if r.status != "ok":
+          errs[lab] = f"{r.status}: {(r.error or '')[:300]}"
+      (bf,) = prof.measure_many([lambda x, wb: jnp.dot(x, wb)], (x_bf16, w_bf16))
+      mos = {lab: t for lab, t in times.items() if lab.startswith("mosaic") and t == t}
+      best = min(mos, key=mos.get) if mos else None
+      tflops = lambda us: 2 * m * n * k / us / 1e6
+      xla = min(times["xla_fp8_nk"], times["xla_fp8_kn"])
+      row = {"weight": wname, "k": k, "n": n, "m": m, "bf16_dot_us": bf.median_us,
+             "times": times, "errors": errs, "best_mosaic": best}
+      rows.append(row)
+      line = (f"{wname:<16} M={m:<5} bf16 {bf.median_us:8.1f} us ({tflops(bf.median_us):5.0f} "
+              f"TF/s) | XLA fp8 nk {times['xla_fp8_nk']:8.1f} kn {times['xla_fp8_kn']:8.1f}")
+      if best:
+        t = mos[best]
+        line += (f" | {best} {t:8.1f} us {tflops(t):5.0f} TF/s: {bf.median_us / t:.2f}x "
+                 f"bf16, {xla / t:.2f}x XLA fp8")
+      print(line, flush=True)
+      for lab, t in mos.items():
+        print(f"      {lab:<40} {t:8.1f} us {tflops(t):6.0f} TF/s", flush=True)
+      for lab, e in errs.items():
+        print(f"    {lab}: {e}", flush=True)
+      if a.json:  # after every row: a run cut short keeps its rows
+        with open(a.json, "w") as f:
+          json.dump({"device_kind": dev.device_kind, "jax": jax.__version__, "rows": rows},
+                    f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,310 @@
+"""Pallas Mosaic GPU FP8 GEMM for Hopper (W8A8): ``y = (x @ w.T) * x_scales[:, None] * w_scales``.
+
+``x [M, K]`` and ``w [N, K]`` are float8_e4m3fn, both with K contiguous: the
+layout Hopper's FP8 tensor cores read (``wgmma`` takes 8-bit operands only
+K-major, so the weight is ``[N, K]``, as cuBLASLt's and DeepGEMM's FP8 GEMMs
+take it). ``x_scales [M]`` are the activations' per-token (row) scales and
+``w_scales [N]`` the weight's per-output-channel scales, both float32: the
+dequantized operands are ``x * x_scales[:, None]`` and ``w * w_scales[:, None]``,
+and both scales leave the dot product, so the kernel multiplies the 8-bit
+values on the tensor cores (twice bfloat16's rate) and scales the fp32 tile
+once in the epilogue, before the cast.
+
+The structure is the project's Mosaic GEMM (:mod:`pallas_kernels.matmul.mosaic`):
+a persistent grid, one producer warpgroup streaming ``[block_m, 128]`` blocks
+of ``x`` and ``[block_n, 128]`` blocks of ``w`` (128 one-byte elements: one
+128-byte swizzle row) with TMA into a ring of ``num_stages`` buffers, two
+consumer warpgroups running wgmma with fp32 accumulators. What differs:
+
+* a consumer issues the next step's wgmma before waiting for the last one
+  (a ring slot is released one step late), so the tensor cores never wait
+  for the issue of the next block;
+* at the start of a work tile each consumer fetches its rows' and columns'
+  scales with TMA; the epilogue multiplies the fp32 tile by both and writes
+  the output dtype. With ``split_k > 1`` the kernel writes fp32 partials and
+  one XLA fusion sums them, scales and casts.
+
+Accuracy: the products of two e4m3 values are exact in fp32; wgmma's fp32
+accumulation over K rounds like any fp32 GEMM on Hopper's FP8 path (its
+accumulator keeps fewer mantissa bits than IEEE fp32 between K blocks). The
+tolerance against the float32 product of the dequantized operands is 1e-2
+relative to the output's scale (that of a bfloat16 output).
+
+Requirements (:func:`check_shapes`): compute capability 9.0; ``K`` a multiple
+of 128 with at least two K steps of 128 per split; ``N`` a multiple of 64;
+``M`` a multiple of 8 or below it; ``num_stages >= 3``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.matmul.mosaic import (EPI_TILE, M_MULTIPLE, MosaicMatmulConfig,
+                                          persistent_kernel, store_tile, wg_tile, wgmma_wait_delayed,
+                                          work_tile)
+from pallas_kernels._launch import match_varying, out_struct, require_compute_capability
+
+__all__ = ["BLOCK_K", "DTYPES", "RULE_TILES", "check_shapes", "estimate_us", "fp8_matmul",
+           "heuristic_config", "k_steps", "smem_bytes", "wave_split"]
+
+#: Operand dtypes (both).
+DTYPES = ("float8_e4m3fn",)
+#: K step of the pipeline: 128 one-byte elements, one 128-byte swizzle row.
+BLOCK_K = 128
+#: N must be a multiple of this (TMA tiles global memory like shared memory).
+N_MULTIPLE = 64
+_BARRIER_BYTES = 1024
+_MEMORY_REGISTERS = 40
+
+
+def k_steps(k: int, split_k: int) -> int:
+  """Pipeline steps of one K split (the last split may run past K: zeros)."""
+  return -(-(-(-k // BLOCK_K)) // split_k)
+
+
+def smem_bytes(*, block_m: int, block_n: int, num_stages: int, out_itemsize: int) -> int:
+  """The operand ring, two 64x64 output slots per consumer, and each
+  consumer's row and column scales."""
+  wm, wn = wg_tile(block_m, block_n)
+  ring = num_stages * (block_m + block_n) * BLOCK_K
+  out_item = out_itemsize if out_itemsize else 4
+  slots = min(2, (wm * wn) // (EPI_TILE * EPI_TILE))
+  return ring + 2 * slots * EPI_TILE * EPI_TILE * out_item + 2 * (wm + wn) * 4 + _BARRIER_BYTES
+
+
+def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulConfig) -> None:
+  """Raises ``ValueError`` unless the kernel runs ``[m, k] x [n, k]`` with ``config``."""
+  for name, d in (("x", dtype), ("w", w_dtype)):
+    if jnp.dtype(d).name not in DTYPES:
+      raise ValueError(f"the Mosaic GPU FP8 GEMM takes {DTYPES} operands; got {name} "
+                       f"{jnp.dtype(d).name}")
+  if k % BLOCK_K or n % N_MULTIPLE:
+    raise ValueError(f"the Mosaic GPU FP8 GEMM needs K a multiple of {BLOCK_K} and N of "
+                     f"{N_MULTIPLE}; got N={n}, K={k} (use the XLA config)")
+  if m > M_MULTIPLE and m % M_MULTIPLE:
+    raise ValueError(f"the Mosaic GPU FP8 GEMM needs M a multiple of {M_MULTIPLE} or below "
+                     f"it; got M={m} (use the XLA config)")
+  if config.block_n not in (64, 128, 192, 256):
+    raise ValueError(f"config {config}: block_n must be 64, 128, 192 or 256")
+  if config.num_stages < 3:
+    raise ValueError(f"config {config}: the FP8 GEMM needs num_stages >= 3 (a ring slot "
+                     f"is released one step late)")
+  if k_steps(k, config.split_k) < 2:
+    raise ValueError(f"config {config}: the FP8 GEMM needs at least 2 K steps of {BLOCK_K} "
+                     f"per split; K={k} gives {k_steps(k, config.split_k)} (use fewer "
+                     f"splits or the XLA config)")
+
+
+#: Rates of the config rule's cost model (:func:`estimate_us`), fitted on an H100:
+#: the FP8 GEMM's rate at 128 x 256 tiles, achievable HBM bandwidth, the time a
+#: TMA load spends in flight under load, and the split-K reduction's launch.
+_RATE, _BW, _LATENCY_S, _SPLIT_S = 1.5e15, 2.6e12, 2.4e-6, 2e-6
+#: Tile rate relative to 128 x 256 (measured at 2k-8k rows).
+_TILE_EFF = {(128, 256): 1.0, (256, 128): 0.98, (128, 192): 0.97, (128, 128): 0.93,
+             (64, 256): 0.75, (64, 128): 0.6}
+#: The tiles and stages the rule chooses among.
+RULE_TILES = ((128, 256, 3), (128, 128, 5), (64, 256, 4), (64, 128, 4))
+
+
+def estimate_us(m: int, n: int, k: int, config: MosaicMatmulConfig, num_sms: int) -> float:
+  """The config rule's cost model, microseconds: the larger of the MMA time
+  (waves of CTA tiles, each ``2 bm bn K / split`` flops at its tile's rate
+  per SM) and the time to read both operands (each CTA keeps its ring of
+  ``num_stages`` blocks in flight, at most the HBM bandwidth), plus the split-K
+  reduction (a launch and the fp32 partials written and read)."""
+  bm, bn, sk = config.block_m, config.block_n, config.split_k
+  ctas = -(-m // bm) * -(-n // bn) * sk
+  waves = -(-ctas // num_sms)
+  eff = _TILE_EFF.get((bm, bn), 0.6)
+  mma = waves * 2 * bm * bn * k / sk / (_RATE / num_sms * eff)
+  in_flight = config.num_stages * (bm + bn) * BLOCK_K
+  bw = min(_BW, min(ctas, num_sms) * in_flight / _LATENCY_S)
+  read = (n * k + m * k + 2 * m * n) / bw
+  split = _SPLIT_S + 2 * sk * m * n * 4 / _BW if sk > 1 else 0.0
+  return 1e6 * (max(mma, read) + split)
+
+
+def heuristic_config(m: int, n: int, k: int, num_sms: int) -> MosaicMatmulConfig:
+  """The config of least :func:`estimate_us` among :data:`RULE_TILES`
+  (64-row tiles up to 256 rows, 128-row ones from 65), each with no K split or the split that
+  fills a wave (:func:`wave_split`); bands of 8 tiles (L2 reuse) where the
+  output has more than a wave of tiles. On an H100 it picked the fastest of
+  the configs measured, or one within 1.5%, on 26 of 28 problems
+  (``benchmarks/fp8_gemm.py``)."""
+  best, best_t = None, float("inf")
+  for bm, bn, st in RULE_TILES:
+    if (bm == 64 and m > 256) or (bm > 64 and m <= 64):
+      continue
+    tiles = -(-m // bm) * -(-n // bn)
+    for sk in sorted({1, wave_split(tiles, k, num_sms)}):
+      c = MosaicMatmulConfig(block_m=bm, block_n=bn, num_stages=st, split_k=sk,
+                             grid_width=8 if tiles > num_sms else 1)
+      t = estimate_us(m, n, k, c, num_sms)
+      if t < best_t:
+        best, best_t = c, t
+  return best
+
+
+def wave_split(tiles: int, k: int, num_sms: int) -> int:
+  """The largest power-of-two K split whose CTAs (``tiles`` times the
+  split) fit one wave, with at least four K steps a split."""
+  sk = 1
+  while tiles * sk * 2 <= num_sms and k_steps(k, sk * 2) >= 4:
+    sk *= 2
+  return sk
+
+
+def fp8_matmul(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: jax.Array, *,
+               config: MosaicMatmulConfig, out_dtype=jnp.bfloat16,
+               num_sms: int | None = None) -> jax.Array:
+  """``(x @ w.T) * x_scales[:, None] * w_scales[None, :]`` on FP8 operands (Hopper only).
+
+  Args:
+    x: ``[M, K]`` float8_e4m3fn activations.
+    w: ``[N, K]`` float8_e4m3fn weight (K contiguous).
+    x_scales: ``[M]`` float32, one per row (token).
+    w_scales: ``[N]`` float32, one per output channel.
+    config: launch parameters (:class:`MosaicMatmulConfig`), used as given.
+    out_dtype: bfloat16, float16 or float32.
+    num_sms: CTAs of the persistent grid (default: the default device's SMs).
+
+  Raises:
+    ValueError: bad shapes or dtypes, shapes the kernel does not run, or no
+      Hopper GPU.
+  """
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+    raise ValueError(f"need x [M, K] and w [N, K]; got {x.shape}, {w.shape}")
+  if x_scales.shape != (x.shape[0],) or w_scales.shape != (w.shape[0],):
+    raise ValueError(f"need x_scales [M] and w_scales [N]; got {x_scales.shape}, "
+                     f"{w_scales.shape}")
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype.name not in ("bfloat16", "float16", "float32"):
+    raise ValueError(f"the Mosaic GPU FP8 GEMM writes bfloat16, float16 or float32; got "
+                     f"{out_dtype.name}")
+  (m, k), n = x.shape, w.shape[0]
+  check_shapes(m, n, k, x.dtype, w.dtype, config)
+  if num_sms is None:
+    num_sms = int(require_compute_capability("9.0", "Mosaic GPU FP8 GEMM",
+                                             "use the XLA config").core_count)
+  return _matmul(x, w, x_scales.astype(jnp.float32), w_scales.astype(jnp.float32),
+                 config=config, out_dtype=out_dtype, num_sms=int(num_sms))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
+def _matmul(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
+  if config.split_k == 1:
+    return _kernel_call(x, w, xs, ws, config=config, out_dtype=out_dtype, num_sms=num_sms)
+  acc = _kernel_call(x, w, xs, ws, config=config, out_dtype=None, num_sms=num_sms)
+  return (acc.sum(axis=0) * xs[:, None] * ws[None, :]).astype(out_dtype)
+
+
+def _kernel_call(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
+  """The kernel; ``out_dtype=None`` writes unscaled fp32 partials ``[split_k, M, N]``."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  (m, k), n = x.shape, w.shape[0]
+  sk = config.split_k
+  scaled = out_dtype is not None
+  out_dtype = jnp.dtype(out_dtype if scaled else jnp.float32)
+  bm, bn = config.block_m, config.block_n
+  wm, wn = wg_tile(bm, bn)
+  split_m = bm >= 128
+  tiles_m, tiles_n = pl.cdiv(m, bm), pl.cdiv(n, bn)
+  steps = k_steps(k, sk)
+  split_len = steps * BLOCK_K
+
+  out_swizzle = plgpu.find_swizzle(EPI_TILE * out_dtype.itemsize * 8)
+  out_elems = out_swizzle // out_dtype.itemsize
+  out_transforms = (plgpu.TilingTransform((8, out_elems)), plgpu.SwizzleTransform(out_swizzle))
+  epi_m, epi_n = min(EPI_TILE, wm), min(EPI_TILE, wn)
+  num_slots = min(2, (wm * wn) // (epi_m * epi_n))
+  transforms = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
+
+  def get_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=_MEMORY_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec((bm, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
+                            memory_space=plgpu.SMEM, delay_release=1),
+            plgpu.BlockSpec((bn, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
+                            memory_space=plgpu.SMEM, delay_release=1),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=min(config.num_stages, steps),
+        compute_context=compute_context,
+    )
+
+  def kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+        out_smem=plgpu.SMEM((2, num_slots, epi_m, epi_n), out_dtype,
+                            transforms=out_transforms),
+        row_smem=plgpu.SMEM((2, wm), jnp.float32),
+        col_smem=plgpu.SMEM((2, wn), jnp.float32),
+        scale_bars=plgpu.Barrier(num_barriers=4),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem, row_smem, col_smem, scale_bars):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((tiles_m * tiles_n * sk,), collective_axes="sm")
+      def _tile_loop(info: plgpu.NDLoopInfo):
+        (lin,) = info.index
+        split, m_slice, n_slice, k_slice, wg_m, wg_n = work_tile(
+            lin, wg, tiles=(tiles_m, tiles_n), config=config, split_len=split_len)
+        out_ref = out_gmem.at[split] if sk > 1 else out_gmem
+        # This consumer's w rows (the tile's columns): all of them where the
+        # warpgroups split M, its half where they split N.
+        w_rows = slice(None) if split_m else wg_n
+
+        def compute_context(eval_pipeline):
+          if scaled:  # fetch the scales while the K loop runs
+            plgpu.copy_gmem_to_smem(xs_gmem.at[m_slice].at[wg_m], row_smem.at[wg],
+                                    scale_bars.at[2 * wg])
+            plgpu.copy_gmem_to_smem(ws_gmem.at[n_slice].at[wg_n], col_smem.at[wg],
+                                    scale_bars.at[2 * wg + 1])
+
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
+          def _acc_scope(acc_ref):
+            eval_pipeline(acc_ref)
+            plgpu.wgmma_wait(0)
+            acc = acc_ref[...]
+            if scaled:
+              plgpu.barrier_wait(scale_bars.at[2 * wg])
+              plgpu.barrier_wait(scale_bars.at[2 * wg + 1])
+              rows = plgpu.load(row_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+              cols = plgpu.load(col_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(0))
+              acc = (acc * lax.broadcast_in_dim(rows, (wm, wn), [0])
+                     * lax.broadcast_in_dim(cols, (wm, wn), [1]))
+            store_tile(acc.astype(out_dtype), out_smem, wg,
+                       out_ref.at[m_slice, n_slice].at[wg_m, wg_n], epi=(epi_m, epi_n))
+
+        def mma_body(idx, x_smem, w_smem, acc_ref):
+          plgpu.wgmma(acc_ref, x_smem.at[wg_m],
+                      plgpu.transpose_ref(w_smem.at[w_rows], (1, 0)))
+          wgmma_wait_delayed(idx[0], steps, 1)  # the last step's: its slot is released next
+          return acc_ref
+
+        get_pipeline(mma_body, compute_context)(
+            x_gmem.at[m_slice, k_slice],
+            w_gmem.at[n_slice, k_slice],
+            allocations=pipeline_allocs,
+        )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  out_shape = (sk, m, n) if sk > 1 else (m, n)
+  (x, w, xs, ws), axes = match_varying(x, w, xs, ws)
+  return persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
+                           min(num_sms, tiles_m * tiles_n * sk))(x, w, xs, ws)
