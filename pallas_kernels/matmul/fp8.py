@@ -27,8 +27,9 @@ consumer warpgroups running wgmma with fp32 accumulators. What differs:
 Accuracy: the products of two e4m3 values are exact in fp32; wgmma's fp32
 accumulation over K rounds like any fp32 GEMM on Hopper's FP8 path (its
 accumulator keeps fewer mantissa bits than IEEE fp32 between K blocks). The
-tolerance against the float32 product of the dequantized operands is 1e-2
-relative to the output's scale (that of a bfloat16 output).
+tolerance against the float32 product of the dequantized operands is 2e-2
+relative to the output's largest value (every config measured on an H100
+since the last-step wait of ``wgmma_wait_delayed`` was within it).
 
 Requirements (:func:`check_shapes`): compute capability 9.0; ``K`` a multiple
 of 128 with at least two K steps of 128 per split; ``N`` a multiple of 64;

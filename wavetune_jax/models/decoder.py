@@ -188,7 +188,8 @@ def make_ops(name: str) -> Ops:
     return Ops("xla", lambda x, w: jnp.dot(x, w), _xla_attention, _xla_decode_attention,
                jax.lax.ragged_dot, contextlib.nullcontext,
                lambda x, w, s, out_dtype=None, **kw: xla_qmatmul(
-                   x, w, s, out_dtype or x.dtype, **kw))
+                   x, w, s, out_dtype or (jnp.bfloat16 if x.dtype == jnp.float8_e4m3fn
+                                          else x.dtype), **kw))
   from wavetune_jax.runtime.selector import POLICIES
   policy = "fixed" if name == "default" else name if name in POLICIES else None
   if policy is None:

@@ -29,8 +29,8 @@ class QMatmulProblem(GemmShape):
     m, n, k: ``x`` is ``[m, k]``, ``w`` is ``[k, n]`` (or ``[n, k]``),
       ``scales`` ``[n]``.
     dtype: the activations' dtype: ``"bfloat16"`` or ``"float16"``
-      (weight-only), or ``"float8_e4m3fn"`` (W8A8: ``x_scales [m]``, one
-      float32 scale per row, then come with ``x``).
+      (weight-only), or ``"float8_e4m3fn"`` (W8A8: the call then also takes
+      ``x_scales [m]``, one float32 scale per row).
     w_dtype: the weight's (``"int8"`` or ``"float8_e4m3fn"``; W8A8 takes
       e4m3); the scales are float32, one per output channel.
     out_dtype: output dtype name (default: ``dtype``, bfloat16 for W8A8).

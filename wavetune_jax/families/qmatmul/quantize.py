@@ -17,7 +17,8 @@ FP8_MAX = 448.0  # float8_e4m3fn
 
 def quantize_weight(w: jax.Array, dtype: str = "int8",
                     layout: str = "kn") -> tuple[jax.Array, jax.Array]:
-  """``w [K, N]`` -> ``(w_q [K, N], scales [N])`` with ``w ~ w_q * scales``.
+  """``w [K, N]`` -> ``(w_q, scales [N])`` with ``w ~ w_q * scales``, ``w_q``
+  ``[K, N]`` (``layout="kn"``) or ``[N, K]`` (``"nk"``).
 
   With ``layout="nk"`` ``w_q`` comes transposed, ``[N, K]`` with K
   contiguous: the layout FP8 tensor cores read, which
