@@ -22,7 +22,8 @@ problem:
   also records ``first_use_s``, the wall seconds of its first use (lower,
   compile and the first call, with whatever the policy measures on first
   use): a cost, not a kernel time;
-* ``base``: what a JAX user writes instead: ``jnp.dot``,
+* ``base``: what a JAX user writes instead: ``jnp.dot``, for the quantized
+  GEMM (``--families qmatmul``) XLA's dot on the 8-bit operands,
   ``jax.nn.dot_product_attention(implementation="cudnn")`` (decode: the
   faster of cuDNN and XLA, with ``key_value_seq_lengths``),
   ``lax.ragged_dot``.
@@ -33,7 +34,7 @@ Each is checked against the float32 reference first. The summary gives
 ``--device-key`` under ``--policy`` without a GPU (what the CPU test runs).
 
     python3 benchmarks/unseen_models.py [--set v1|v2] [--policy NAME]
-        [--families matmul,attention,decode,ragged_dot] [--models NAMES] [--quick]
+        [--families matmul,attention,decode,ragged_dot,qmatmul] [--models NAMES] [--quick]
         [--json out.json]
     python3 benchmarks/unseen_models.py --dry-run --device-key nvidia_h100_80gb_hbm3
     python3 benchmarks/unseen_models.py --report out.json [more.json ...]
@@ -54,7 +55,7 @@ import jax
 
 import wavetune_jax as wt
 from wavetune_jax import (DECODE, AttentionProblem, DecodeProblem, MatmulProblem,
-                          RaggedDotProblem)
+                          QMatmulProblem, RaggedDotProblem)
 
 # Public configs (Hugging Face config.json): hidden, heads, head_dim, MLP width.
 DENSE = {
@@ -76,6 +77,11 @@ DECODE_BATCH = (8, 32)
 DECODE_CACHE = (3000, 20000)
 MOE_TOKENS = (40, 300, 2000, 6000)
 FAMILIES = ("matmul", "attention", "decode", "ragged_dot")
+#: Families run only when named in ``--families``: the quantized GEMM
+#: (``wt.quantized_matmul``) on the dense models' weights, W8A8-FP8 with the
+#: weight ``[N, K]`` and int8 weight-only, at the GEMM token counts.
+OPTIONAL = ("qmatmul",)
+ALL_FAMILIES = FAMILIES + OPTIONAL
 
 # v2: other public configs (Hugging Face config.json of each), none in v1 or
 # in the training suites, none with the shapes of one there. Dense: Qwen2.5-
@@ -167,6 +173,13 @@ def problems(families, quick: bool, models=None,
       for w, (k, n) in gemm_weights(c).items():
         out += [("matmul", f"{name}.{w} M={m}", MatmulProblem(m=m, n=n, k=k))
                 for m in pick(ms.gemm_m)]
+    if "qmatmul" in families:
+      for w, (k, n) in gemm_weights(c).items():
+        for m in pick(ms.gemm_m):
+          out += [("qmatmul", f"{name}.{w} M={m} w8a8",
+                   QMatmulProblem(m=m, n=n, k=k, dtype="float8_e4m3fn",
+                                  w_dtype="float8_e4m3fn", w_layout="nk")),
+                  ("qmatmul", f"{name}.{w} M={m} int8", QMatmulProblem(m=m, n=n, k=k))]
     if "attention" in families:
       out += [("attention", f"{name} b={b} L={s}",
                AttentionProblem(batch=b, q_heads=c["q_heads"], kv_heads=c["kv_heads"],
@@ -202,6 +215,9 @@ def op_fn(family: str, p, policy: str | None = None):
   elif family == "decode":
     op = lambda q, k, v, *lens: wt.decode_attention(q, k, v, causal=p.causal,
                                                     kv_lengths=lens[0] if lens else None)
+  elif family == "qmatmul":
+    op = lambda x, w, s, *xs: wt.quantized_matmul(x, w, s, x_scales=xs[0] if xs else None,
+                                                  w_layout=p.w_layout)
   else:
     op = lambda lhs, rhs, gs: wt.ragged_dot(lhs, rhs, gs)
   if policy is None:
@@ -245,7 +261,8 @@ def main(argv=None) -> int:
                   help=f"selection policy of the wt column, one of wavetune_jax.POLICIES "
                        f"({','.join(wt.POLICIES)}; default: auto, the library's default)")
   ap.add_argument("--families", default=",".join(FAMILIES),
-                  help=f"comma-separated, of {','.join(FAMILIES)}")
+                  help=f"comma-separated, of {','.join(ALL_FAMILIES)} (default: "
+                       f"{','.join(FAMILIES)})")
   ap.add_argument("--quick", action="store_true", help="every other size")
   ap.add_argument("--models", default="",
                   help="comma-separated, of the set's models (default: all): "
@@ -266,9 +283,9 @@ def main(argv=None) -> int:
                   help="the tables to select from in --dry-run (default: this device)")
   a = ap.parse_args(argv)
   fams = tuple(f.strip() for f in a.families.split(",") if f.strip())
-  bad = sorted(set(fams) - set(FAMILIES))
+  bad = sorted(set(fams) - set(ALL_FAMILIES))
   if bad or not fams:
-    ap.error(f"--families: unknown {bad}; choose from {','.join(FAMILIES)}")
+    ap.error(f"--families: unknown {bad}; choose from {','.join(ALL_FAMILIES)}")
   if a.iterations < 1:
     ap.error("--iterations must be >= 1")
   if a.compile_threads < 1:
@@ -386,7 +403,8 @@ def _read(path: str) -> dict:
   rows = out.get("rows") if isinstance(out, dict) else None
   if (not isinstance(rows, list) or not isinstance(out.get("device_kind"), str)
       or not all(isinstance(r, dict) and all(k in r for k in ROW_KEYS)
-                 and r["family"] in FAMILIES and isinstance(r["us"], dict) for r in rows)):
+                 and r["family"] in ALL_FAMILIES and isinstance(r["us"], dict)
+                 for r in rows)):
     raise ValueError(f"{path} is not a file this script wrote (no device_kind, or rows "
                      f"without {', '.join(ROW_KEYS)})")
   if out.get("set", "v1") not in SETS or not isinstance(out.get("policy", ""), str):
@@ -448,7 +466,8 @@ def report(paths, families, models: str) -> int:
     print(f"unseen_models: --models: unknown {bad}", file=sys.stderr)
     return 2
   hw = wt.device_key(next(iter(kinds))) if kinds else None
-  plan = {(f, label): p for k in SETS for f, label, p in problems(FAMILIES, False, None, k)}
+  plan = {(f, label): p for k in SETS
+          for f, label, p in problems(ALL_FAMILIES, False, None, k)}
   keep, older = [], []
   with wt.policy(pol):
     for key, rs in found.items():

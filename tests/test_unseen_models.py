@@ -149,6 +149,29 @@ def test_dry_run_prints_each_selection(capsys):
                              "--policy", "tables"])
 
 
+def test_quantized_gemms_are_an_optional_family(capsys):
+  mod = _mod()
+  # Not in the default families (the files on record hold none).
+  assert len(mod.problems(mod.FAMILIES, quick=False)) == 168
+  plan = mod.problems(("qmatmul",), quick=True, models=("phi_3_mini",))
+  assert {p.w_layout for _, _, p in plan} == {"kn", "nk"} and len(plan) == 24
+  lines, last = _dry_run(mod, capsys, ["--device-key", "nvidia_h100_80gb_hbm3",
+                                       "--families", "qmatmul", "--models", "phi_3_mini",
+                                       "--quick"])
+  assert last == "24 problems"
+  by_label = {line[11:51].strip(): line[51:] for line in lines}
+  # The FP8 kernel where the guard trusts it (a wave of 128 x 256 tiles);
+  # XLA's FP8 dot at 200 rows, without evidence.
+  assert by_label["phi_3_mini.gate_up M=3000 w8a8"].startswith("mosaic(block_m=128,block_n=256")
+  assert by_label["phi_3_mini.gate_up M=200 w8a8"].startswith("xla")
+  # An op call as the timing loop makes it, on a CPU (XLA).
+  fam, _, p = next(t for t in plan if t[2].w8a8 and t[2].m == 1)
+  spec = wt.get_family(fam)
+  args = spec.inputs(p, jax.random.PRNGKey(0))
+  out = mod.op_fn(fam, p, "tables")(*args)
+  assert out.shape == (1, p.n) and out.dtype == jax.numpy.bfloat16
+
+
 def test_the_policy_reaches_the_compile_threads():
   """The profiler traces in worker threads; the op enters the policy itself,
   so a thread outside any policy context compiles the policy's config."""
