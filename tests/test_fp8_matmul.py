@@ -199,3 +199,19 @@ def test_w8a8_params_are_transposed_e4m3():
     w = q["layers"][0][name]
     assert set(w) == {"qt", "s"} and w["qt"].dtype == jnp.float8_e4m3fn
     assert w["qt"].shape == params["layers"][0][name].shape[::-1]
+
+
+def test_sweep_problems_of_the_w8a8_suite():
+  # `wavetune sweep --family qmatmul --dtype float8_e4m3fn` sweeps the W8A8
+  # problems only; another family says it has no e4m3 problems.
+  import argparse
+
+  from wavetune_jax.cli.sweep import problems
+  args = argparse.Namespace(shapes="train", weights=None, m=[16, 4096], m_range=None,
+                            dtype="float8_e4m3fn", windows=False, problems_of=None)
+  probs = problems(QMATMUL, args)
+  assert probs and all(p.w8a8 and p.w_layout == "nk" for p in probs)
+  assert {p.m for p in probs} == {16, 4096}
+  with pytest.raises(ValueError, match="float8_e4m3fn") as e:
+    problems(wt.MATMUL, args)
+  assert "\n" not in str(e.value)

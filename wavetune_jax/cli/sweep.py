@@ -251,8 +251,10 @@ def add_problem_args(ap: argparse.ArgumentParser) -> None:
                        "q_len (default: the suite's)")
   ap.add_argument("--m-range", type=positive_int, nargs=2, metavar=("LO", "HI"),
                   help="keep only sizes in [LO, HI]")
-  ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                  help="input dtype (default: bfloat16)")
+  ap.add_argument("--dtype", default="bfloat16",
+                  choices=("bfloat16", "float16", "float32", "float8_e4m3fn"),
+                  help="input dtype (default: bfloat16; float8_e4m3fn: the qmatmul "
+                  "family's W8A8-FP8 problems only)")
   ap.add_argument("--windows", action="store_true",
                   help="also each problem with each of the suite's sliding windows shorter "
                   "than its sequence (attention and decode; train: 128, 512, 1024, 4096)")

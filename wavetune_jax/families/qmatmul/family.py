@@ -112,19 +112,21 @@ class QMatmulFamily(Family):
 
   # --- problems ------------------------------------------------------------------------
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):
-    """``suite["gemm"]``'s weights at every M: in int8 and float8_e4m3fn
-    under ``dtype`` activations (weight-only), and W8A8-FP8 (e4m3
-    activations, the weight ``[N, K]``)."""
+    """``suite["gemm"]``'s weights at every M: with ``dtype`` bfloat16 or
+    float16, in int8 and float8_e4m3fn under those activations (weight-only)
+    and W8A8-FP8 (e4m3 activations, the weight ``[N, K]``); with
+    ``dtype="float8_e4m3fn"`` the W8A8 problems only."""
     ws = gemm_weights(suite, weights)
     ms = suite["gemm"]["M"] if sizes is None else sizes
-    if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
-      raise ValueError(f"dtype={dtype!r}: the qmatmul suite takes the 16-bit activations' "
-                       f"dtype (bfloat16 or float16); its W8A8 problems come with them")
-    out = [QMatmulProblem(m=m, n=n, k=k, dtype=dtype, w_dtype=wd)
-           for n, k in ws.values() for wd in WEIGHT_DTYPES for m in ms]
-    return out + [QMatmulProblem(m=m, n=n, k=k, dtype="float8_e4m3fn",
-                                 w_dtype="float8_e4m3fn", w_layout="nk")
-                  for n, k in ws.values() for m in ms]
+    name = jnp.dtype(dtype).name
+    if name not in DTYPES:
+      raise ValueError(f"dtype={dtype!r} must be one of {DTYPES} for the qmatmul suite")
+    w8a8 = [QMatmulProblem(m=m, n=n, k=k, dtype="float8_e4m3fn", w_dtype="float8_e4m3fn",
+                           w_layout="nk") for n, k in ws.values() for m in ms]
+    if name == "float8_e4m3fn":
+      return w8a8
+    return [QMatmulProblem(m=m, n=n, k=k, dtype=dtype, w_dtype=wd)
+            for n, k in ws.values() for wd in WEIGHT_DTYPES for m in ms] + w8a8
 
   def problem_key(self, problem: QMatmulProblem) -> str:
     p = problem
