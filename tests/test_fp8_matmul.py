@@ -91,9 +91,9 @@ def test_mosaic_fp8_kernel_lowers_for_cuda(m, n, k, config):
 
 
 def test_rule_picks_the_measured_best_configs():
-  # The H100 runs of benchmarks/fp8_gemm.py: wherever the rule's config was
-  # measured, it is within 7% of the fastest config measured, and within
-  # 1.5% on all but two problems.
+  # The H100 runs of benchmarks/fp8_gemm.py after the last-step drain:
+  # wherever the rule's config was measured, it is within 1.5% of the
+  # fastest config measured (its neighbours).
   rows = []
   for f in ("fp8_gemm_a_h100.json", "fp8_gemm_b1_h100.json", "fp8_gemm_b2_h100.json",
             "fp8_gemm_square_h100.json"):
@@ -111,7 +111,7 @@ def test_rule_picks_the_measured_best_configs():
     if rule in times:
       ratios.append(times[rule] / min(times.values()))
   assert len(ratios) >= 15
-  assert max(ratios) < 1.07 and sum(x > 1.015 for x in ratios) <= 2
+  assert max(ratios) < 1.015
 
 
 def test_rule_and_space():

@@ -133,8 +133,9 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int) -> MosaicMatmulConfig
   """The config of least :func:`estimate_us` among :data:`RULE_TILES`
   (64-row tiles up to 256 rows, 128-row ones from 65), each with no K split or the split that
   fills a wave (:func:`wave_split`); bands of 8 tiles (L2 reuse) where the
-  output has more than a wave of tiles. On an H100 it picked the fastest of
-  the configs measured, or one within 1.5%, on 26 of 28 problems
+  output has more than a wave of tiles. On an H100 its config was the
+  fastest of those measured (it and its neighbours) or within 1.1% of it on
+  28 of the 29 problems where it ran, 6.8% slower on one
   (``benchmarks/fp8_gemm.py``)."""
   best, best_t = None, float("inf")
   for bm, bn, st in RULE_TILES:
