@@ -99,9 +99,9 @@ class QMatmulFamily(Family):
     counts need a table's evidence or first-use measurement.
 
     W8A8-FP8: the FP8 kernel over XLA's FP8 dot where its rule gives more
-    than a wave of 128 x 256 tiles (bands of 8): 1.10-1.37x on all 13 such
+    than a wave of 128 x 256 tiles (bands of 8): 1.10-1.72x on all 12 such
     problems measured on an H100 (``benchmarks/fp8_gemm.py``); with fewer
-    tiles its margin was 0.98-1.13x, left to evidence."""
+    tiles its margin was 0.97-1.22x, left to evidence."""
     from pallas_kernels.matmul.mosaic import MosaicMatmulConfig
     from wavetune_jax.families.qmatmul.backends import XlaQMatmulConfig
     if not (isinstance(config, MosaicMatmulConfig) and isinstance(platform, XlaQMatmulConfig)):
