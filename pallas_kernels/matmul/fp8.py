@@ -44,10 +44,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.matmul.mosaic import (EPI_TILE, M_MULTIPLE, MosaicMatmulConfig,
-                                          persistent_kernel, store_tile, wg_tile, wgmma_wait_delayed,
-                                          work_tile)
-from pallas_kernels._launch import match_varying, out_struct, require_compute_capability
+from pallas_kernels.matmul.mosaic import (EPI_TILE, M_MULTIPLE, MosaicMatmulConfig, launch,
+                                          store_tile, wg_tile, wgmma_wait_delayed, work_tile)
+from pallas_kernels._launch import require_compute_capability
 
 __all__ = ["BLOCK_K", "DTYPES", "RULE_TILES", "check_shapes", "estimate_us", "fp8_matmul",
            "heuristic_config", "k_steps", "smem_bytes", "wave_split"]
@@ -306,7 +305,5 @@ def _kernel_call(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  out_shape = (sk, m, n) if sk > 1 else (m, n)
-  (x, w, xs, ws), axes = match_varying(x, w, xs, ws)
-  return persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
-                           min(num_sms, tiles_m * tiles_n * sk))(x, w, xs, ws)
+  return launch(kernel, (x, w, xs, ws), out_shape=(m, n), split_k=sk, out_dtype=out_dtype,
+                work_tiles=tiles_m * tiles_n * sk, num_sms=num_sms)

@@ -54,7 +54,7 @@ from pallas_kernels._launch import (check_ints, match_varying, out_struct,
                                      require_compute_capability)
 
 __all__ = ["BLOCK_K", "BLOCK_M", "BLOCK_N", "COMPUTE_CAPABILITY", "DTYPES", "NO_INTERPRET",
-           "MosaicMatmulConfig", "check_shapes", "matmul", "smem_bytes", "wg_tile",
+           "MosaicMatmulConfig", "check_shapes", "launch", "matmul", "smem_bytes", "wg_tile",
            "wgmma_wait_delayed"]
 
 #: The GPUs the kernel runs on (wgmma and TMA: Hopper).
@@ -281,10 +281,19 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  out_shape = (sk, m, n) if sk > 1 else (m, n)
-  (x, w), axes = match_varying(x, w)
-  return persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
-                           min(num_sms, tiles_m * tiles_n * sk))(x, w)
+  return launch(kernel, (x, w), out_shape=(m, n), split_k=sk, out_dtype=out_dtype,
+                work_tiles=tiles_m * tiles_n * sk, num_sms=num_sms)
+
+
+def launch(kernel, arrays, *, out_shape: tuple[int, int], split_k: int, out_dtype,
+           work_tiles: int, num_sms: int):
+  """``kernel(*arrays, out)`` on the persistent grid of the GEMMs: ``out``
+  ``[split_k, *out_shape]`` (a split's partials) or ``out_shape`` with one
+  split; ``min(num_sms, work_tiles)`` CTAs."""
+  full = (split_k, *out_shape) if split_k > 1 else tuple(out_shape)
+  arrays, axes = match_varying(*arrays)
+  return persistent_kernel(kernel, out_struct(full, out_dtype, axes),
+                           min(num_sms, work_tiles))(*arrays)
 
 
 def work_tile(lin, wg, *, tiles: tuple[int, int], config, split_len: int):

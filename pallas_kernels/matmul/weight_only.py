@@ -35,9 +35,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, k_steps,
-                                          persistent_kernel, store_tile, wg_tile,
-                                          wgmma_wait_delayed, work_tile)
-from pallas_kernels._launch import match_varying, out_struct, require_compute_capability
+                                          launch, store_tile, wg_tile, wgmma_wait_delayed,
+                                          work_tile)
+from pallas_kernels._launch import require_compute_capability
 
 __all__ = ["WEIGHT_DTYPES", "check_shapes", "decode_config", "smem_bytes", "weight_only_matmul"]
 
@@ -231,7 +231,5 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  out_shape = (sk, m, n) if sk > 1 else (m, n)
-  (x, w), axes = match_varying(x, w)
-  return persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
-                           min(num_sms, tiles_m * tiles_n * sk))(x, w)
+  return launch(kernel, (x, w), out_shape=(m, n), split_k=sk, out_dtype=out_dtype,
+                work_tiles=tiles_m * tiles_n * sk, num_sms=num_sms)
