@@ -27,6 +27,7 @@ from jax import lax
 
 from pallas_kernels.matmul.fp8 import check_shapes, fp8_matmul, heuristic_config, wave_split
 from pallas_kernels.matmul.mosaic import MosaicMatmulConfig as C
+from wavetune_jax import quantize_rows
 from wavetune_jax.tuning import profiler
 
 # (name, K, N): Llama-3-8B's and Qwen2.5-1.5B's MLP and attention output, and 8192^3.
@@ -34,7 +35,6 @@ WEIGHTS = [("llama3_8b.w1", 4096, 14336), ("llama3_8b.w2", 14336, 4096),
            ("llama3_8b.wo", 4096, 4096), ("qwen2_5_1_5b.w13", 1536, 17920),
            ("qwen2_5_1_5b.w2", 8960, 1536), ("square_8192", 8192, 8192)]
 MS = (16, 64, 256, 2048, 4096, 8192)
-FP8_MAX = 448.0
 
 
 def configs(m: int, n: int, k: int, full: bool):
@@ -69,13 +69,6 @@ def configs(m: int, n: int, k: int, full: bool):
       seen.add(c)
       res.append(c)
   return res
-
-
-def quantize_rows(a):
-  """``a [R, K]`` -> ``(a8, scales [R])``, absmax per row."""
-  a32 = a.astype(jnp.float32)
-  s = jnp.maximum(jnp.max(jnp.abs(a32), axis=1), 1e-12) / FP8_MAX
-  return (a32 / s[:, None]).astype(jnp.float8_e4m3fn), s
 
 
 def main(argv=None):
