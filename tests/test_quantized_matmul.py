@@ -173,7 +173,7 @@ def test_quantize_weight_error_bounds():
     assert float(err.max()) <= bound and float(s[5]) == 1.0
   with pytest.raises(ValueError, match="must be one of"):
     wt.quantize_weight(w, "int4")
-  with pytest.raises(ValueError, match=r"\[K, N\] floating"):
+  with pytest.raises(ValueError, match=r"\[K, N\] \(or \[G, K, N\]\) floating"):
     wt.quantize_weight(w[0])
 
 

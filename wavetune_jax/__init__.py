@@ -5,7 +5,7 @@ from wavetune_jax.dropin import autotune
 from wavetune_jax.core.family import Backend, Family, Problem
 from wavetune_jax.core.hardware import Hardware, detect, device_key, get_hardware
 from wavetune_jax.core.registry import get_family, register, registered
-from wavetune_jax.families import ATTENTION, DECODE, MATMUL, QMATMUL, RAGGED_DOT
+from wavetune_jax.families import ATTENTION, DECODE, MATMUL, QMATMUL, QRAGGED_DOT, RAGGED_DOT
 from wavetune_jax.families.attention import (AttentionProblem, CudnnAttentionConfig,
                                              MosaicAttentionConfig, TritonAttentionConfig,
                                              XlaAttentionConfig)
@@ -15,9 +15,11 @@ from wavetune_jax.families.matmul import (MatmulProblem, MosaicMatmulConfig,
                                           TritonMatmulConfig, XlaMatmulConfig)
 from wavetune_jax.families.qmatmul import (QMatmulProblem, XlaQMatmulConfig, quantize_rows,
                                            quantize_weight)
+from wavetune_jax.families.qragged_dot import QRaggedDotProblem, XlaQRaggedDotConfig
 from wavetune_jax.families.ragged_dot import (MosaicRaggedDotConfig, RaggedDotProblem,
                                               TritonRaggedDotConfig, XlaRaggedDotConfig)
-from wavetune_jax.ops import attention, decode_attention, matmul, quantized_matmul, ragged_dot
+from wavetune_jax.ops import (attention, decode_attention, matmul, quantized_matmul,
+                             quantized_ragged_dot, ragged_dot)
 from wavetune_jax.runtime.selector import (POLICIES, load_tables, policy, select, set_policy,
                                            use_config, use_tables)
 from wavetune_jax.runtime.tables import TableError
@@ -44,6 +46,8 @@ __all__ = [
     "Problem",
     "QMATMUL",
     "QMatmulProblem",
+    "QRAGGED_DOT",
+    "QRaggedDotProblem",
     "RAGGED_DOT",
     "RaggedDotProblem",
     "TableError",
@@ -55,6 +59,7 @@ __all__ = [
     "XlaDecodeConfig",
     "XlaMatmulConfig",
     "XlaQMatmulConfig",
+    "XlaQRaggedDotConfig",
     "XlaRaggedDotConfig",
     "attention",
     "autotune",
@@ -69,6 +74,7 @@ __all__ = [
     "quantize_rows",
     "quantize_weight",
     "quantized_matmul",
+    "quantized_ragged_dot",
     "ragged_dot",
     "register",
     "registered",

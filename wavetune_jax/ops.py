@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 
 from wavetune_jax.core.op import tuned_call
-from wavetune_jax.families import ATTENTION, DECODE, MATMUL, QMATMUL, RAGGED_DOT
+from wavetune_jax.families import ATTENTION, DECODE, MATMUL, QMATMUL, QRAGGED_DOT, RAGGED_DOT
 
 __all__ = ["matmul", "quantized_matmul", "attention", "decode_attention", "ragged_dot"]
 
@@ -82,6 +82,56 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, x_scales=
   """
   return tuned_call(QMATMUL, x, w, scales, x_scales=x_scales, w_layout=w_layout,
                     out_dtype=out_dtype, config=config)
+
+
+
+def quantized_ragged_dot(x: jax.Array, w: jax.Array, scales: jax.Array, group_sizes, *,
+                         x_scales=None, w_layout: str = "kn", out_dtype=None,
+                         config=None) -> jax.Array:
+  """A grouped GEMM on 8-bit expert weights (``lax.ragged_dot`` semantics),
+  tuned like :func:`ragged_dot`: row ``r`` of expert ``g`` is ``(x[r] @
+  w[g]) * scales[g]`` (weight-only), or ``(x[r] @ w[g]) * x_scales[r] *
+  scales[g]`` with e4m3 activations (W8A8-FP8).
+
+  The dequantized weights are ``w[g] * scales[g]`` (``w`` int8 or
+  float8_e4m3fn, one float32 scale per expert and output channel); W8A8's
+  dequantized activations ``x * x_scales[:, None]`` (:func:`quantize_rows`).
+  The kernels multiply the 8-bit values with fp32 accumulation and scale
+  the result once. Rows past ``sum(group_sizes)`` are zeros; the sizes are
+  clipped as :func:`ragged_dot`'s. Tolerance against the float32 grouped
+  product of the dequantized operands: 1e-2 relative (that of a bfloat16
+  grouped GEMM), 2e-2 for W8A8.
+
+  Args:
+    x: ``[M, K]`` bfloat16 or float16 activations, or float8_e4m3fn with
+      ``x_scales``; rows grouped by expert.
+    w: ``[G, K, N]`` int8 or float8_e4m3fn expert weights (``[G, N, K]``
+      with ``w_layout="nk"``; W8A8 takes e4m3).
+    scales: ``[G, N]`` floating point (used as float32).
+    group_sizes: ``[G]`` integers (a traced array is fine).
+    x_scales: ``[M]`` floating point, one per row; only with e4m3 ``x``.
+    w_layout: ``"kn"`` (default) or ``"nk"``: each expert's weight
+      transposed, K contiguous, the layout FP8 tensor cores read; the Mosaic
+      FP8 kernel needs it (``quantize_weight(w, "float8_e4m3fn",
+      layout="nk")`` on the ``[G, K, N]`` weights); with ``"kn"`` W8A8 runs
+      on XLA.
+    out_dtype: bfloat16, float16 or float32 (default ``x.dtype``;
+      bfloat16 for e4m3 ``x``).
+    config: ``XlaQRaggedDotConfig()`` (XLA's ragged dot with the scales
+      after), ``MosaicRaggedDotConfig`` (the Mosaic FP8 kernel: W8A8 with
+      ``w_layout="nk"``), a dict ``{"backend": name, **fields}``, or ``None``
+      to let the selector choose.
+
+  Returns:
+    ``[M, N]`` array of ``out_dtype``.
+
+  Raises:
+    ValueError: ranks, contracting dimensions, dtypes, the scales' or group
+      sizes' shapes or the layout wrong, or a config that cannot run this
+      problem here.
+  """
+  return tuned_call(QRAGGED_DOT, x, w, scales, group_sizes, x_scales=x_scales,
+                    w_layout=w_layout, out_dtype=out_dtype, config=config)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,

@@ -79,8 +79,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  help="the dense GEMMs' weights: bf16 (default), or int8 / fp8 (e4m3) with a "
                  "scale per output channel, run by every setting (xla: XLA's GEMM on the "
                  "converted weight; the wavetune ops: wt.quantized_matmul); w8a8: e4m3 "
-                 "weights and activations (quantized per token at each GEMM; xla: XLA's "
-                 "FP8 dot); expert weights stay bf16")
+                 "weights and activations (quantized per token at each GEMM, experts "
+                 "too: wt.quantized_ragged_dot; xla: XLA's FP8 dot and ragged dot); under "
+                 "int8 / fp8 expert weights stay bf16")
   m.add_argument("--cache-multiple", type=positive_int, default=1, metavar="N",
                  help="a contiguous cache holds the cache length + 1 positions rounded up "
                  "to a multiple of N, as a serving stack allocates it (the Mosaic decode "

@@ -253,8 +253,8 @@ def add_problem_args(ap: argparse.ArgumentParser) -> None:
                   help="keep only sizes in [LO, HI]")
   ap.add_argument("--dtype", default="bfloat16",
                   choices=("bfloat16", "float16", "float32", "float8_e4m3fn"),
-                  help="input dtype (default: bfloat16; float8_e4m3fn: the qmatmul "
-                  "family's W8A8-FP8 problems only)")
+                  help="input dtype (default: bfloat16; float8_e4m3fn: the W8A8-FP8 problems of "
+                  "qmatmul and qragged_dot only)")
   ap.add_argument("--windows", action="store_true",
                   help="also each problem with each of the suite's sliding windows shorter "
                   "than its sequence (attention and decode; train: 128, 512, 1024, 4096)")

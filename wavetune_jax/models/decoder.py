@@ -35,6 +35,7 @@ on a contiguous cache, what a JAX user writes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 from typing import Callable, NamedTuple
 
@@ -161,6 +162,9 @@ class Ops(NamedTuple):
   # (x, w_q, scales, x_scales=None, w_layout="kn", out_dtype=None) -> the
   # product with a weight of quantize_params (wt.quantized_matmul's arguments).
   qmatmul: Callable = None
+  # (x, w_q, scales, group_sizes, x_scales=None, w_layout="kn", out_dtype=None)
+  # -> the grouped product with W8A8 expert weights (wt.quantized_ragged_dot's).
+  qragged_dot: Callable = None
 
 
 def library_attention_impl(q: jax.Array) -> str | None:
@@ -185,11 +189,14 @@ def make_ops(name: str) -> Ops:
   import wavetune_jax as wt
   if name == "xla":
     from wavetune_jax.families.qmatmul.backends import xla_qmatmul
+    from wavetune_jax.families.qragged_dot.backends import xla_qragged_dot
+    default_out = lambda x: jnp.bfloat16 if x.dtype == jnp.float8_e4m3fn else x.dtype
     return Ops("xla", lambda x, w: jnp.dot(x, w), _xla_attention, _xla_decode_attention,
                jax.lax.ragged_dot, contextlib.nullcontext,
                lambda x, w, s, out_dtype=None, **kw: xla_qmatmul(
-                   x, w, s, out_dtype or (jnp.bfloat16 if x.dtype == jnp.float8_e4m3fn
-                                          else x.dtype), **kw))
+                   x, w, s, out_dtype or default_out(x), **kw),
+               lambda x, w, s, gs, out_dtype=None, **kw: xla_qragged_dot(
+                   x, w, s, gs, out_dtype or default_out(x), **kw))
   from wavetune_jax.runtime.selector import POLICIES
   policy = "fixed" if name == "default" else name if name in POLICIES else None
   if policy is None:
@@ -197,7 +204,8 @@ def make_ops(name: str) -> Ops:
   return Ops(name, wt.matmul, lambda q, k, v, **o: wt.attention(q, k, v, causal=True, **o),
              lambda q, k, v, n, block_tables=None, **o: wt.decode_attention(
                  q, k, v, kv_lengths=n, block_tables=block_tables, **o),
-             wt.ragged_dot, lambda: wt.policy(policy), wt.quantized_matmul)
+             wt.ragged_dot, lambda: wt.policy(policy), wt.quantized_matmul,
+             wt.quantized_ragged_dot)
 
 
 def _xla_attention(q, k, v, **options):
@@ -261,13 +269,13 @@ def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
 
 #: ``quantize_params``'s formats: 16-bit weights as they are, the dense
 #: GEMMs' weights in int8 / float8_e4m3fn with a scale per output channel
-#: (weight-only), or ``"w8a8"``: e4m3 weights stored ``[N, K]`` and e4m3
-#: activations, each GEMM's input quantized per token as it runs
-#: (``wavetune_jax.quantize_rows``), the FP8 tensor cores' GEMM.
+#: (weight-only), or ``"w8a8"``: e4m3 weights stored ``[N, K]`` (experts
+#: ``[E, N, K]``) and e4m3 activations, each GEMM's input quantized per token
+#: as it runs (``wavetune_jax.quantize_rows``), the FP8 tensor cores' GEMM.
 WEIGHT_FORMATS = {"bf16": None, "int8": "int8", "fp8": "float8_e4m3fn",
                   "w8a8": "float8_e4m3fn"}
-#: The layer weights quantize_params quantizes (dense MLPs; experts and the
-#: embedding, router and LM head stay 16-bit).
+#: The layer weights quantize_params quantizes (dense MLPs, and experts under
+#: ``"w8a8"``; the embedding, router and LM head stay 16-bit).
 _QUANTIZED = ("wqkv", "wo", "w13", "w2")
 
 
@@ -276,15 +284,18 @@ def quantize_params(params: dict, cfg: ModelConfig, weights: str) -> dict:
   (``wavetune_jax.quantize_weight``) to ``{"q": w_q, "s": scales}`` (``"w8a8"``:
   ``{"qt": w_q [N, K], "s": scales}``, its inputs quantized per token as they run);
   ``weights`` one of :data:`WEIGHT_FORMATS` (``"bf16"``: unchanged). A
-  mixture-of-experts model keeps its expert weights 16-bit (the grouped GEMM
-  takes no 8-bit weights yet); its attention weights are quantized."""
+  mixture-of-experts model's attention weights are quantized; its expert
+  weights too under ``"w8a8"`` (``[E, N, K]`` e4m3, a scale per expert and
+  channel: ``wavetune_jax.quantized_ragged_dot``), and stay 16-bit under the
+  weight-only formats (no Mosaic weight-only grouped GEMM: XLA's ragged dot
+  on converted weights is slower than the 16-bit grouped GEMM)."""
   if weights not in WEIGHT_FORMATS:
     raise ValueError(f"weights={weights!r} must be one of {sorted(WEIGHT_FORMATS)}")
   dtype = WEIGHT_FORMATS[weights]
   if dtype is None:
     return params
   from wavetune_jax.families.qmatmul.quantize import quantize_weight
-  names = _QUANTIZED[:2] if cfg.experts else _QUANTIZED
+  names = _QUANTIZED[:2] if cfg.experts and weights != "w8a8" else _QUANTIZED
   layout = "nk" if weights == "w8a8" else "kn"
   layers = []
   for p in params["layers"]:
@@ -319,7 +330,17 @@ def _mlp(p, h, cfg: ModelConfig, ops: Ops):
     g, u = jnp.split(_mm(ops, h, p["w13"]), 2, axis=-1)
     m = (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(h.dtype)
     return _mm(ops, m, p["w2"])
-  return moe_mlp(p, h, top_k=cfg.top_k, gemm=ops.ragged_dot)
+  return moe_mlp(p, h, top_k=cfg.top_k, gemm=functools.partial(_gmm, ops))
+
+
+def _gmm(ops: Ops, x, w, sizes):
+  """The grouped ``x @ w[g]`` for 16-bit expert weights or W8A8 ones."""
+  if isinstance(w, dict):
+    from wavetune_jax.families.qmatmul.quantize import quantize_rows
+    x8, xs = quantize_rows(x)
+    return ops.qragged_dot(x8, w["qt"], w["s"], sizes, x_scales=xs, w_layout="nk",
+                           out_dtype=x.dtype)
+  return ops.ragged_dot(x, w, sizes)
 
 
 def moe_mlp(params, x, *, top_k: int, gemm):
@@ -329,7 +350,7 @@ def moe_mlp(params, x, *, top_k: int, gemm):
   inter]`` -> SiLU(gate) * up -> ``gemm`` with ``w2`` -> unsort -> the sum
   over each token's experts weighted by the router's softmax."""
   tokens = x.shape[0]
-  experts = params["w13"].shape[0]
+  experts = params["router"].shape[1]
   logits = x.astype(jnp.float32) @ params["router"]
   weights, chosen = jax.lax.top_k(logits, top_k)             # [tokens, k]
   weights = jax.nn.softmax(weights, axis=-1)

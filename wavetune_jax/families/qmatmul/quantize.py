@@ -18,7 +18,10 @@ FP8_MAX = 448.0  # float8_e4m3fn
 def quantize_weight(w: jax.Array, dtype: str = "int8",
                     layout: str = "kn") -> tuple[jax.Array, jax.Array]:
   """``w [K, N]`` -> ``(w_q, scales [N])`` with ``w ~ w_q * scales``, ``w_q``
-  ``[K, N]`` (``layout="kn"``) or ``[N, K]`` (``"nk"``).
+  ``[K, N]`` (``layout="kn"``) or ``[N, K]`` (``"nk"``). Expert weights
+  ``[G, K, N]`` give ``w_q [G, K, N]`` (or ``[G, N, K]``) and ``scales [G,
+  N]``, each expert quantized on its own (what
+  :func:`wavetune_jax.quantized_ragged_dot` takes).
 
   With ``layout="nk"`` ``w_q`` comes transposed, ``[N, K]`` with K
   contiguous: the layout FP8 tensor cores read, which
@@ -32,25 +35,26 @@ def quantize_weight(w: jax.Array, dtype: str = "int8",
   column: ``scales / 2`` for int8.
 
   Raises:
-    ValueError: ``w`` not a rank-2 floating array, an unknown ``dtype`` or
-      ``layout``.
+    ValueError: ``w`` not a rank-2 or rank-3 floating array, an unknown
+      ``dtype`` or ``layout``.
   """
   w = jnp.asarray(w)
-  if w.ndim != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
-    raise ValueError(f"w must be a [K, N] floating array; got {w.shape} {w.dtype}")
+  if w.ndim not in (2, 3) or not jnp.issubdtype(w.dtype, jnp.floating):
+    raise ValueError(f"w must be a [K, N] (or [G, K, N]) floating array; got {w.shape} "
+                     f"{w.dtype}")
   name = _dtype_name("dtype", dtype, WEIGHT_DTYPES)
   if layout not in W_LAYOUTS:
     raise ValueError(f"layout={layout!r} must be one of {W_LAYOUTS}")
   top = INT8_MAX if name == "int8" else FP8_MAX
   w32 = w.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(w32), axis=0)
+  amax = jnp.max(jnp.abs(w32), axis=-2)
   scales = jnp.where(amax > 0, amax / top, 1.0)
-  v = w32 / scales
+  v = w32 / scales[..., None, :]
   if name == "int8":
     wq = jnp.clip(jnp.round(v), -INT8_MAX, INT8_MAX).astype(jnp.int8)
   else:
     wq = jnp.clip(v, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
-  return (wq if layout == "kn" else wq.T), scales.astype(jnp.float32)
+  return (wq if layout == "kn" else jnp.swapaxes(wq, -1, -2)), scales.astype(jnp.float32)
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:

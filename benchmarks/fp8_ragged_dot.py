@@ -1,0 +1,160 @@
+"""W8A8-FP8 grouped GEMM on a GPU: right, and how fast.
+
+``y[r] = (x[r] @ w[g].T) * x_scales[r] * w_scales[g]`` for the rows ``r`` of
+expert ``g`` (``x [M, K]``, ``w [G, N, K]`` float8_e4m3fn, per-token and
+per-expert-channel float32 scales, output bfloat16), under the sweeps'
+balanced router. Per problem (CUPTI, L2 flushed, median of 10; every
+candidate checked first against the float32 product of the dequantized
+operands):
+
+* ``wt.ragged_dot`` in bfloat16 on the dequantized operands, with the
+  shipped tables (the target's baseline: what FP8 saves against), and
+  ``lax.ragged_dot`` in bfloat16;
+* XLA's FP8 path, what a JAX user writes: ``lax.ragged_dot_general`` on the
+  e4m3 operands with ``preferred_element_type=float32``, the scales after;
+* ``wt.quantized_ragged_dot`` as selected (no table: the rule and the guard);
+* the Mosaic FP8 kernel (``pallas_kernels.ragged_dot.fp8``) at the rule's
+  config and its neighbours.
+
+    PYTHONPATH=. python3 benchmarks/fp8_ragged_dot.py [--quick] [--weights a,b]
+        [--tokens 16 256 ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import wavetune_jax as wt
+from pallas_kernels.ragged_dot.fp8 import check_shapes, fp8_ragged_dot
+from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig as C
+from pallas_kernels.ragged_dot.reference import ragged_dot_reference
+from wavetune_jax.families.qragged_dot.backends import fp8_rule, xla_qragged_dot
+from wavetune_jax.families.ragged_dot import routing
+from wavetune_jax.tuning import profiler
+
+# (name, experts, top_k, K, N): MoE expert weights of Mixtral-8x7B, Qwen3-30B-A3B
+# and DeepSeek-V2-Lite (w13: gate and up fused).
+WEIGHTS = [("mixtral_8x7b.w13", 8, 2, 4096, 28672), ("mixtral_8x7b.w2", 8, 2, 14336, 4096),
+           ("qwen3_30b_a3b.w13", 128, 8, 2048, 1536), ("qwen3_30b_a3b.w2", 128, 8, 768, 2048),
+           ("deepseek_v2_lite.w13", 64, 6, 2048, 2816), ("deepseek_v2_lite.w2", 64, 6, 1408, 2048)]
+TOKENS = (1, 16, 256, 1024, 4096)
+
+
+def configs(m: int, g: int, n: int, k: int, full: bool):
+  """The rule's config and some neighbours."""
+  r = fp8_rule(m, g, n, k, 132)
+  out = [r, C(block_m=128, block_n=256, num_stages=3, grid_minor=2),
+         C(block_m=128, block_n=256, num_stages=3, grid_minor=1),
+         C(block_m=64, block_n=256, num_stages=4, split_k=r.split_k),
+         C(block_m=64, block_n=128, num_stages=5, split_k=r.split_k),
+         C(block_m=128, block_n=128, num_stages=5)]
+  if r.split_k > 1:
+    out += [C(block_m=64, block_n=256, num_stages=4, split_k=s)
+            for s in (r.split_k // 2, r.split_k * 2)]
+  if full:
+    out += [C(block_m=128, block_n=128, num_stages=5, grid_minor=2),
+            C(block_m=256, block_n=128, num_stages=3, grid_minor=2),
+            C(block_m=128, block_n=256, num_stages=3, grid_minor=0)]
+  seen, res = set(), []
+  for c in out:
+    if c not in seen:
+      seen.add(c)
+      res.append(c)
+  return res
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true", help="Mixtral's w13 and DeepSeek-V2-Lite's w2, "
+                  "16 and 1024 tokens")
+  ap.add_argument("--full", action="store_true", help="more configs")
+  ap.add_argument("--weights", help="comma-separated weight names (default: all)")
+  ap.add_argument("--tokens", type=int, nargs="+", help="tokens (default: 1 16 256 1024 4096)")
+  ap.add_argument("--iterations", type=int, default=10)
+  ap.add_argument("--json", default=None)
+  a = ap.parse_args(argv)
+  prof = profiler.Profiler(iterations=a.iterations)
+  dev = jax.devices()[0]
+  print(dev.device_kind, jax.__version__, flush=True)
+  weights = [WEIGHTS[0], WEIGHTS[-1]] if a.quick else WEIGHTS
+  if a.weights:
+    names = a.weights.split(",")
+    unknown = sorted(set(names) - {w[0] for w in WEIGHTS})
+    if unknown:
+      ap.error(f"unknown weights {unknown}; choose from {[w[0] for w in WEIGHTS]}")
+    weights = [w for w in WEIGHTS if w[0] in names]
+  tokens = (16, 1024) if a.quick else tuple(a.tokens or TOKENS)
+  rows = []
+  for wname, g, top_k, k, n in weights:
+    w_nk, ws = wt.quantize_rows(
+        jax.random.normal(jax.random.PRNGKey(1), (g * n, k), jnp.float32))
+    w_nk, ws = w_nk.reshape(g, n, k), ws.reshape(g, n)
+    w_deq = w_nk.astype(jnp.float32) * ws[:, :, None]
+    w_bf16 = jnp.swapaxes(w_deq, 1, 2).astype(jnp.bfloat16)  # [G, K, N]
+    for t in tokens:
+      m = t * top_k
+      x8, xs = wt.quantize_rows(jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32))
+      gs = routing.group_sizes(jax.random.PRNGKey(7), m, g)
+      x_deq = x8.astype(jnp.float32) * xs[:, None]
+      ref = ragged_dot_reference(x_deq, jnp.swapaxes(w_deq, 1, 2), gs, jnp.float32)
+      x_bf16 = x_deq.astype(jnp.bfloat16)
+      cands = {
+          "xla_fp8": lambda x8, w, xs, ws, gs: xla_qragged_dot(
+              x8, w, ws, gs, jnp.bfloat16, x_scales=xs, w_layout="nk"),
+          "wt_fp8": lambda x8, w, xs, ws, gs: wt.quantized_ragged_dot(
+              x8, w, ws, gs, x_scales=xs, w_layout="nk"),
+      }
+      for c in configs(m, g, n, k, a.full):
+        try:
+          check_shapes(m, n, k, c)
+        except ValueError:
+          continue
+        lab = f"mosaic {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k} g{c.grid_minor}"
+        cands[lab] = (lambda c: lambda x8, w, xs, ws, gs: fp8_ragged_dot(
+            x8, w, xs, ws, gs, config=c))(c)
+      times, errs = {}, {}
+      for lab, fn in cands.items():
+        (r,) = prof.measure_many([fn], (x8, w_nk, xs, ws, gs), reference=ref,
+                                 tolerance=2e-2, out_bytes=m * n * 2)
+        times[lab] = r.median_us if r.status == "ok" else math.nan
+        if r.status != "ok":
+          errs[lab] = f"{r.status}: {(r.error or '')[:300]}"
+      bf = {}
+      for lab, fn in (("wt_bf16", lambda x, w, gs: wt.ragged_dot(x, w, gs)),
+                      ("lax_bf16", lambda x, w, gs: lax.ragged_dot(x, w, gs))):
+        (r,) = prof.measure_many([fn], (x_bf16, w_bf16, gs), reference=ref, tolerance=2e-2,
+                                 out_bytes=m * n * 2)
+        bf[lab] = r.median_us if r.status == "ok" else math.nan
+        if r.status != "ok":
+          errs[lab] = f"{r.status}: {(r.error or '')[:300]}"
+      mos = {lab: tm for lab, tm in times.items() if lab.startswith("mosaic") and tm == tm}
+      best = min(mos, key=mos.get) if mos else None
+      tflops = lambda us: 2 * m * n * k / us / 1e6
+      row = {"weight": wname, "g": g, "k": k, "n": n, "tokens": t, "m": m,
+             "rule": str(fp8_rule(m, g, n, k, 132)), "times": times, "bf16": bf,
+             "errors": errs, "best_mosaic": best}
+      rows.append(row)
+      line = (f"{wname:<18} T={t:<5} M={m:<6} bf16 wt {bf['wt_bf16']:8.1f} lax "
+              f"{bf['lax_bf16']:8.1f} | XLA fp8 {times['xla_fp8']:8.1f} | wt fp8 "
+              f"{times['wt_fp8']:8.1f} us ({tflops(times['wt_fp8']):5.0f} TF/s): "
+              f"{bf['wt_bf16'] / times['wt_fp8']:.2f}x bf16 wt, "
+              f"{times['xla_fp8'] / times['wt_fp8']:.2f}x XLA fp8")
+      print(line, flush=True)
+      for lab, tm in mos.items():
+        print(f"      {lab:<36} {tm:8.1f} us {tflops(tm):6.0f} TF/s", flush=True)
+      for lab, e in errs.items():
+        print(f"    {lab}: {e}", flush=True)
+      if a.json:  # after every row: a run cut short keeps its rows
+        with open(a.json, "w") as f:
+          json.dump({"device_kind": dev.device_kind, "jax": jax.__version__, "rows": rows},
+                    f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,312 @@
+# Copyright 2026 The wavetune-jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     https://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Pallas Mosaic GPU FP8 grouped GEMM for Hopper (W8A8 mixture-of-experts layers).
+
+``y[r] = (x[r] @ w[g].T) * x_scales[r] * w_scales[g]`` for each row ``r`` of
+group ``g`` (rows grouped contiguously, ``lax.ragged_dot`` semantics): ``x [M,
+K]`` and the expert weights ``w [G, N, K]`` are float8_e4m3fn with K
+contiguous (FP8 ``wgmma`` reads 8-bit operands K-major), ``x_scales [M]`` the
+per-token scales and ``w_scales [G, N]`` each expert's per-output-channel
+scales, float32.
+
+It is the grouped GEMM of :mod:`pallas_kernels.ragged_dot.mosaic` (the
+run-time work list of 8-row-aligned row tasks, one persistent CTA per SM, the
+row-exact ladder of TMA stores) with the FP8 GEMM's core
+(:mod:`pallas_kernels.matmul.fp8`): ``[block_m, 128]`` x ``[block_n, 128]``
+K-major blocks, the next wgmma issued before the last is waited for, and the
+scales fetched with TMA per work item and applied to the fp32 tile in the
+epilogue. With ``split_k > 1`` each split writes its scaled fp32 partial
+(the scales are linear in the partial sums) and one XLA reduction sums them.
+
+Rows past ``sum(group_sizes)`` come out as zeros: their K loads lie past K
+(TMA fills zeros) and their row scales are set to 0 before the kernel, so a
+NaN there stays out.
+
+Accuracy as the FP8 GEMM's: 2e-2 relative to the output's largest value
+against the float32 product of the dequantized operands.
+
+Requirements (:func:`check_shapes`): compute capability 9.0; ``K`` a multiple
+of 128 with at least two K steps of 128 per split; ``N`` a multiple of 64;
+``num_stages >= 3``. ``M`` above 8 and not a multiple of 8 pads ``x`` and
+``x_scales`` with zero rows (the output is stored row by row in place).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._launch import match_varying, out_struct, require_compute_capability
+from pallas_kernels.matmul import fp8 as dense
+from pallas_kernels.matmul.mosaic import M_MULTIPLE, persistent_kernel, wg_tile, wgmma_wait_delayed
+from pallas_kernels.ragged_dot import worklist
+from pallas_kernels.ragged_dot.mosaic import BAND_BYTES, MosaicRaggedDotConfig
+
+__all__ = ["BLOCK_K", "K_MULTIPLE", "TILES", "check_shapes", "fp8_ragged_dot", "smem_bytes"]
+
+BLOCK_K = dense.BLOCK_K
+#: K must be a multiple of this (TMA tiles global memory like shared memory).
+K_MULTIPLE = BLOCK_K
+#: CTA tiles the kernel runs.
+TILES = ((64, 128), (64, 256), (128, 128), (128, 256), (256, 128))
+_BARRIER_BYTES = 1024
+_MEMORY_REGISTERS = 40
+NO_INTERPRET = ("the Mosaic GPU FP8 grouped GEMM has no CPU interpret mode; its correctness "
+                "is checked on a Hopper GPU (benchmarks/fp8_ragged_dot.py compares every "
+                "config with the float32 product of the dequantized operands)")
+
+
+def smem_bytes(*, block_m: int, block_n: int, num_stages: int, out_itemsize: int) -> int:
+  """The operand ring, each consumer's two output slots and its scales."""
+  wm, wn = wg_tile(block_m, block_n)
+  ring = num_stages * (block_m + block_n) * BLOCK_K
+  return ring + 2 * wm * wn * out_itemsize + 2 * (wm + wn) * 4 + _BARRIER_BYTES
+
+
+def check_shapes(m: int, n: int, k: int, config: MosaicRaggedDotConfig) -> None:
+  """Raises ``ValueError`` unless the kernel runs ``[m, k] x [G, n, k]`` with ``config``."""
+  if k % K_MULTIPLE or n % dense.N_MULTIPLE:
+    raise ValueError(f"the Mosaic GPU FP8 grouped GEMM needs K a multiple of {K_MULTIPLE} and "
+                     f"N of {dense.N_MULTIPLE}; got N={n}, K={k} (use the XLA config)")
+  if (config.block_m, config.block_n) not in TILES:
+    raise ValueError(f"the Mosaic GPU FP8 grouped GEMM runs the tiles {TILES}; got "
+                     f"{config.block_m}x{config.block_n}")
+  if config.num_stages < 3:
+    raise ValueError(f"config {config}: the FP8 grouped GEMM needs num_stages >= 3 (a ring "
+                     f"slot is released one step late)")
+  if dense.k_steps(k, config.split_k) < 2:
+    raise ValueError(f"config {config}: the FP8 grouped GEMM needs at least 2 K steps of "
+                     f"{BLOCK_K} per split; K={k} gives {dense.k_steps(k, config.split_k)}")
+  del m  # any row count (padded to a multiple of 8 for the loads)
+
+
+def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: jax.Array,
+                   group_sizes: jax.Array, *, config: MosaicRaggedDotConfig,
+                   out_dtype=jnp.bfloat16, num_sms: int | None = None) -> jax.Array:
+  """The W8A8-FP8 grouped GEMM (Hopper only; module doc).
+
+  Args:
+    x: ``[M, K]`` float8_e4m3fn, rows grouped by expert.
+    w: ``[G, N, K]`` float8_e4m3fn expert weights (K contiguous).
+    x_scales: ``[M]`` float32, one per row.
+    w_scales: ``[G, N]`` float32, one per expert and output channel.
+    group_sizes: ``[G]`` int32 sizes in ``[0, M]`` summing to at most ``M``
+      (:func:`~pallas_kernels.ragged_dot.worklist.clip_sizes`).
+    config: launch parameters (:class:`MosaicRaggedDotConfig`), used as given.
+    out_dtype: bfloat16, float16 or float32.
+    num_sms: CTAs of the persistent grid (default: the default device's SMs).
+
+  Raises:
+    ValueError: bad shapes or dtypes, shapes the kernel does not run, or no
+      Hopper GPU.
+  """
+  if not isinstance(config, MosaicRaggedDotConfig):
+    raise ValueError(f"config must be a MosaicRaggedDotConfig; got {type(config).__name__}")
+  if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2]:
+    raise ValueError(f"need x [M, K] and w [G, N, K]; got {x.shape}, {w.shape}")
+  for name, a in (("x", x), ("w", w)):
+    if a.dtype != jnp.float8_e4m3fn:
+      raise ValueError(f"the Mosaic GPU FP8 grouped GEMM takes float8_e4m3fn operands; got "
+                       f"{name} {a.dtype}")
+  (m, k), (g, n, _) = x.shape, w.shape
+  if x_scales.shape != (m,) or w_scales.shape != (g, n) or group_sizes.shape != (g,):
+    raise ValueError(f"need x_scales [M], w_scales [G, N] and group_sizes [G]; got "
+                     f"{x_scales.shape}, {w_scales.shape}, {group_sizes.shape}")
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype.name not in ("bfloat16", "float16", "float32"):
+    raise ValueError(f"the Mosaic GPU FP8 grouped GEMM writes bfloat16, float16 or float32; "
+                     f"got {out_dtype.name}")
+  check_shapes(m, n, k, config)
+  if num_sms is None:
+    num_sms = int(require_compute_capability("9.0", "Mosaic GPU FP8 grouped GEMM",
+                                             "use the XLA config").core_count)
+  return _ragged_dot(x, w, x_scales.astype(jnp.float32), w_scales.astype(jnp.float32),
+                     group_sizes.astype(jnp.int32), config=config, out_dtype=out_dtype,
+                     num_sms=int(num_sms))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
+def _ragged_dot(x, w, xs, ws, group_sizes, *, config, out_dtype, num_sms):
+  m, k = x.shape
+  tasks, count = worklist.row_tasks(
+      group_sizes, m, config.block_m,
+      band_cap=max(1, BAND_BYTES // (config.block_m * k)) if config.grid_minor == 2 else 0)
+  # Rows past the groups: a zero scale (their products are zeros already).
+  xs = jnp.where(jnp.arange(m) < jnp.sum(group_sizes), xs, 0.0)
+  pad = -m % M_MULTIPLE if m > M_MULTIPLE else 0
+  if pad:  # TMA loads rows in tiles of 8; the output keeps its M rows
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    xs = jnp.pad(xs, (0, pad))
+  if config.split_k == 1:
+    return _kernel_call(tasks, count, x, w, xs, ws, m=m, config=config, out_dtype=out_dtype,
+                        num_sms=num_sms)
+  partials = _kernel_call(tasks, count, x, w, xs, ws, m=m, config=config,
+                          out_dtype=jnp.dtype(jnp.float32), num_sms=num_sms)
+  return partials.sum(axis=0).astype(out_dtype)
+
+
+def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  k, (groups, n, _) = x.shape[1], w.shape
+  sk = config.split_k
+  bm, bn = config.block_m, config.block_n
+  wm, wn = wg_tile(bm, bn)
+  split_m = bm >= 128
+  tiles_n = pl.cdiv(n, bn)
+  steps = dense.k_steps(k, sk)
+  split_len = steps * BLOCK_K
+  past_k = sk * split_len  # K offset of the tail tasks: every load is past K
+  n_tasks = tasks.shape[1]
+
+  out_swizzle = 128
+  out_elems = out_swizzle // out_dtype.itemsize
+  # One row per tile: a store may start at any row of the tile.
+  out_transforms = (plgpu.TilingTransform((1, out_elems)), plgpu.SwizzleTransform(out_swizzle))
+  transforms = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
+
+  def get_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=_MEMORY_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec((bm, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
+                            memory_space=plgpu.SMEM, delay_release=1),
+            plgpu.BlockSpec((bn, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
+                            memory_space=plgpu.SMEM, delay_release=1),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=min(config.num_stages, steps),
+        compute_context=compute_context,
+    )
+
+  def kernel(tasks_gmem, count_gmem, x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
+        out_smem=plgpu.SMEM((2, wn // out_elems, wm, out_elems), out_dtype,
+                            transforms=out_transforms),
+        row_smem=plgpu.SMEM((2, wm), jnp.float32),
+        col_smem=plgpu.SMEM((2, wn), jnp.float32),
+        scale_bars=plgpu.Barrier(num_barriers=4),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem, row_smem, col_smem, scale_bars):
+      wg = lax.axis_index("wg")
+      count = count_gmem[0]
+      per_split = count * tiles_n
+
+      @plgpu.nd_loop((per_split * sk,), collective_axes="sm")
+      def _work_loop(info: plgpu.NDLoopInfo):
+        (lin,) = info.index
+        split = lax.div(lin, per_split)
+        rest = lax.rem(lin, per_split)
+        if config.grid_minor == 1:
+          task, ni = lax.div(rest, jnp.int32(tiles_n)), lax.rem(rest, jnp.int32(tiles_n))
+        elif config.grid_minor == 2:
+          task, ni = worklist.banded_item(rest, tiles_n, tasks_gmem)
+        else:
+          task, ni = lax.rem(rest, count), lax.div(rest, count)
+        grp = tasks_gmem[worklist.GROUP, task]
+        row0 = tasks_gmem[worklist.ROW0, task]
+        start = tasks_gmem[worklist.START, task]
+        size = tasks_gmem[worklist.SIZE, task]
+        tail = grp >= groups
+        expert = jnp.minimum(grp, groups - 1)
+        k0 = jnp.where(tail, jnp.int32(past_k), split * split_len)
+        m_slice = pl.ds(pl.multiple_of(row0, worklist.ALIGN), bm)
+        n_slice = pl.ds(ni * bn, bn)
+        k_slice = pl.ds(k0, split_len)
+        out_ref = out_gmem.at[split] if sk > 1 else out_gmem
+        if split_m:
+          wg_m, w_rows = pl.ds(wg * wm, wm), slice(None)
+          base = wg * wm
+          lo = jnp.clip(start - base, 0, wm)
+          rows = jnp.clip(start + size - base, 0, wm) - lo
+          col0 = ni * bn
+        else:
+          wg_m, w_rows = slice(None), pl.ds(wg * wn, wn)
+          base = jnp.int32(0)
+          lo, rows = start, size
+          col0 = ni * bn + wg * wn
+
+        def compute_context(eval_pipeline):
+          # Fetch this consumer's scales while its K loop runs.
+          plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(row0 + base, wm)], row_smem.at[wg],
+                                  scale_bars.at[2 * wg])
+          plgpu.copy_gmem_to_smem(ws_gmem.at[expert, pl.ds(col0, wn)], col_smem.at[wg],
+                                  scale_bars.at[2 * wg + 1])
+
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
+          def _acc_scope(acc_ref):
+            eval_pipeline(acc_ref)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_wait(scale_bars.at[2 * wg])
+            plgpu.barrier_wait(scale_bars.at[2 * wg + 1])
+            row_s = plgpu.load(row_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+            row_s = lax.broadcast_in_dim(row_s, (wm, out_elems), [0])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            # Column slices one swizzle wide (64 bf16, 32 fp32), one row per
+            # tile: a store may start at any row.
+            for j in range(wn // out_elems):
+              cols = pl.ds(j * out_elems, out_elems)
+              col_s = plgpu.load(col_smem.at[wg, cols], (),
+                                 layout=plgpu.Layout.WGMMA.reduce(0))
+              acc = acc_ref[:, j * out_elems:(j + 1) * out_elems]
+              acc = acc * row_s * lax.broadcast_in_dim(col_s, (wm, out_elems), [1])
+              out_smem[wg, j] = acc.astype(out_dtype)
+            plgpu.commit_smem()
+            # Store rows [lo, lo + rows) of this warpgroup's tile: one TMA
+            # store per set bit of ``rows``, largest first.
+            offset = lo
+            p = wm
+            while p >= 1:
+              @pl.when((rows & p) != 0)
+              def _store():
+                for j in range(wn // out_elems):
+                  plgpu.copy_smem_to_gmem(
+                      out_smem.at[wg, j, pl.ds(offset, p)],
+                      out_ref.at[pl.ds(row0 + base + offset, p),
+                                 pl.ds(col0 + j * out_elems, out_elems)],
+                      commit_group=False)
+              offset = offset + (rows & p)
+              p //= 2
+            plgpu.commit_smem_to_gmem_group()
+
+        def mma_body(idx, x_smem, w_smem, acc_ref):
+          plgpu.wgmma(acc_ref, x_smem.at[wg_m],
+                      plgpu.transpose_ref(w_smem.at[w_rows], (1, 0)))
+          wgmma_wait_delayed(idx[0], steps, 1)  # the last step's: its slot is released next
+          return acc_ref
+
+        get_pipeline(mma_body, compute_context)(
+            x_gmem.at[m_slice, k_slice],
+            w_gmem.at[expert, n_slice, k_slice],
+            allocations=pipeline_allocs,
+        )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  out_shape = (sk, m, n) if sk > 1 else (m, n)
+  arrays, axes = match_varying(tasks, count, x, w, xs, ws)
+  return persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
+                           min(num_sms, n_tasks * tiles_n * sk))(*arrays)

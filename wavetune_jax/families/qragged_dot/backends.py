@@ -1,0 +1,249 @@
+"""The backends of the quantized grouped GEMM: XLA's ragged dot (the platform
+op: on the converted weights for weight-only problems, on the e4m3 operands
+for W8A8) and the Mosaic GPU FP8 kernel (``pallas_kernels.ragged_dot.fp8``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.matmul import fp8 as dense_fp8
+from pallas_kernels.ragged_dot import fp8 as kernel
+from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig
+from wavetune_jax.core.family import Backend
+from wavetune_jax.core.hardware import Hardware
+from wavetune_jax.families.qragged_dot.problem import QRaggedDotProblem
+from wavetune_jax.families.ragged_dot.routing import expected_tasks
+
+__all__ = ["XlaQRaggedDot", "XlaQRaggedDotConfig", "MosaicQRaggedDot", "fp8_rule",
+           "row_groups", "xla_qragged_dot", "dequantized_ragged_product"]
+
+#: The nominal tiling of the XLA backend's (G, L).
+NOMINAL_M, NOMINAL_N, NOMINAL_K = 64, 128, 64
+STAGES = (3, 4, 5)
+SPLIT_K = (1, 2, 4, 8)
+ORDERS = (1, 0, 2)
+
+
+def _dims(w_layout: str) -> lax.RaggedDotDimensionNumbers:
+  return lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(([1], [1 if w_layout == "kn" else 2]), ([], [])),
+      lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def row_groups(group_sizes, m: int):
+  """``[m]`` int32: each row's group, ``G`` for the rows past the groups
+  (``group_sizes`` clipped: in ``[0, m]``, summing to at most ``m``)."""
+  ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+  return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right",
+                          method="compare_all").astype(jnp.int32)
+
+
+def _scaled(acc, scales, group_sizes, x_scales, out_dtype):
+  """``acc [M, N]`` times each row's expert's channel scales (and the rows'
+  scales), zeros past the groups."""
+  g = scales.shape[0]
+  gid = row_groups(group_sizes, acc.shape[0])
+  y = acc * scales.astype(jnp.float32)[jnp.minimum(gid, g - 1)]
+  if x_scales is not None:
+    y = y * x_scales.astype(jnp.float32)[:, None]
+  return jnp.where((gid < g)[:, None], y, 0.0).astype(out_dtype)
+
+
+def xla_qragged_dot(x, w, scales, group_sizes, out_dtype, *, x_scales=None,
+                    w_layout: str = "kn"):
+  """What a JAX user writes: XLA's ragged dot with fp32 accumulation, then the
+  scales of each row's expert. Weight-only: the weights converted to the
+  activations' dtype (exact for 8-bit values). W8A8: ``lax.ragged_dot_general``
+  on the e4m3 operands with ``preferred_element_type=float32``, then the
+  rows' scales too. Rows past the groups are zeros."""
+  if x_scales is None:
+    w = w.astype(x.dtype)
+  acc = lax.ragged_dot_general(x, w, group_sizes, _dims(w_layout),
+                               preferred_element_type=jnp.float32)
+  return _scaled(acc, scales, group_sizes, x_scales, out_dtype)
+
+
+def dequantized_ragged_product(x, w, scales, group_sizes, x_scales=None,
+                               w_layout: str = "kn"):
+  """The float32 grouped product of the dequantized operands at highest
+  precision: the reference every backend is checked against."""
+  from pallas_kernels.ragged_dot.reference import ragged_dot_reference
+  x32 = x.astype(jnp.float32)
+  if x_scales is not None:
+    x32 = x32 * x_scales.astype(jnp.float32)[:, None]
+  s = scales.astype(jnp.float32)
+  w32 = w.astype(jnp.float32)
+  w32 = w32 * s[:, None, :] if w_layout == "kn" else jnp.swapaxes(w32 * s[:, :, None], 1, 2)
+  return ragged_dot_reference(x32, w32, group_sizes, jnp.float32)
+
+
+def fp8_rule(m: int, g: int, n: int, k: int, num_sms: int,
+             smem_per_block: int = 232448) -> MosaicRaggedDotConfig:
+  """The FP8 kernel's launch rule. ``r`` = rows per expert under balanced
+  routing. From 64: 128 x 256 tiles, 3 stages (the most that fit), walked
+  expert by expert above 64 (``grid_minor`` 2: an expert's tasks read each
+  weight tile together), column tiles first at 64. Below: 64 x 256 tiles,
+  column tiles first, 4 stages, with the K split that fills a wave of the
+  expected work (at least four K steps a split).
+
+  On an H100 (``benchmarks/fp8_ragged_dot.py``, Mixtral-8x7B's experts at
+  1-4,096 tokens): at 64 rows per expert 128 x 256 ran 1.39x / 1.09x faster
+  than 64 x 256 (w13 / w2); at 1,024 and 4,096 tokens order 2 ran 1.08-1.77x
+  faster than column tiles first; at 1 and 16 tokens 64-row tiles were the
+  fastest or within 1.3% of it."""
+  r = m / min(g, m)
+  if r >= 64:
+    return MosaicRaggedDotConfig(block_m=128, block_n=256, num_stages=3,
+                                 grid_minor=2 if r > 64 else 1)
+  work = int(expected_tasks(m, g, 64)) * -(-n // 256)
+  sk = 1
+  while work * sk * 2 <= num_sms and dense_fp8.k_steps(k, sk * 2) >= 4 and sk < 8:
+    sk *= 2
+  c = MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4, split_k=sk)
+  while _smem(c, "bfloat16") > smem_per_block and c.num_stages > 3:
+    c = dataclasses.replace(c, num_stages=c.num_stages - 1)
+  return c
+
+
+def _smem(c: MosaicRaggedDotConfig, out_dtype: str) -> int:
+  out = 4 if c.split_k > 1 else jnp.dtype(out_dtype).itemsize
+  return kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
+                           out_itemsize=out)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class XlaQRaggedDotConfig:
+  """XLA's ragged dot, scales after (:func:`xla_qragged_dot`)."""
+
+
+class XlaQRaggedDot(Backend):
+  """XLA's ragged dot on the 8-bit operands: the platform op."""
+
+  name = "xla"
+  config_cls = XlaQRaggedDotConfig
+  macro_fields = ()
+  micro_fields = ()
+  interpret = True
+  interpret_in_shard_map = True
+  heuristic_size_free = True
+  platform = True
+
+  def space(self, problem, hw: Hardware, *, prune: bool = True):
+    return (XlaQRaggedDotConfig(),)
+
+  def validate(self, problem, config, hw: Hardware | None = None) -> None:
+    if not isinstance(config, XlaQRaggedDotConfig):
+      raise ValueError(f"config must be an XlaQRaggedDotConfig; got {config!r}")
+
+  def heuristic(self, problem, hw: Hardware) -> XlaQRaggedDotConfig:
+    return XlaQRaggedDotConfig()
+
+  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
+    return 1
+
+  def coords(self, p: QRaggedDotProblem, macro: dict) -> tuple[int, float]:
+    return (-(-p.m // NOMINAL_M) * -(-p.n // NOMINAL_N), float(-(-p.k // NOMINAL_K) * p.g))
+
+  def run(self, p: QRaggedDotProblem, config, x, w, scales, group_sizes, x_scales=None, *,
+          interpret: bool = False):
+    return xla_qragged_dot(x, w, scales, group_sizes, jnp.dtype(p.out_dtype),
+                           x_scales=x_scales, w_layout=p.w_layout)
+
+
+class MosaicQRaggedDot(Backend):
+  """The Mosaic GPU FP8 grouped GEMM (Hopper, W8A8 with the weights ``[G, N,
+  K]``): the bf16 grouped GEMM's run-time work list with FP8 wgmma and the
+  scales in the epilogue. No CPU interpret mode."""
+
+  name = "mosaic"
+  kernel_cache = True
+  config_cls = MosaicRaggedDotConfig
+  macro_fields = ("block_m", "block_n", "split_k")
+  micro_fields = ("num_stages", "grid_minor")
+  folded_fields = ("split_k",)
+  interpret = False
+
+  def supported_on(self, hw: Hardware) -> bool:
+    return hw.compute_capability == "9.0"
+
+  @staticmethod
+  def why_not(p: QRaggedDotProblem, c: MosaicRaggedDotConfig | None = None) -> str | None:
+    """Why the kernel cannot run ``p`` (with ``c``); None where it can."""
+    if not p.w8a8:
+      return ("the Mosaic quantized grouped GEMM runs W8A8-FP8 (e4m3 activations); "
+              "weight-only problems run on XLA")
+    if p.w_layout != "nk":
+      return ("the Mosaic FP8 grouped GEMM reads the weights as [G, N, K] (FP8 tensor cores "
+              "take 8-bit operands K-major); pass them with w_layout='nk' (or use the XLA "
+              "config)")
+    try:
+      kernel.check_shapes(p.m, p.n, p.k, c or MosaicRaggedDotConfig(
+          block_m=64, block_n=128, num_stages=4))
+    except ValueError as e:
+      return str(e)
+    return None
+
+  def smem_bytes(self, p: QRaggedDotProblem, c: MosaicRaggedDotConfig) -> int:
+    return _smem(c, p.out_dtype)
+
+  def space(self, p: QRaggedDotProblem, hw: Hardware, *, prune: bool = True) -> tuple:
+    """:data:`~pallas_kernels.ragged_dot.fp8.TILES`, 3-5 stages, K splits
+    (at least four K steps each) only where the expected work fills less
+    than a wave and (pruned) at most two with the splits; both orders and
+    order 2 (by expert) only where the work takes more than a wave, order 2
+    above 64 rows per expert."""
+    if self.why_not(p):
+      return ()
+    out = []
+    per = p.m / min(p.g, p.m)
+    for (bm, bn), st, sk, gm in itertools.product(kernel.TILES, STAGES, SPLIT_K, ORDERS):
+      work = int(expected_tasks(p.m, p.g, bm)) * -(-p.n // bn)
+      if sk > 1 and (gm != 1 or work >= hw.num_sms or dense_fp8.k_steps(p.k, sk) < 4
+                     or (prune and work * sk > 2 * hw.num_sms)):
+        continue
+      if gm != 1 and (work <= hw.num_sms or (gm == 2 and per <= 64)):
+        continue
+      if prune and bm > 64 and per <= 32:
+        continue  # taller tasks than an expert's rows load other experts' rows
+      c = MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=st, split_k=sk,
+                                grid_minor=gm)
+      if not self.why_not(p, c) and self.smem_bytes(p, c) <= hw.smem_per_block:
+        out.append(c)
+    return tuple(out)
+
+  def validate(self, p: QRaggedDotProblem, config, hw: Hardware | None = None) -> None:
+    if not isinstance(config, MosaicRaggedDotConfig):
+      raise ValueError(f"config must be a MosaicRaggedDotConfig; got {config!r}")
+    why = self.why_not(p, config)
+    if why:
+      raise ValueError(why)
+    if hw is not None and self.smem_bytes(p, config) > hw.smem_per_block:
+      raise ValueError(f"config {config} needs {self.smem_bytes(p, config)} bytes of shared "
+                       f"memory; {hw.name} allows {hw.smem_per_block} per block")
+
+  def heuristic(self, p: QRaggedDotProblem, hw: Hardware) -> MosaicRaggedDotConfig | None:
+    """:func:`fp8_rule` (``benchmarks/fp8_ragged_dot.py``)."""
+    if self.why_not(p):
+      return None
+    c = fp8_rule(p.m, p.g, p.n, p.k, hw.num_sms, hw.smem_per_block)
+    return None if self.why_not(p, c) else c
+
+  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
+    return 1  # one persistent CTA per SM
+
+  def coords(self, p: QRaggedDotProblem, macro: dict) -> tuple[int, float]:
+    """``G`` = expected row tasks x column tiles x splits, ``L`` = K steps of a split."""
+    tasks = int(expected_tasks(p.m, p.g, macro["block_m"]))
+    return (tasks * -(-p.n // macro["block_n"]) * macro["split_k"],
+            float(dense_fp8.k_steps(p.k, macro["split_k"])))
+
+  def run(self, p: QRaggedDotProblem, config, x, w, scales, group_sizes, x_scales=None, *,
+          interpret: bool = False):
+    if interpret:
+      raise NotImplementedError(kernel.NO_INTERPRET)
+    return kernel.fp8_ragged_dot(x, w, x_scales, scales, group_sizes, config=config,
+                                 out_dtype=jnp.dtype(p.out_dtype))
