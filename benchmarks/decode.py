@@ -14,7 +14,13 @@ With ``--mha`` the problems are one KV head per query head (Phi-3-mini's 32/32
 heads, head_dim 96, and the same heads at head_dim 128), batch 1-32, caches
 of 1,000-20,000, and the Triton candidates also flip ``block_k``.
 
-    python3 benchmarks/decode.py [--quick | --mha]
+With ``--problem HQ,HKV,B,S,Q`` (repeatable) only those problems run, and
+``--length-mix full`` gives every sequence of the ragged runs the whole
+cache (``kv_lengths`` passed, all equal: a batch of equal prompts), where the
+default ``spread`` draws them evenly (the sweeps' mix).
+
+    python3 benchmarks/decode.py [--quick | --mha | --problem 32,8,16,4160,1 ...]
+        [--length-mix spread|full]
 """
 
 from __future__ import annotations
@@ -57,8 +63,15 @@ def main():
   which.add_argument("--quick", action="store_true", help="the first 4 problems only")
   which.add_argument("--mha", action="store_true",
                      help="one KV head per query head, head_dim 96 and 128")
+  which.add_argument("--problem", action="append", metavar="HQ,HKV,B,S,Q",
+                     help="q heads, kv heads, batch, cache length, queries (head_dim 128)")
+  ap.add_argument("--length-mix", choices=("spread", "full"), default="spread",
+                  help="valid lengths of the ragged runs (default: spread)")
+  ap.add_argument("--ragged-only", action="store_true",
+                  help="only the runs with kv_lengths (skip the cache without lengths)")
   ap.add_argument("--iterations", type=int, default=20)
   a = ap.parse_args()
+  family = DECODE.with_lengths(a.length_mix)
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__)
   hw = get_hardware()
@@ -69,8 +82,14 @@ def main():
         f"{'cudnn':>9}{'xla':>9}{'best/base':>10}{'heur/base':>10}  nan-err")
   rows = []
   problems = MHA if a.mha else PROBLEMS[:4] if a.quick else PROBLEMS
+  if a.problem:
+    try:
+      problems = [tuple(int(v) for v in s.split(",")) for s in a.problem]
+      assert all(len(x) == 5 for x in problems)
+    except (ValueError, AssertionError):
+      ap.error(f"--problem takes HQ,HKV,B,S,Q (five integers); got {a.problem}")
   for hq, hkv, b, s, t, *hd in problems:
-    for lengths in (True, False):
+    for lengths in (True,) if a.ragged_only else (True, False):
       p = DecodeProblem(batch=b, q_heads=hq, kv_heads=hkv, kv_len=s, q_len=t, lengths=lengths,
                         head_dim=hd[0] if hd else 128)
       h = tri.heuristic(p, hw)
@@ -81,7 +100,7 @@ def main():
             c = dataclasses.replace(h, num_splits=ns, block_k=bk)
             if c not in cands and tri.smem_bytes(p, c) <= hw.smem_per_block:
               cands.append(c)
-      args = DECODE.inputs(p, jax.random.PRNGKey(0))
+      args = family.inputs(p, jax.random.PRNGKey(0))
       ref = DECODE.reference(p, *args)
       fns = ([DECODE.build(p, c) for c in cands] + [DECODE.build(p, xla.config_cls())]
              + [DECODE.baseline(p), DECODE.extra_baselines(p)["xla"]])
@@ -94,16 +113,18 @@ def main():
       bad = [f"{i}:{m.status}" for i, m in enumerate(res) if m.status != "ok"]
       err = nan_check(p, h) if lengths else float("nan")
       name = f"b{b} h{hq}/{hkv} kv{s} q{t}" + (f" d{hd[0]}" if hd else "")
-      print(f"{name:<44}{'ragged' if lengths else 'full':>6}{us[0]:9.1f}{us[best]:9.1f}"
+      print(f"{name:<44}{(a.length_mix if lengths else 'none'):>6}{us[0]:9.1f}{us[best]:9.1f}"
             f"{cands[best].num_splits:>7}/{cands[best].block_k:<3}{us[n]:9.1f}{us[n + 1]:9.1f}{us[n + 2]:9.1f}"
             f"{base / us[best]:10.3f}{base / us[0]:10.3f}  {err:.2e} {' '.join(bad)}",
             flush=True)
-      if a.mha:  # every candidate: splits/block_k=us
+      if a.mha or a.problem:  # every candidate: splits/block_k=us
         print("    " + "  ".join(f"{c.num_splits}/{c.block_k}={u:.1f}"
                                   for c, u in zip(cands, us[:n])), flush=True)
       rows.append((b, s, lengths, base / us[best], base / us[0]))
   for lengths in (True, False):
     sel = [r for r in rows if r[2] == lengths]
+    if not sel:
+      continue
     big = [r for r in sel if r[0] >= 8 and r[1] >= 4096]
     g = lambda xs, i: float(np.exp(np.mean(np.log([x[i] for x in xs])))) if xs else float("nan")  # noqa: E731
     print(f"{'ragged' if lengths else 'full'} caches: best/base geomean {g(sel, 3):.3f} "

@@ -169,6 +169,10 @@ def test_heuristic_splits_by_programs_and_expected_keys():
   # Short caches: chunks keep at least 64 expected keys, in 64-key blocks.
   short = h(batch=1, kv_len=1000)
   assert (short.num_splits, short.block_k) == (4, 64)
+  # 128 programs fill a wave: two splits, not the four that half the cache's
+  # keys would ask for (chunks of 1,024 keys of a full cache lost to cuDNN).
+  assert h(batch=16, kv_len=4096).num_splits == 2
+  assert h(batch=16, kv_len=16384).num_splits == 4
   # A full cache (no lengths) expects twice the keys.
   assert triton.heuristic(DecodeProblem(batch=1, q_heads=32, kv_heads=8, kv_len=32768,
                                         lengths=False), H100).num_splits == 64

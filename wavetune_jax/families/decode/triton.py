@@ -232,7 +232,8 @@ class TritonDecode(_triton.TritonBackend):
     (half the cache with per-sequence lengths): enough programs for about 64
     (one sequence) or two waves (several, whose lengths differ), at most 16
     splits for that; at most 512 expected keys per chunk; at least 64; at
-    most four waves of programs. 64-key blocks where chunks are under 1,024
+    most four waves of programs, two where the programs fill half the SMs
+    and a full cache's chunks would hold fewer than 2,048 keys. 64-key blocks where chunks are under 1,024
     keys, else 128 (64 above head_dim 128); 4 warps, 3 stages. Read off the
     H100 and H200 decode sweeps (docs/results.md, "Decode")."""
     p = problem
@@ -248,6 +249,15 @@ class TritonDecode(_triton.TritonBackend):
     while keys / ns > 512 and ns < 64:
       ns *= 2
     while ns > 1 and (programs * ns > 4 * hw.num_sms or keys / ns < 64):
+      ns //= 2
+    # Where the programs alone fill half the SMs, splits past two waves with
+    # chunks under 2,048 keys of a full cache (every sequence at kv_len, as a
+    # batch of equal prompts) cost more in partials than the waves gain: at
+    # batch 16, 32/8 heads, 4,096 keys, 4 splits ran 0.97x cuDNN with full
+    # caches where 2 ran 0.99x, both 1.11x with spread lengths
+    # (data/probes/decode_length_mix_h100.txt).
+    while (ns > 1 and 2 * programs > hw.num_sms and programs * ns > 2 * hw.num_sms
+           and p.kv_len / ns < 2048):
       ns //= 2
     bk = 64 if keys / ns < 1024 or p.padded_head_dim > 128 else 128
     if p.page_size:  # rule D6: the largest block up to that which divides the pages
