@@ -16,14 +16,17 @@ sequence lengths, decode batches or cache lengths is one), and times, per
 problem:
 
 * ``wt``: the public op (``wt.matmul``, ``wt.attention``,
-  ``wt.decode_attention``, ``wt.ragged_dot``) under ``jax.jit`` with the
+  ``wt.decode_attention``, ``wt.ragged_dot``, and with ``--families`` the
+  quantized ``wt.quantized_matmul`` / ``wt.quantized_ragged_dot``) under
+  ``jax.jit`` with the
   shipped table of this GPU and the selection policy ``--policy`` (default
   ``auto``, the library's default), exactly what a user calls; each row
   also records ``first_use_s``, the wall seconds of its first use (lower,
   compile and the first call, with whatever the policy measures on first
   use): a cost, not a kernel time;
 * ``base``: what a JAX user writes instead: ``jnp.dot``, for the quantized
-  GEMM (``--families qmatmul``) XLA's dot on the 8-bit operands,
+  GEMM (``--families qmatmul``) XLA's dot on the 8-bit operands, for the
+  quantized grouped GEMM (``qragged_dot``) XLA's ragged dot on them,
   ``jax.nn.dot_product_attention(implementation="cudnn")`` (decode: the
   faster of cuDNN and XLA, with ``key_value_seq_lengths``),
   ``lax.ragged_dot``.
@@ -34,8 +37,8 @@ Each is checked against the float32 reference first. The summary gives
 ``--device-key`` under ``--policy`` without a GPU (what the CPU test runs).
 
     python3 benchmarks/unseen_models.py [--set v1|v2] [--policy NAME]
-        [--families matmul,attention,decode,ragged_dot,qmatmul] [--models NAMES] [--quick]
-        [--json out.json]
+        [--families matmul,attention,decode,ragged_dot,qmatmul,qragged_dot] [--models NAMES]
+        [--quick] [--json out.json]
     python3 benchmarks/unseen_models.py --dry-run --device-key nvidia_h100_80gb_hbm3
     python3 benchmarks/unseen_models.py --report out.json [more.json ...]
 """
@@ -55,7 +58,7 @@ import jax
 
 import wavetune_jax as wt
 from wavetune_jax import (DECODE, AttentionProblem, DecodeProblem, MatmulProblem,
-                          QMatmulProblem, RaggedDotProblem)
+                          QMatmulProblem, QRaggedDotProblem, RaggedDotProblem)
 
 # Public configs (Hugging Face config.json): hidden, heads, head_dim, MLP width.
 DENSE = {
@@ -79,8 +82,10 @@ MOE_TOKENS = (40, 300, 2000, 6000)
 FAMILIES = ("matmul", "attention", "decode", "ragged_dot")
 #: Families run only when named in ``--families``: the quantized GEMM
 #: (``wt.quantized_matmul``) on the dense models' weights, W8A8-FP8 with the
-#: weight ``[N, K]`` and int8 weight-only, at the GEMM token counts.
-OPTIONAL = ("qmatmul",)
+#: weight ``[N, K]`` and int8 weight-only, at the GEMM token counts; the
+#: W8A8-FP8 grouped GEMM (``wt.quantized_ragged_dot``, experts ``[E, N, K]``)
+#: on the MoE models' experts at the MoE token counts.
+OPTIONAL = ("qmatmul", "qragged_dot")
 ALL_FAMILIES = FAMILIES + OPTIONAL
 
 # v2: other public configs (Hugging Face config.json of each), none in v1 or
@@ -190,14 +195,20 @@ def problems(families, quick: bool, models=None,
                DecodeProblem(batch=b, q_heads=c["q_heads"], kv_heads=c["kv_heads"],
                              kv_len=L, head_dim=c["head_dim"]))
               for b in ms.decode_batch for L in pick(ms.decode_cache)]
-  if "ragged_dot" in families:
-    for name, c in ms.moe.items():
-      if models and name not in models:
-        continue
-      for w, (k, n) in {"w13": (c["hidden"], 2 * c["ffn"]),
-                        "w2": (c["ffn"], c["hidden"])}.items():
+  for name, c in ms.moe.items():
+    if models and name not in models:
+      continue
+    for w, (k, n) in {"w13": (c["hidden"], 2 * c["ffn"]),
+                      "w2": (c["ffn"], c["hidden"])}.items():
+      if "ragged_dot" in families:
         out += [("ragged_dot", f"{name}.{w} tokens={t}",
                  RaggedDotProblem(m=t * c["top_k"], g=c["E"], k=k, n=n))
+                for t in pick(ms.moe_tokens)]
+      if "qragged_dot" in families:
+        out += [("qragged_dot", f"{name}.{w} tokens={t} w8a8",
+                 QRaggedDotProblem(m=t * c["top_k"], g=c["E"], k=k, n=n,
+                                   dtype="float8_e4m3fn", w_dtype="float8_e4m3fn",
+                                   w_layout="nk"))
                 for t in pick(ms.moe_tokens)]
   return out
 
@@ -218,6 +229,9 @@ def op_fn(family: str, p, policy: str | None = None):
   elif family == "qmatmul":
     op = lambda x, w, s, *xs: wt.quantized_matmul(x, w, s, x_scales=xs[0] if xs else None,
                                                   w_layout=p.w_layout)
+  elif family == "qragged_dot":
+    op = lambda x, w, s, gs, *xs: wt.quantized_ragged_dot(
+        x, w, s, gs, x_scales=xs[0] if xs else None, w_layout=p.w_layout)
   else:
     op = lambda lhs, rhs, gs: wt.ragged_dot(lhs, rhs, gs)
   if policy is None:
@@ -307,7 +321,7 @@ def main(argv=None) -> int:
       for fam, label, p in plan:
         spec = wt.get_family(fam)
         sel = wt.select(fam, p, a.device_key)
-        print(f"{fam:<11}{label:<40}{describe(spec, sel.config)}  [{sel.source}]")
+        print(f"{fam:<12}{label:<40}{describe(spec, sel.config)}  [{sel.source}]")
     print(f"{len(plan)} problems")
     return 0
   if a.device_key:
@@ -326,7 +340,7 @@ def main(argv=None) -> int:
     done = {(r["family"], r["label"]) for r in out["rows"]}
     plan = [t for t in plan if (t[0], t[1]) not in done]
     print(f"{a.json}: {len(done)} problems on file, {len(plan)} to run", flush=True)
-  print(f"{'family':<11}{'problem':<40}{'base us':>10}{'wt us':>10}{'base/wt':>8}"
+  print(f"{'family':<12}{'problem':<40}{'base us':>10}{'wt us':>10}{'base/wt':>8}"
         f"{'1st s':>8}  wt config", flush=True)
   t0 = time.time()
   # The whole loop under the policy: the selection recorded per row (and its
@@ -386,7 +400,7 @@ def _line(row: dict, config: str) -> str:
   w = row["us"].get("wt") or math.nan
   first = row.get("first_use_s")
   first = f"{first:8.2f}" if isinstance(first, (int, float)) else f"{'-':>8}"
-  return (f"{row['family']:<11}{row['label']:<40}{base:10.1f}{w:10.1f}{base / w:8.3f}{first}"
+  return (f"{row['family']:<12}{row['label']:<40}{base:10.1f}{w:10.1f}{base / w:8.3f}{first}"
           f"  {config}")
 
 

@@ -125,8 +125,8 @@ def test_v2_dry_run_selects_runnable_configs_under_the_policy(key, capsys):
       for line, (fam, label, p) in zip(lines[pol], plan):
         spec = wt.get_family(fam)
         sel = wt.select(fam, p, key)
-        assert line[:51].split() == [fam, *label.split()]
-        assert line[51:] == f"{mod.describe(spec, sel.config)}  [{sel.source}]"
+        assert line[:52].split() == [fam, *label.split()]
+        assert line[52:] == f"{mod.describe(spec, sel.config)}  [{sel.source}]"
         spec.validate(p, sel.config, hw)
   assert lines["tables"] != lines["heuristic"]
 
@@ -137,7 +137,7 @@ def test_dry_run_prints_each_selection(capsys):
                                        "--families", "attention", "--models", "phi_3_mini",
                                        "--policy", "heuristic"])
   assert last == "8 problems"
-  by_label = {line[11:51].strip(): line[51:] for line in lines}
+  by_label = {line[12:52].strip(): line[52:] for line in lines}
   # The heuristic: head_dim 96 above one wave, 6,000 tokens: the Mosaic
   # kernel; 777: cuDNN.
   assert by_label["phi_3_mini b=1 L=6000"].startswith("mosaic(")
@@ -159,7 +159,7 @@ def test_quantized_gemms_are_an_optional_family(capsys):
                                        "--families", "qmatmul", "--models", "phi_3_mini",
                                        "--quick"])
   assert last == "24 problems"
-  by_label = {line[11:51].strip(): line[51:] for line in lines}
+  by_label = {line[12:52].strip(): line[52:] for line in lines}
   # The FP8 kernel where the guard trusts it (a wave of 128 x 256 tiles);
   # XLA's FP8 dot at 200 rows, without evidence.
   assert by_label["phi_3_mini.gate_up M=3000 w8a8"].startswith("mosaic(block_m=128,block_n=256")
@@ -310,3 +310,19 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
   if jax.default_backend() == "cpu":
     assert mod.main(["--families", "matmul"]) == 2
     assert "needs a GPU" in capsys.readouterr().err
+
+
+def test_quantized_grouped_gemms_are_an_optional_family(capsys):
+  mod = _mod()
+  plan = mod.problems(("qragged_dot",), quick=True, models=("qwen3_30b_a3b",))
+  assert len(plan) == 4 and all(p.w8a8 and p.w_layout == "nk" for _, _, p in plan)
+  lines, last = _dry_run(mod, capsys, ["--device-key", "nvidia_h100_80gb_hbm3",
+                                       "--families", "qragged_dot", "--models",
+                                       "qwen3_30b_a3b", "--quick"])
+  assert last == "4 problems"
+  # The FP8 kernel's rule everywhere (the guard trusts it over XLA's FP8 ragged dot).
+  assert all(line[52:].startswith("mosaic(block_m=") for line in lines)
+  fam, _, p = plan[0]
+  spec = wt.get_family(fam)
+  out = mod.op_fn(fam, p, "tables")(*spec.inputs(p, jax.random.PRNGKey(0)))
+  assert out.shape == (p.m, p.n) and out.dtype == jax.numpy.bfloat16
