@@ -73,6 +73,15 @@ def test_selection_without_a_table(m, backend):
     assert mosaic.heuristic(p, H100) in mosaic.space(p, H100)
 
 
+def test_one_row_trusts_the_kernel_within_one_wave():
+  # Qwen2.5-7B's gate/up (N 37,888: 148 column tiles of 256, two waves on an
+  # H100) ran 0.95x XLA at one row; Gemma-2-9B's (112 tiles) 1.41x.
+  with wt.policy("tables"):
+    for n, want in ((37888, "XlaQMatmulConfig"), (28672, "MosaicMatmulConfig")):
+      sel = wt.select("qmatmul", QMatmulProblem(m=1, n=n, k=3584), "h100")
+      assert type(sel.config).__name__ == want
+
+
 def test_shapes_the_kernel_does_not_run_fall_back_to_xla():
   for p in (QMatmulProblem(m=1, n=100, k=4096), QMatmulProblem(m=1, n=4096, k=100),
             QMatmulProblem(m=12, n=4096, k=4096)):

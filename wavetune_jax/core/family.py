@@ -568,10 +568,10 @@ class Family(abc.ABC):
   #: so a missing table is expected and not warned about).
   tables_shipped: ClassVar[bool] = True
 
-  def trusted_without_evidence(self, problem, config, platform) -> bool:
+  def trusted_without_evidence(self, problem, config, platform, hw=None) -> bool:
     """Whether the guard lets ``config`` replace ``platform`` on ``problem``
-    without table evidence (a family's measured rule for problems no table
-    holds; default: never)."""
+    without table evidence on ``hw`` (a family's measured rule for problems
+    no table holds; default: never)."""
     return False
 
   def modelled(self, problem) -> bool:

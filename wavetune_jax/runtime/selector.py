@@ -660,7 +660,7 @@ def _guarded(spec: Family, problem, hw: Hardware, d, sel: Selection) -> Selectio
   if ok:
     return sel
   plat = spec.platform_config(problem, hw)
-  if spec.trusted_without_evidence(problem, sel.config, plat):
+  if spec.trusted_without_evidence(problem, sel.config, plat, hw):
     return sel
   return Selection(plat, "guard", note=f"kept the platform op: {why} (the {sel.source} "
                                         f"answer was a {spec.backend_of(sel.config).name} "

@@ -122,7 +122,7 @@ class AttentionFamily(Family):
     or sinks (the backends' rules answer those)."""
     return problem.plain
 
-  def trusted_without_evidence(self, problem: AttentionProblem, config, platform) -> bool:
+  def trusted_without_evidence(self, problem: AttentionProblem, config, platform, hw=None) -> bool:
     """The Mosaic kernel over XLA's attention where the problem soft-caps or
     has sinks (cuDNN runs neither, so XLA's attention is the platform op): no
     table holds such problems, and XLA writes the whole score matrix. On an

@@ -164,7 +164,7 @@ class DecodeFamily(Family):
     backends' rules answer those)."""
     return problem.plain
 
-  def trusted_without_evidence(self, problem: DecodeProblem, config, platform) -> bool:
+  def trusted_without_evidence(self, problem: DecodeProblem, config, platform, hw=None) -> bool:
     """The Mosaic kernel over XLA's attention where the problem has a
     window, soft-capping or sinks (cuDNN's decode in JAX runs none of them,
     so XLA's attention of the whole cache is the platform op): no table

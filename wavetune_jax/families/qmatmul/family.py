@@ -91,12 +91,17 @@ class QMatmulFamily(Family):
     return PartitionRule(f"m k, {w}, n{', m' if problem.w8a8 else ''} -> m n",
                          reduction=("k",))
 
-  def trusted_without_evidence(self, problem: QMatmulProblem, config, platform) -> bool:
+  def trusted_without_evidence(self, problem: QMatmulProblem, config, platform,
+                               hw=None) -> bool:
     """The Mosaic kernel over XLA's GEMM at one row (a decode step of one
-    sequence): on an H100 it ran 1.17-1.81x XLA's on all ten problems
-    measured (five weights, int8 and e4m3; ``benchmarks/weight_only.py``).
-    At 16 rows XLA's own fused GEMM ran at 0.96-1.06x of it, so other row
-    counts need a table's evidence or first-use measurement.
+    sequence) where its CTAs (column tiles times K splits) fit one wave of
+    ``hw``'s SMs: on an H100 it ran 1.17-1.81x XLA's on all ten problems
+    measured (five weights, int8 and e4m3; ``benchmarks/weight_only.py``)
+    and 1.10-2.33x on seven of the unseen models' int8 weights
+    (``benchmarks/unseen_models.py --families qmatmul``); the eighth,
+    Qwen2.5-7B's gate/up (148 column tiles of 256: two waves, the second of
+    16), ran 0.95x. At 16 rows XLA's own fused GEMM ran at 0.96-1.06x of it,
+    so other row counts need a table's evidence or first-use measurement.
 
     W8A8-FP8: the FP8 kernel over XLA's FP8 dot where its rule gives more
     than a wave of 128 x 256 tiles (bands of 8): 1.10-1.72x on all 12 such
@@ -108,7 +113,8 @@ class QMatmulFamily(Family):
       return False
     if problem.w8a8:
       return (config.block_m, config.block_n) == (128, 256) and config.grid_width > 1
-    return problem.m == 1
+    ctas = -(-problem.n // config.block_n) * config.split_k
+    return problem.m == 1 and hw is not None and ctas <= hw.num_sms
 
   # --- problems ------------------------------------------------------------------------
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):

@@ -118,7 +118,7 @@ class QRaggedDotFamily(Family):
     return PartitionRule(f"m k, {w}, g n, g{', m' if problem.w8a8 else ''} -> m n",
                          reduction=("k",), replicated=("m", "g"))
 
-  def trusted_without_evidence(self, problem: QRaggedDotProblem, config, platform) -> bool:
+  def trusted_without_evidence(self, problem: QRaggedDotProblem, config, platform, hw=None) -> bool:
     """The FP8 kernel over XLA's ragged dot on the e4m3 operands wherever its
     rule runs (``benchmarks/fp8_ragged_dot.py``)."""
     from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig
