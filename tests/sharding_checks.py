@@ -161,6 +161,28 @@ def sharded_jit_ragged_dot():
 
 
 @check
+def sharded_jit_quantized_ragged_dot():
+  # W8A8 experts [G, N, K]: N sharded with its scales (no collective), or K
+  # with the rows' K (fp32 partials, one all-reduce).
+  x8, xs = wt.quantize_rows(LHS)
+  w8, s = wt.quantize_weight(RHS, "float8_e4m3fn", layout="nk")
+  f = jax.jit(lambda a, b, c, d: wt.quantized_ragged_dot(a, b, c, GS, x_scales=d,
+                                                         w_layout="nk"))
+  ref = f(x8, w8, s, xs)
+  for ls, rs, ss, out, red in [(P(), P(None, "a", None), P(None, "a"), P(None, "a"), False),
+                               (P(None, "a"), P(None, None, "a"), P(), P(), True)]:
+    args = (put(x8, ls), put(w8, rs), put(s, ss), xs)
+    y = f(*args)
+    try:
+      close(y, ref, 1e-2)
+    except AssertionError as e:
+      raise AssertionError(f"{ls} {rs}: {e}") from None
+    assert y.sharding.spec == out, y.sharding.spec
+    text = hlo(f, *args)
+    assert "all-gather" not in text and ("all-reduce" in text) == red, (ls, rs)
+
+
+@check
 def shard_map_default_check_vma():
   mm = jax.shard_map(lambda x, w: wt.matmul(x, w), mesh=MESH, in_specs=(P("a"), P(None, "b")),
                      out_specs=P("a", "b"))
