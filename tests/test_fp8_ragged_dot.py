@@ -122,14 +122,20 @@ def test_rule_against_the_recorded_runs():
 def test_rule_space_and_selection():
   mosaic = QRAGGED_DOT.backend("mosaic")
   for m, g, k, n in [(2, 8, 4096, 28672), (128, 128, 768, 2048), (512, 8, 14336, 4096),
-                     (32768, 128, 2048, 1536)]:
-    p = _problem(m, g, k, n)
-    rule = mosaic.heuristic(p, H100)
-    space = mosaic.space(p, H100)
-    assert rule is not None and space
-    assert all(mosaic.smem_bytes(p, c) <= H100.smem_per_block for c in space)
-    for c in space:
-      mosaic.validate(p, c, H100)
+                     (520, 8, 14336, 4096), (32768, 128, 2048, 1536), (4096, 8, 14336, 4096)]:
+    for out in ("bfloat16", "float32"):
+      p = QRaggedDotProblem(m=m, g=g, k=k, n=n, dtype="float8_e4m3fn",
+                            w_dtype="float8_e4m3fn", w_layout="nk", out_dtype=out)
+      rule = mosaic.heuristic(p, H100)
+      space = mosaic.space(p, H100)
+      # The rule's config fits (float32 output: twice the output slots) and
+      # is one the sweeps would measure.
+      mosaic.validate(p, rule, H100)
+      assert rule in space
+      for c in space:
+        mosaic.validate(p, c, H100)
+  # float32 output at 64+ rows per expert: 128 x 256 x 3 stages does not fit.
+  assert fp8_rule(4096, 8, 4096, 14336, 132, H100.smem_per_block, "float32").block_n == 128
   assert fp8_rule(2, 8, 4096 * 2, 14336, 132).split_k > 1   # decode: split to fill a wave
   assert fp8_rule(8192, 8, 4096, 28672, 132).grid_minor == 2
   p = _problem(4096, 8, 4096, 28672)

@@ -7,7 +7,8 @@ import jax
 from wavetune_jax.core.op import tuned_call
 from wavetune_jax.families import ATTENTION, DECODE, MATMUL, QMATMUL, QRAGGED_DOT, RAGGED_DOT
 
-__all__ = ["matmul", "quantized_matmul", "attention", "decode_attention", "ragged_dot"]
+__all__ = ["matmul", "quantized_matmul", "quantized_ragged_dot", "attention", "decode_attention",
+           "ragged_dot"]
 
 
 def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, config=None) -> jax.Array:
@@ -82,7 +83,6 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, x_scales=
   """
   return tuned_call(QMATMUL, x, w, scales, x_scales=x_scales, w_layout=w_layout,
                     out_dtype=out_dtype, config=config)
-
 
 
 def quantized_ragged_dot(x: jax.Array, w: jax.Array, scales: jax.Array, group_sizes, *,

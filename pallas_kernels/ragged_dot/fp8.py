@@ -104,8 +104,8 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: ja
     w: ``[G, N, K]`` float8_e4m3fn expert weights (K contiguous).
     x_scales: ``[M]`` float32, one per row.
     w_scales: ``[G, N]`` float32, one per expert and output channel.
-    group_sizes: ``[G]`` int32 sizes in ``[0, M]`` summing to at most ``M``
-      (:func:`~pallas_kernels.ragged_dot.worklist.clip_sizes`).
+    group_sizes: ``[G]`` integers (clipped as
+      :func:`~pallas_kernels.ragged_dot.worklist.clip_sizes` clips them).
     config: launch parameters (:class:`MosaicRaggedDotConfig`), used as given.
     out_dtype: bfloat16, float16 or float32.
     num_sms: CTAs of the persistent grid (default: the default device's SMs).
@@ -142,6 +142,7 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: ja
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
 def _ragged_dot(x, w, xs, ws, group_sizes, *, config, out_dtype, num_sms):
   m, k = x.shape
+  group_sizes = worklist.clip_sizes(group_sizes, m)
   tasks, count = worklist.row_tasks(
       group_sizes, m, config.block_m,
       band_cap=max(1, BAND_BYTES // (config.block_m * k)) if config.grid_minor == 2 else 0)

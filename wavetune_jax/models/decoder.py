@@ -35,8 +35,8 @@ on a contiguous cache, what a JAX user writes.
 from __future__ import annotations
 
 import contextlib
-import functools
 import dataclasses
+import functools
 from typing import Callable, NamedTuple
 
 import jax

@@ -233,9 +233,11 @@ class TritonDecode(_triton.TritonBackend):
     (one sequence) or two waves (several, whose lengths differ), at most 16
     splits for that; at most 512 expected keys per chunk; at least 64; at
     most four waves of programs, two where the programs fill half the SMs
-    and a full cache's chunks would hold fewer than 2,048 keys. 64-key blocks where chunks are under 1,024
-    keys, else 128 (64 above head_dim 128); 4 warps, 3 stages. Read off the
-    H100 and H200 decode sweeps (docs/results.md, "Decode")."""
+    and a full cache's chunks would hold fewer than 2,048 keys. 64-key
+    blocks where chunks are under 1,024 keys, else 128 (64 above head_dim
+    128); 4 warps, 3 stages. Read off the H100 and H200 decode sweeps
+    (docs/results.md, "Decode"; the full-cache condition from
+    data/probes/decode_length_mix_h100.txt)."""
     p = problem
     if not self.runs_shape(p):
       return None  # XLA's answers

@@ -147,12 +147,14 @@ class QMatmulFamily(Family):
     p = problem
     kx, kw, ks, kr = jax.random.split(key, 4)
     x = jax.random.normal(kx, (p.m, p.k), jnp.float32)
-    x = (x * 64 if p.w8a8 else x).astype(jnp.dtype(p.dtype))
+    # e4m3 has no infinity: past 448 a cast gives NaN.
+    x = (jnp.clip(x * 64, -448, 448) if p.w8a8 else x).astype(jnp.dtype(p.dtype))
     wshape = (p.k, p.n) if p.w_layout == "kn" else (p.n, p.k)
     if p.w_dtype == "int8":
       w = jax.random.randint(kw, wshape, -127, 128, jnp.int32).astype(jnp.int8)
     else:
-      w = (jax.random.normal(kw, wshape, jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+      w = jnp.clip(jax.random.normal(kw, wshape, jnp.float32) * 64, -448,
+                   448).astype(jnp.float8_e4m3fn)
     s = jax.random.uniform(ks, (p.n,), jnp.float32, 0.5, 1.5) / (127 * math.sqrt(p.k))
     if p.w8a8:
       return x, w, s, jax.random.uniform(kr, (p.m,), jnp.float32, 0.5, 1.5) / 64

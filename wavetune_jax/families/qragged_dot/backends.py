@@ -81,14 +81,17 @@ def dequantized_ragged_product(x, w, scales, group_sizes, x_scales=None,
   return ragged_dot_reference(x32, w32, group_sizes, jnp.float32)
 
 
-def fp8_rule(m: int, g: int, n: int, k: int, num_sms: int,
-             smem_per_block: int = 232448) -> MosaicRaggedDotConfig:
+def fp8_rule(m: int, g: int, n: int, k: int, num_sms: int, smem_per_block: int = 232448,
+             out_dtype: str = "bfloat16") -> MosaicRaggedDotConfig | None:
   """The FP8 kernel's launch rule. ``r`` = rows per expert under balanced
   routing. From 64: 128 x 256 tiles, 3 stages (the most that fit), walked
-  expert by expert above 64 (``grid_minor`` 2: an expert's tasks read each
-  weight tile together), column tiles first at 64. Below: 64 x 256 tiles,
-  column tiles first, 4 stages, with the K split that fills a wave of the
-  expected work (at least four K steps a split).
+  expert by expert where the work takes more than a wave (``grid_minor`` 2:
+  an expert's tasks read each weight tile together), column tiles first
+  otherwise. Below: 64 x 256 tiles, column tiles first, 4 stages, with the K
+  split that fills a wave of the expected work (at least four K steps a
+  split). Where a tile's ring and output slots (float32 output takes twice
+  bfloat16's) pass ``smem_per_block``, fewer stages, then 128 columns; None
+  if nothing fits.
 
   On an H100 (``benchmarks/fp8_ragged_dot.py``, Mixtral-8x7B's experts at
   1-4,096 tokens): at 64 rows per expert 128 x 256 ran 1.39x / 1.09x faster
@@ -97,16 +100,19 @@ def fp8_rule(m: int, g: int, n: int, k: int, num_sms: int,
   fastest or within 1.3% of it."""
   r = m / min(g, m)
   if r >= 64:
-    return MosaicRaggedDotConfig(block_m=128, block_n=256, num_stages=3,
-                                 grid_minor=2 if r > 64 else 1)
-  work = int(expected_tasks(m, g, 64)) * -(-n // 256)
-  sk = 1
-  while work * sk * 2 <= num_sms and dense_fp8.k_steps(k, sk * 2) >= 4 and sk < 8:
-    sk *= 2
-  c = MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4, split_k=sk)
-  while _smem(c, "bfloat16") > smem_per_block and c.num_stages > 3:
-    c = dataclasses.replace(c, num_stages=c.num_stages - 1)
-  return c
+    work = int(expected_tasks(m, g, 128)) * -(-n // 256)
+    order = 2 if r > 64 and work > num_sms else 1
+    tiles = [(128, 256, 3), (128, 128, 4), (128, 128, 3)]
+    cands = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=st, grid_minor=order)
+             for bm, bn, st in tiles]
+  else:
+    work = int(expected_tasks(m, g, 64)) * -(-n // 256)
+    sk = 1
+    while work * sk * 2 <= num_sms and dense_fp8.k_steps(k, sk * 2) >= 4 and sk < 8:
+      sk *= 2
+    cands = [MosaicRaggedDotConfig(block_m=64, block_n=bn, num_stages=st, split_k=sk)
+             for bn, st in ((256, 4), (256, 3), (128, 4), (128, 3))]
+  return next((c for c in cands if _smem(c, out_dtype) <= smem_per_block), None)
 
 
 def _smem(c: MosaicRaggedDotConfig, out_dtype: str) -> int:
@@ -229,8 +235,8 @@ class MosaicQRaggedDot(Backend):
     """:func:`fp8_rule` (``benchmarks/fp8_ragged_dot.py``)."""
     if self.why_not(p):
       return None
-    c = fp8_rule(p.m, p.g, p.n, p.k, hw.num_sms, hw.smem_per_block)
-    return None if self.why_not(p, c) else c
+    c = fp8_rule(p.m, p.g, p.n, p.k, hw.num_sms, hw.smem_per_block, p.out_dtype)
+    return None if c is None or self.why_not(p, c) else c
 
   def occupancy_bound(self, problem, config, hw: Hardware) -> int:
     return 1  # one persistent CTA per SM

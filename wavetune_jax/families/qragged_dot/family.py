@@ -111,9 +111,9 @@ class QRaggedDotFamily(Family):
     return Call(problem, arrays, {}, ("scales", "group_sizes"))
 
   def partition_rule(self, problem: QRaggedDotProblem):
-    """N (the experts' columns) and K split, K partials summed in float32 (a
-    channel's scale is linear over them); rows and experts gathered, as the
-    16-bit grouped GEMM's."""
+    """N (the experts' columns) and K split, K partials summed (a channel's
+    scale is linear over them); rows and experts gathered, as the 16-bit
+    grouped GEMM's."""
     w = "g k n" if problem.w_layout == "kn" else "g n k"
     return PartitionRule(f"m k, {w}, g n, g{', m' if problem.w8a8 else ''} -> m n",
                          reduction=("k",), replicated=("m", "g"))
@@ -163,12 +163,14 @@ class QRaggedDotFamily(Family):
     group sizes from the family's router."""
     kx, kw, ks, kr, kg = jax.random.split(key, 5)
     x = jax.random.normal(kx, (p.m, p.k), jnp.float32)
-    x = (x * 64 if p.w8a8 else x).astype(jnp.dtype(p.dtype))
+    # e4m3 has no infinity: past 448 a cast gives NaN.
+    x = (jnp.clip(x * 64, -448, 448) if p.w8a8 else x).astype(jnp.dtype(p.dtype))
     wshape = (p.g, p.k, p.n) if p.w_layout == "kn" else (p.g, p.n, p.k)
     if p.w_dtype == "int8":
       w = jax.random.randint(kw, wshape, -127, 128, jnp.int32).astype(jnp.int8)
     else:
-      w = (jax.random.normal(kw, wshape, jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+      w = jnp.clip(jax.random.normal(kw, wshape, jnp.float32) * 64, -448,
+                   448).astype(jnp.float8_e4m3fn)
     s = jax.random.uniform(ks, (p.g, p.n), jnp.float32, 0.5, 1.5) / (127 * math.sqrt(p.k))
     gs = routing.group_sizes(kg, p.m, p.g, self.skew)
     if p.w8a8:
