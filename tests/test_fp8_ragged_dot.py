@@ -209,11 +209,14 @@ def test_moe_decoder_with_w8a8_experts():
     assert w["qt"].shape == (e, n, k) and w["qt"].dtype == jnp.float8_e4m3fn
     assert w["s"].shape == (e, n)
   assert M.quantize_params(params, cfg, "int8")["layers"][0]["w13"].dtype == jnp.bfloat16
-  toks = jax.random.randint(jax.random.PRNGKey(1), (2, 10), 0, cfg.vocab)
-  outs = {o: np.asarray(M.prefill(q, toks, cfg=cfg, ops=M.make_ops(o), max_len=10)[0],
-                        np.float32) for o in ("xla", "tables")}
-  bf16 = np.asarray(M.prefill(params, toks, cfg=cfg, ops=M.make_ops("xla"), max_len=10)[0],
-                    np.float32)
   rel = lambda a, b: np.sqrt(np.mean((a - b) ** 2) / np.mean(b ** 2))  # noqa: E731
-  assert rel(outs["tables"], outs["xla"]) < 0.05
-  assert 0 < rel(outs["xla"], bf16) < 0.15
+  # The MoE MLP (what the W8A8 format changes in a MoE decoder; the bench
+  # CLI test runs whole W8A8 decoders): wavetune's ops (wt.quantized_ragged_dot) against the xla
+  # ops', and both close to the 16-bit experts.
+  h = jax.random.normal(jax.random.PRNGKey(2), (12, cfg.hidden), jnp.bfloat16)
+  mlp = {o: np.asarray(M.decoder._mlp(q["layers"][0], h, cfg, M.make_ops(o)), np.float32)
+         for o in ("xla", "tables")}
+  bf16 = np.asarray(M.decoder._mlp(params["layers"][0], h, cfg, M.make_ops("xla")),
+                    np.float32)
+  assert rel(mlp["tables"], mlp["xla"]) < 0.02
+  assert 0 < rel(mlp["xla"], bf16) < 0.1
