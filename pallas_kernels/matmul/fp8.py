@@ -49,7 +49,7 @@ from pallas_kernels.matmul.mosaic import (EPI_TILE, M_MULTIPLE, MosaicMatmulConf
 from pallas_kernels._launch import require_compute_capability
 
 __all__ = ["BLOCK_K", "DTYPES", "RULE_TILES", "check_shapes", "estimate_us", "fp8_matmul",
-           "heuristic_config", "k_steps", "smem_bytes", "wave_split"]
+           "heuristic_config", "k_steps", "operand_pipeline", "smem_bytes", "wave_split"]
 
 #: Operand dtypes (both).
 DTYPES = ("float8_e4m3fn",)
@@ -159,6 +159,32 @@ def wave_split(tiles: int, k: int, num_sms: int) -> int:
   return sk
 
 
+def operand_pipeline(body, compute_context, *, block_m: int, block_n: int, steps: int,
+                     num_stages: int):
+  """The warp-specialized TMA ring of the FP8 GEMMs: ``[block_m, 128]`` blocks
+  of x and ``[block_n, 128]`` blocks of w (K-major, 128-byte swizzle), one
+  producer and two consumer warpgroups (axis ``"wg"``), ring slots released
+  one step late (the consumer waits with :func:`wgmma_wait_delayed`)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  transforms = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
+  return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(steps,),
+      memory_registers=_MEMORY_REGISTERS,
+      in_specs=[
+          plgpu.BlockSpec((block_m, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
+                          memory_space=plgpu.SMEM, delay_release=1),
+          plgpu.BlockSpec((block_n, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
+                          memory_space=plgpu.SMEM, delay_release=1),
+      ],
+      wg_axis="wg",
+      num_compute_wgs=2,
+      max_concurrent_steps=min(num_stages, steps),
+      compute_context=compute_context,
+  )
+
+
 def fp8_matmul(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: jax.Array, *,
                config: MosaicMatmulConfig, out_dtype=jnp.bfloat16,
                num_sms: int | None = None) -> jax.Array:
@@ -224,24 +250,10 @@ def _kernel_call(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms
   out_transforms = (plgpu.TilingTransform((8, out_elems)), plgpu.SwizzleTransform(out_swizzle))
   epi_m, epi_n = min(EPI_TILE, wm), min(EPI_TILE, wn)
   num_slots = min(2, (wm * wn) // (epi_m * epi_n))
-  transforms = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
 
   def get_pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(steps,),
-        memory_registers=_MEMORY_REGISTERS,
-        in_specs=[
-            plgpu.BlockSpec((bm, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
-                            memory_space=plgpu.SMEM, delay_release=1),
-            plgpu.BlockSpec((bn, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
-                            memory_space=plgpu.SMEM, delay_release=1),
-        ],
-        wg_axis="wg",
-        num_compute_wgs=2,
-        max_concurrent_steps=min(config.num_stages, steps),
-        compute_context=compute_context,
-    )
+    return operand_pipeline(body, compute_context, block_m=bm, block_n=bn, steps=steps,
+                            num_stages=config.num_stages)
 
   def kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem):
     ignore = lambda *_, **__: None

@@ -54,7 +54,8 @@ from pallas_kernels._launch import match_varying, out_struct, require_compute_ca
 from pallas_kernels.matmul import fp8 as dense
 from pallas_kernels.matmul.mosaic import M_MULTIPLE, persistent_kernel, wg_tile, wgmma_wait_delayed
 from pallas_kernels.ragged_dot import worklist
-from pallas_kernels.ragged_dot.mosaic import BAND_BYTES, MosaicRaggedDotConfig
+from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, MosaicRaggedDotConfig, consumer_part,
+                                              store_rows, work_item)
 
 __all__ = ["BLOCK_K", "K_MULTIPLE", "TILES", "check_shapes", "fp8_ragged_dot", "smem_bytes"]
 
@@ -64,7 +65,6 @@ K_MULTIPLE = BLOCK_K
 #: CTA tiles the kernel runs.
 TILES = ((64, 128), (64, 256), (128, 128), (128, 256), (256, 128))
 _BARRIER_BYTES = 1024
-_MEMORY_REGISTERS = 40
 NO_INTERPRET = ("the Mosaic GPU FP8 grouped GEMM has no CPU interpret mode; its correctness "
                 "is checked on a Hopper GPU (benchmarks/fp8_ragged_dot.py compares every "
                 "config with the float32 product of the dequantized operands)")
@@ -168,7 +168,6 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
   sk = config.split_k
   bm, bn = config.block_m, config.block_n
   wm, wn = wg_tile(bm, bn)
-  split_m = bm >= 128
   tiles_n = pl.cdiv(n, bn)
   steps = dense.k_steps(k, sk)
   split_len = steps * BLOCK_K
@@ -179,24 +178,10 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
   out_elems = out_swizzle // out_dtype.itemsize
   # One row per tile: a store may start at any row of the tile.
   out_transforms = (plgpu.TilingTransform((1, out_elems)), plgpu.SwizzleTransform(out_swizzle))
-  transforms = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
 
   def get_pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(steps,),
-        memory_registers=_MEMORY_REGISTERS,
-        in_specs=[
-            plgpu.BlockSpec((bm, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
-                            memory_space=plgpu.SMEM, delay_release=1),
-            plgpu.BlockSpec((bn, BLOCK_K), lambda kk: (0, kk), transforms=transforms,
-                            memory_space=plgpu.SMEM, delay_release=1),
-        ],
-        wg_axis="wg",
-        num_compute_wgs=2,
-        max_concurrent_steps=min(config.num_stages, steps),
-        compute_context=compute_context,
-    )
+    return dense.operand_pipeline(body, compute_context, block_m=bm, block_n=bn, steps=steps,
+                                  num_stages=config.num_stages)
 
   def kernel(tasks_gmem, count_gmem, x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem):
     ignore = lambda *_, **__: None
@@ -221,12 +206,7 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
         (lin,) = info.index
         split = lax.div(lin, per_split)
         rest = lax.rem(lin, per_split)
-        if config.grid_minor == 1:
-          task, ni = lax.div(rest, jnp.int32(tiles_n)), lax.rem(rest, jnp.int32(tiles_n))
-        elif config.grid_minor == 2:
-          task, ni = worklist.banded_item(rest, tiles_n, tasks_gmem)
-        else:
-          task, ni = lax.rem(rest, count), lax.div(rest, count)
+        task, ni = work_item(rest, count, tiles_n, config.grid_minor, tasks_gmem)
         grp = tasks_gmem[worklist.GROUP, task]
         row0 = tasks_gmem[worklist.ROW0, task]
         start = tasks_gmem[worklist.START, task]
@@ -238,17 +218,8 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
         n_slice = pl.ds(ni * bn, bn)
         k_slice = pl.ds(k0, split_len)
         out_ref = out_gmem.at[split] if sk > 1 else out_gmem
-        if split_m:
-          wg_m, w_rows = pl.ds(wg * wm, wm), slice(None)
-          base = wg * wm
-          lo = jnp.clip(start - base, 0, wm)
-          rows = jnp.clip(start + size - base, 0, wm) - lo
-          col0 = ni * bn
-        else:
-          wg_m, w_rows = slice(None), pl.ds(wg * wn, wn)
-          base = jnp.int32(0)
-          lo, rows = start, size
-          col0 = ni * bn + wg * wn
+        wg_m, w_rows, base, lo, rows, col0 = consumer_part(wg, ni, start, size, block_n=bn,
+                                                           wg_tile=(wm, wn))
 
         def compute_context(eval_pipeline):
           # Fetch this consumer's scales while its K loop runs.
@@ -276,22 +247,7 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
               acc = acc * row_s * lax.broadcast_in_dim(col_s, (wm, out_elems), [1])
               out_smem[wg, j] = acc.astype(out_dtype)
             plgpu.commit_smem()
-            # Store rows [lo, lo + rows) of this warpgroup's tile: one TMA
-            # store per set bit of ``rows``, largest first.
-            offset = lo
-            p = wm
-            while p >= 1:
-              @pl.when((rows & p) != 0)
-              def _store():
-                for j in range(wn // out_elems):
-                  plgpu.copy_smem_to_gmem(
-                      out_smem.at[wg, j, pl.ds(offset, p)],
-                      out_ref.at[pl.ds(row0 + base + offset, p),
-                                 pl.ds(col0 + j * out_elems, out_elems)],
-                      commit_group=False)
-              offset = offset + (rows & p)
-              p //= 2
-            plgpu.commit_smem_to_gmem_group()
+            store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0)
 
         def mma_body(idx, x_smem, w_smem, acc_ref):
           plgpu.wgmma(acc_ref, x_smem.at[wg_m],

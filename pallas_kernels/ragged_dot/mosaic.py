@@ -319,19 +319,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
         (lin,) = info.index
         split = lax.div(lin, per_split)
         rest = lax.rem(lin, per_split)
-        if config.grid_minor == 1:
-          task, ni = lax.div(rest, jnp.int32(tiles_n)), lax.rem(rest, jnp.int32(tiles_n))
-        elif config.grid_minor == 2:
-          task, ni = worklist.banded_item(rest, tiles_n, tasks_gmem)
-        elif band:
-          # Bands of ``band`` tasks (the last may be narrower), column tiles
-          # outer within a band.
-          b_idx = lax.div(rest, jnp.int32(band * tiles_n))
-          b_rest = lax.rem(rest, jnp.int32(band * tiles_n))
-          width = jnp.minimum(jnp.int32(band), count - b_idx * band)
-          task, ni = b_idx * band + lax.rem(b_rest, width), lax.div(b_rest, width)
-        else:
-          task, ni = lax.rem(rest, count), lax.div(rest, count)
+        task, ni = work_item(rest, count, tiles_n, config.grid_minor, tasks_gmem, band)
         grp = tasks_gmem[worklist.GROUP, task]
         row0 = tasks_gmem[worklist.ROW0, task]
         start = tasks_gmem[worklist.START, task]
@@ -349,17 +337,8 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
         n_slice = pl.ds(ni * bn, bn)
         k_slice = pl.ds(k0, split_len)
         out_ref = out_gmem.at[split] if sk > 1 else out_gmem
-        if split_m:
-          wg_m, wg_n = pl.ds(wg * wm, wm), slice(None)
-          base = wg * wm
-          lo = jnp.clip(start - base, 0, wm)
-          rows = jnp.clip(start + size - base, 0, wm) - lo
-          col0 = ni * bn
-        else:
-          wg_m, wg_n = slice(None), pl.ds(wg * wn, wn)
-          base = jnp.int32(0)
-          lo, rows = start, size
-          col0 = ni * bn + wg * wn
+        wg_m, wg_n, base, lo, rows, col0 = consumer_part(wg, ni, start, size, block_n=bn,
+                                                         wg_tile=(wm, wn))
 
         def compute_context(eval_pipeline):
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
@@ -373,22 +352,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
             for j in range(wn // out_elems):
               out_smem[wg, j] = acc_ref[:, j * out_elems:(j + 1) * out_elems].astype(out_dtype)
             plgpu.commit_smem()
-            # Store rows [lo, lo + rows) of this warpgroup's tile: one TMA
-            # store per set bit of ``rows``, largest first.
-            offset = lo
-            p = wm
-            while p >= 1:
-              @pl.when((rows & p) != 0)
-              def _store():
-                for j in range(wn // out_elems):
-                  plgpu.copy_smem_to_gmem(
-                      out_smem.at[wg, j, pl.ds(offset, p)],
-                      out_ref.at[pl.ds(row0 + base + offset, p),
-                                 pl.ds(col0 + j * out_elems, out_elems)],
-                      commit_group=False)
-              offset = offset + (rows & p)
-              p //= 2
-            plgpu.commit_smem_to_gmem_group()
+            store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0)
 
         def mma_body(idx, x_smem, w_smem, acc_ref):
           def mma():
@@ -422,3 +386,64 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
   return gemm.persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
                                 min(num_sms // cm, n_tasks * tiles_n * sk),
                                 cluster=cm)(tasks, count, x, w)
+
+
+def work_item(rest, count, tiles_n: int, grid_minor: int, tasks, band: int = 0):
+  """``(task, column tile)`` of work item ``rest`` of a split under the work
+  order ``grid_minor`` (:class:`MosaicRaggedDotConfig`; with ``band``, order
+  0 in bands of that many tasks). ``count`` is the tasks in use, ``tasks``
+  the work list (a kernel's ref)."""
+  if grid_minor == 1:
+    return lax.div(rest, jnp.int32(tiles_n)), lax.rem(rest, jnp.int32(tiles_n))
+  if grid_minor == 2:
+    return worklist.banded_item(rest, tiles_n, tasks)
+  if band:
+    # Bands of ``band`` tasks (the last may be narrower), column tiles
+    # outer within a band.
+    b_idx = lax.div(rest, jnp.int32(band * tiles_n))
+    b_rest = lax.rem(rest, jnp.int32(band * tiles_n))
+    width = jnp.minimum(jnp.int32(band), count - b_idx * band)
+    return b_idx * band + lax.rem(b_rest, width), lax.div(b_rest, width)
+  return lax.rem(rest, count), lax.div(rest, count)
+
+
+def consumer_part(wg, ni, start, size, *, block_n: int, wg_tile: tuple[int, int]):
+  """Consumer warpgroup ``wg``'s part of a task at column tile ``ni``: ``(rows
+  slice of the x block, columns slice of the w block, first row of its part
+  within the task, its first valid row and valid rows within that part, its
+  first output column)``. The two consumers split ``block_m`` of 128 or more
+  rows, else the columns; ``start, size`` are the task's valid rows."""
+  import jax.experimental.pallas as pl
+  wm, wn = wg_tile
+  if wn == block_n:  # the consumers split M
+    wg_m, wg_n = pl.ds(wg * wm, wm), slice(None)
+    base = wg * wm
+    lo = jnp.clip(start - base, 0, wm)
+    rows = jnp.clip(start + size - base, 0, wm) - lo
+    return wg_m, wg_n, base, lo, rows, ni * block_n
+  wg_m, wg_n = slice(None), pl.ds(wg * wn, wn)
+  return wg_m, wg_n, jnp.int32(0), start, size, ni * block_n + wg * wn
+
+
+def store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0) -> None:
+  """Stores rows ``[lo, lo + rows)`` of consumer ``wg``'s output tile
+  ``out_smem[wg]`` (``[consumers, column slices, rows, slice width]``, one row
+  per swizzle tile) to ``out_ref`` rows from ``row0 + base + lo``, columns
+  from ``col0``: one TMA store per set bit of ``rows``, largest first (a row
+  count is a sum of powers of two), then one commit."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  _, slices, wm, width = out_smem.shape
+  offset = lo
+  p = wm
+  while p >= 1:
+    @pl.when((rows & p) != 0)
+    def _store():
+      for j in range(slices):
+        plgpu.copy_smem_to_gmem(
+            out_smem.at[wg, j, pl.ds(offset, p)],
+            out_ref.at[pl.ds(row0 + base + offset, p), pl.ds(col0 + j * width, width)],
+            commit_group=False)
+    offset = offset + (rows & p)
+    p //= 2
+  plgpu.commit_smem_to_gmem_group()
