@@ -16,7 +16,29 @@ from wavetune_jax.families.matmul.family import (_out_dtype, check_operands, gem
 from wavetune_jax.families.qmatmul.problem import (DTYPES, W_LAYOUTS, WEIGHT_DTYPES,
                                                    QMatmulProblem)
 
-__all__ = ["QMatmulFamily"]
+__all__ = ["QMatmulFamily", "check_activation_scales"]
+
+
+def check_activation_scales(x, w, x_scales, out_dtype, weight: str):
+  """``(x_scales, out dtype)`` of a quantized GEMM's call: e4m3 ``x`` (W8A8)
+  takes ``weight`` in e4m3 and floating ``x_scales [M]`` (returned as an
+  array), 16-bit ``x`` none (None); the output defaults to bfloat16 for W8A8,
+  else ``x``'s dtype. One-line ``ValueError`` otherwise."""
+  m = x.shape[0]
+  fp8 = x.dtype.name == "float8_e4m3fn"
+  if fp8:
+    if w.dtype.name != "float8_e4m3fn":
+      raise ValueError(f"e4m3 activations take {weight} (W8A8-FP8); got w.dtype={w.dtype}")
+    if x_scales is None:
+      raise ValueError("e4m3 activations need x_scales [M], one float32 scale per row "
+                       "(wavetune_jax.quantize_rows makes both)")
+    x_scales = operand("x_scales", x_scales)
+    if x_scales.shape != (m,) or not jnp.issubdtype(x_scales.dtype, jnp.floating):
+      raise ValueError(f"x_scales must be a floating [M] = ({m},) array, one per row; got "
+                       f"{x_scales.shape} {x_scales.dtype}")
+  elif x_scales is not None:
+    raise ValueError(f"x_scales is for e4m3 activations (W8A8); x is {x.dtype}")
+  return x_scales, _out_dtype(jnp.bfloat16 if fp8 else x.dtype, out_dtype)
 
 
 class QMatmulFamily(Family):
@@ -60,20 +82,7 @@ class QMatmulFamily(Family):
     if not jnp.issubdtype(scales.dtype, jnp.floating):
       raise ValueError(f"scales must be floating point (float32); got {scales.dtype}")
     fp8 = x.dtype.name == "float8_e4m3fn"
-    if fp8:
-      if w.dtype.name != "float8_e4m3fn":
-        raise ValueError(f"e4m3 activations take an e4m3 weight (W8A8-FP8); got "
-                         f"w.dtype={w.dtype}")
-      if x_scales is None:
-        raise ValueError("e4m3 activations need x_scales [M], one float32 scale per row "
-                         "(wavetune_jax.quantize_rows makes both)")
-      x_scales = operand("x_scales", x_scales)
-      if x_scales.shape != (m,) or not jnp.issubdtype(x_scales.dtype, jnp.floating):
-        raise ValueError(f"x_scales must be a floating [M] = ({m},) array, one per row; got "
-                         f"{x_scales.shape} {x_scales.dtype}")
-    elif x_scales is not None:
-      raise ValueError(f"x_scales is for e4m3 activations (W8A8); x is {x.dtype}")
-    out = _out_dtype(jnp.bfloat16 if fp8 else x.dtype, out_dtype)
+    x_scales, out = check_activation_scales(x, w, x_scales, out_dtype, "an e4m3 weight")
     if m == 0 or n == 0 or k == 0:
       return jnp.zeros((m, n), out)
     problem = QMatmulProblem(m=m, n=n, k=k, dtype=x.dtype.name, w_dtype=w.dtype.name,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from wavetune_jax.families.matmul.problem import GemmShape, _dtype_name, check_gemm_fields
 
-__all__ = ["QMatmulProblem", "DTYPES", "WEIGHT_DTYPES", "W_LAYOUTS"]
+__all__ = ["QMatmulProblem", "DTYPES", "WEIGHT_DTYPES", "W_LAYOUTS", "check_quantized_fields"]
 
 #: Activation dtypes: 16-bit (weight-only) or e4m3 with per-row scales (W8A8).
 DTYPES = ("bfloat16", "float16", "float8_e4m3fn")
@@ -48,23 +48,30 @@ class QMatmulProblem(GemmShape):
   _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
 
   def __post_init__(self):
-    object.__setattr__(self, "w_dtype",
-                       _dtype_name("QMatmulProblem.w_dtype", self.w_dtype, WEIGHT_DTYPES))
-    if self.w_layout not in W_LAYOUTS:
-      raise ValueError(f"QMatmulProblem.w_layout={self.w_layout!r} must be one of "
-                       f"{W_LAYOUTS}")
-    try:
-      fp8 = jnp.dtype(self.dtype).name == "float8_e4m3fn"
-    except TypeError:
-      fp8 = False
-    if fp8 and not self.out_dtype:
-      object.__setattr__(self, "out_dtype", "bfloat16")
-    check_gemm_fields(self, ("m", "n", "k"), DTYPES)
-    if self.w8a8 and self.w_dtype != "float8_e4m3fn":
-      raise ValueError(f"QMatmulProblem: e4m3 activations take an e4m3 weight; got "
-                       f"w_dtype={self.w_dtype}")
+    check_quantized_fields(self, ("m", "n", "k"))
 
   @property
   def w8a8(self) -> bool:
     """Both operands 8-bit (FP8), with per-row scales of ``x``."""
     return self.dtype == "float8_e4m3fn"
+
+
+def check_quantized_fields(problem, dims) -> None:
+  """Checks a quantized GEMM-like problem's ``dims``, dtypes and ``w_layout``
+  (one-line errors), fills the default ``out_dtype`` (bfloat16 for e4m3
+  activations) and freezes it."""
+  name = type(problem).__name__
+  object.__setattr__(problem, "w_dtype",
+                     _dtype_name(f"{name}.w_dtype", problem.w_dtype, WEIGHT_DTYPES))
+  if problem.w_layout not in W_LAYOUTS:
+    raise ValueError(f"{name}.w_layout={problem.w_layout!r} must be one of {W_LAYOUTS}")
+  try:
+    fp8 = jnp.dtype(problem.dtype).name == "float8_e4m3fn"
+  except TypeError:
+    fp8 = False
+  if fp8 and not problem.out_dtype:
+    object.__setattr__(problem, "out_dtype", "bfloat16")
+  check_gemm_fields(problem, dims, DTYPES)
+  if fp8 and problem.w_dtype != "float8_e4m3fn":
+    raise ValueError(f"{name}: e4m3 activations take an e4m3 weight; got "
+                     f"w_dtype={problem.w_dtype}")

@@ -12,7 +12,8 @@ import numpy as np
 from pallas_kernels.ragged_dot.worklist import clip_sizes
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
-from wavetune_jax.families.matmul.family import _out_dtype, operand
+from wavetune_jax.families.matmul.family import operand
+from wavetune_jax.families.qmatmul.family import check_activation_scales
 from wavetune_jax.families.qragged_dot.problem import (DTYPES, W_LAYOUTS, WEIGHT_DTYPES,
                                                        QRaggedDotProblem)
 from wavetune_jax.families.ragged_dot import routing
@@ -86,20 +87,7 @@ class QRaggedDotFamily(Family):
     if not jnp.issubdtype(scales.dtype, jnp.floating):
       raise ValueError(f"scales must be floating point (float32); got {scales.dtype}")
     fp8 = x.dtype.name == "float8_e4m3fn"
-    if fp8:
-      if w.dtype.name != "float8_e4m3fn":
-        raise ValueError(f"e4m3 activations take e4m3 weights (W8A8-FP8); got "
-                         f"w.dtype={w.dtype}")
-      if x_scales is None:
-        raise ValueError("e4m3 activations need x_scales [M], one float32 scale per row "
-                         "(wavetune_jax.quantize_rows makes both)")
-      x_scales = operand("x_scales", x_scales)
-      if x_scales.shape != (m,) or not jnp.issubdtype(x_scales.dtype, jnp.floating):
-        raise ValueError(f"x_scales must be a floating [M] = ({m},) array, one per row; got "
-                         f"{x_scales.shape} {x_scales.dtype}")
-    elif x_scales is not None:
-      raise ValueError(f"x_scales is for e4m3 activations (W8A8); x is {x.dtype}")
-    out = _out_dtype(jnp.bfloat16 if fp8 else x.dtype, out_dtype)
+    x_scales, out = check_activation_scales(x, w, x_scales, out_dtype, "e4m3 weights")
     if m == 0 or n == 0 or k == 0 or g == 0:
       return jnp.zeros((m, n), out)
     problem = QRaggedDotProblem(m=m, g=g, k=k, n=n, dtype=x.dtype.name, w_dtype=w.dtype.name,

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
-
-from wavetune_jax.families.matmul.problem import GemmShape, _dtype_name, check_gemm_fields
-from wavetune_jax.families.qmatmul.problem import DTYPES, W_LAYOUTS, WEIGHT_DTYPES
+from wavetune_jax.families.matmul.problem import GemmShape
+from wavetune_jax.families.qmatmul.problem import (DTYPES, W_LAYOUTS, WEIGHT_DTYPES,
+                                                   check_quantized_fields)
 
 __all__ = ["QRaggedDotProblem", "DTYPES", "WEIGHT_DTYPES", "W_LAYOUTS"]
 
@@ -43,21 +42,7 @@ class QRaggedDotProblem(GemmShape):
   _hash: int = dataclasses.field(init=False, repr=False, compare=False, default=0)
 
   def __post_init__(self):
-    object.__setattr__(self, "w_dtype",
-                       _dtype_name("QRaggedDotProblem.w_dtype", self.w_dtype, WEIGHT_DTYPES))
-    if self.w_layout not in W_LAYOUTS:
-      raise ValueError(f"QRaggedDotProblem.w_layout={self.w_layout!r} must be one of "
-                       f"{W_LAYOUTS}")
-    try:
-      fp8 = jnp.dtype(self.dtype).name == "float8_e4m3fn"
-    except TypeError:
-      fp8 = False
-    if fp8 and not self.out_dtype:
-      object.__setattr__(self, "out_dtype", "bfloat16")
-    check_gemm_fields(self, ("m", "g", "k", "n"), DTYPES)
-    if self.w8a8 and self.w_dtype != "float8_e4m3fn":
-      raise ValueError(f"QRaggedDotProblem: e4m3 activations take e4m3 weights; got "
-                       f"w_dtype={self.w_dtype}")
+    check_quantized_fields(self, ("m", "g", "k", "n"))
 
   @property
   def w8a8(self) -> bool:
