@@ -13,8 +13,8 @@ from wavetune_jax.families.decode import (CudnnDecodeConfig, DecodeProblem, Mosa
                                           TritonDecodeConfig, XlaDecodeConfig)
 from wavetune_jax.families.matmul import (MatmulProblem, MosaicMatmulConfig,
                                           TritonMatmulConfig, XlaMatmulConfig)
-from wavetune_jax.families.qmatmul import (QMatmulProblem, XlaQMatmulConfig, quantize_rows,
-                                           quantize_weight)
+from wavetune_jax.families.qmatmul import (QMatmulProblem, XlaQMatmulConfig, from_qwix,
+                                           quantize_rows, quantize_weight)
 from wavetune_jax.families.qragged_dot import QRaggedDotProblem, XlaQRaggedDotConfig
 from wavetune_jax.families.ragged_dot import (MosaicRaggedDotConfig, RaggedDotProblem,
                                               TritonRaggedDotConfig, XlaRaggedDotConfig)
@@ -66,6 +66,7 @@ __all__ = [
     "decode_attention",
     "detect",
     "device_key",
+    "from_qwix",
     "get_family",
     "get_hardware",
     "load_tables",

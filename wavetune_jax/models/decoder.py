@@ -279,7 +279,7 @@ WEIGHT_FORMATS = {"bf16": None, "int8": "int8", "fp8": "float8_e4m3fn",
 _QUANTIZED = ("wqkv", "wo", "w13", "w2")
 
 
-def quantize_params(params: dict, cfg: ModelConfig, weights: str) -> dict:
+def quantize_params(params: dict, cfg: ModelConfig, weights: str, *, quantize=None) -> dict:
   """``params`` with each layer's dense GEMM weights quantized
   (``wavetune_jax.quantize_weight``) to ``{"q": w_q, "s": scales}`` (``"w8a8"``:
   ``{"qt": w_q [N, K], "s": scales}``, its inputs quantized per token as they run);
@@ -288,20 +288,26 @@ def quantize_params(params: dict, cfg: ModelConfig, weights: str) -> dict:
   weights too under ``"w8a8"`` (``[E, N, K]`` e4m3, a scale per expert and
   channel: ``wavetune_jax.quantized_ragged_dot``), and stay 16-bit under the
   weight-only formats (no Mosaic weight-only grouped GEMM: XLA's ragged dot
-  on converted weights is slower than the 16-bit grouped GEMM)."""
+  on converted weights is slower than the 16-bit grouped GEMM).
+
+  ``quantize(w, dtype, layout) -> (w_q, scales)`` quantizes each weight
+  (default ``wavetune_jax.quantize_weight``); ``examples/qwix_weights.py``
+  passes one that quantizes with qwix and converts with
+  ``wavetune_jax.from_qwix``."""
   if weights not in WEIGHT_FORMATS:
     raise ValueError(f"weights={weights!r} must be one of {sorted(WEIGHT_FORMATS)}")
   dtype = WEIGHT_FORMATS[weights]
   if dtype is None:
     return params
-  from wavetune_jax.families.qmatmul.quantize import quantize_weight
+  if quantize is None:
+    from wavetune_jax.families.qmatmul.quantize import quantize_weight as quantize
   names = _QUANTIZED[:2] if cfg.experts and weights != "w8a8" else _QUANTIZED
   layout = "nk" if weights == "w8a8" else "kn"
   layers = []
   for p in params["layers"]:
     p = dict(p)
     for n in names:
-      q, s = quantize_weight(p[n], dtype, layout=layout)
+      q, s = quantize(p[n], dtype, layout=layout)
       # "qt": the weight transposed ([N, K]), run as W8A8.
       p[n] = {"q" if layout == "kn" else "qt": q, "s": s}
     layers.append(p)

@@ -4,10 +4,10 @@ from wavetune_jax.families.qmatmul.backends import (MosaicQMatmul, XlaQMatmul,
                                                     XlaQMatmulConfig)
 from wavetune_jax.families.qmatmul.family import QMatmulFamily
 from wavetune_jax.families.qmatmul.problem import QMatmulProblem
-from wavetune_jax.families.qmatmul.quantize import quantize_rows, quantize_weight
+from wavetune_jax.families.qmatmul.quantize import from_qwix, quantize_rows, quantize_weight
 
 __all__ = ["MosaicQMatmul", "QMatmulFamily", "QMatmulProblem", "XlaQMatmul",
-           "XlaQMatmulConfig", "make", "quantize_rows", "quantize_weight"]
+           "XlaQMatmulConfig", "from_qwix", "make", "quantize_rows", "quantize_weight"]
 
 
 def make() -> QMatmulFamily:

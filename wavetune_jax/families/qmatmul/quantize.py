@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from wavetune_jax.families.matmul.problem import _dtype_name
 from wavetune_jax.families.qmatmul.problem import W_LAYOUTS, WEIGHT_DTYPES
 
-__all__ = ["quantize_weight", "quantize_rows", "FP8_MAX", "INT8_MAX"]
+__all__ = ["quantize_weight", "quantize_rows", "from_qwix", "FP8_MAX", "INT8_MAX"]
 
 #: The largest magnitudes the quantized values take.
 INT8_MAX = 127.0
@@ -75,3 +75,62 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
   xq = jnp.clip(x32 / scales[:, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
   return xq, scales.astype(jnp.float32)
+
+
+def from_qwix(qarray, layout: str = "kn") -> tuple[jax.Array, jax.Array]:
+  """A weight quantized by `qwix <https://github.com/google/qwix>`_ ->
+  ``(w_q, scales)`` as :func:`quantize_weight` gives them, for
+  :func:`wavetune_jax.quantized_matmul` (``[K, N]``) or
+  :func:`wavetune_jax.quantized_ragged_dot` (expert weights ``[G, K, N]``).
+
+  ``qarray`` is a ``qwix.QArray`` of a weight that multiplies from the right
+  (``x @ w``), quantized per output channel::
+
+      q = qwix.quantize(w, jnp.int8, channelwise_axes=[1])          # w [K, N]
+      q = qwix.quantize(w, jnp.float8_e4m3fn, channelwise_axes=[0, 2])  # w [G, K, N]
+      w_q, scales = wt.from_qwix(q)
+
+  Its ``qvalue`` (int8 or float8_e4m3fn) is taken as is, ``[K, N]`` or, with
+  ``layout="nk"``, transposed to ``[N, K]`` (what W8A8 runs on); its scales
+  (``[1, N]`` or ``[G, 1, N]``, in the weight's dtype) become float32 ``[N]`` or
+  ``[G, N]`` (a per-tensor scale is repeated over the channels).
+  ``w_q * scales`` is then ``qwix.dequantize(qarray)`` computed in float32
+  (qwix rounds its product to the scale's dtype). Only the attributes ``qvalue``, ``scale``,
+  ``zero_point`` are read: qwix itself is not imported.
+
+  Raises:
+    ValueError: not a QArray-like object; an asymmetric quantization (a zero
+      point); a value dtype other than int8 or float8_e4m3fn (int4 weights
+      with group-wise scales are not supported); scales that are not one
+      per output channel or per tensor (sub-channel tiles along K); an
+      unknown ``layout``.
+  """
+  if not all(hasattr(qarray, a) for a in ("qvalue", "scale", "zero_point")):
+    raise ValueError(f"expected a qwix.QArray (with qvalue, scale and zero_point); got "
+                     f"{type(qarray).__name__}")
+  if layout not in W_LAYOUTS:
+    raise ValueError(f"layout={layout!r} must be one of {W_LAYOUTS}")
+  if qarray.zero_point is not None:
+    raise ValueError("the qwix weight has a zero point (asymmetric quantization); the "
+                     "quantized ops take symmetric weights: quantize with the default "
+                     "calibration_method='absmax'")
+  q, s = jnp.asarray(qarray.qvalue), jnp.asarray(qarray.scale)
+  if q.dtype.name not in WEIGHT_DTYPES:
+    raise ValueError(f"the qwix weight holds {q.dtype.name} values; the quantized ops take "
+                     f"{' or '.join(WEIGHT_DTYPES)} (int4 with group-wise scales is not "
+                     f"supported)")
+  if q.ndim not in (2, 3):
+    raise ValueError(f"the qwix weight must be [K, N] (or [G, K, N] experts); got shape "
+                     f"{q.shape}")
+  want = q.shape[:-2] + (1, q.shape[-1])
+  if s.shape == q.shape[:-2] + (1, 1):  # one scale per tensor (per expert)
+    s = jnp.broadcast_to(s, want)
+  if s.shape != want:
+    raise ValueError(
+        f"the qwix weight's scales have shape {s.shape}; the quantized ops take one scale "
+        f"per output channel, shape {want}: quantize with channelwise_axes="
+        f"{list(range(q.ndim - 2)) + [q.ndim - 1]} and no tiled_axes")
+  if not jnp.issubdtype(s.dtype, jnp.floating):
+    raise ValueError(f"the qwix weight's scales must be floating; got {s.dtype}")
+  scales = s[..., 0, :].astype(jnp.float32)
+  return (q if layout == "kn" else jnp.swapaxes(q, -1, -2)), scales
