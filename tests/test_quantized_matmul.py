@@ -210,15 +210,37 @@ def test_quantized_decoder_continues_the_prompt_and_matches_xla():
     M.quantize_params(params, cfg, "int4")
 
 
-@pytest.mark.parametrize("weights,tol", [("fp8", 5e-2), ("w8a8", 15e-2)])
-def test_bench_model_with_quantized_weights(tmp_path, capsys, weights, tol):
+@pytest.mark.parametrize("weights,tol,head", [("fp8", 5e-2, False), ("w8a8", 15e-2, True)])
+def test_bench_model_with_quantized_weights(tmp_path, capsys, weights, tol, head):
   import json
 
   from wavetune_jax.cli.main import main
   out = tmp_path / "bench.json"
   assert main(["bench", "model", "--model", "small", "--layers", "1", "--prompt", "8",
                "--decode-batch", "2", "--cache", "16", "--ops", "tables", "--weights", weights,
-               "--json", str(out)]) == 0
-  assert f"{weights} weights" in capsys.readouterr().out
+               "--json", str(out)] + ["--quantize-lm-head"] * head) == 0
+  assert f"{weights} weights" + " (LM head too)" * head in capsys.readouterr().out
   got = json.loads(out.read_text())
   assert got["weights"] == weights and all(r["rel_diff_vs_xla"] < tol for r in got["rows"])
+  assert got["quantized_lm_head"] == head
+
+
+def test_quantized_lm_head(capsys):
+  import wavetune_jax.models as M
+  from wavetune_jax.cli.main import main
+  cfg = M.MODELS["small"].with_layers(1)
+  params = M.init(jax.random.PRNGKey(0), cfg)
+  toks = jax.random.randint(jax.random.PRNGKey(1), (1, 6), 0, cfg.vocab)
+  q = M.quantize_params(params, cfg, "w8a8", lm_head=True)
+  head = q["lm_head"]  # weight-only e4m3 [hidden, vocab], a scale per column
+  assert head["q"].dtype == jnp.float8_e4m3fn and head["q"].shape == params["lm_head"].shape
+  assert M.quantize_params(params, cfg, "int8")["lm_head"] is params["lm_head"]
+  o = M.make_ops("xla")
+  got = np.asarray(M.prefill(q, toks, cfg=cfg, ops=o, max_len=6)[0], np.float32)
+  layers_only = np.asarray(M.prefill(M.quantize_params(params, cfg, "w8a8"), toks, cfg=cfg,
+                                     ops=o, max_len=6)[0], np.float32)
+  rel = np.sqrt(np.mean((got - layers_only) ** 2) / np.mean(layers_only ** 2))
+  assert 0 < rel < 0.1  # the head's weight rounded to e4m3, nothing else
+  assert main(["bench", "model", "--model", "small", "--quantize-lm-head"]) == 2
+  err = capsys.readouterr().err
+  assert "--quantize-lm-head needs --weights int8, fp8 or w8a8" in err and err.count("\n") == 1

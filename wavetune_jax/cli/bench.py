@@ -82,6 +82,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  "weights and activations (quantized per token at each GEMM, experts "
                  "too: wt.quantized_ragged_dot; xla: XLA's FP8 dot and ragged dot); under "
                  "int8 / fp8 expert weights stay bf16")
+  m.add_argument("--quantize-lm-head", action="store_true",
+                 help="with --weights int8 / fp8 / w8a8, the LM head's weight too (weight-only, "
+                 "in the format's weight dtype; by default it stays bf16)")
   m.add_argument("--cache-multiple", type=positive_int, default=1, metavar="N",
                  help="a contiguous cache holds the cache length + 1 positions rounded up "
                  "to a multiple of N, as a serving stack allocates it (the Mosaic decode "
@@ -161,6 +164,8 @@ def _bench_model(a) -> int:
   cfg = _with_attention_options(cfg, a)
   settings = _settings(a.ops)
   page_size = _page_size(a)
+  if a.quantize_lm_head and a.weights == "bf16":
+    raise CliError("--quantize-lm-head needs --weights int8, fp8 or w8a8")
   if a.plot:
     pyplot()  # the error before the work
   _configure_xla(a)
@@ -174,9 +179,11 @@ def _bench_model(a) -> int:
   layout = f"paged KV cache (pages of {page_size})" if page_size else "contiguous KV cache"
   attn = _attention_summary(cfg)
   wts = "" if a.weights == "bf16" else f", {a.weights} weights"
+  wts += " (LM head too)" if a.quantize_lm_head else ""
   print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers{attn}{wts}, "
         f"{layout}, settings {','.join(settings)}", flush=True)
-  params = M.quantize_params(M.init(jax.random.PRNGKey(0), cfg), cfg, a.weights)
+  params = M.quantize_params(M.init(jax.random.PRNGKey(0), cfg), cfg, a.weights,
+                             lm_head=a.quantize_lm_head)
   rows = []
   work = ([("prefill", s, a.batch) for s in a.prompt]
           + [("decode", c, b) for b in a.decode_batch for c in a.cache])
@@ -257,7 +264,8 @@ def _bench_model(a) -> int:
           json.dump({"device": jax.devices()[0].device_kind, "model": cfg.name,
                      "layers": cfg.layers, "window": cfg.window,
                      "global_every": cfg.global_every, "soft_cap": cfg.soft_cap,
-                     "sinks": cfg.sinks, "weights": a.weights, "xla_autotune": a.xla_autotune,
+                     "sinks": cfg.sinks, "weights": a.weights,
+                     "quantized_lm_head": a.quantize_lm_head, "xla_autotune": a.xla_autotune,
                      "compile_cache": bool(a.compile_cache), "cache_fill": a.cache_fill,
                      "cache_layout": a.cache_layout, "page_size": page_size,
                      "rows": rows}, f, indent=1)
