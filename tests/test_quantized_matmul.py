@@ -211,14 +211,24 @@ def test_quantized_decoder_continues_the_prompt_and_matches_xla():
 
 
 @pytest.mark.parametrize("weights,tol,head", [("fp8", 5e-2, False), ("w8a8", 15e-2, True)])
-def test_bench_model_with_quantized_weights(tmp_path, capsys, weights, tol, head):
+def test_bench_model_with_quantized_weights(tmp_path, capsys, monkeypatch, weights, tol, head):
   import json
 
+  import wavetune_jax.models as M
   from wavetune_jax.cli.main import main
   out = tmp_path / "bench.json"
+  asked = []
+  quantize_params = M.quantize_params
+
+  def recording(*args, **kwargs):
+    asked.append(kwargs.get("lm_head"))
+    return quantize_params(*args, **kwargs)
+
+  monkeypatch.setattr(M, "quantize_params", recording)
   assert main(["bench", "model", "--model", "small", "--layers", "1", "--prompt", "8",
                "--decode-batch", "2", "--cache", "16", "--ops", "tables", "--weights", weights,
                "--json", str(out)] + ["--quantize-lm-head"] * head) == 0
+  assert asked == [head]  # the flag reaches the model's weights
   assert f"{weights} weights" + " (LM head too)" * head in capsys.readouterr().out
   got = json.loads(out.read_text())
   assert got["weights"] == weights and all(r["rel_diff_vs_xla"] < tol for r in got["rows"])
@@ -235,6 +245,8 @@ def test_quantized_lm_head(capsys):
   head = q["lm_head"]  # weight-only e4m3 [hidden, vocab], a scale per column
   assert head["q"].dtype == jnp.float8_e4m3fn and head["q"].shape == params["lm_head"].shape
   assert M.quantize_params(params, cfg, "int8")["lm_head"] is params["lm_head"]
+  with pytest.raises(ValueError, match="lm_head=True needs weights"):
+    M.quantize_params(params, cfg, "bf16", lm_head=True)
   o = M.make_ops("xla")
   got = np.asarray(M.prefill(q, toks, cfg=cfg, ops=o, max_len=6)[0], np.float32)
   layers_only = np.asarray(M.prefill(M.quantize_params(params, cfg, "w8a8"), toks, cfg=cfg,

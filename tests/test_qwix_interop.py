@@ -25,6 +25,8 @@ def test_layouts_shapes_and_a_per_tensor_scale():
   w, s = wt.from_qwix(_qarray(q, jnp.full((1, 4), 0.5, jnp.bfloat16)))
   assert w.dtype == jnp.int8 and w.shape == (3, 4) and s.dtype == jnp.float32 and s.shape == (4,)
   w, s = wt.from_qwix(_qarray(q, jnp.array([[2.0]])), layout="nk")  # one scale per tensor
+  _, one = wt.from_qwix(_qarray(jnp.zeros((5, 3, 4), jnp.int8), jnp.ones((1, 1, 1))))
+  assert one.shape == (5, 4)  # one scale for all experts
   np.testing.assert_array_equal(w, q.T)
   np.testing.assert_array_equal(s, [2.0] * 4)
   e = jnp.zeros((5, 3, 4), jnp.float8_e4m3fn)
@@ -72,6 +74,28 @@ def test_qwix_weights_in_the_quantized_ops(dtype):
   y = wt.quantized_ragged_dot(x, eq, es, sizes)
   ref = jax.lax.ragged_dot(x.astype(jnp.float32), eq.astype(jnp.float32) * es[:, None, :], sizes)
   assert float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref))) < 2e-2
+
+
+def test_qwix_e4m3_weights_as_w8a8():
+  """qwix's e4m3 weights, transposed by from_qwix, in the W8A8 ops."""
+  qwix = pytest.importorskip("qwix")
+  kx, kw, ke = jax.random.split(jax.random.PRNGKey(1), 3)
+  x8, xs = wt.quantize_rows(jax.random.normal(kx, (24, 128), jnp.float32))
+  x = x8.astype(jnp.float32) * xs[:, None]
+  w = jax.random.normal(kw, (128, 64), jnp.float32)
+  wq, s = wt.from_qwix(qwix.quantize(w, jnp.float8_e4m3fn, channelwise_axes=[1]), layout="nk")
+  assert wq.shape == (64, 128)
+  ref = x @ (wq.astype(jnp.float32).T * s)
+  y = wt.quantized_matmul(x8, wq, s, x_scales=xs, w_layout="nk", out_dtype=jnp.float32)
+  assert float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref))) < 1e-2
+  e = jax.random.normal(ke, (3, 128, 64), jnp.float32)
+  eq, es = wt.from_qwix(qwix.quantize(e, jnp.float8_e4m3fn, channelwise_axes=[0, 2]),
+                        layout="nk")
+  sizes = jnp.array([10, 0, 14], jnp.int32)
+  y = wt.quantized_ragged_dot(x8, eq, es, sizes, x_scales=xs, w_layout="nk",
+                              out_dtype=jnp.float32)
+  ref = jax.lax.ragged_dot(x, jnp.swapaxes(eq.astype(jnp.float32) * es[:, :, None], 1, 2), sizes)
+  assert float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref))) < 1e-2
 
 
 def test_the_example_runs_a_decoder_with_qwix_weights(capsys):

@@ -90,10 +90,12 @@ def from_qwix(qarray, layout: str = "kn") -> tuple[jax.Array, jax.Array]:
       q = qwix.quantize(w, jnp.float8_e4m3fn, channelwise_axes=[0, 2])  # w [G, K, N]
       w_q, scales = wt.from_qwix(q)
 
-  Its ``qvalue`` (int8 or float8_e4m3fn) is taken as is, ``[K, N]`` or, with
+  Its ``qvalue`` (int8 or float8_e4m3fn; qwix's int8 may hold -128, which
+  the kernels take as well) is taken as is, ``[K, N]`` or, with
   ``layout="nk"``, transposed to ``[N, K]`` (what W8A8 runs on); its scales
   (``[1, N]`` or ``[G, 1, N]``, in the weight's dtype) become float32 ``[N]`` or
-  ``[G, N]`` (a per-tensor scale is repeated over the channels).
+  ``[G, N]`` (a scale per tensor or per expert is repeated over the
+  channels).
   ``w_q * scales`` is then ``qwix.dequantize(qarray)`` computed in float32
   (qwix rounds its product to the scale's dtype). Only the attributes ``qvalue``, ``scale``,
   ``zero_point`` are read: qwix itself is not imported.
@@ -123,8 +125,9 @@ def from_qwix(qarray, layout: str = "kn") -> tuple[jax.Array, jax.Array]:
     raise ValueError(f"the qwix weight must be [K, N] (or [G, K, N] experts); got shape "
                      f"{q.shape}")
   want = q.shape[:-2] + (1, q.shape[-1])
-  if s.shape == q.shape[:-2] + (1, 1):  # one scale per tensor (per expert)
-    s = jnp.broadcast_to(s, want)
+  if s.ndim == q.ndim and (s.shape[-2:] == (1, 1)
+                          and s.shape[:-2] in (q.shape[:-2], (1,) * (q.ndim - 2))):
+    s = jnp.broadcast_to(s, want)  # one scale per tensor (or per expert)
   if s.shape != want:
     raise ValueError(
         f"the qwix weight's scales have shape {s.shape}; the quantized ops take one scale "
