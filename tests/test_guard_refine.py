@@ -135,6 +135,38 @@ def test_guard_follows_the_tables_evidence():
   assert sel.source == "guard" and RAGGED_DOT.backend_of(sel.config).name == "xla"
 
 
+@pytest.mark.parametrize("m,g,trusted", [(131072, 64, True), (4096, 64, True), (1, 16, True),
+                                           (8, 16, True), (9, 16, False), (16, 16, False),
+                                           (3000, 60, False), (4095, 64, False)])
+def test_grouped_gemm_past_the_evidence_trusts_the_kernel_over_the_dense_ragged_dot(
+    m, g, trusted, monkeypatch):
+  """From 64 rows per expert, and at most one row for two experts, XLA's
+  dense ragged dot (cuDNN < 9.22) lost to every Mosaic config of both
+  GPUs' sweeps: without evidence the guard keeps the kernel there. With
+  cuDNN 9.22 (XLA's grouped GEMM) or no cuDNN version, evidence decides."""
+  p = RaggedDotProblem(m=m, g=g, k=2048, n=2048)
+  mosaic, xla = wt.MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4), \
+      wt.XlaRaggedDotConfig()
+  trust = RAGGED_DOT.trusted_without_evidence
+  assert trust(p, mosaic, xla, versions={"cudnn": "9.19.0"}) == trusted
+  assert not trust(p, mosaic, xla, versions={"cudnn": "9.22.0"})
+  assert not trust(p, mosaic, xla, versions={"jax": "0.11.2"})
+  assert not trust(p, xla, xla, versions={"cudnn": "9.19.0"})
+  # Through the selector on a GPU, with a table that holds no evidence.
+  bare = dataclasses.replace(_shipped(RAGGED_DOT), evidence=[], anchors=[], exact={})
+  for cudnn, want in (("9.19.0", trusted), ("9.22.0", False)):
+    monkeypatch.setattr(versions, "current", lambda cudnn=cudnn: {"cudnn": cudnn})
+    selector.clear()
+    with wt.policy("tables"), wt.use_tables(bare, "ragged_dot"):
+      sel = wt.select("ragged_dot", p, H100)
+    name = RAGGED_DOT.backend_of(sel.config).name
+    assert name == ("mosaic" if want else "xla"), (cudnn, sel)
+  # A replay stands the sweep's versions in for the platform's.
+  ds = evaluate.load_dataset(os.path.join(ROOT, "data", "sweeps", "nvidia_h100_80gb_hbm3",
+                                          "ragged_dot_bfloat16.jsonl.gz"))
+  assert evaluate.platform_versions(ds.header)["cudnn"] == "9.19.0"
+
+
 def test_no_guard_in_interpret_mode():
   """With no GPU speed is not the question: a table's Triton answer stands
   in interpret mode, and the same table without evidence is guarded on the

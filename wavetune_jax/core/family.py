@@ -571,7 +571,9 @@ class Family(abc.ABC):
   def trusted_without_evidence(self, problem, config, platform, hw=None) -> bool:
     """Whether the guard lets ``config`` replace ``platform`` on ``problem``
     without table evidence on ``hw`` (a family's measured rule for problems
-    no table holds; default: never)."""
+    no table holds; default: never). An override may also take
+    ``versions=`` (``core.versions.current()``'s form: the platform's JAX,
+    CUDA and cuDNN), which a replay of a sweep passes as the sweep's."""
     return False
 
   def modelled(self, problem) -> bool:

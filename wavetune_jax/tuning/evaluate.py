@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import math
 import random
 import statistics
@@ -306,6 +307,22 @@ class GBDTPolicy(_RegressorPolicy):
     return GradientBoostingRegressor(random_state=0, n_estimators=200, max_depth=4)
 
 
+def platform_versions(header: dict) -> dict:
+  """The versions a sweep ran with, for a replay that stands in for that
+  platform: the header's, and where it records no cuDNN (sweeps started
+  before versions were recorded), the newest cuDNN its resumed or merged
+  runs record."""
+  from wavetune_jax.tuning.tuner import sweep_versions
+  out = sweep_versions(header)
+  if "cudnn" not in out:
+    runs = list(header.get("merged") or []) + list(header.get("resumed") or [])
+    for run in sorted(runs, key=lambda r: str(r.get("date", ""))):
+      cudnn = (run.get("versions") or {}).get("cudnn")
+      if cudnn:
+        out["cudnn"] = str(cudnn)
+  return out
+
+
 class WaveTunePolicy(Policy):
   """The WaveTune tuner in replay mode on the training problems, within the
   budget; selection as the ops' ``"tables"`` policy: exact -> model ->
@@ -340,6 +357,7 @@ class WaveTunePolicy(Policy):
                       distance_penalty=self.distance_penalty, trust=self.trust,
                       family_weight=self.family_weight)
     self.table = res.table
+    self.platform_versions = platform_versions(ds.header)
     self.decider = selector.Decider(res.table, ds.hw, heuristic_margin=self.heuristic_margin)
     if self.guard is not None:
       from wavetune_jax.runtime import guard as guard_lib
@@ -356,7 +374,15 @@ class WaveTunePolicy(Policy):
     c = self.unguarded(problem)
     if self.guard is None or self.evidence.allows(problem, c)[0]:
       return c
-    return self.spec.platform_config(problem, self.hw)
+    plat = self.spec.platform_config(problem, self.hw)
+    # As the selector's guard: the family's rule for problems without
+    # evidence, with the sweep's versions standing for the platform's.
+    trusted = self.spec.trusted_without_evidence
+    params = inspect.signature(trusted).parameters
+    kw = {"hw": self.hw} if "hw" in params else {}
+    if "versions" in params:
+      kw["versions"] = self.platform_versions
+    return c if trusted(problem, c, plat, **kw) else plat
 
   def ranked(self, problem, k: int) -> list:
     return self.decider.ranked(problem, k)

@@ -75,6 +75,45 @@ class RaggedDotFamily(Family):
   # benchmarks/guard_radius.py, docs/design.md "The guard").
   guard_rule = {"weight_radius": math.inf, "size_radius": 1.0, "win": 0.97}
   skew = routing.BALANCED
+  #: Rows per expert from which the Mosaic kernel replaces XLA's ragged dot
+  #: without table evidence (:meth:`trusted_without_evidence`; also at most
+  #: one row for two experts).
+  TRUSTED_ROWS_PER_EXPERT = 64
+  #: The cuDNN from which XLA lowers ``lax.ragged_dot`` to cuDNN's grouped
+  #: GEMM instead of its dense form (openxla/xla PR 42313).
+  CUDNN_GROUPED_GEMM = (9, 22)
+
+  def trusted_without_evidence(self, problem: RaggedDotProblem, config, platform, hw=None,
+                               versions: dict | None = None) -> bool:
+    """A Mosaic config over XLA's ragged dot where XLA runs its dense form,
+    which multiplies every row by every expert's weight (cuDNN older than
+    9.22; ``versions``: the platform's, default this process's), and the
+    problem has 64 rows or more per expert (``m >= 64 * g``: the dense form
+    does ``g`` times the FLOPs) or at most one row for two experts (``2 * m
+    <= g``: the kernel reads the weights of at most ``m`` experts, the dense
+    form all ``g``). Past the sizes a table measured the guard would
+    otherwise keep XLA's op there: up to 88x slower at OLMoE's w13 with
+    131,072 rows, and 12x at one row of 16 experts, held out. In the sweeps
+    of both GPUs every Mosaic config measured there beat XLA's op: from 64
+    rows per expert 1,660 configs over 100 problems on the H100 (the slowest
+    1.26x) and 1,603 over 97 on the H200 (1.89x); at most one row for two
+    experts 93 configs over 20 problems (1.80x) and 85 over 18 (1.40x);
+    docs/results.md, "The guard past the sweeps' sizes". A cuDNN that cannot
+    be read, or 9.22 and newer, needs evidence.
+    """
+    from wavetune_jax.core import versions as versions_lib
+    from wavetune_jax.families.ragged_dot.mosaic import MosaicRaggedDotConfig
+    from wavetune_jax.families.ragged_dot.xla import XlaRaggedDotConfig
+    if not (isinstance(config, MosaicRaggedDotConfig) and isinstance(platform, XlaRaggedDotConfig)
+            and (problem.m >= self.TRUSTED_ROWS_PER_EXPERT * problem.g
+                 or 2 * problem.m <= problem.g)):
+      return False
+    cudnn = (versions_lib.current() if versions is None else versions).get("cudnn")
+    try:
+      major_minor = tuple(int(x) for x in str(cudnn).split(".")[:2])
+    except ValueError:
+      return False
+    return len(major_minor) == 2 and major_minor < self.CUDNN_GROUPED_GEMM
 
   def work(self, p) -> tuple[float, float]:
     """FLOPs, and the bytes of the rows, of the experts that at least one
