@@ -135,20 +135,29 @@ def test_guard_follows_the_tables_evidence():
   assert sel.source == "guard" and RAGGED_DOT.backend_of(sel.config).name == "xla"
 
 
-@pytest.mark.parametrize("m,g,trusted", [(131072, 64, True), (4096, 64, True), (1, 16, True),
-                                           (8, 16, True), (9, 16, False), (16, 16, False),
-                                           (3000, 60, False), (4095, 64, False)])
+@pytest.mark.parametrize("m,g,trusted", [(131072, 64, "any"), (4096, 64, "any"), (1, 16, "any"),
+                                           (8, 16, "any"), (9, 16, "rule"), (16, 16, "rule"),
+                                           (17, 16, None), (3000, 60, None), (4095, 64, None)])
 def test_grouped_gemm_past_the_evidence_trusts_the_kernel_over_the_dense_ragged_dot(
     m, g, trusted, monkeypatch):
   """From 64 rows per expert, and at most one row for two experts, XLA's
   dense ragged dot (cuDNN < 9.22) lost to every Mosaic config of both
-  GPUs' sweeps: without evidence the guard keeps the kernel there. With
-  cuDNN 9.22 (XLA's grouped GEMM) or no cuDNN version, evidence decides."""
+  GPUs' sweeps, and at one row per expert or fewer to the rule's config:
+  without evidence the guard keeps the kernel there ("any" config, or the
+  "rule"'s). With cuDNN 9.22 (XLA's grouped GEMM) or no cuDNN version,
+  evidence decides."""
   p = RaggedDotProblem(m=m, g=g, k=2048, n=2048)
-  mosaic, xla = wt.MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4), \
-      wt.XlaRaggedDotConfig()
+  rule = RAGGED_DOT.heuristic(p, H100)
+  other = wt.MosaicRaggedDotConfig(block_m=64, block_n=128, num_stages=3)
+  assert rule != other
+  xla = wt.XlaRaggedDotConfig()
   trust = RAGGED_DOT.trusted_without_evidence
-  assert trust(p, mosaic, xla, versions={"cudnn": "9.19.0"}) == trusted
+  v = {"cudnn": "9.19.0"}
+  assert trust(p, other, xla, hw=H100, versions=v) == (trusted == "any")
+  assert trust(p, rule, xla, hw=H100, versions=v) == (trusted is not None)
+  assert trust(p, rule, xla, versions=v) == (trusted == "any")  # the rule needs hw
+  trusted = trusted is not None
+  mosaic = rule
   assert not trust(p, mosaic, xla, versions={"cudnn": "9.22.0"})
   assert not trust(p, mosaic, xla, versions={"jax": "0.11.2"})
   assert not trust(p, xla, xla, versions={"cudnn": "9.19.0"})

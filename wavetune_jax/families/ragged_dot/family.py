@@ -91,13 +91,16 @@ class RaggedDotFamily(Family):
     problem has 64 rows or more per expert (``m >= 64 * g``: the dense form
     does ``g`` times the FLOPs) or at most one row for two experts (``2 * m
     <= g``: the kernel reads the weights of at most ``m`` experts, the dense
-    form all ``g``). Past the sizes a table measured the guard would
+    form all ``g``), or the rule's own config at one row per expert or fewer
+    (``m <= g``; given ``hw``). Past the sizes a table measured the guard would
     otherwise keep XLA's op there: up to 88x slower at OLMoE's w13 with
     131,072 rows, and 12x at one row of 16 experts, held out. In the sweeps
     of both GPUs every Mosaic config measured there beat XLA's op: from 64
     rows per expert 1,660 configs over 100 problems on the H100 (the slowest
     1.26x) and 1,603 over 97 on the H200 (1.89x); at most one row for two
-    experts 93 configs over 20 problems (1.80x) and 85 over 18 (1.40x);
+    experts 93 configs over 20 problems (1.80x) and 85 over 18 (1.40x); at
+    one row per expert or fewer the rule's config on 28 and 26 problems
+    (1.40x and 1.20x; other configs there lost, down to 0.94x);
     docs/results.md, "The guard past the sweeps' sizes". A cuDNN that cannot
     be read, or 9.22 and newer, needs evidence.
     """
@@ -106,7 +109,9 @@ class RaggedDotFamily(Family):
     from wavetune_jax.families.ragged_dot.xla import XlaRaggedDotConfig
     if not (isinstance(config, MosaicRaggedDotConfig) and isinstance(platform, XlaRaggedDotConfig)
             and (problem.m >= self.TRUSTED_ROWS_PER_EXPERT * problem.g
-                 or 2 * problem.m <= problem.g)):
+                 or 2 * problem.m <= problem.g
+                 or (problem.m <= problem.g and hw is not None
+                     and config == self.heuristic(problem, hw)))):
       return False
     cudnn = (versions_lib.current() if versions is None else versions).get("cudnn")
     try:
