@@ -36,8 +36,11 @@ def wave_ds(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wave_table(wave_ds):
+  # Eight targeted anchors per problem and round (the default is two): 4
+  # rounds instead of 10, each a refit of every variant; the held-out
+  # efficiency below is the same (0.992 geomean either way).
   res = tuning.tune(MATMUL, HW, wave_ds.problems, tuning.ReplayMeasurer(wave_ds, wave_ds.problems),
-                    budget=1000)
+                    budget=1000, per_round=8)
   return res
 
 
