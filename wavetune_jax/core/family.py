@@ -27,7 +27,8 @@ import numpy as np
 from pallas_kernels._launch import field_names
 from wavetune_jax.core.hardware import Hardware
 
-__all__ = ["Problem", "Backend", "Family", "Call", "config_from_fields", "interned"]
+__all__ = ["Problem", "Backend", "OneConfigBackend", "Family", "Call", "config_from_fields",
+           "interned"]
 
 _INT64 = 2**63
 
@@ -253,6 +254,34 @@ class Backend(abc.ABC):
 
   def __repr__(self) -> str:
     return f"<{type(self).__name__} {self.name!r}>"
+
+
+class OneConfigBackend(Backend):
+  """A platform op as a backend: one config without launch parameters
+  (``config_cls()``), XLA's own op; subclasses set ``name``, ``config_cls``
+  and implement ``coords`` and ``run``."""
+
+  macro_fields = ()
+  micro_fields = ()
+  interpret = True
+  interpret_in_shard_map = True
+  heuristic_size_free = True
+  platform = True
+
+  def space(self, problem, hw: Hardware, *, prune: bool = True):
+    return (self.config_cls(),)
+
+  def validate(self, problem, config, hw: Hardware | None = None) -> None:
+    if not isinstance(config, self.config_cls):
+      name = self.config_cls.__name__
+      article = "an" if name[0] in "AEIOUX" else "a"
+      raise ValueError(f"config must be {article} {name}; got {config!r}")
+
+  def heuristic(self, problem, hw: Hardware):
+    return self.config_cls()
+
+  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
+    return 1
 
 
 class Family(abc.ABC):

@@ -15,7 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from wavetune_jax.core.family import Backend
+from wavetune_jax.core.family import OneConfigBackend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.matmul.problem import MatmulProblem
 
@@ -34,32 +34,12 @@ def _gl(m, n, k):
   return -(-m // NOMINAL_M) * -(-n // NOMINAL_N), -(-k // NOMINAL_K)
 
 
-class XlaMatmul(Backend):
-  """XLA's dot with fp32 accumulation: the baseline, as a backend."""
-
-  platform = True
+class XlaMatmul(OneConfigBackend):
+  """XLA's dot with fp32 accumulation: the baseline, as a backend (with no
+  table the op is ``jnp.dot``: never slower than XLA)."""
 
   name = "xla"
   config_cls = XlaMatmulConfig
-  macro_fields = ()
-  micro_fields = ()
-  interpret = True
-  interpret_in_shard_map = True
-  heuristic_size_free = True
-
-  def space(self, problem: MatmulProblem, hw: Hardware, *, prune: bool = True):
-    return (XlaMatmulConfig(),)
-
-  def validate(self, problem: MatmulProblem, config, hw: Hardware | None = None) -> None:
-    if not isinstance(config, XlaMatmulConfig):
-      raise ValueError(f"config must be an XlaMatmulConfig; got {config!r}")
-
-  def heuristic(self, problem: MatmulProblem, hw: Hardware) -> XlaMatmulConfig:
-    """Always: with no table, the op is ``jnp.dot`` (never slower than XLA)."""
-    return XlaMatmulConfig()
-
-  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
-    return 1
 
   def size_quantum(self, problem: MatmulProblem) -> int:
     return NOMINAL_M

@@ -14,7 +14,7 @@ from jax import lax
 from pallas_kernels.matmul import fp8 as fp8_kernel
 from pallas_kernels.matmul import weight_only as kernel
 from pallas_kernels.matmul.mosaic import BLOCK_K, MosaicMatmulConfig
-from wavetune_jax.core.family import Backend
+from wavetune_jax.core.family import Backend, OneConfigBackend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.qmatmul.problem import QMatmulProblem
 
@@ -76,30 +76,11 @@ class XlaQMatmulConfig:
   """XLA's dot on the converted weight, scales after (:func:`xla_qmatmul`)."""
 
 
-class XlaQMatmul(Backend):
+class XlaQMatmul(OneConfigBackend):
   """XLA's GEMM on the converted 8-bit weight: the platform op."""
 
   name = "xla"
   config_cls = XlaQMatmulConfig
-  macro_fields = ()
-  micro_fields = ()
-  interpret = True
-  interpret_in_shard_map = True
-  heuristic_size_free = True
-  platform = True
-
-  def space(self, problem, hw: Hardware, *, prune: bool = True):
-    return (XlaQMatmulConfig(),)
-
-  def validate(self, problem, config, hw: Hardware | None = None) -> None:
-    if not isinstance(config, XlaQMatmulConfig):
-      raise ValueError(f"config must be an XlaQMatmulConfig; got {config!r}")
-
-  def heuristic(self, problem, hw: Hardware) -> XlaQMatmulConfig:
-    return XlaQMatmulConfig()
-
-  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
-    return 1
 
   def coords(self, problem: QMatmulProblem, macro: dict) -> tuple[int, float]:
     return (-(-problem.m // NOMINAL_M) * -(-problem.n // NOMINAL_N),

@@ -13,7 +13,7 @@ from jax import lax
 from pallas_kernels.matmul import fp8 as dense_fp8
 from pallas_kernels.ragged_dot import fp8 as kernel
 from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig
-from wavetune_jax.core.family import Backend
+from wavetune_jax.core.family import Backend, OneConfigBackend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.qragged_dot.problem import QRaggedDotProblem
 from wavetune_jax.families.ragged_dot.routing import expected_tasks
@@ -126,30 +126,11 @@ class XlaQRaggedDotConfig:
   """XLA's ragged dot, scales after (:func:`xla_qragged_dot`)."""
 
 
-class XlaQRaggedDot(Backend):
+class XlaQRaggedDot(OneConfigBackend):
   """XLA's ragged dot on the 8-bit operands: the platform op."""
 
   name = "xla"
   config_cls = XlaQRaggedDotConfig
-  macro_fields = ()
-  micro_fields = ()
-  interpret = True
-  interpret_in_shard_map = True
-  heuristic_size_free = True
-  platform = True
-
-  def space(self, problem, hw: Hardware, *, prune: bool = True):
-    return (XlaQRaggedDotConfig(),)
-
-  def validate(self, problem, config, hw: Hardware | None = None) -> None:
-    if not isinstance(config, XlaQRaggedDotConfig):
-      raise ValueError(f"config must be an XlaQRaggedDotConfig; got {config!r}")
-
-  def heuristic(self, problem, hw: Hardware) -> XlaQRaggedDotConfig:
-    return XlaQRaggedDotConfig()
-
-  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
-    return 1
 
   def coords(self, p: QRaggedDotProblem, macro: dict) -> tuple[int, float]:
     return (-(-p.m // NOMINAL_M) * -(-p.n // NOMINAL_N), float(-(-p.k // NOMINAL_K) * p.g))

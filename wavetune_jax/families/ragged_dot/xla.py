@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from wavetune_jax.core.family import Backend
+from wavetune_jax.core.family import OneConfigBackend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.ragged_dot.problem import RaggedDotProblem
 
@@ -29,31 +29,11 @@ def _gl(m, g, n, k):
   return -(-m // NOMINAL_M) * -(-n // NOMINAL_N), -(-k // NOMINAL_K) * g
 
 
-class XlaRaggedDot(Backend):
+class XlaRaggedDot(OneConfigBackend):
   """XLA's ragged dot: the baseline, as a backend (the op's default with no table)."""
-
-  platform = True
 
   name = "xla"
   config_cls = XlaRaggedDotConfig
-  macro_fields = ()
-  micro_fields = ()
-  interpret = True
-  interpret_in_shard_map = True
-  heuristic_size_free = True
-
-  def space(self, problem, hw: Hardware, *, prune: bool = True):
-    return (XlaRaggedDotConfig(),)
-
-  def validate(self, problem, config, hw: Hardware | None = None) -> None:
-    if not isinstance(config, XlaRaggedDotConfig):
-      raise ValueError(f"config must be an XlaRaggedDotConfig; got {config!r}")
-
-  def heuristic(self, problem, hw: Hardware) -> XlaRaggedDotConfig:
-    return XlaRaggedDotConfig()
-
-  def occupancy_bound(self, problem, config, hw: Hardware) -> int:
-    return 1
 
   def coords(self, p: RaggedDotProblem, macro: dict) -> tuple[int, int]:
     return _gl(p.m, p.g, p.n, p.k)
