@@ -95,11 +95,13 @@ def problem_stats(g, r, k, n, c: Config, cm: int, hbm: float):
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--set", choices=tuple(SETS), default="issue")
-  ap.add_argument("--mode", choices=("rule", "orders", "options"), default="rule",
+  ap.add_argument("--mode", choices=("rule", "orders", "options", "epilogue"), default="rule",
                   help="rule: the Hopper rule's config before and after order 2, and "
                        "the three orders on its tile; orders: tiles x work orders (0, 1, "
                        "2) and tile pipelining; options: orders 0 and 1, then clusters, "
-                       "wgmma delay and fixed task bands on the best two")
+                       "wgmma delay and fixed task bands on the best two; epilogue: "
+                       "order 2 with the output staged whole or a slice at a time "
+                       "(out_slots), the freed shared memory given to deeper rings")
   ap.add_argument("--skew", action="store_true")
   ap.add_argument("--iterations", type=int, default=20)
   ap.add_argument("--only", default=None, help="comma-separated problem indices")
@@ -164,6 +166,7 @@ def main():
     names = ["batched", "lax.ragged_dot", "wt"]
     fns = [batched, lax_op, wt_op]
     cands = (_rule_candidates(g, r, k, n, hw) if a.mode == "rule"
+             else _epilogue_candidates(g, r, k, n, hw) if a.mode == "epilogue"
              else _candidates(g, r, k, n, hw, a.mode))
     names += [_name(c, o) for c, o in cands]
     fns += [_mosaic(c, o) for c, o in cands]
@@ -289,7 +292,19 @@ def summarize(path: str) -> dict:
     flops = 2.0 * g * r * k * n
     res = {"batched_tflops": flops / tb / 1e6, "wt": tb / t["wt"],
            "lax": tb / t.get("lax.ragged_dot", math.nan)}
-    if mode == "rule":
+    if mode == "epilogue":
+      # The rule's config, the best with the whole tile staged and the best
+      # staged a slice at a time (names ending e1, e2: deeper rings).
+      mos = {nm: us for nm, us in t.items() if nm.startswith("mosaic")}
+      whole = [us for nm, us in mos.items() if len(nm.split()) == 9]
+      sliced = [us for nm, us in mos.items() if len(nm.split()) == 10]
+      rule = min((us for nm, us in mos.items() if nm.startswith("mosaic 128x256 s3 ")
+                  and len(nm.split()) == 9), default=math.nan)
+      res["rule_e0"] = tb / rule
+      res["best_e0"] = tb / min(whole) if whole else math.nan
+      res["best_sliced"] = tb / min(sliced) if sliced else math.nan
+      res["sliced_over_e0"] = res["best_sliced"] / res["best_e0"]
+    elif mode == "rule":
       old = old_rule(g, r, k, n)
       res["old_rule"] = tb / t[_name(old, Options())] if old else res["wt"]
       res["new_rule"] = res["wt"]
@@ -299,8 +314,8 @@ def summarize(path: str) -> dict:
         res[f"best_o{o}"] = tb / min(ts) if ts else math.nan
       # Order 2 with its work items' pipelines chained (p1) over the same
       # config without (p0).
-      res["p1_over_p0"] = [t[nm[:-1] + "0"] / us for nm, us in t.items()
-                           if nm.endswith(" p1") and nm[:-1] + "0" in t]
+      res["p1_over_p0"] = [t[nm.replace(" p1", " p0")] / us for nm, us in t.items()
+                           if " p1" in nm and nm.replace(" p1", " p0") in t]
     else:
       # Each option: the best config with it over the best without it.
       mos = [(tuple(nm.split()[5:8]), us) for nm, us in t.items() if nm.startswith("mosaic")]
@@ -341,9 +356,33 @@ def summarize(path: str) -> dict:
   return out
 
 
-def _fits(c: Config, hw) -> bool:
+def _fits(c: Config, hw, out_slots: int = -1) -> bool:
   return kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
-                           itemsize=2, out_itemsize=2) <= hw.smem_per_block
+                           itemsize=2, out_itemsize=2,
+                           out_slots=out_slots) <= hw.smem_per_block
+
+
+def _epilogue_candidates(g, r, k, n, hw):
+  """Order 2 on its three tiles (those no taller than an expert's rows):
+  the output staged whole at the deepest ring that fits, then a slice at a
+  time through 2 or 1 slots at each deeper ring that fits; the rule's
+  config first."""
+  out = []
+  for bm, bn in ((128, 256), (64, 256), (256, 128)):
+    if bm > max(64, 2 ** math.ceil(math.log2(r))):
+      continue
+    whole = max(ns for ns in range(2, 9) if _fits(Config(block_m=bm, block_n=bn,
+                                                         num_stages=ns), hw, 0))
+    out.append((Config(block_m=bm, block_n=bn, num_stages=whole, grid_minor=2),
+                Options(out_slots=0)))
+    for slots in (2, 1):
+      # The same ring sliced (is slicing free?) once, then deeper rings.
+      for ns in range(whole + ((bm, bn, slots) != (128, 256, 2)), 9):
+        c = Config(block_m=bm, block_n=bn, num_stages=ns, grid_minor=2)
+        if _fits(c, hw, slots) and kernel.out_staging(bm, bn, 2, slots) < \
+            kernel.out_staging(bm, bn, 2, 0):
+          out.append((c, Options(out_slots=slots)))
+  return list(dict.fromkeys(out))
 
 
 def _candidates(g, r, k, n, hw, mode):
@@ -408,7 +447,8 @@ def _options_on(top):
 
 def _name(c: Config, o: Options) -> str:
   return (f"mosaic {c.block_m}x{c.block_n} s{c.num_stages} k{c.split_k} o{c.grid_minor} "
-          f"cl{o.cluster_m} d{o.delay_release} b{o.task_band} p{o.pipeline_tiles}")
+          f"cl{o.cluster_m} d{o.delay_release} b{o.task_band} p{o.pipeline_tiles}"
+          + (f" e{o.out_slots}" if o.out_slots > 0 else ""))
 
 
 def _parse(name: str):
@@ -417,7 +457,8 @@ def _parse(name: str):
   c = Config(block_m=bm, block_n=bn, num_stages=int(p[2][1:]), split_k=int(p[3][1:]),
              grid_minor=int(p[4][1:]))
   o = Options(cluster_m=int(p[5][2:]), delay_release=int(p[6][1:]), task_band=int(p[7][1:]),
-              pipeline_tiles=int(p[8][1:]))
+              pipeline_tiles=int(p[8][1:]), out_slots=int(p[9][1:]) if len(p) > 9 else 0)
+  # (Names without an "e" staged the whole tile: every such config fits it.)
   return c, o
 
 

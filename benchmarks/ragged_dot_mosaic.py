@@ -58,9 +58,10 @@ def problem(weights: dict, name: str, tokens: int) -> RaggedDotProblem:
   return RaggedDotProblem(m=tokens * w["top_k"], g=w["E"], k=w["K"], n=w["N"])
 
 
-def check_edges(only: str | None = None) -> int:
+def check_edges(only: str | None = None, stages_from: int = 0) -> int:
   """Mosaic configs on ragged edge cases (those whose name holds ``only``,
-  if given), row by row; returns the failures."""
+  if given; the configs of at least ``stages_from`` stages), row by row;
+  returns the failures."""
   fam = RAGGED_DOT
   configs = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
                                    grid_minor=gm)
@@ -71,7 +72,11 @@ def check_edges(only: str | None = None) -> int:
                  # Order 2 (by expert), pipelined across work items (4 K steps
                  # of 64 over K = 256, a multiple of 4 and 2 stages) or not.
                  (128, 256, 1, 2, 3), (64, 256, 1, 2, 4), (128, 128, 2, 1, 2),
-                 (128, 128, 1, 2, 2)]]
+                 (128, 128, 1, 2, 2),
+                 # The output staged a slice at a time: 2 slots (128 x 256,
+                 # 4 stages) and 1 slot (256 x 128, 4 stages).
+                 (128, 256, 1, 2, 4), (256, 128, 1, 2, 4), (128, 256, 1, 1, 4)]
+             if ns >= stages_from]
   rng = np.random.default_rng(0)
   cases = {
       "empty experts": (1000, [0, 300, 0, 250, 0, 450, 0, 0]),
@@ -181,6 +186,8 @@ def main():
   ap.add_argument("--check", action="store_true", help="the ragged edge cases first")
   ap.add_argument("--check-only", default=None, metavar="TEXT",
                   help="with --check: only the cases whose name holds TEXT")
+  ap.add_argument("--check-stages-from", type=int, default=0, metavar="S",
+                  help="check only the configs of at least S stages")
   ap.add_argument("--set", choices=("quick", "none"), default="quick")
   ap.add_argument("--skew", action="store_true", help="also a skewed router (see doc)")
   ap.add_argument("--iterations", type=int, default=10)
@@ -196,7 +203,7 @@ def main():
   fam = RAGGED_DOT
   out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": [], "skew": []}
   if a.check:
-    out["edge_failures"] = check_edges(a.check_only)
+    out["edge_failures"] = check_edges(a.check_only, a.check_stages_from)
   prof = profiler.Profiler(iterations=a.iterations)
   mosaic, triton, xla = (fam.backend(n) for n in ("mosaic", "triton", "xla"))
 

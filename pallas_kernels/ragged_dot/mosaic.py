@@ -57,7 +57,7 @@ from pallas_kernels.matmul import mosaic as gemm
 from pallas_kernels.ragged_dot import worklist
 
 __all__ = ["MosaicRaggedDotConfig", "MosaicRaggedDotOptions", "check_shapes", "ragged_dot",
-           "smem_bytes"]
+           "smem_bytes", "staging_slots"]
 
 COMPUTE_CAPABILITY = gemm.COMPUTE_CAPABILITY
 DTYPES = gemm.DTYPES
@@ -73,6 +73,8 @@ ORDERS = (0, 1, 2)
 #: most this many bytes (a third to a half of a Hopper GPU's L2), so they
 #: stay in L2 while the band walks the expert's column tiles.
 BAND_BYTES = 24 << 20
+#: Shared memory of one CTA on Hopper (227 KiB).
+SMEM_LIMIT = 232448
 NO_INTERPRET = ("the Mosaic GPU grouped GEMM has no CPU interpret mode; its correctness "
                 "is checked on a Hopper GPU (the sweep and benchmarks/ragged_dot_mosaic.py "
                 "compare every config with the float32 reference)")
@@ -144,6 +146,12 @@ class MosaicRaggedDotOptions:
       of 128 or 256 rows) holds no valid row skip its wgmmas: an expert's
       last task of a few rows costs one warpgroup's MMAs, not two. Needs
       ``delay_release`` 0.
+    out_slots: how a consumer warpgroup stages its output tile in shared
+      memory for the stores. 0: the whole tile, then its stores; ``s >= 1``:
+      one column slice (128 bytes wide) at a time through ``s`` slots, each
+      slot's stores overlapping the next slice's copy, which leaves shared
+      memory for a deeper operand ring. -1 (default): :func:`staging_slots`
+      (the whole tile where it fits next to the ring, else 2 or 1 slots).
   """
 
   cluster_m: int = 1
@@ -151,6 +159,7 @@ class MosaicRaggedDotOptions:
   task_band: int = 0
   pipeline_tiles: int = 0
   skip_idle: int = 0
+  out_slots: int = -1
 
   def __post_init__(self):
     check_ints(self)
@@ -170,16 +179,51 @@ class MosaicRaggedDotOptions:
       raise ValueError(f"MosaicRaggedDotOptions.skip_idle={self.skip_idle} must be 0 or 1")
     if self.skip_idle and self.delay_release:
       raise ValueError("MosaicRaggedDotOptions: skip_idle=1 needs delay_release=0")
+    if self.out_slots < -1:
+      raise ValueError(f"MosaicRaggedDotOptions.out_slots={self.out_slots} must be >= -1 "
+                       f"(-1: by the shared memory left, 0: the whole tile, s: s slots)")
 
 
 DEFAULT_OPTIONS = MosaicRaggedDotOptions()
 
 
 def smem_bytes(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
-               out_itemsize: int) -> int:
-  """Shared memory of one CTA: the operand ring and the output tile."""
+               out_itemsize: int, out_slots: int = -1) -> int:
+  """Shared memory of one CTA: the operand ring and the output staging (the
+  whole tile, or ``out_slots`` column slices per consumer warpgroup; -1:
+  :func:`staging_slots`)."""
   ring = num_stages * (block_m + block_n) * BLOCK_K * itemsize
-  return ring + block_m * block_n * out_itemsize + _BARRIER_BYTES
+  if out_slots == -1:
+    out_slots = staging_slots(block_m=block_m, block_n=block_n, num_stages=num_stages,
+                              itemsize=itemsize, out_itemsize=out_itemsize)
+  return ring + out_staging(block_m, block_n, out_itemsize, out_slots) + _BARRIER_BYTES
+
+
+def staging_slots(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
+                  out_itemsize: int) -> int:
+  """The output staging a config runs with by default: 0 (the whole tile)
+  where it fits next to the operand ring in :data:`SMEM_LIMIT`, else 2
+  slots, else 1. Staged a slice at a time, 128 x 256 tiles take a ring of 4
+  stages where the whole tile allowed 3: 0.99-1.08x the 3-stage ring on an
+  H100 (docs/results.md); with the same ring, slices ran 0.998-1.014x the
+  whole tile."""
+  ring = num_stages * (block_m + block_n) * BLOCK_K * itemsize + _BARRIER_BYTES
+  for slots in (0, 2, 1):
+    if ring + out_staging(block_m, block_n, out_itemsize, slots) <= SMEM_LIMIT:
+      return slots
+  return 1
+
+
+def out_staging(block_m: int, block_n: int, out_itemsize: int, out_slots: int = 0) -> int:
+  """Bytes of shared memory that stage the output tile for its stores."""
+  wm, wn = gemm.wg_tile(block_m, block_n)
+  slices = _out_slices(wn, out_itemsize)
+  return 2 * min(slices, out_slots or slices) * wm * (wn // slices) * out_itemsize
+
+
+def _out_slices(wn: int, out_itemsize: int) -> int:
+  """Column slices (one 128-byte swizzle wide) of a warpgroup's tile."""
+  return max(1, wn * out_itemsize // 128)
 
 
 def check_shapes(m: int, n: int, k: int, dtype, out_dtype, config) -> None:
@@ -288,6 +332,12 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
 
   out_swizzle = 128
   out_elems = out_swizzle // out_dtype.itemsize
+  slices = wn // out_elems
+  slots = options.out_slots
+  if slots == -1:
+    slots = staging_slots(block_m=bm, block_n=bn, num_stages=config.num_stages,
+                          itemsize=dtype.itemsize, out_itemsize=out_dtype.itemsize)
+  slots = min(slices, slots or slices)
   # One row per tile: a store may start at any row of the tile.
   out_transforms = (plgpu.TilingTransform((1, out_elems)), plgpu.SwizzleTransform(out_swizzle))
 
@@ -304,7 +354,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
             x_gmem, w_gmem.at[0]),
-        out_smem=plgpu.SMEM((2, wn // out_elems, wm, out_elems), out_dtype,
+        out_smem=plgpu.SMEM((2, slots, wm, out_elems), out_dtype,
                             transforms=out_transforms),
         collective_axes="wg",
     )
@@ -349,10 +399,22 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             # Column slices one swizzle wide (64 bf16, 32 fp32), one row per
             # tile: a store may start at any row.
-            for j in range(wn // out_elems):
-              out_smem[wg, j] = acc_ref[:, j * out_elems:(j + 1) * out_elems].astype(out_dtype)
-            plgpu.commit_smem()
-            store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0)
+            def stage(j, slot):
+              out_smem[wg, slot] = acc_ref[:, j * out_elems:(j + 1) * out_elems].astype(
+                  out_dtype)
+            if slots == slices:  # the whole tile, then its stores
+              for j in range(slices):
+                stage(j, j)
+              plgpu.commit_smem()
+              store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0)
+            else:  # a slice at a time through the slots
+              for j in range(slices):
+                if j >= slots:
+                  plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+                stage(j, j % slots)
+                plgpu.commit_smem()
+                store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0,
+                           parts=((j % slots, j),))
 
         def mma_body(idx, x_smem, w_smem, acc_ref):
           def mma():
@@ -425,23 +487,27 @@ def consumer_part(wg, ni, start, size, *, block_n: int, wg_tile: tuple[int, int]
   return wg_m, wg_n, jnp.int32(0), start, size, ni * block_n + wg * wn
 
 
-def store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0) -> None:
+def store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0, parts=None) -> None:
   """Stores rows ``[lo, lo + rows)`` of consumer ``wg``'s output tile
   ``out_smem[wg]`` (``[consumers, column slices, rows, slice width]``, one row
   per swizzle tile) to ``out_ref`` rows from ``row0 + base + lo``, columns
   from ``col0``: one TMA store per set bit of ``rows``, largest first (a row
-  count is a sum of powers of two), then one commit."""
+  count is a sum of powers of two), then one commit. ``parts``: the
+  ``(slot, column slice)`` pairs to store (default: slot ``j`` holds slice
+  ``j``, all of them)."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
   _, slices, wm, width = out_smem.shape
+  if parts is None:
+    parts = tuple((j, j) for j in range(slices))
   offset = lo
   p = wm
   while p >= 1:
     @pl.when((rows & p) != 0)
     def _store():
-      for j in range(slices):
+      for slot, j in parts:
         plgpu.copy_smem_to_gmem(
-            out_smem.at[wg, j, pl.ds(offset, p)],
+            out_smem.at[wg, slot, pl.ds(offset, p)],
             out_ref.at[pl.ds(row0 + base + offset, p), pl.ds(col0 + j * width, width)],
             commit_group=False)
     offset = offset + (rows & p)
