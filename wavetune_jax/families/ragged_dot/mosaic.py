@@ -49,6 +49,19 @@ ORDER2_TILES = ((64, 256), (128, 256), (256, 128))
 #              6 stages (out of RG6's space) on 2 by at most 0.4%
 #              (benchmarks/ragged_dot_efficiency.py --mode orders,
 #              data/probes/ragged_dot_efficiency_orders_h100.json).
+#  RG8 deeper ring: order 2 on 128 x 256 tiles also at 4 stages, which fit
+#              only with the output staged a slice at a time (RG2 and RG6
+#              count the whole tile). On an H100 it ran 0.99-1.08x the
+#              3-stage ring (geomean 1.03x) on 11 problems of 128 to 2,048
+#              rows per expert (--mode epilogue,
+#              data/probes/ragged_dot_efficiency_epilogue_h100.json).
+
+#: GPUs (``device_key`` prefixes) whose rule runs order 2 on 128 x 256 tiles
+#: with 4 stages (RG8), not 3. Over the 128-511 rows per expert of the
+#: sweeps, 4 stages over 3: 1.031x on the H100 (42 problems, 0.946-1.102x),
+#: 1.008x on the H200 (40 problems); Mixtral-8x7B's four-layer prefill on the
+#: H200 ran 0.958x at 2,048 tokens with 4 (docs/results.md). Elsewhere 3.
+DEEPER_RING = ("nvidia_h100",)
 
 
 class MosaicRaggedDot(Backend):
@@ -71,11 +84,14 @@ class MosaicRaggedDot(Backend):
     return (p.dtype in kernel.DTYPES and p.n % kernel.NK_MULTIPLE == 0
             and p.k % kernel.NK_MULTIPLE == 0)
 
-  def smem_bytes(self, p: RaggedDotProblem, c: MosaicRaggedDotConfig) -> int:
+  def smem_bytes(self, p: RaggedDotProblem, c: MosaicRaggedDotConfig,
+                 out_slots: int = -1) -> int:
+    """Shared memory of ``c`` with the kernel's output staging (``out_slots``
+    -1, the default: as it runs; 0: the whole tile)."""
     return kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
                              itemsize=p.itemsize,
                              out_itemsize=4 if c.split_k > 1 else
-                             jnp.dtype(p.out_dtype).itemsize)
+                             jnp.dtype(p.out_dtype).itemsize, out_slots=out_slots)
 
   def space(self, p: RaggedDotProblem, hw: Hardware, *, prune: bool = True):
     if not self.runs_shape(p):
@@ -99,10 +115,15 @@ class MosaicRaggedDot(Backend):
         continue  # RG7
       fits = [ns for ns in STAGES
               if self.smem_bytes(p, MosaicRaggedDotConfig(
-                  block_m=bm, block_n=bn, num_stages=ns, split_k=sk)) <= hw.smem_per_block]
+                  block_m=bm, block_n=bn, num_stages=ns, split_k=sk),
+                  0 if prune else -1) <= hw.smem_per_block]
       if not fits:
         continue  # RG2
       stages = [max(s for s in fits if s <= 4)] if prune and min(fits) <= 4 else fits
+      if prune and gm == 2 and (bm, bn) == (128, 256) and 4 not in stages:
+        c4 = MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=4, split_k=sk)
+        if self.smem_bytes(p, c4) <= hw.smem_per_block:
+          stages = stages + [4]  # RG8
       for ns in stages:  # RG6
         out.append(MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
                                          grid_minor=gm))
@@ -146,8 +167,8 @@ class MosaicRaggedDot(Backend):
     rows ran 1.01 / 1.04 / 1.09x faster with the rule's 64 x 256 tiles on the
     H100 and 1.01 / 1.08 / 1.12x on the H200. Elsewhere the Mosaic kernel: it reads only the
     experts that have rows, and XLA's ragged dot slows down with many
-    experts (Arctic's 128: 8.1x). ``r > 64``: 128 x 256 tiles, 3 stages,
-    walked expert by expert (``grid_minor`` 2: an expert's tasks read each
+    experts (Arctic's 128: 8.1x). ``r > 64``: 128 x 256 tiles, 3 stages
+    (4 on the H100, :data:`DEEPER_RING`), walked expert by expert (``grid_minor`` 2: an expert's tasks read each
     weight tile together, their rows stay in L2). On an H100
     (``benchmarks/ragged_dot_efficiency.py``, uniform routing, 7 problems
     of 192 to 2,048 rows per expert) it ran at 0.89-1.00 of cuBLAS's
@@ -183,7 +204,9 @@ class MosaicRaggedDot(Backend):
     if p.g < 16 and likely_all_busy and r < 32 and p.n > p.k:
       return None
     if r > 64:
-      c = MosaicRaggedDotConfig(block_m=128, block_n=256, num_stages=3, grid_minor=2)
+      deeper = hw.device_key.startswith(DEEPER_RING)
+      c = MosaicRaggedDotConfig(block_m=128, block_n=256, num_stages=4 if deeper else 3,
+                                grid_minor=2)
     elif r >= 56:  # measured at 64 (this wins) and 48-50 (64 x 256 wins by 1-6%)
       # Tasks first where the weight has more than 16 column tiles, as above.
       order = 0 if _cdiv(p.n, 128) > 16 else 1
