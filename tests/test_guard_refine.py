@@ -137,12 +137,14 @@ def test_guard_follows_the_tables_evidence():
 
 @pytest.mark.parametrize("m,g,trusted", [(131072, 64, "any"), (4096, 64, "any"), (1, 16, "any"),
                                            (8, 16, "any"), (9, 16, "rule"), (16, 16, "rule"),
-                                           (17, 16, None), (3000, 60, None), (4095, 64, None)])
+                                           (17, 16, None), (3000, 60, None), (4095, 64, "any"),
+                                           (128, 64, "any"), (100, 128, "any"), (127, 32, None)])
 def test_grouped_gemm_past_the_evidence_trusts_the_kernel_over_the_dense_ragged_dot(
     m, g, trusted, monkeypatch):
-  """From 64 rows per expert, and at most one row for two experts, XLA's
-  dense ragged dot (cuDNN < 9.22) lost to every Mosaic config of both
-  GPUs' sweeps, and at one row per expert or fewer to the rule's config:
+  """From 64 rows per expert, at most one row for two experts, and with 64
+  experts or more, XLA's dense ragged dot (cuDNN < 9.22) lost to every
+  Mosaic config of both GPUs' sweeps, and at one row per expert or fewer to
+  the rule's config:
   without evidence the guard keeps the kernel there ("any" config, or the
   "rule"'s). With cuDNN 9.22 (XLA's grouped GEMM) or no cuDNN version,
   evidence decides."""

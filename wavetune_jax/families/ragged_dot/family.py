@@ -79,6 +79,9 @@ class RaggedDotFamily(Family):
   #: without table evidence (:meth:`trusted_without_evidence`; also at most
   #: one row for two experts).
   TRUSTED_ROWS_PER_EXPERT = 64
+  #: Experts from which any Mosaic config replaces XLA's dense ragged dot
+  #: without table evidence, at any rows (:meth:`trusted_without_evidence`).
+  TRUSTED_EXPERTS = 64
   #: The cuDNN from which XLA lowers ``lax.ragged_dot`` to cuDNN's grouped
   #: GEMM instead of its dense form (openxla/xla PR 42313).
   CUDNN_GROUPED_GEMM = (9, 22)
@@ -91,8 +94,10 @@ class RaggedDotFamily(Family):
     problem has 64 rows or more per expert (``m >= 64 * g``: the dense form
     does ``g`` times the FLOPs) or at most one row for two experts (``2 * m
     <= g``: the kernel reads the weights of at most ``m`` experts, the dense
-    form all ``g``), or the rule's own config at one row per expert or fewer
-    (``m <= g``; given ``hw``). Past the sizes a table measured the guard would
+    form all ``g``), or 64 experts or more (``g >= 64``: the dense form
+    reads or multiplies every row with 64 weights or more), or the rule's
+    own config at one row per expert or fewer (``m <= g``; given ``hw``).
+    Past the sizes a table measured the guard would
     otherwise keep XLA's op there: up to 88x slower at OLMoE's w13 with
     131,072 rows, and 12x at one row of 16 experts, held out. In the sweeps
     of both GPUs every Mosaic config measured there beat XLA's op: from 64
@@ -100,7 +105,10 @@ class RaggedDotFamily(Family):
     1.26x) and 1,603 over 97 on the H200 (1.89x); at most one row for two
     experts 93 configs over 20 problems (1.80x) and 85 over 18 (1.40x); at
     one row per expert or fewer the rule's config on 28 and 26 problems
-    (1.40x and 1.20x; other configs there lost, down to 0.94x);
+    (1.40x and 1.20x; other configs there lost, down to 0.94x); with 64
+    experts or more 521 configs over 53 problems (1.22x) and 485 over 48
+    (1.13x), where with 8 or 16 experts and 2 to 8 rows each some configs
+    and the rule lost (0.86-0.99x);
     docs/results.md, "The guard past the sweeps' sizes". A cuDNN that cannot
     be read, or 9.22 and newer, needs evidence.
     """
@@ -109,6 +117,7 @@ class RaggedDotFamily(Family):
     from wavetune_jax.families.ragged_dot.xla import XlaRaggedDotConfig
     if not (isinstance(config, MosaicRaggedDotConfig) and isinstance(platform, XlaRaggedDotConfig)
             and (problem.m >= self.TRUSTED_ROWS_PER_EXPERT * problem.g
+                 or problem.g >= self.TRUSTED_EXPERTS
                  or 2 * problem.m <= problem.g
                  or (problem.m <= problem.g and hw is not None
                      and config == self.heuristic(problem, hw)))):
