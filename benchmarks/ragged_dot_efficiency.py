@@ -17,17 +17,21 @@ candidate checked against the float32 reference first:
   clusters with the weight multicast, one wgmma in flight, task bands;
 * the row tasks, column tiles, waves and tail rows of the best config, and
   the time floors of its FLOPs (989 TFLOP/s) and bytes (HBM);
+* ``--mode epilogue``: order 2 with the output tile staged whole, then a
+  column slice at a time through 2 or 1 slots with the shared memory freed
+  given to deeper rings;
 * ``--skew``: under a skewed router, the kernel against the batched GEMM
   padded to the largest group.
 
     python3 benchmarks/ragged_dot_efficiency.py [--set issue|suite|all|quick]
-        [--mode rule|orders|options] [--skew] [--json out.json]
+        [--mode rule|orders|options|epilogue] [--skew] [--json out.json]
     python3 benchmarks/ragged_dot_efficiency.py --summarize out.json   # CPU
 
 ``--summarize`` reads a run's rows (no GPU) and prints, per problem, the
 batched GEMM's TFLOP/s, the speed over it of the rule's config before and
 after order 2 (``rule`` runs) or of the best config of each order
-(``orders`` runs) or with and without each option (``options`` runs), the
+(``orders`` runs) or with and without each option (``options`` runs) or
+the best sliced staging over the best whole one (``epilogue`` runs), the
 work list's share of the op's time, and under ``--skew`` each config
 against the padded batched GEMM.
 """
