@@ -45,10 +45,11 @@ def _owner(sizes, m):
 
 def test_work_list_covers_every_row_once():
   # One compiled work list per (M, G, block_m), with 4 draws of group sizes
-  # each: run op by op, 150 shapes left thousands of small executables (1.6 GB).
+  # each (24 shapes): run op by op, 150 shapes left thousands of small
+  # executables (1.6 GB).
   work_list = jax.jit(row_tasks, static_argnums=(1, 2))
   rng = np.random.default_rng(0)
-  for trial in range(160):
+  for trial in range(96):
     if trial % 4 == 0:
       m = int(rng.integers(1, 300))
       g = int(rng.integers(1, 12))
@@ -166,7 +167,7 @@ def test_mosaic_configs_lower_for_cuda(m, g, k, n, out):
   p = RaggedDotProblem(m=m, g=g, k=k, n=n, out_dtype=out)
   space = MOSAIC.space(p, H100, prune=False)
   assert space
-  for c in space[:: max(1, len(space) // 5)]:
+  for c in space[:: max(1, len(space) // 3)]:
     MOSAIC.validate(p, c, H100)
     _lower(p, c)
 
