@@ -461,8 +461,9 @@ def _parse(name: str):
   c = Config(block_m=bm, block_n=bn, num_stages=int(p[2][1:]), split_k=int(p[3][1:]),
              grid_minor=int(p[4][1:]))
   o = Options(cluster_m=int(p[5][2:]), delay_release=int(p[6][1:]), task_band=int(p[7][1:]),
-              pipeline_tiles=int(p[8][1:]), out_slots=int(p[9][1:]) if len(p) > 9 else 0)
-  # (Names without an "e" staged the whole tile: every such config fits it.)
+              pipeline_tiles=int(p[8][1:]), out_slots=int(p[9][1:]) if len(p) > 9 else -1)
+  # (A name without an "e" runs the kernel's default staging: the whole tile
+  # where it fits, as every config of the runs recorded before slices did.)
   return c, o
 
 

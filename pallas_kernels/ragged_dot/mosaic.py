@@ -150,8 +150,9 @@ class MosaicRaggedDotOptions:
       memory for the stores. 0: the whole tile, then its stores; ``s >= 1``:
       one column slice (128 bytes wide) at a time through ``s`` slots, each
       slot's stores overlapping the next slice's copy, which leaves shared
-      memory for a deeper operand ring. -1 (default): :func:`staging_slots`
-      (the whole tile where it fits next to the ring, else 2 or 1 slots).
+      memory for a deeper operand ring (as many slots as slices, or more,
+      is the whole tile). -1 (default): :func:`staging_slots` (the whole
+      tile where it fits next to the ring, else 2 or 1 slots).
   """
 
   cluster_m: int = 1
@@ -205,7 +206,7 @@ def staging_slots(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
   where it fits next to the operand ring in :data:`SMEM_LIMIT`, else 2
   slots, else 1. Staged a slice at a time, 128 x 256 tiles take a ring of 4
   stages where the whole tile allowed 3: 0.99-1.08x the 3-stage ring on an
-  H100 (docs/results.md); with the same ring, slices ran 0.998-1.014x the
+  H100 (docs/results.md); with the same ring, slices ran 0.995-1.014x the
   whole tile."""
   ring = num_stages * (block_m + block_n) * BLOCK_K * itemsize + _BARRIER_BYTES
   for slots in (0, 2, 1):
@@ -215,7 +216,12 @@ def staging_slots(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
 
 
 def out_staging(block_m: int, block_n: int, out_itemsize: int, out_slots: int = 0) -> int:
-  """Bytes of shared memory that stage the output tile for its stores."""
+  """Bytes of shared memory that stage the output tile for its stores
+  (``out_slots`` 0: the whole tile; ``s >= 1``: ``s`` column slices per
+  consumer warpgroup; -1 is resolved by :func:`smem_bytes`)."""
+  if out_slots < 0:
+    raise ValueError(f"out_staging needs out_slots >= 0 (resolve -1 with staging_slots); "
+                     f"got {out_slots}")
   wm, wn = gemm.wg_tile(block_m, block_n)
   slices = _out_slices(wn, out_itemsize)
   return 2 * min(slices, out_slots or slices) * wm * (wn // slices) * out_itemsize

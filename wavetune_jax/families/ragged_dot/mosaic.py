@@ -33,7 +33,9 @@ ORDER2_TILES = ((64, 256), (128, 256), (256, 128))
 
 # The space (see MosaicRaggedDot.space), on compute capability 9.0 only:
 #  RG1 shape:  bfloat16/float16 inputs, N and K multiples of 64.
-#  RG2 smem:   the operand ring and the output tile fit the shared memory.
+#  RG2 smem:   the operand ring and the whole output tile fit the shared
+#              memory (the unpruned space: the output as the kernel stages
+#              it, a slice at a time where the whole tile does not fit).
 #  RG3 size:   block_m <= max(64, next_pow2(rows per expert)) under balanced
 #              routing: taller tasks load rows of other experts.
 #  RG4 split:  split_k > 1 only while the expected tasks x column tiles
@@ -60,8 +62,9 @@ ORDER2_TILES = ((64, 256), (128, 256), (256, 128))
 #: with 4 stages (RG8), not 3. Over the 128-511 rows per expert of the
 #: sweeps, 4 stages over 3: 1.031x on the H100 (42 problems, 0.946-1.102x),
 #: 1.008x on the H200 (40 problems); Mixtral-8x7B's four-layer prefill on the
-#: H200 ran 0.958x at 2,048 tokens with 4 (docs/results.md). Elsewhere 3.
-DEEPER_RING = ("nvidia_h100",)
+#: H200 ran 0.958x at 2,048 tokens with 4 (docs/results.md). Elsewhere 3,
+#: including the H100's PCIe and NVL forms, never measured.
+DEEPER_RING = ("nvidia_h100_80gb_hbm3",)
 
 
 class MosaicRaggedDot(Backend):
@@ -218,7 +221,13 @@ class MosaicRaggedDot(Backend):
       work = int(expected_tasks(p.m, p.g, 64)) * _cdiv(p.n, 256)
       sk = next((s for s in (4, 2) if work * s <= hw.num_sms and k_steps(p.k, s) >= 16), 1)
       c = MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4, split_k=sk, grid_minor=1)
-    while self.smem_bytes(p, c) > hw.smem_per_block and c.num_stages > 2:
+    # The ring is sized with the whole output tile staged (the sweeps' fp16
+    # and bf16 outputs; a float32 output then takes fewer stages, as it
+    # always did), except the H100's 4-stage ring for 16-bit outputs (RG8).
+    rg8 = (deeper and c.num_stages == 4 and c.grid_minor == 2
+           and jnp.dtype(p.out_dtype).itemsize == 2) if r > 64 else False
+    while (self.smem_bytes(p, c, -1 if rg8 else 0) > hw.smem_per_block
+           and c.num_stages > 2):
       c = dataclasses.replace(c, num_stages=c.num_stages - 1)
     return c
 
