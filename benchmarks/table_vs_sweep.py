@@ -45,6 +45,9 @@ def main(argv=None):
                        "faster of it and lax.ragged_dot, what a well-built grouped GEMM "
                        "gets) by rows per expert, and each problem of >= 128 rows per "
                        "expert below 0.95x the batched GEMM")
+  ap.add_argument("--trusted", action="store_true",
+                  help="grouped GEMM: the Mosaic configs of the sweep where the guard trusts "
+                       "the kernel without evidence, and the slowest against XLA, per region")
   eval_cli.add_margin_arg(ap)
   a = ap.parse_args(argv)
   if a.heuristic == (a.table is not None):
@@ -116,30 +119,70 @@ def main(argv=None):
           f"oracle {_geo([b for _, b in v]):.2f}x")
   if a.vs_batched:
     _vs_batched(ds, chosen, chosen_cfg, a.sweep)
+  if a.trusted:
+    if spec.name != "ragged_dot":
+      raise SystemExit("table_vs_sweep.py: --trusted is for the ragged_dot family")
+    _trusted_regions(ds)
 
 
 def _order2_over_before(ds) -> None:
-  """The Hopper rule's config (128 x 256, 3 stages) walked expert by expert
-  (order 2) over the same config with the orders the rule used before
+  """Two changes of the Hopper rule's config, above 64 rows per expert, by
+  rows per expert: order 2 (by expert) over the orders the rule used before
   (order 0 from 128 rows per expert where the weight has more than 16
-  column tiles of 256, else 1), above 64 rows per expert."""
+  column tiles of 256, else 1), both 128 x 256 with 3 stages; and 4 stages
+  (the output staged a slice at a time, RG8) over 3, both order 2."""
   from wavetune_jax import MosaicRaggedDotConfig as C
-  by = collections.defaultdict(list)
-  for p in ds.problems:
-    r = p.m / min(p.g, p.m)
-    if r <= 64:
-      continue
-    old = C(block_m=128, block_n=256, num_stages=3,
-            grid_minor=0 if r >= 128 and -(-p.n // 256) > 16 else 1)
-    new = C(block_m=128, block_n=256, num_stages=3, grid_minor=2)
-    t = ds.times[p]
-    if old in t and new in t:
-      by["65-127" if r < 128 else "128-511" if r < 512 else ">= 512"].append(t[old] / t[new])
-  every = [x for v in by.values() for x in v]
-  if every:
-    print(f"order 2 over the earlier orders (128 x 256, 3 stages), {len(every)} problems: "
-          f"{_geo(every):.3f}x ({min(every):.3f}-{max(every):.3f}); by rows per expert "
-          + ", ".join(f"{k} {_geo(v):.3f}x over {len(v)}" for k, v in sorted(by.items())))
+
+  def old_order(p, r):
+    return C(block_m=128, block_n=256, num_stages=3,
+             grid_minor=0 if r >= 128 and -(-p.n // 256) > 16 else 1)
+
+  for label, old, new in (
+      ("order 2 over the earlier orders (128 x 256, 3 stages)", old_order,
+       lambda p, r: C(block_m=128, block_n=256, num_stages=3, grid_minor=2)),
+      ("4 stages over 3 (128 x 256, order 2)",
+       lambda p, r: C(block_m=128, block_n=256, num_stages=3, grid_minor=2),
+       lambda p, r: C(block_m=128, block_n=256, num_stages=4, grid_minor=2))):
+    by = collections.defaultdict(list)
+    for p in ds.problems:
+      r = p.m / min(p.g, p.m)
+      t = ds.times[p]
+      if r > 64 and old(p, r) in t and new(p, r) in t:
+        by["65-127" if r < 128 else "128-511" if r < 512 else ">= 512"].append(
+            t[old(p, r)] / t[new(p, r)])
+    every = [x for v in by.values() for x in v]
+    if every:
+      print(f"{label}, {len(every)} problems: {_geo(every):.3f}x ({min(every):.3f}-"
+            f"{max(every):.3f}); by rows per expert "
+            + ", ".join(f"{k} {_geo(v):.3f}x over {len(v)}" for k, v in sorted(by.items())))
+
+
+def _trusted_regions(ds) -> None:
+  """Where the guard trusts a Mosaic config over XLA's dense ragged dot
+  without evidence (``RaggedDotFamily.trusted_without_evidence``, the
+  sweep's cuDNN): per region, the Mosaic configs of the sweep there and the
+  slowest of them against the sweep's XLA row (the regions overlap)."""
+  from wavetune_jax.families.ragged_dot.mosaic import MosaicRaggedDotConfig
+  from wavetune_jax.families.ragged_dot.xla import XlaRaggedDotConfig
+  spec, hw = ds.family, ds.hw
+  regions = (("from 64 rows per expert", lambda p: p.m >= 64 * p.g),
+             ("with 64 experts or more", lambda p: p.g >= 64),
+             ("at most one row for two experts", lambda p: 2 * p.m <= p.g),
+             ("one row per expert or fewer, the rule's config", lambda p: p.m <= p.g))
+  versions = evaluate.platform_versions(ds.header)
+  for label, where in regions:
+    speeds, probs = [], 0
+    for p in ds.problems:
+      if not where(p) or p not in ds.baseline:
+        continue
+      rule = label.endswith("the rule's config")
+      ts = [t for c, t in ds.times[p].items() if isinstance(c, MosaicRaggedDotConfig)
+            and (not rule or c == spec.heuristic(p, hw))
+            and spec.trusted_without_evidence(p, c, XlaRaggedDotConfig(), hw, versions)]
+      probs += bool(ts)
+      speeds += [ds.baseline[p] / t for t in ts]
+    print(f"trusted {label}: {len(speeds)} Mosaic configs over {probs} problems, the slowest "
+          f"{min(speeds, default=math.nan):.2f}x XLA")
 
 
 #: Rows per expert (balanced routing) of --vs-batched's groups.

@@ -536,6 +536,34 @@ def test_efficiency_runs_on_record_reproduce_the_docs(capsys):
   assert "rule run, 8 problems" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("gpu,lines", [
+    ("nvidia_h100_80gb_hbm3", (
+        "4 stages over 3 (128 x 256, order 2), 91 problems: 1.016x (0.946-1.102); by rows per "
+        "expert 128-511 1.031x over 42, 65-127 0.999x over 8, >= 512 1.005x over 41",
+        "trusted with 64 experts or more: 521 Mosaic configs over 53 problems, the slowest 1.22x",
+        "trusted from 64 rows per expert: 1750 Mosaic configs over 100 problems, the slowest "
+        "1.26x")),
+    ("nvidia_h200", (
+        "4 stages over 3 (128 x 256, order 2), 87 problems: 1.006x (0.959-1.064); by rows per "
+        "expert 128-511 1.008x over 40, 65-127 1.012x over 8, >= 512 1.003x over 39",
+        "trusted with 64 experts or more: 485 Mosaic configs over 48 problems, the slowest 1.13x",
+        "trusted one row per expert or fewer, the rule's config: 26 Mosaic configs over 26")),
+])
+def test_deeper_ring_and_trusted_regions_on_the_sweeps(capsys, gpu, lines):
+  """docs/results.md's 4-over-3-stage gains and the guard's regions come
+  from ``table_vs_sweep.py --vs-batched --trusted`` on the sweeps on record."""
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    _load_benchmark("table_vs_sweep").main([
+        str(root / f"data/sweeps/{gpu}/ragged_dot_bfloat16.jsonl.gz"),
+        str(root / f"tables/{gpu}/ragged_dot.json"), "--vs-batched", "--trusted"])
+  out = capsys.readouterr().out
+  for line in lines:
+    assert line in out
+
+
 def test_epilogue_runs_on_record_reproduce_the_docs(capsys):
   """docs/results.md's deeper-ring numbers: ``ragged_dot_efficiency.py
   --mode epilogue`` on an H100, before the rule took 4 stages and after."""

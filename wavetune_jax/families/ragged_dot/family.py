@@ -109,7 +109,9 @@ class RaggedDotFamily(Family):
     experts or more 521 configs over 53 problems (1.22x) and 485 over 48
     (1.13x), where with 8 or 16 experts and 2 to 8 rows each some configs
     and the rule lost (0.86-0.99x);
-    docs/results.md, "The guard past the sweeps' sizes". A cuDNN that cannot
+    docs/results.md, "The guard past the sweeps' sizes" (``python3
+    benchmarks/table_vs_sweep.py <sweep> <table> --trusted`` counts them on
+    the sweeps as they are now). A cuDNN that cannot
     be read, or 9.22 and newer, needs evidence.
     """
     from wavetune_jax.core import versions as versions_lib
