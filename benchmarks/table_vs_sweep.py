@@ -82,6 +82,7 @@ def main(argv=None):
   print(f"speed vs {spec.baseline_name} {_geo(xla):.3f}x (min {min(xla, default=math.nan):.3f}x), "
         f"vs fixed default {_geo(dflt):.3f}x")
   print(f"answered by: {dict(src)}")
+  _by_window(ds, eff, chosen_us)
   if a.min_size is not None:
     big = [ds.baseline[p] / t for p, t in zip(ds.problems, chosen_us)
            if p in ds.baseline and spec.size_of(p) >= a.min_size]
@@ -123,6 +124,25 @@ def main(argv=None):
     if spec.name != "ragged_dot":
       raise SystemExit("table_vs_sweep.py: --trusted is for the ragged_dot family")
     _trusted_regions(ds)
+
+
+def _by_window(ds, eff, chosen_us) -> None:
+  """Attention and decode sweeps with windows (``wavetune sweep --windows``):
+  the efficiency and the speed against the baseline per window size."""
+  groups = collections.defaultdict(list)
+  for p, e, t in zip(ds.problems, eff, chosen_us):
+    if getattr(p, "windowed", False):
+      key = f"window {p.window_left + 1}" if p.window_right in (-1, 0) else str(p.window)
+      groups[key].append((e, ds.baseline.get(p, math.nan) / t))
+    elif hasattr(p, "windowed"):
+      groups["no window"].append((e, ds.baseline.get(p, math.nan) / t))
+  if len(groups) < 2:
+    return
+  print("by window: efficiency geomean (min); speed vs the baseline geomean (min): " + "; ".join(
+      f"{k}: {_geo([e for e, _ in v]):.3f} ({min(e for e, _ in v):.3f}); "
+      f"{_geo([x for _, x in v]):.2f}x ({min(x for _, x in v):.2f}x), {len(v)} problems"
+      for k, v in sorted(groups.items(), key=lambda kv: (kv[0] != "no window",
+                                                         len(kv[0]), kv[0]))))
 
 
 def _order2_over_before(ds) -> None:

@@ -154,6 +154,22 @@ def test_spec_space_mapping_and_shipped_table():
                                              causal=False), AttentionConfig(block_q=128, block_k=64))
   assert (g2, l2) == (g, 47.0)
   assert ATTENTION.with_size(p, 512).kv_len == 512
+  # A window: the KV blocks from the first row's first key to the diagonal,
+  # counted against every block a row of the query block sees.
+  w = AttentionProblem(batch=2, q_heads=32, kv_heads=8, q_len=3000, head_dim=128,
+                       window_left=511, window_right=0)
+  bq, bk = 128, 64
+  _, lw = ATTENTION.coords(w, AttentionConfig(block_q=bq, block_k=bk))
+  visits = []
+  for start in range(0, 3000, bq):
+    start = min(start, 3000 - bq)  # the last program ends at the last row
+    keys = {j // bk for i in range(start, start + bq) for j in range(max(0, i - 511), i + 1)}
+    visits.append(max(keys) - min(keys) + 1)
+  assert lw == pytest.approx(np.mean(visits))
+  assert lw < 10 < l
+  # XLA's attention writes every score: its (G, L) ignores the window.
+  xla = ATTENTION.backend("xla")
+  assert xla.coords(w, {}) == xla.coords(p, {})
   with selector.policy("tables"):
     sel = selector.select(ATTENTION, p, H200)
   assert sel.source in ("exact", "model", "heuristic")

@@ -238,7 +238,24 @@ def test_selector_offers_only_backends_that_run_the_options(kw, backend):
   if kw:
     assert not DECODE.backend("triton").space(p, H100)
     assert not DECODE.backend("cudnn").space(p, H100)
-    assert not DECODE.modelled(p)
+    # A window is modelled (its (G, L) counts the window's blocks); soft caps
+    # and sinks are not (no sweep measures them).
+    assert DECODE.modelled(p) == (not (p.soft_cap or p.sinks))
+
+
+def test_mosaic_coords_count_the_windows_keys():
+  mosaic = DECODE.backend("mosaic")
+  cfg = kernel.MosaicDecodeConfig(block_k=64, num_stages=2, num_splits=4)
+  g, l = mosaic.coords(_problem(), {"block_k": 64, "num_splits": 4})
+  gw, lw = mosaic.coords(_problem(window_left=1023), {"block_k": 64, "num_splits": 4})
+  assert g == gw == 8 * 8 * 4
+  assert l == 32768 // 4 // 64
+  # 1,024 keys of the window and up to one block before it, in 4 chunks.
+  assert lw == 5
+  # XLA's attention masks the whole cache: its L does not follow the window.
+  xla = DECODE.backend("xla")
+  assert xla.coords(_problem(window_left=1023), {}) == xla.coords(_problem(), {})
+  assert mosaic.validate(_problem(window_left=1023), cfg, H100) is None
 
 
 def test_splits_follow_the_window_not_the_cache():
@@ -313,7 +330,7 @@ def test_fixed_policy_and_the_reference_take_one_sided_windows():
       1, 32, 4, 32)
 
 
-def test_suite_windows_and_the_fit_leaves_option_problems_out():
+def test_suite_windows_and_the_fit_leaves_soft_caps_and_sinks_out():
   import argparse
 
   from wavetune_jax.cli import sweep
@@ -327,12 +344,11 @@ def test_suite_windows_and_the_fit_leaves_option_problems_out():
   assert len(probs) - len(local) == len([p for p in probs if p.plain])
   with pytest.raises(ValueError, match="no sliding windows"):
     sweep.problems(wt.MATMUL, ns)
-  # Measurements of windowed problems fit no wave model (their (G, L) is the
-  # whole cache's); plain ones do.
+  # Windowed problems fit wave models (their (G, L) counts the window's
+  # keys); soft-capped ones and those with sinks do not.
   c = kernel.MosaicDecodeConfig(block_k=64, num_stages=2, num_splits=1)
-  pts = [(DecodeProblem(batch=b, q_heads=32, kv_heads=8, kv_len=4096, window_left=511), c,
-          10.0 + b) for b in (1, 2, 4, 8)]
-  assert fit_entries(DECODE, H100, pts) == {}
-  plain = [(DecodeProblem(batch=b, q_heads=32, kv_heads=8, kv_len=4096), c, 10.0 + b)
+  for kw, fits in ((dict(window_left=511), True), (dict(soft_cap=30.0), False),
+                   (dict(sinks=True), False), ({}, True)):
+    pts = [(DecodeProblem(batch=b, q_heads=32, kv_heads=8, kv_len=4096, **kw), c, 10.0 + b)
            for b in (1, 2, 4, 8)]
-  assert fit_entries(DECODE, H100, plain)
+    assert bool(fit_entries(DECODE, H100, pts)) == fits, kw

@@ -247,3 +247,19 @@ def test_problems_of_a_file_and_a_resumed_run_in_its_header(tmp_path):
   head, rows = sweep.read_sweep(path, strict=True)
   assert [e["command"] for e in head["resumed"]] == ["wavetune sweep (resumed)"]
   assert len(rows) == again.n_rows
+
+
+def test_a_baseline_the_family_does_not_time_leaves_no_config_missing():
+  # Attention's XLA config is measured by its baseline_xla row, which the
+  # sweeps leave out where XLA's float32 score matrix would not fit: there
+  # the problem is whole without it.
+  from wavetune_jax import ATTENTION, AttentionProblem, get_hardware
+  h100 = get_hardware("h100")
+  small = AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=4096, head_dim=128)
+  big = AttentionProblem(batch=8, q_heads=8, kv_heads=1, q_len=16384, head_dim=128,
+                         window_left=127, window_right=0)
+  names = lambda p: {ATTENTION.backend_of(c).name for c in sweep.swept_space(ATTENTION, p, h100)}
+  assert "xla" in names(small) and "xla" not in names(big)
+  assert "xla" in {ATTENTION.backend_of(c).name for c in ATTENTION.space(big, h100)}
+  assert names(big) - {"xla"} == {ATTENTION.backend_of(c).name
+                                  for c in ATTENTION.space(big, h100)} - {"xla"}

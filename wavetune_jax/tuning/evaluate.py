@@ -112,7 +112,7 @@ def load_dataset(path: str) -> Dataset:
   partial = {p: n for p in list(times)
              if (n := sum(c not in times[p] and c not in failed[p]
                           and _values(spec, c) <= seen
-                          for c in spec.space(p, hw)))}
+                          for c in sweep.swept_space(spec, p, hw)))}
   if partial:
     warnings.warn(
         f"{path}: {len(partial)} problem(s) swept only in part are left out ("

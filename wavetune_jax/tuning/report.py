@@ -84,7 +84,7 @@ def summarize(header: dict, rows: list[dict]) -> tuple[list[ProblemSummary], dic
         rel_spread=statistics.median(r["spread_us"] / r["median_us"] for r in ok)
         if ok else None,
         wall_s=sum(walls) if walls else None,
-        n_missing=sum(c not in seen for c in spec.space(p, hw)),
+        n_missing=sum(c not in seen for c in sweep.swept_space(spec, p, hw)),
         backend_us=_best_by_backend(spec, times)))
   facts = {"failures": dict(failures), "first_errors": errors,
            "repeat_median_rel_diff": statistics.median(repeat_diffs) if repeat_diffs else None,

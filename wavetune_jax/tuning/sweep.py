@@ -402,6 +402,24 @@ def sweep_configs(spec, problem, hw, *, prune: bool = True) -> list:
   return [c for c in configs if spec.backend_of(c).recorded_as is None]
 
 
+def swept_space(spec, problem, hw) -> list:
+  """The configs of ``problem``'s space a complete sweep has a row of: a
+  backend measured by a baseline row (``Backend.recorded_as``) counts only
+  where the family times that baseline (attention's XLA, not where its
+  score matrix would not fit)."""
+  from wavetune_jax.tuning.measure import baseline_impls
+  impls = None
+  out = []
+  for c in spec.space(problem, hw):
+    rec = spec.backend_of(c).recorded_as
+    if rec is not None:
+      impls = baseline_impls(spec, problem) if impls is None else impls
+      if rec not in impls:
+        continue
+    out.append(c)
+  return out
+
+
 def with_recorded_backends(family, hw, rows: Sequence[dict]) -> list[dict]:
   """``rows`` plus a config row for each baseline row that measured a
   backend's one config (``Backend.recorded_as``: the same call, timed the

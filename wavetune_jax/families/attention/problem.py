@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention.common import MAX_HEAD_DIM, check_align
-from pallas_kernels.attention.triton import kv_blocks
+from pallas_kernels.attention.triton import q_block_start
 from wavetune_jax.core.family import Problem
 
 __all__ = ["AttentionProblem", "DTYPES", "OPTION_DEFAULTS", "OptionFields", "coords", "next_pow2"]
@@ -182,20 +182,36 @@ CAUSAL_L = "mean"
 def coords(problem: AttentionProblem, block_q: int, block_k: int,
            causal_l: str = CAUSAL_L) -> tuple[int, float]:
   """``G = batch * q_heads * ceil(q_len / block_q)``; ``L`` = KV blocks per
-  program, the mean over query blocks under a causal mask (the kernels run
-  the longest programs first, so the waves even out)."""
+  program, the mean over query blocks under a causal mask or a window (the
+  kernels run the longest programs first, so the waves even out). Under a
+  window a program visits the blocks from the one that holds its first
+  row's first key to the one of its last row's last key: every kernel that
+  runs windows skips the others (the Mosaic kernel, cuDNN's sliding window)."""
   p = problem
   n_q = -(-p.q_len // block_q)
   g = p.batch * p.q_heads * n_q
-  if not p.causal:
+  if not (p.causal or p.windowed):
     return g, float(-(-p.kv_len // block_k))
-  return g, _causal_l(p.q_len, p.kv_len, block_q, block_k, causal_l)
+  return g, _visited_l(p.q_len, p.kv_len, block_q, block_k, p.causal, p.window_left,
+                       p.window_right, causal_l)
 
 
 @functools.lru_cache(maxsize=4096)
-def _causal_l(q_len: int, kv_len: int, block_q: int, block_k: int, causal_l: str) -> float:
-  """KV blocks per program under a causal mask (cached: a decision asks for
-  the same block pairs of many configs)."""
-  _, total = kv_blocks(np.arange(-(-q_len // block_q)), q_len=q_len, kv_len=kv_len,
-                       block_q=block_q, block_k=block_k, causal=True)
+def _visited_l(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool,
+               left: int, right: int, causal_l: str) -> float:
+  """KV blocks per program under a causal mask and a window ``(left,
+  right)`` (-1: unbounded; cached: a decision asks for the same block pairs
+  of many configs)."""
+  q_block = np.arange(-(-q_len // block_q))
+  first_row = q_block_start(q_block, q_len=q_len, block_q=block_q)
+  last_row = np.minimum(first_row + block_q, q_len) - 1
+  n_kv = -(-kv_len // block_k)
+  if causal:
+    hi = np.minimum(last_row // block_k + 1, n_kv)
+  elif right >= 0:
+    hi = np.minimum((last_row + right) // block_k + 1, n_kv)
+  else:
+    hi = np.full_like(q_block, n_kv)
+  lo = np.maximum(first_row - left, 0) // block_k if left >= 0 else 0
+  total = np.maximum(hi - lo, 0)
   return float(np.max(total) if causal_l == "max" else np.mean(total))

@@ -53,6 +53,12 @@ class XlaAttention(LibraryAttention):
   interpret_in_shard_map = True
   recorded_as = "baseline_xla"
 
+  def coords(self, problem: AttentionProblem, macro: dict) -> tuple[int, float]:
+    # XLA's attention writes every score and masks the window's: the work
+    # of the problem without its window.
+    return coords(dataclasses.replace(problem, window_left=-1, window_right=-1),
+                  NOMINAL_BLOCK, NOMINAL_BLOCK)
+
   def space(self, problem, hw: Hardware, *, prune: bool = True):
     return (XlaAttentionConfig(),)
 

@@ -160,9 +160,11 @@ class DecodeFamily(Family):
     return window_variants(problems, suite["decode"].get("windows", ()))
 
   def modelled(self, problem: DecodeProblem) -> bool:
-    """No window, soft cap or sinks: the sweeps and tables hold none (the
-    backends' rules answer those)."""
-    return problem.plain
+    """No soft cap or sinks (no sweep measures them; the backends' rules
+    answer those). A window is modelled: the Mosaic kernel's (G, L) counts
+    the blocks of the window's keys (``mosaic.coords_aux``), and the sweeps
+    measure windows (``wavetune sweep --windows``)."""
+    return not (problem.soft_cap or problem.sinks)
 
   def trusted_without_evidence(self, problem: DecodeProblem, config, platform, hw=None) -> bool:
     """The Mosaic kernel over XLA's attention where the problem has a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -36,12 +37,15 @@ NUM_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def coords_aux(p: DecodeProblem, block_k: int, num_splits: int):
-  """``(G, L, aux)``: CTAs, key blocks per CTA (of the full cache) and
-  ``[splits > 1, MB of fp32 partials]``."""
+  """``(G, L, aux)``: CTAs, key blocks per CTA (of the full cache; under a
+  left window bound, of the window's keys from the block that holds the
+  first one, which the splits cut into chunks) and ``[splits > 1, MB of
+  fp32 partials]``."""
   s = kernel.splits_of(p.kv_len, num_splits, block_k)
   tiles = -(-p.rows // kernel.BLOCK_H)
   g = p.batch * p.kv_heads * tiles * s
-  l = kernel.chunk_len(p.kv_len, num_splits, block_k) // block_k
+  keys = p.kv_len if p.window_left < 0 else min(p.kv_len, p.span + block_k // 2)
+  l = kernel.chunk_len(keys, num_splits, block_k) // block_k
   mb = (s * p.batch * p.kv_heads * kernel.padded_rows(p.rows) * p.head_dim * 4 / 1e6
         if s > 1 else 0.0)
   return g, float(l), (float(s > 1), mb)
@@ -145,12 +149,13 @@ class MosaicDecode(Backend):
     wave with full caches, at most 64, at least 256 keys per chunk (of the
     keys a sequence reads: half the cache with lengths, the whole cache
     without). A window of at most half the cache: the window's keys, as
-    many splits as fill one wave, 64-key blocks. On the eight window
-    problems of ``benchmarks/decode_options.py --space`` (H100, full
-    lengths) that config was the space's fastest on six and within 1.6% on
-    the others, 1.03-1.27x the lengths' rule with 128-key blocks. Read off
-    ``benchmarks/decode_mosaic.py`` on an H100 (docs/results.md, "Decode
-    on Hopper: the Mosaic kernel and the paged cache")."""
+    many splits as fill one wave down to 128 keys a chunk, 64-key blocks,
+    and 3 stages where the CTAs fill a wave unsplit. Read off the H100
+    window sweep (``wavetune sweep --family decode --windows``, 72 window
+    problems): 0.978 of the oracle (min 0.886) against 0.944 (min 0.797)
+    for the rule before it (256 keys a chunk, always 2 stages). The rest
+    is read off ``benchmarks/decode_mosaic.py`` on an H100 (docs/results.md,
+    "Decode on Hopper: the Mosaic kernel and the paged cache")."""
     p = problem
     if self.why_not(p):
       return None
@@ -166,11 +171,16 @@ class MosaicDecode(Backend):
     local = p.lengths and p.window_left >= 0 and 2 * p.span <= p.kv_len
     target = hw.num_sms if local else (4 * hw.num_sms if p.lengths else hw.num_sms // 2)
     keys = p.span if local or not p.lengths else p.kv_len / 2
+    least = 128 if local else 256  # keys a chunk
     ns = 1
-    while ctas * ns * 2 <= target and ns < 64 and keys / (2 * ns) >= 256:
+    while ctas * ns * 2 <= target and ns < 64 and keys / (2 * ns) >= least:
       ns *= 2
     c = MosaicDecodeConfig(block_k=bk, num_stages=2,
                            num_splits=kernel.splits_of(p.kv_len, ns, bk))
+    deeper = dataclasses.replace(c, num_stages=3)
+    if (local and ns == 1 and ctas >= hw.num_sms
+        and self.smem_bytes(p, deeper) <= hw.smem_per_block):
+      c = deeper
     return c if self.smem_bytes(p, c) <= hw.smem_per_block else None
 
   def occupancy_bound(self, problem: DecodeProblem, config, hw: Hardware) -> int:
