@@ -17,6 +17,8 @@ import argparse
 import collections
 import math
 
+import numpy as np
+
 from wavetune_jax.cli import eval as eval_cli
 from wavetune_jax.runtime import selector, tables
 from wavetune_jax.tuning import evaluate, sweep
@@ -138,11 +140,49 @@ def _by_window(ds, eff, chosen_us) -> None:
       groups["no window"].append((e, ds.baseline.get(p, math.nan) / t))
   if len(groups) < 2:
     return
+  spec = ds.family
+  best = collections.defaultdict(list)  # (window, backend) -> baseline / best time
+  for p in ds.problems:
+    if getattr(p, "windowed", False) and p in ds.baseline:
+      for name in {spec.backend_of(c).name for c in ds.times[p]}:
+        t = min(v for c, v in ds.times[p].items() if spec.backend_of(c).name == name)
+        best[(p.window_left + 1, name)].append(ds.baseline[p] / t)
+  print("by window, each backend's best config: speed vs the baseline min-max (wins): " +
+        "; ".join(f"window {w} {name}: {min(v):.2f}-{max(v):.2f}x ({sum(x > 1 for x in v)} "
+                  f"of {len(v)})" for (w, name), v in sorted(best.items())))
+  if spec.name == "decode":
+    _window_bandwidth(ds, chosen_us)
   print("by window: efficiency geomean (min); speed vs the baseline geomean (min): " + "; ".join(
       f"{k}: {_geo([e for e, _ in v]):.3f} ({min(e for e, _ in v):.3f}); "
       f"{_geo([x for _, x in v]):.2f}x ({min(x for _, x in v):.2f}x), {len(v)} problems"
       for k, v in sorted(groups.items(), key=lambda kv: (kv[0] != "no window",
                                                          len(kv[0]), kv[0]))))
+
+
+def _window_bandwidth(ds, chosen_us) -> None:
+  """Decode with a window: the K and V bytes of each sequence's window (its
+  valid keys, at most the window's) over the chosen config's time, against
+  the GPU's nominal HBM bandwidth, per window and at least 64 MB."""
+  from decode_options import PEAK_BW
+  peak = PEAK_BW.get(ds.header["device_kind"])
+  if peak is None:
+    return
+  spec = ds.family
+  groups = collections.defaultdict(list)
+  for p, t in zip(ds.problems, chosen_us):
+    if not p.windowed:
+      continue
+    lo = min(p.q_len, p.kv_len)  # the suite's lengths (DecodeFamily.lengths)
+    lens = lo + ((p.kv_len - lo) * (2 * np.arange(p.batch) + 1)) // (2 * p.batch)
+    keys = np.minimum(lens, p.span).sum()
+    nbytes = 2 * keys * p.kv_heads * p.head_dim * p.itemsize
+    share = nbytes / (t * 1e-6) / peak
+    groups[f"window {p.window_left + 1}"].append(share)
+    if nbytes >= 64e6:
+      groups[">= 64 MB"].append(share)
+  print(f"HBM share on the window's bytes ({peak / 1e12:.2f} TB/s), median (max): " + "; ".join(
+      f"{k}: {np.median(v):.0%} ({max(v):.0%}), {len(v)} problems"
+      for k, v in sorted(groups.items(), key=lambda kv: (len(kv[0]), kv[0]))))
 
 
 def _order2_over_before(ds) -> None:
