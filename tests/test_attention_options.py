@@ -235,3 +235,9 @@ def test_bad_options_are_one_line_errors(kw, match):
   with pytest.raises(ValueError, match=match) as e:
     wt.attention(q, k, v, **kw)
   assert "\n" not in str(e.value)
+
+
+def test_a_soft_cap_too_large_for_a_float_is_a_clear_error():
+  from wavetune_jax import AttentionProblem
+  with pytest.raises(ValueError, match="soft_cap=.* must be a finite float"):
+    AttentionProblem(batch=1, q_heads=8, kv_heads=8, q_len=128, head_dim=64, soft_cap=10**400)

@@ -465,15 +465,18 @@ def test_a_decision_answers_its_size_bucket(measuring):
 
 
 def test_refinement_measures_a_backend_the_table_has_no_model_of():
-  # The shipped decode tables were swept before the Mosaic decode kernel:
-  # first use measures that kernel's own rule next to the table's answers;
-  # a family whose table models every backend gets no such extra candidate.
+  # The shipped H200 decode table was swept before the Mosaic decode kernel
+  # (the H100's has it): first use measures that kernel's own rule next to
+  # the table's answers; a family whose table models every backend gets no
+  # such extra candidate.
+  h200 = wt.get_hardware("h200")
   p = DecodeProblem(batch=16, q_heads=16, kv_heads=8, kv_len=8192, head_dim=256)
-  d = selector._decider(DECODE, H100)
+  d = selector._decider(DECODE, h200)
   assert "mosaic" not in {dict(v)["backend"] for v in d.table.entries}
-  cands = refine.candidates(DECODE, p, H100, d, None)
-  assert DECODE.backend("mosaic").heuristic(p, H100) in cands
-  assert cands[0] == DECODE.platform_config(p, H100)
+  assert "mosaic" in {dict(v)["backend"] for v in selector._decider(DECODE, H100).table.entries}
+  cands = refine.candidates(DECODE, p, h200, d, None)
+  assert DECODE.backend("mosaic").heuristic(p, h200) in cands
+  assert cands[0] == DECODE.platform_config(p, h200)
   m = MatmulProblem(m=1000, n=14336, k=4096)
   dm = selector._decider(MATMUL, H100)
   held = {dict(v)["backend"] for v in dm.table.entries}

@@ -18,6 +18,14 @@ __all__ = ["AttentionProblem", "DTYPES", "OPTION_DEFAULTS", "OptionFields", "coo
 DTYPES = ("bfloat16", "float16")
 
 
+def _as_float(v) -> float:
+  """``float(v)``, inf for an int too large for a float."""
+  try:
+    return float(v)
+  except OverflowError:
+    return math.inf
+
+
 class OptionFields(Problem):
   """The attention options an attention or decode problem shares: fields
   ``window_left``, ``window_right`` (-1: that side unbounded), ``soft_cap``
@@ -33,8 +41,8 @@ class OptionFields(Problem):
       if isinstance(v, bool) or not isinstance(v, int) or v < -1:
         raise ValueError(f"{name}.{field}={v!r} must be an int >= 0, or -1 (unbounded)")
     cap = self.soft_cap
-    if (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
-        or cap < 0):
+    if (isinstance(cap, bool) or not isinstance(cap, (int, float))
+        or not math.isfinite(_as_float(cap)) or cap < 0):
       raise ValueError(f"{name}.soft_cap={cap!r} must be a finite float >= 0 "
                        f"(0: no soft-capping)")
     object.__setattr__(self, "soft_cap", float(cap))
