@@ -50,12 +50,22 @@ def main(argv=None):
   ap.add_argument("--trusted", action="store_true",
                   help="grouped GEMM: the Mosaic configs of the sweep where the guard trusts "
                        "the kernel without evidence, and the slowest against XLA, per region")
+  ap.add_argument("--guarded", action="store_true",
+                  help="apply the guard to each answer, as the ops do (default: the "
+                       "table's or the heuristic's answer itself)")
+  ap.add_argument("--without", metavar="BACKEND",
+                  help="as on a JAX where this backend cannot run (e.g. triton: a JAX "
+                       "without the Pallas Triton lowering); the table's configs of it are "
+                       "passed over")
   eval_cli.add_margin_arg(ap)
   a = ap.parse_args(argv)
   if a.heuristic == (a.table is not None):
     ap.error("give a table, or --heuristic")
   ds = evaluate.load_dataset(a.sweep)
   spec, hw = ds.family, ds.hw
+  if a.without:
+    gone = spec.backend(a.without)  # (an unknown name is a clear error)
+    type(gone).runs_on = lambda self, hw: False
   d = None if a.heuristic else selector.Decider(tables.load(a.table, spec, hw), hw,
                                                 heuristic_margin=a.heuristic_margin)
   eff, xla, dflt, src, missing = [], [], [], collections.Counter(), 0
@@ -63,6 +73,11 @@ def main(argv=None):
   for p in ds.problems:
     ts = ds.times[p]
     sel = None if d is None else d.decide(p)
+    if sel is not None and not spec.supports(sel.config, hw):
+      sel = None  # (--without: a config of the backend that cannot run)
+    if a.guarded:
+      sel = selector._guarded(spec, p, hw, d, sel or selector.Selection(
+          spec.heuristic(p, hw), "heuristic"))
     c = spec.heuristic(p, hw) if sel is None else sel.config
     src["heuristic" if sel is None else sel.source] += 1
     t = ts.get(c)

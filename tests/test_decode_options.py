@@ -352,3 +352,17 @@ def test_suite_windows_and_the_fit_leaves_soft_caps_and_sinks_out():
     pts = [(DecodeProblem(batch=b, q_heads=32, kv_heads=8, kv_len=4096, **kw), c, 10.0 + b)
            for b in (1, 2, 4, 8)]
     assert bool(fit_entries(DECODE, H100, pts)) == fits, kw
+
+
+def test_without_the_triton_kernel_plain_decode_keeps_cudnn(monkeypatch):
+  # With no Triton lowering the Mosaic rule's config would be next in line:
+  # on the sweeps' plain problems it ran at 0.454-1x of the oracle, cuDNN at
+  # 0.938 of it; cuDNN comes first. Windows still go to the Mosaic kernel.
+  from wavetune_jax.families.decode.triton import TritonDecode
+  plain, local = _problem(), _problem(window_left=1023)
+  assert type(DECODE.heuristic(plain, H100)).__name__ == "TritonDecodeConfig"
+  monkeypatch.setattr(TritonDecode, "runs_on", lambda self, hw: False)
+  assert type(DECODE.heuristic(plain, H100)).__name__ == "CudnnDecodeConfig"
+  assert type(DECODE.heuristic(local, H100)).__name__ == "MosaicDecodeConfig"
+  few = DecodeProblem(batch=1, q_heads=8, kv_heads=1, kv_len=32768)
+  assert type(DECODE.heuristic(few, H100)).__name__ == "CudnnDecodeConfig"

@@ -97,10 +97,19 @@ class DecodeFamily(Family):
     problems at up to 1.26x / 1.35x cuDNN's time (Llama-3-70B at TP8, one
     sequence, 16k-32k cache), at worst 0.978x / 0.999x."""
     from wavetune_jax.families.decode.library import CudnnDecode, CudnnDecodeConfig
+    from wavetune_jax.families.decode.triton import TritonDecode
     pairs = problem.batch * problem.kv_heads
     few = (pairs <= 16 and problem.kv_len >= 16384) or (pairs <= 8 and problem.kv_len >= 8192)
-    if few:
-      cudnn = next((b for b in self.available(hw) if isinstance(b, CudnnDecode)), None)
+    available = self.available(hw)
+    # Without the Triton kernel (a JAX without the Pallas Triton lowering),
+    # cuDNN before the Mosaic kernel's rule on problems cuDNN runs: on the
+    # plain problems of the decode sweeps that rule's config ran at 0.820 /
+    # 0.785 of the oracle (min 0.454 / 0.422; H100 / H200), cuDNN at 0.938 /
+    # 0.936, and the guard, which compares backends, let the rule's config
+    # through where another Mosaic config had won nearby (0.63x cuDNN).
+    no_triton = problem.plain and not any(isinstance(b, TritonDecode) for b in available)
+    if few or no_triton:
+      cudnn = next((b for b in available if isinstance(b, CudnnDecode)), None)
       if cudnn is not None and cudnn.space(problem, hw):
         return CudnnDecodeConfig()
     return super().heuristic(problem, hw)
