@@ -62,10 +62,19 @@ def main(argv=None):
   if a.heuristic == (a.table is not None):
     ap.error("give a table, or --heuristic")
   ds = evaluate.load_dataset(a.sweep)
+  if not a.without:
+    return _report(a, ds)
+  gone = type(ds.family.backend(a.without))  # (an unknown name is a clear error)
+  runs_on = gone.runs_on
+  gone.runs_on = lambda self, hw: False
+  try:
+    return _report(a, ds)
+  finally:
+    gone.runs_on = runs_on
+
+
+def _report(a, ds):
   spec, hw = ds.family, ds.hw
-  if a.without:
-    gone = spec.backend(a.without)  # (an unknown name is a clear error)
-    type(gone).runs_on = lambda self, hw: False
   d = None if a.heuristic else selector.Decider(tables.load(a.table, spec, hw), hw,
                                                 heuristic_margin=a.heuristic_margin)
   eff, xla, dflt, src, missing = [], [], [], collections.Counter(), 0
@@ -96,6 +105,13 @@ def main(argv=None):
         f"{'the heuristic' if d is None else 'table ' + a.table}")
   print(f"efficiency vs oracle: geomean {_geo(eff):.3f}, min {min(eff):.3f}, "
         f"within 5% {sum(e >= 1 / 1.05 for e in eff) / n:.2f}; not measured: {missing}")
+  if a.without:
+    here = [min(v for c, v in ds.times[p].items() if spec.supports(c, hw)) / t
+            for p, t in zip(ds.problems, chosen_us)]
+    plain = [e for p, e in zip(ds.problems, here) if getattr(p, "plain", True)]
+    print(f"efficiency vs the oracle of the configs that run without {a.without}: geomean "
+          f"{_geo(here):.3f}, min {min(here):.3f}; problems without options (no window, "
+          f"soft cap or sinks): {_geo(plain):.3f}, min {min(plain):.3f}, {len(plain)} problems")
   print(f"speed vs {spec.baseline_name} {_geo(xla):.3f}x (min {min(xla, default=math.nan):.3f}x), "
         f"vs fixed default {_geo(dflt):.3f}x")
   print(f"answered by: {dict(src)}")
@@ -178,6 +194,9 @@ def _window_bandwidth(ds, chosen_us) -> None:
   """Decode with a window: the K and V bytes of each sequence's window (its
   valid keys, at most the window's) over the chosen config's time, against
   the GPU's nominal HBM bandwidth, per window and at least 64 MB."""
+  import os
+  import sys
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   from decode_options import PEAK_BW
   peak = PEAK_BW.get(ds.header["device_kind"])
   if peak is None:
@@ -187,8 +206,11 @@ def _window_bandwidth(ds, chosen_us) -> None:
   for p, t in zip(ds.problems, chosen_us):
     if not p.windowed:
       continue
-    lo = min(p.q_len, p.kv_len)  # the suite's lengths (DecodeFamily.lengths)
-    lens = lo + ((p.kv_len - lo) * (2 * np.arange(p.batch) + 1)) // (2 * p.batch)
+    lo = min(p.q_len, p.kv_len)  # the sweep's lengths (DecodeFamily.lengths)
+    if spec.length_mix == "full" or not p.lengths:
+      lens = np.full(p.batch, p.kv_len)
+    else:
+      lens = lo + ((p.kv_len - lo) * (2 * np.arange(p.batch) + 1)) // (2 * p.batch)
     keys = np.minimum(lens, p.span).sum()
     nbytes = 2 * keys * p.kv_heads * p.head_dim * p.itemsize
     share = nbytes / (t * 1e-6) / peak

@@ -239,5 +239,11 @@ def test_bad_options_are_one_line_errors(kw, match):
 
 def test_a_soft_cap_too_large_for_a_float_is_a_clear_error():
   from wavetune_jax import AttentionProblem
-  with pytest.raises(ValueError, match="soft_cap=.* must be a finite float"):
-    AttentionProblem(batch=1, q_heads=8, kv_heads=8, q_len=128, head_dim=64, soft_cap=10**400)
+  huge = 10**5000  # (too many digits for repr: the message names its size)
+  with pytest.raises(ValueError, match="soft_cap=<an int of .* bits> must be a finite float"):
+    AttentionProblem(batch=1, q_heads=8, kv_heads=8, q_len=128, head_dim=64, soft_cap=huge)
+  q = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
+  for call in (lambda: wt.attention(q, q, q, logit_soft_cap=huge),
+               lambda: wt.decode_attention(q[:, :1], q, q, logit_soft_cap=huge)):
+    with pytest.raises(ValueError, match="logit_soft_cap=<an int of .* bits> must be finite"):
+      call()

@@ -364,5 +364,19 @@ def test_without_the_triton_kernel_plain_decode_keeps_cudnn(monkeypatch):
   monkeypatch.setattr(TritonDecode, "runs_on", lambda self, hw: False)
   assert type(DECODE.heuristic(plain, H100)).__name__ == "CudnnDecodeConfig"
   assert type(DECODE.heuristic(local, H100)).__name__ == "MosaicDecodeConfig"
-  few = DecodeProblem(batch=1, q_heads=8, kv_heads=1, kv_len=32768)
-  assert type(DECODE.heuristic(few, H100)).__name__ == "CudnnDecodeConfig"
+  many = DecodeProblem(batch=16, q_heads=32, kv_heads=8, kv_len=4096)  # (not "few" pairs)
+  assert type(DECODE.heuristic(many, H100)).__name__ == "CudnnDecodeConfig"
+
+
+def test_the_models_offer_no_triton_config_for_a_window():
+  # Windowed decode is modelled; the Triton kernel runs no window, so its
+  # configs are no candidates there (not in the space, not in the arrays).
+  import numpy as np
+  triton = DECODE.backend("triton")
+  local = _problem(window_left=1023)
+  assert not triton.space(local, H100) and triton.size_quantum(local) is None
+  configs, valid, *_ = DECODE.decision_arrays(local, np.array([8192, 32768]), H100)
+  names = {DECODE.backend_of(c).name for c, ok in zip(configs, valid.any(axis=0)) if ok}
+  assert names and "triton" not in names
+  assert "triton" in {DECODE.backend_of(c).name
+                      for c in DECODE.decision_arrays(_problem(), np.array([8192]), H100)[0]}

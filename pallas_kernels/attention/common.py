@@ -162,11 +162,18 @@ def check_soft_cap(logit_soft_cap) -> float:
   """``logit_soft_cap``: None or a finite Python float > 0 -> the cap (0.0: none)."""
   if logit_soft_cap is None:
     return 0.0
-  if (isinstance(logit_soft_cap, bool) or not isinstance(logit_soft_cap, (int, float))
-      or not math.isfinite(logit_soft_cap) or logit_soft_cap <= 0):
+  if isinstance(logit_soft_cap, bool) or not isinstance(logit_soft_cap, (int, float)):
     raise ValueError(f"logit_soft_cap={logit_soft_cap!r} must be a finite Python float > 0 "
                      f"(a static value), or None")
-  return float(logit_soft_cap)
+  try:
+    value = float(logit_soft_cap)
+  except OverflowError:  # an int past float's range (its digits may be too many to print)
+    raise ValueError(f"logit_soft_cap=<an int of {logit_soft_cap.bit_length()} bits> must be "
+                     f"finite: it is past float's range") from None
+  if not math.isfinite(value) or value <= 0:
+    raise ValueError(f"logit_soft_cap={logit_soft_cap!r} must be a finite Python float > 0 "
+                     f"(a static value), or None")
+  return value
 
 
 def check_sinks(sinks, q_heads: int):

@@ -607,8 +607,9 @@ class Family(abc.ABC):
 
   def modelled(self, problem) -> bool:
     """Whether a table's wave models may answer ``problem`` (False: options
-    that no sweep measured, such as attention's windows; the heuristic
-    answers)."""
+    that no sweep measures, such as soft-capping and sinks, or that the
+    family keeps out of its fits, such as attention's windows; the
+    heuristic answers)."""
     return True
 
   def size_quantum(self, problem) -> int:

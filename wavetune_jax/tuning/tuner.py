@@ -205,9 +205,9 @@ def fit_entries(spec: Family, hw: Hardware, points: Sequence[tuple], *,
   Variants with fewer than 2 points get no entry. With ``family_weight > 0``
   a variant's fit also sees the points of its family (same macro tile, other
   micro fields) at that weight: sparse anchors borrow the family's curve.
-  Problems the models do not answer (``Family.modelled``: attention's
-  windows, soft caps, sinks) are left out: their (G, L) is not the work
-  they do. Their measurements still make exact entries and evidence.
+  Problems the models do not answer (``Family.modelled``: soft caps and
+  sinks, and attention's windows) are left out. Their measurements still
+  make exact entries and evidence.
   """
   groups = collections.defaultdict(list)
   for p, c, us in points:

@@ -43,7 +43,9 @@ class OptionFields(Problem):
     cap = self.soft_cap
     if (isinstance(cap, bool) or not isinstance(cap, (int, float))
         or not math.isfinite(_as_float(cap)) or cap < 0):
-      raise ValueError(f"{name}.soft_cap={cap!r} must be a finite float >= 0 "
+      shown = (f"<an int of {cap.bit_length()} bits>" if isinstance(cap, int)
+               and not isinstance(cap, bool) else repr(cap))
+      raise ValueError(f"{name}.soft_cap={shown} must be a finite float >= 0 "
                        f"(0: no soft-capping)")
     object.__setattr__(self, "soft_cap", float(cap))
     if not isinstance(self.sinks, bool):
@@ -211,7 +213,11 @@ def _visited_l(q_len: int, kv_len: int, block_q: int, block_k: int, causal: bool
   right)`` (-1: unbounded; cached: a decision asks for the same block pairs
   of many configs)."""
   q_block = np.arange(-(-q_len // block_q))
-  first_row = q_block_start(q_block, q_len=q_len, block_q=block_q)
+  # Without a window, the Triton kernel's programs (the last one ends at the
+  # last row); under one, the Mosaic kernel's (the last one is partial).
+  windowed = left >= 0 or (right >= 0 and not causal)
+  first_row = (q_block * block_q if windowed
+               else q_block_start(q_block, q_len=q_len, block_q=block_q))
   last_row = np.minimum(first_row + block_q, q_len) - 1
   n_kv = -(-kv_len // block_k)
   if causal:

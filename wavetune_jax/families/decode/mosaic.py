@@ -38,14 +38,16 @@ NUM_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 
 def coords_aux(p: DecodeProblem, block_k: int, num_splits: int):
   """``(G, L, aux)``: CTAs, key blocks per CTA (of the full cache; under a
-  left window bound, of the window's keys from the block that holds the
-  first one, which the splits cut into chunks) and ``[splits > 1, MB of
-  fp32 partials]``."""
+  left window bound, of the window's keys and, on average, half a block
+  before them: the chunks start at the block that holds the first key, and
+  the kernel's splits cut them) and ``[splits > 1, MB of fp32 partials]``."""
   s = kernel.splits_of(p.kv_len, num_splits, block_k)
   tiles = -(-p.rows // kernel.BLOCK_H)
   g = p.batch * p.kv_heads * tiles * s
-  keys = p.kv_len if p.window_left < 0 else min(p.kv_len, p.span + block_k // 2)
-  l = kernel.chunk_len(keys, num_splits, block_k) // block_k
+  if p.window_left < 0:
+    l = kernel.chunk_len(p.kv_len, num_splits, block_k) // block_k
+  else:
+    l = kernel.chunk_len(min(p.kv_len, p.span + block_k // 2), s, block_k) // block_k
   mb = (s * p.batch * p.kv_heads * kernel.padded_rows(p.rows) * p.head_dim * 4 / 1e6
         if s > 1 else 0.0)
   return g, float(l), (float(s > 1), mb)
@@ -148,7 +150,8 @@ class MosaicDecode(Backend):
     per-sequence lengths (a short sequence's CTAs finish early) and half a
     wave with full caches, at most 64, at least 256 keys per chunk (of the
     keys a sequence reads: half the cache with lengths, the whole cache
-    without). A window of at most half the cache: the window's keys, as
+    without). A window of at most half the cache, with per-sequence
+    lengths (without them, the full caches' rule): the window's keys, as
     many splits as fill one wave down to 128 keys a chunk, 64-key blocks,
     and 3 stages where the CTAs fill a wave unsplit. Read off the H100
     window sweep (``wavetune sweep --family decode --windows``, 72 window

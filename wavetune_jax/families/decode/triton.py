@@ -157,7 +157,7 @@ class TritonDecode(_triton.TritonBackend):
     same configs, (G, L) and aux as :meth:`space` and :func:`coords_aux`)."""
     p = problem
     kv = np.asarray(sizes, np.int64)[:, None]                    # [S, 1]
-    if p.page_size % 16:  # rule D6: no block fits the pages
+    if p.page_size % 16 or not p.plain:  # rule D6: no block fits the pages; no options
       s = len(kv)
       return ((), np.zeros((s, 0), bool), np.ones((s, 0), np.int64), np.ones((s, 0)),
               np.zeros((s, 0, n_aux), np.float32))
@@ -199,7 +199,10 @@ class TritonDecode(_triton.TritonBackend):
   def size_quantum(self, problem: DecodeProblem) -> int | None:
     """The space and (G, L) see kv_len only through ``ceil(kv_len / 32)``;
     a paged problem's sizes are whole pages, one per bucket. None where the
-    kernel cannot run the problem's pages."""
+    kernel cannot run the problem's pages or options (a window, soft cap or
+    sinks)."""
+    if not problem.plain:
+      return None
     if problem.page_size:
       return problem.page_size if problem.page_size % 16 == 0 else None
     return 32
