@@ -380,3 +380,29 @@ def test_the_models_offer_no_triton_config_for_a_window():
   assert names and "triton" not in names
   assert "triton" in {DECODE.backend_of(c).name
                       for c in DECODE.decision_arrays(_problem(), np.array([8192]), H100)[0]}
+
+
+def test_window_lines_of_table_vs_sweep_reproduce_the_docs(capsys):
+  """docs/results.md's window rows (H100 decode: share of the oracle and HBM
+  share per window) and the replay without Triton come from
+  ``table_vs_sweep.py`` on the sweep and table on record; the backend it
+  passes over runs again afterwards."""
+  import importlib.util
+  import os
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location(
+      "table_vs_sweep", os.path.join(root, "benchmarks", "table_vs_sweep.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  gpu = "nvidia_h100_80gb_hbm3"
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    mod.main([os.path.join(root, "data", "sweeps", gpu, "decode_bfloat16.jsonl.gz"),
+              os.path.join(root, "tables", gpu, "decode.json"), "--guarded", "--without",
+              "triton"])
+  out = capsys.readouterr().out
+  assert "window 1024: 0.987 (0.967)" in out and "window 512: 0.971 (0.886)" in out
+  assert ">= 64 MB: 72% (84%), 14 problems" in out
+  assert "problems without options (no window, soft cap or sinks): 0.994, min 0.920" in out
+  assert "speed vs cuDNN 4.420x (min 1.000x)" in out
+  assert DECODE.backend("triton").runs_on(H100)
