@@ -115,6 +115,7 @@ def _report(a, ds):
   print(f"speed vs {spec.baseline_name} {_geo(xla):.3f}x (min {min(xla, default=math.nan):.3f}x), "
         f"vs fixed default {_geo(dflt):.3f}x")
   print(f"answered by: {dict(src)}")
+  _per_backend(ds)
   _by_window(ds, eff, chosen_us)
   if a.min_size is not None:
     big = [ds.baseline[p] / t for p, t in zip(ds.problems, chosen_us)
@@ -159,6 +160,32 @@ def _report(a, ds):
     _trusted_regions(ds)
 
 
+def _per_backend(ds) -> None:
+  """On the problems without options (attention and decode: no window, soft
+  cap or sinks), each backend's best config and its own rule's config
+  (``Backend.heuristic``, where it answers and was measured): share of the
+  oracle, geomean (min), and the problems where the backend is the oracle."""
+  spec, hw = ds.family, ds.hw
+  best, rule, oracle = (collections.defaultdict(list) for _ in range(3))
+  for p in ds.problems:
+    if not getattr(p, "plain", True):
+      continue
+    ts = ds.times[p]
+    top = min(ts.values())
+    oracle[spec.backend_of(min(ts, key=ts.get)).name].append(p)
+    for b in {spec.backend_of(c) for c in ts}:
+      best[b.name].append(top / min(v for c, v in ts.items() if spec.backend_of(c) is b))
+      r = b.heuristic(p, hw)
+      if r in ts:
+        rule[b.name].append(top / ts[r])
+  n = sum(len(v) for v in oracle.values())
+  print(f"each backend over {n} problems without options: best config / own rule, share of "
+        f"the oracle geomean (min), oracle of: " + "; ".join(
+            f"{k} {_geo(v):.3f} ({min(v):.3f}) / "
+            + (f"{_geo(rule[k]):.3f} ({min(rule[k]):.3f})" if rule[k] else "-")
+            + f", {len(oracle[k])}" for k, v in sorted(best.items())))
+
+
 def _by_window(ds, eff, chosen_us) -> None:
   """Attention and decode sweeps with windows (``wavetune sweep --windows``):
   the efficiency and the speed against the baseline per window size."""
@@ -167,6 +194,7 @@ def _by_window(ds, eff, chosen_us) -> None:
     if getattr(p, "windowed", False):
       key = f"window {p.window_left + 1}" if p.window_right in (-1, 0) else str(p.window)
       groups[key].append((e, ds.baseline.get(p, math.nan) / t))
+      groups["every window"].append(groups[key][-1])
     elif hasattr(p, "windowed"):
       groups["no window"].append((e, ds.baseline.get(p, math.nan) / t))
   if len(groups) < 2:
@@ -196,6 +224,8 @@ def _window_bandwidth(ds, chosen_us) -> None:
   the GPU's nominal HBM bandwidth, per window and at least 64 MB."""
   import os
   import sys
+
+  import jax
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   from decode_options import PEAK_BW
   peak = PEAK_BW.get(ds.header["device_kind"])
@@ -206,11 +236,8 @@ def _window_bandwidth(ds, chosen_us) -> None:
   for p, t in zip(ds.problems, chosen_us):
     if not p.windowed:
       continue
-    lo = min(p.q_len, p.kv_len)  # the sweep's lengths (DecodeFamily.lengths)
-    if spec.length_mix == "full" or not p.lengths:
-      lens = np.full(p.batch, p.kv_len)
-    else:
-      lens = lo + ((p.kv_len - lo) * (2 * np.arange(p.batch) + 1)) // (2 * p.batch)
+    lens = (np.asarray(spec.length_values(p, jax.random.PRNGKey(0))) if p.lengths
+            else np.full(p.batch, p.kv_len))  # (the sweep's lengths; their order is moot)
     keys = np.minimum(lens, p.span).sum()
     nbytes = 2 * keys * p.kv_heads * p.head_dim * p.itemsize
     share = nbytes / (t * 1e-6) / peak

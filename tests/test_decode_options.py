@@ -405,4 +405,6 @@ def test_window_lines_of_table_vs_sweep_reproduce_the_docs(capsys):
   assert ">= 64 MB: 72% (84%), 14 problems" in out
   assert "problems without options (no window, soft cap or sinks): 0.994, min 0.920" in out
   assert "speed vs cuDNN 4.420x (min 1.000x)" in out
+  assert ("cudnn 0.938 (0.739) / -, 9; mosaic 0.883 (0.642) / 0.820 (0.454), 0; "
+          "triton 0.997 (0.924)") in out
   assert DECODE.backend("triton").runs_on(H100)

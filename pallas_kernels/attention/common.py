@@ -57,6 +57,17 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
                      f"{[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}")
 
 
+def static_float(value, name: str, must: str = "be finite: it is past float's range") -> float:
+  """A Python int or float (the caller checks the type) as a float; for an
+  int past float's range, ``ValueError`` "<name>=<an int of N bits> must
+  <must>" (its digits may be too many to print). Finiteness and sign are
+  the caller's to check."""
+  try:
+    return float(value)
+  except OverflowError:
+    raise ValueError(f"{name}=<an int of {value.bit_length()} bits> must {must}") from None
+
+
 def check_call(q, k, v, scale) -> float:
   """:func:`check_qkv`, a non-empty KV sequence and the scale; returns the
   scale as a float (default ``1 / sqrt(head_dim)``)."""
@@ -67,11 +78,7 @@ def check_call(q, k, v, scale) -> float:
     return 1.0 / math.sqrt(q.shape[3])
   if isinstance(scale, bool) or not isinstance(scale, (int, float)):
     raise ValueError(f"scale={scale!r} must be a Python float (a static value) or None")
-  try:
-    value = float(scale)
-  except OverflowError:  # an int past float's range (its digits may be too many to print)
-    raise ValueError(f"scale=<an int of {scale.bit_length()} bits> must be finite: it is "
-                     f"past float's range") from None
+  value = static_float(scale, "scale")
   if not math.isfinite(value):
     raise ValueError(f"scale={scale} must be finite")
   return value
@@ -165,11 +172,7 @@ def check_soft_cap(logit_soft_cap) -> float:
   if isinstance(logit_soft_cap, bool) or not isinstance(logit_soft_cap, (int, float)):
     raise ValueError(f"logit_soft_cap={logit_soft_cap!r} must be a finite Python float > 0 "
                      f"(a static value), or None")
-  try:
-    value = float(logit_soft_cap)
-  except OverflowError:  # an int past float's range (its digits may be too many to print)
-    raise ValueError(f"logit_soft_cap=<an int of {logit_soft_cap.bit_length()} bits> must be "
-                     f"finite: it is past float's range") from None
+  value = static_float(logit_soft_cap, "logit_soft_cap")
   if not math.isfinite(value) or value <= 0:
     raise ValueError(f"logit_soft_cap={logit_soft_cap!r} must be a finite Python float > 0 "
                      f"(a static value), or None")

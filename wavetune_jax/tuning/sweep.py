@@ -408,16 +408,9 @@ def swept_space(spec, problem, hw) -> list:
   where the family times that baseline (attention's XLA, not where its
   score matrix would not fit)."""
   from wavetune_jax.tuning.measure import baseline_impls
-  impls = None
-  out = []
-  for c in spec.space(problem, hw):
-    rec = spec.backend_of(c).recorded_as
-    if rec is not None:
-      impls = baseline_impls(spec, problem) if impls is None else impls
-      if rec not in impls:
-        continue
-    out.append(c)
-  return out
+  impls = set(baseline_impls(spec, problem))
+  return [c for c in spec.space(problem, hw)
+          if spec.backend_of(c).recorded_as in (None, *impls)]
 
 
 def with_recorded_backends(family, hw, rows: Sequence[dict]) -> list[dict]:

@@ -9,21 +9,13 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention.common import MAX_HEAD_DIM, check_align
+from pallas_kernels.attention.common import MAX_HEAD_DIM, check_align, static_float
 from pallas_kernels.attention.triton import q_block_start
 from wavetune_jax.core.family import Problem
 
 __all__ = ["AttentionProblem", "DTYPES", "OPTION_DEFAULTS", "OptionFields", "coords", "next_pow2"]
 
 DTYPES = ("bfloat16", "float16")
-
-
-def _as_float(v) -> float:
-  """``float(v)``, inf for an int too large for a float."""
-  try:
-    return float(v)
-  except OverflowError:
-    return math.inf
 
 
 class OptionFields(Problem):
@@ -41,13 +33,12 @@ class OptionFields(Problem):
       if isinstance(v, bool) or not isinstance(v, int) or v < -1:
         raise ValueError(f"{name}.{field}={v!r} must be an int >= 0, or -1 (unbounded)")
     cap = self.soft_cap
+    must = "be a finite float >= 0 (0: no soft-capping)"
     if (isinstance(cap, bool) or not isinstance(cap, (int, float))
-        or not math.isfinite(_as_float(cap)) or cap < 0):
-      shown = (f"<an int of {cap.bit_length()} bits>" if isinstance(cap, int)
-               and not isinstance(cap, bool) else repr(cap))
-      raise ValueError(f"{name}.soft_cap={shown} must be a finite float >= 0 "
-                       f"(0: no soft-capping)")
-    object.__setattr__(self, "soft_cap", float(cap))
+        or not math.isfinite(value := static_float(cap, f"{name}.soft_cap", must))
+        or value < 0):
+      raise ValueError(f"{name}.soft_cap={cap!r} must {must}")
+    object.__setattr__(self, "soft_cap", value)
     if not isinstance(self.sinks, bool):
       raise ValueError(f"{name}.sinks={self.sinks!r} must be a bool")
 

@@ -94,9 +94,10 @@ class DecodeFamily(Family):
     16 pairs and a cache of at least 16,384, or at most 8 and 8,192 (where
     cuDNN runs the problem), and for plain problems where the Triton kernel
     cannot run (below); elsewhere the backends' rules in order (Triton,
-    Mosaic, cuDNN, XLA). On the H100 / H200 decode sweeps the Triton rule ran those
-    problems at up to 1.26x / 1.35x cuDNN's time (Llama-3-70B at TP8, one
-    sequence, 16k-32k cache), at worst 0.978x / 0.999x."""
+    Mosaic, cuDNN, XLA). On the H100 / H200 decode sweeps the Triton rule
+    ran the few-pair problems at up to 1.26x / 1.35x cuDNN's time
+    (Llama-3-70B at TP8, one sequence, 16k-32k cache), at worst 0.978x /
+    0.999x."""
     from wavetune_jax.families.decode.library import CudnnDecode, CudnnDecodeConfig
     from wavetune_jax.families.decode.triton import TritonDecode
     pairs = problem.batch * problem.kv_heads

@@ -92,14 +92,17 @@ class TritonDecode(_triton.TritonBackend):
     return (c.num_stages * 2 * c.block_k + c.block_h) * p.padded_head_dim * p.itemsize
 
   @staticmethod
-  def runs_shape(p: DecodeProblem) -> bool:
-    """The kernel addresses the cache with 32-bit offsets (a paged problem:
-    its sequences' pages; a larger pool is refused when the kernel is
-    called), and a paged cache's blocks of keys lie in one page (pages of
-    a multiple of 16 rows). No window, soft-capping or sinks."""
-    if p.page_size % 16 or not p.plain:
-      return False
-    return p.batch * p.kv_len * p.kv_heads * p.head_dim <= MAX_ELEMENTS
+  def runs_layout(p: DecodeProblem) -> bool:
+    """A paged cache's blocks of keys lie in one page (pages of a multiple
+    of 16 rows); no window, soft-capping or sinks. At every cache length."""
+    return p.page_size % 16 == 0 and p.plain
+
+  @classmethod
+  def runs_shape(cls, p: DecodeProblem) -> bool:
+    """:meth:`runs_layout`, and the kernel addresses the cache with 32-bit
+    offsets (a paged problem: its sequences' pages; a larger pool is
+    refused when the kernel is called)."""
+    return cls.runs_layout(p) and p.batch * p.kv_len * p.kv_heads * p.head_dim <= MAX_ELEMENTS
 
   def space(self, problem: DecodeProblem, hw: Hardware, *, prune: bool = True) -> tuple:
     p = problem
@@ -157,7 +160,7 @@ class TritonDecode(_triton.TritonBackend):
     same configs, (G, L) and aux as :meth:`space` and :func:`coords_aux`)."""
     p = problem
     kv = np.asarray(sizes, np.int64)[:, None]                    # [S, 1]
-    if p.page_size % 16 or not p.plain:  # rule D6: no block fits the pages; no options
+    if not self.runs_layout(p):  # rule D6 (no block fits the pages), or options
       s = len(kv)
       return ((), np.zeros((s, 0), bool), np.ones((s, 0), np.int64), np.ones((s, 0)),
               np.zeros((s, 0, n_aux), np.float32))
@@ -201,11 +204,9 @@ class TritonDecode(_triton.TritonBackend):
     a paged problem's sizes are whole pages, one per bucket. None where the
     kernel cannot run the problem's pages or options (a window, soft cap or
     sinks)."""
-    if not problem.plain:
+    if not self.runs_layout(problem):
       return None
-    if problem.page_size:
-      return problem.page_size if problem.page_size % 16 == 0 else None
-    return 32
+    return problem.page_size or 32
 
   def validate(self, problem: DecodeProblem, config, hw: Hardware | None = None) -> None:
     if not isinstance(config, TritonDecodeConfig):
