@@ -50,6 +50,9 @@ def main(argv=None):
   ap.add_argument("--trusted", action="store_true",
                   help="grouped GEMM: the Mosaic configs of the sweep where the guard trusts "
                        "the kernel without evidence, and the slowest against XLA, per region")
+  ap.add_argument("--per-backend", action="store_true",
+                  help="each backend's best config and its own rule on the problems without "
+                       "options: share of the oracle, and where it is the oracle")
   ap.add_argument("--guarded", action="store_true",
                   help="apply the guard to each answer, as the ops do (default: the "
                        "table's or the heuristic's answer itself)")
@@ -115,7 +118,8 @@ def _report(a, ds):
   print(f"speed vs {spec.baseline_name} {_geo(xla):.3f}x (min {min(xla, default=math.nan):.3f}x), "
         f"vs fixed default {_geo(dflt):.3f}x")
   print(f"answered by: {dict(src)}")
-  _per_backend(ds)
+  if a.per_backend:
+    _per_backend(ds)
   _by_window(ds, eff, chosen_us)
   if a.min_size is not None:
     big = [ds.baseline[p] / t for p, t in zip(ds.problems, chosen_us)

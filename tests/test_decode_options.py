@@ -399,7 +399,7 @@ def test_window_lines_of_table_vs_sweep_reproduce_the_docs(capsys):
     warnings.simplefilter("ignore", UserWarning)
     mod.main([os.path.join(root, "data", "sweeps", gpu, "decode_bfloat16.jsonl.gz"),
               os.path.join(root, "tables", gpu, "decode.json"), "--guarded", "--without",
-              "triton"])
+              "triton", "--per-backend"])
   out = capsys.readouterr().out
   assert "window 1024: 0.987 (0.967)" in out and "window 512: 0.971 (0.886)" in out
   assert ">= 64 MB: 72% (84%), 14 problems" in out
