@@ -408,9 +408,11 @@ def swept_space(spec, problem, hw) -> list:
   where the family times that baseline (attention's XLA, not where its
   score matrix would not fit)."""
   from wavetune_jax.tuning.measure import baseline_impls
+  space = spec.space(problem, hw)
+  if all(spec.backend_of(c).recorded_as is None for c in space):
+    return list(space)  # (no baseline to ask for: building them costs, e.g. speed references)
   impls = set(baseline_impls(spec, problem))
-  return [c for c in spec.space(problem, hw)
-          if spec.backend_of(c).recorded_as in (None, *impls)]
+  return [c for c in space if spec.backend_of(c).recorded_as in (None, *impls)]
 
 
 def with_recorded_backends(family, hw, rows: Sequence[dict]) -> list[dict]:
