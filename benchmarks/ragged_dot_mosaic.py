@@ -26,6 +26,7 @@ the Hopper heuristic picks, as a fraction of the best and against XLA.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -77,8 +78,20 @@ def check_edges(only: str | None = None, stages_from: int = 0) -> int:
                  # 4 stages) and 1 slot (256 x 128, 4 stages).
                  (128, 256, 1, 2, 4), (256, 128, 1, 2, 4), (128, 256, 1, 1, 4)]
              if ns >= stages_from]
+  names = [f"{c.block_m}x{c.block_n}/s{c.num_stages}/k{c.split_k}/o{c.grid_minor}"
+           for c in configs]
+  return check_cases({nm: functools.partial(_build, c) for nm, c in zip(names, configs)},
+                     only, "Mosaic configs")
+
+
+def _build(c, p, lhs, rhs, gs):
+  return jax.jit(RAGGED_DOT.build(p, c))(lhs, rhs, gs)
+
+
+def edge_cases() -> dict:
+  """Ragged edge cases: name -> (M, group sizes)."""
   rng = np.random.default_rng(0)
-  cases = {
+  return {
       "empty experts": (1000, [0, 300, 0, 250, 0, 450, 0, 0]),
       "all rows in one expert": (512, [0, 0, 0, 512, 0, 0, 0, 0]),
       "sum < M, NaN past the sum": (1000, [100, 7, 0, 93, 200, 1, 0, 300]),
@@ -86,13 +99,19 @@ def check_edges(only: str | None = None, stages_from: int = 0) -> int:
       "M = 5": (5, [1, 0, 2, 0, 0, 1, 0, 1]),
       "64 experts, most empty": (640, list(rng.multinomial(640, np.r_[np.ones(6), np.full(58, 1e-3)] / (6 + 0.058)))),
   }
+
+
+def check_cases(runs: dict, only: str | None = None, what: str = "runs", k: int = 256,
+                n: int = 512) -> int:
+  """Each of ``runs`` (name -> ``f(problem, lhs, rhs, group_sizes)``) on the
+  :func:`edge_cases` (those whose name holds ``only``), every row against
+  the float32 reference (zeros past the groups); returns the failures."""
   fails = 0
-  print("edge cases (Mosaic configs vs float32 reference, every row):", flush=True)
-  for name, (m, sizes) in cases.items():
+  print(f"edge cases ({what} vs float32 reference, every row):", flush=True)
+  for name, (m, sizes) in edge_cases().items():
     if only and only not in name:
       continue
     g = len(sizes)
-    k, n = 256, 512
     kx, kw = jax.random.split(jax.random.PRNGKey(1))
     lhs = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
     rhs = (jax.random.normal(kw, (g, k, n), jnp.float32) / 16).astype(jnp.bfloat16)
@@ -105,21 +124,20 @@ def check_edges(only: str | None = None, stages_from: int = 0) -> int:
     ref[total:] = 0.0
     p = RaggedDotProblem(m=m, g=g, k=k, n=n)
     bad = []
-    for c in configs:
+    for nm, f in runs.items():
       try:
-        out = np.asarray(jax.jit(fam.build(p, c))(lhs, rhs, gs).astype(jnp.float32))
+        out = np.asarray(f(p, lhs, rhs, gs).astype(jnp.float32))
       except Exception as e:  # noqa: BLE001
-        bad.append(f"{c.block_m}x{c.block_n}/k{c.split_k}: {type(e).__name__} {str(e)[:200]}")
+        bad.append(f"{nm}: {type(e).__name__} {str(e)[:200]}")
         continue
       row_err = np.abs(out - ref).max(axis=1) / (np.abs(ref).max() + 1e-9)
       wrong = np.nonzero(~(row_err <= 2e-2))[0]
       tail_ok = total == m or np.all(out[total:] == 0.0)
       if len(wrong) or not tail_ok:
-        bad.append(f"{c.block_m}x{c.block_n}/s{c.num_stages}/k{c.split_k}/o{c.grid_minor}: "
-                   f"{len(wrong)} "
-                   f"wrong rows (first {wrong[:6].tolist()}), tail zeros {tail_ok}")
+        bad.append(f"{nm}: {len(wrong)} wrong rows (first {wrong[:6].tolist()}), "
+                   f"tail zeros {tail_ok}")
     fails += len(bad)
-    print(f"  {name:<34} {len(configs) - len(bad)}/{len(configs)} configs right", flush=True)
+    print(f"  {name:<34} {len(runs) - len(bad)}/{len(runs)} right", flush=True)
     for b in bad:
       print(f"      {b}", flush=True)
   return fails

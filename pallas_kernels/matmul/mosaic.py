@@ -357,7 +357,7 @@ def wgmma_wait_delayed(step, steps: int, delay: int) -> None:
 
 def operand_pipeline(body, compute_context, *, block_m: int, block_n: int, steps: int,
                      num_stages: int, dtype, w_collective: tuple[str, ...] = (),
-                     delay_release: int = 0, pipeline_state=None):
+                     delay_release: int = 0, pipeline_state=None, grid_steps=None):
   """The warp-specialized TMA ring both Mosaic GEMMs run: ``[block_m, 64]``
   blocks of x and ``[64, block_n]`` blocks of w, 128-byte swizzle, one
   producer and two consumer warpgroups (axis ``"wg"``).
@@ -366,15 +366,19 @@ def operand_pipeline(body, compute_context, *, block_m: int, block_n: int, steps
   multicast); ``delay_release`` releases a ring slot that many steps late
   (the consumer then waits for all but that many wgmmas); ``pipeline_state``
   (``plgpu.PipelinePipeline``) chains the pipelines of consecutive work
-  tiles."""
+  tiles. ``grid_steps`` (a traced int32, at most ``steps``) runs that many
+  steps instead, with the ring (and the allocations) of ``steps``: a piece
+  of a work tile's K range; it takes no ``pipeline_state``."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   swizzle = 128
   transforms = (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
                 plgpu.SwizzleTransform(swizzle))
+  if grid_steps is not None and pipeline_state is not None:
+    raise ValueError("operand_pipeline: a traced grid_steps takes no pipeline_state")
   return plgpu.emit_pipeline_warp_specialized(
       body,
-      grid=(steps,),
+      grid=(steps if grid_steps is None else grid_steps,),
       memory_registers=_MEMORY_REGISTERS,
       in_specs=[
           plgpu.BlockSpec((block_m, BLOCK_K), lambda kk: (0, kk), transforms=transforms,

@@ -57,7 +57,7 @@ from pallas_kernels.matmul import mosaic as gemm
 from pallas_kernels.ragged_dot import worklist
 
 __all__ = ["MosaicRaggedDotConfig", "MosaicRaggedDotOptions", "check_shapes", "ragged_dot",
-           "smem_bytes", "staging_slots"]
+           "smem_bytes", "staging_slots", "stream_k_fixup", "stream_k_plan"]
 
 COMPUTE_CAPABILITY = gemm.COMPUTE_CAPABILITY
 DTYPES = gemm.DTYPES
@@ -153,6 +153,16 @@ class MosaicRaggedDotOptions:
       memory for a deeper operand ring (as many slots as slices, or more,
       is the whole tile). -1 (default): :func:`staging_slots` (the whole
       tile where it fits next to the ring, else 2 or 1 slots).
+    stream_k: 1 balances the last waves (:func:`stream_k_plan`): where the
+      work items do not fill whole waves of the CTAs, the last ``S + r``
+      of them (``S`` CTAs, ``r`` items past the last whole wave) are cut
+      along K so that every CTA runs the same number of K steps; an item
+      cut between two CTAs is summed from their partial tiles after the
+      kernel (one XLA scatter of at most ``S - 1`` tiles). Needs
+      ``split_k`` 1, ``cluster_m`` 1 and ``delay_release`` 0.
+    traced_steps: 1 runs every work item's pipeline with a traced step
+      count, as stream-K's pieces run (a diagnostic of that pipeline's
+      cost; no chaining across items).
   """
 
   cluster_m: int = 1
@@ -161,6 +171,8 @@ class MosaicRaggedDotOptions:
   pipeline_tiles: int = 0
   skip_idle: int = 0
   out_slots: int = -1
+  stream_k: int = 0
+  traced_steps: int = 0
 
   def __post_init__(self):
     check_ints(self)
@@ -180,6 +192,14 @@ class MosaicRaggedDotOptions:
       raise ValueError(f"MosaicRaggedDotOptions.skip_idle={self.skip_idle} must be 0 or 1")
     if self.skip_idle and self.delay_release:
       raise ValueError("MosaicRaggedDotOptions: skip_idle=1 needs delay_release=0")
+    if self.stream_k not in (0, 1):
+      raise ValueError(f"MosaicRaggedDotOptions.stream_k={self.stream_k} must be 0 or 1")
+    if self.stream_k and (self.cluster_m > 1 or self.delay_release):
+      raise ValueError("MosaicRaggedDotOptions: stream_k=1 needs cluster_m=1 and "
+                       "delay_release=0")
+    if self.traced_steps not in (0, 1):
+      raise ValueError(f"MosaicRaggedDotOptions.traced_steps={self.traced_steps} must be 0 "
+                       f"or 1")
     if self.out_slots < -1:
       raise ValueError(f"MosaicRaggedDotOptions.out_slots={self.out_slots} must be >= -1 "
                        f"(-1: by the shared memory left, 0: the whole tile, s: s slots)")
@@ -272,6 +292,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     raise ValueError(f"options.task_band={options.task_band} needs config.grid_minor=0")
   if options.delay_release and config.num_stages < 3:
     raise ValueError("options.delay_release=1 needs config.num_stages >= 3")
+  if options.stream_k and config.split_k > 1:
+    raise ValueError(f"options.stream_k=1 needs config.split_k=1; got {config.split_k}")
   worklist.check_operands(lhs, rhs, group_sizes)
   out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
   (m, k), n = lhs.shape, rhs.shape[2]
@@ -298,6 +320,12 @@ def _ragged_dot(lhs, rhs, group_sizes, *, config, out_dtype, num_sms, options=DE
     # TMA loads lhs in tiles of 8 rows: M must be a multiple of 8. The
     # output is stored row by row and keeps its M rows.
     lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
+  if options.stream_k:
+    out, parts = _kernel_call(tasks, count, lhs, rhs, m=m, config=config,
+                              out_dtype=out_dtype, num_sms=num_sms, options=options)
+    return stream_k_fixup(out, parts, tasks, count, steps=gemm.k_steps(lhs.shape[1], 1),
+                          block_n=config.block_n, grid_minor=config.grid_minor,
+                          band=options.task_band)
   if config.split_k == 1:
     return _kernel_call(tasks, count, lhs, rhs, m=m, config=config, out_dtype=out_dtype,
                         num_sms=num_sms, options=options)
@@ -335,6 +363,9 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
   cm = options.cluster_m
   delay = options.delay_release
   band = options.task_band
+  ctas = min(num_sms // cm, n_tasks * tiles_n * sk)
+  stream = bool(options.stream_k)
+  halves = partial_halves(out_dtype)
 
   out_swizzle = 128
   out_elems = out_swizzle // out_dtype.itemsize
@@ -347,13 +378,14 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
   # One row per tile: a store may start at any row of the tile.
   out_transforms = (plgpu.TilingTransform((1, out_elems)), plgpu.SwizzleTransform(out_swizzle))
 
-  def get_pipeline(body, compute_context, state=None):
+  def get_pipeline(body, compute_context, state=None, grid_steps=None):
     return gemm.operand_pipeline(body, compute_context, block_m=bm, block_n=bn,
                                  steps=steps, num_stages=config.num_stages, dtype=dtype,
                                  w_collective=("cluster",) if cm > 1 else (),
-                                 delay_release=delay, pipeline_state=state)
+                                 delay_release=delay, pipeline_state=state,
+                                 grid_steps=grid_steps)
 
-  def kernel(tasks_gmem, count_gmem, x_gmem, w_gmem, out_gmem):
+  def kernel(tasks_gmem, count_gmem, x_gmem, w_gmem, out_gmem, *parts_gmem):
     ignore = lambda *_, **__: None
 
     @functools.partial(
@@ -370,9 +402,34 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
       count = count_gmem[0]
       per_split = count * tiles_n
 
-      @plgpu.nd_loop((per_split * sk,), collective_axes="sm")
-      def _work_loop(info: plgpu.NDLoopInfo):
-        (lin,) = info.index
+      def emit(acc_ref, value, dst, row0, base, lo, rows, col0):
+        """Stores rows [lo, lo + rows) of this warpgroup's tile ``value(acc
+        slice)`` to ``dst`` (module doc: row-exact TMA stores, the whole
+        tile or a column slice at a time through the slots)."""
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        # Column slices one swizzle wide (64 bf16, 32 fp32), one row per
+        # tile: a store may start at any row.
+        def stage(j, slot):
+          out_smem[wg, slot] = value(acc_ref[:, j * out_elems:(j + 1) * out_elems])
+        if slots == slices:  # the whole tile, then its stores
+          for j in range(slices):
+            stage(j, j)
+          plgpu.commit_smem()
+          store_rows(out_smem, wg, dst, row0, base, lo, rows, col0)
+        else:  # a slice at a time through the slots
+          for j in range(slices):
+            if j >= slots:
+              plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+            stage(j, j % slots)
+            plgpu.commit_smem()
+            store_rows(out_smem, wg, dst, row0, base, lo, rows, col0,
+                       parts=((j % slots, j),))
+
+      def run_item(lin, *, kb0=0, grid_steps=None, state=None, piece=None):
+        """Work item ``lin`` (split-major), K blocks ``[kb0, kb0 +
+        grid_steps)`` of its split (default: all). ``piece`` ``(whole,
+        slot)``: store the tile to the output where ``whole``, else as
+        partial ``slot`` of this CTA (stream-K)."""
         split = lax.div(lin, per_split)
         rest = lax.rem(lin, per_split)
         task, ni = work_item(rest, count, tiles_n, config.grid_minor, tasks_gmem, band)
@@ -388,13 +445,14 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
           start, size = lo_c, hi_c - lo_c
         tail = grp >= groups
         expert = jnp.minimum(grp, groups - 1)
-        k0 = jnp.where(tail, jnp.int32(past_k), split * split_len)
+        k0 = jnp.where(tail, jnp.int32(past_k), split * split_len) + kb0 * BLOCK_K
         m_slice = pl.ds(pl.multiple_of(row0, worklist.ALIGN), bm)
         n_slice = pl.ds(ni * bn, bn)
         k_slice = pl.ds(k0, split_len)
         out_ref = out_gmem.at[split] if sk > 1 else out_gmem
         wg_m, wg_n, base, lo, rows, col0 = consumer_part(wg, ni, start, size, block_n=bn,
                                                          wg_tile=(wm, wn))
+        cast = lambda a: a.astype(out_dtype)
 
         def compute_context(eval_pipeline):
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
@@ -402,25 +460,22 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
             eval_pipeline(acc_ref)
             if delay:
               plgpu.wgmma_wait(0)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            # Column slices one swizzle wide (64 bf16, 32 fp32), one row per
-            # tile: a store may start at any row.
-            def stage(j, slot):
-              out_smem[wg, slot] = acc_ref[:, j * out_elems:(j + 1) * out_elems].astype(
-                  out_dtype)
-            if slots == slices:  # the whole tile, then its stores
-              for j in range(slices):
-                stage(j, j)
-              plgpu.commit_smem()
-              store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0)
-            else:  # a slice at a time through the slots
-              for j in range(slices):
-                if j >= slots:
-                  plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-                stage(j, j % slots)
-                plgpu.commit_smem()
-                store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0,
-                           parts=((j % slots, j),))
+            if piece is None:
+              emit(acc_ref, cast, out_ref, row0, base, lo, rows, col0)
+              return
+            whole, slot = piece
+            pl.when(whole)(lambda: emit(acc_ref, cast, out_ref, row0, base, lo, rows, col0))
+
+            @pl.when(jnp.logical_not(whole))
+            def _partial():
+              # The whole [wm, wn] part, as ``halves`` terms whose sum is
+              # the fp32 tile (hi, then the rest) in the output dtype.
+              pbase, pcol = (base, 0) if wn == bn else (jnp.int32(0), wg * wn)
+              dst = parts_gmem[0].at[lax.axis_index("sm"), slot]
+              emit(acc_ref, cast, dst.at[0], 0, pbase, 0, jnp.int32(wm), pcol)
+              if halves == 2:
+                emit(acc_ref, lambda a: cast(a - cast(a).astype(jnp.float32)), dst.at[1], 0,
+                     pbase, 0, jnp.int32(wm), pcol)
 
         def mma_body(idx, x_smem, w_smem, acc_ref):
           def mma():
@@ -433,27 +488,134 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
             mma()
           return acc_ref
 
+        get_pipeline(mma_body, compute_context, state, grid_steps)(
+            x_gmem.at[m_slice, k_slice],
+            w_gmem.at[expert, k_slice, n_slice],
+            allocations=pipeline_allocs,
+        )
+
+      total = per_split * sk
+      if stream:
+        dp_items, sk_steps = stream_k_plan(total, ctas, steps)
+      else:
+        dp_items = total
+
+      @plgpu.nd_loop((dp_items,), collective_axes="sm")
+      def _work_loop(info: plgpu.NDLoopInfo):
+        (lin,) = info.index
         state = None
-        if _pipelined(config, options, steps):
+        # (Not under stream-K: a CTA of one whole item would leave its
+        # pipeline, START alone, unquiesced before its pieces.)
+        if options.traced_steps:
+          run_item(lin, grid_steps=lax.div(per_split, per_split) * steps)
+          return
+        if not stream and _pipelined(config, options, steps):
           # One pipeline across this CTA's work items: the first fills the
           # ring, the last drains it, the others keep it streaming.
           state = jnp.where(info.local_index == 0, plgpu.PipelinePipeline.START,
                             jnp.where(info.local_index == info.num_local_steps - 1,
                                       plgpu.PipelinePipeline.STOP,
                                       plgpu.PipelinePipeline.STEADY)).astype(jnp.int32)
-        get_pipeline(mma_body, compute_context, state)(
-            x_gmem.at[m_slice, k_slice],
-            w_gmem.at[expert, k_slice, n_slice],
-            allocations=pipeline_allocs,
-        )
+        run_item(lin, state=state)
+
+      if stream:
+        # This CTA's share of the last items' K steps: at most a piece of
+        # an item begun by the CTA before, whole items, and the first
+        # piece of an item the next CTA ends (stream_k_plan).
+        c = lax.axis_index("sm")
+        first = lax.div(c * sk_steps, jnp.int32(ctas))
+        end = lax.div((c + 1) * sk_steps, jnp.int32(ctas))
+
+        def piece_body(_, pos):
+          item = lax.div(pos, jnp.int32(steps))
+          kb0 = lax.rem(pos, jnp.int32(steps))
+          kb1 = jnp.minimum(jnp.int32(steps), kb0 + end - pos)
+          whole = (kb0 == 0) & (kb1 == steps)
+
+          @pl.when(pos < end)
+          def _piece():
+            run_item(dp_items + item, kb0=kb0, grid_steps=kb1 - kb0,
+                     piece=(whole, jnp.where(kb0 > 0, 0, 1)))
+          return jnp.where(pos < end, pos + kb1 - kb0, pos)
+
+        lax.fori_loop(0, STREAM_K_PIECES, piece_body, first)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_shape = (sk, m, n) if sk > 1 else (m, n)
   (tasks, count, x, w), axes = match_varying(tasks, count, x, w)
-  return gemm.persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
-                                min(num_sms // cm, n_tasks * tiles_n * sk),
-                                cluster=cm)(tasks, count, x, w)
+  out_type = out_struct(out_shape, out_dtype, axes)
+  if stream:
+    out_type = (out_type, out_struct((ctas, 2, halves, bm, bn), out_dtype, axes))
+  return gemm.persistent_kernel(kernel, out_type, ctas, cluster=cm)(tasks, count, x, w)
+
+
+#: Pieces of one CTA's stream-K range: a piece of an item begun before, a
+#: whole item, the first piece of the next (stream_k_plan).
+STREAM_K_PIECES = 3
+
+
+def partial_halves(out_dtype) -> int:
+  """Terms of a stream-K partial tile in the output dtype: 1 for float32,
+  else 2 (the rounded tile and what rounding lost, which sum to the fp32
+  tile to about 16 bits)."""
+  return 1 if jnp.dtype(out_dtype) == jnp.float32 else 2
+
+
+def stream_k_plan(items, ctas: int, steps: int):
+  """``(data-parallel items, stream-K steps)`` of ``items`` work items of
+  ``steps`` K steps each on ``ctas`` CTAs (traced int32 or ints).
+
+  Where the items fill whole waves, or less than one wave, all of them run
+  whole (the second term is 0). Otherwise the first ``(items // ctas - 1) *
+  ctas`` run whole, interleaved over the CTAs, and the last ``ctas + r``
+  (``r = items % ctas``) are cut along K: CTA ``c`` runs their steps
+  ``[c * T // ctas, (c + 1) * T // ctas)`` of ``T = (ctas + r) * steps``.
+  Each CTA's range is at least ``steps`` long, so an item is cut between at
+  most two consecutive CTAs: the first piece ends one CTA's range, the
+  rest begins the next one's."""
+  if isinstance(items, int):
+    q, r = divmod(items, ctas)
+    return ((q - 1) * ctas, (ctas + r) * steps) if q >= 1 and r > 0 else (items, 0)
+  # lax.div and lax.rem: non-negative operands, and the ops a kernel lowers.
+  q, r = lax.div(items, jnp.int32(ctas)), lax.rem(items, jnp.int32(ctas))
+  on = (q >= 1) & (r > 0)
+  return (jnp.where(on, (q - 1) * ctas, items),
+          jnp.where(on, (ctas + r) * steps, 0).astype(jnp.int32))
+
+
+def stream_k_fixup(out, parts, tasks, count, *, steps: int, block_n: int, grid_minor: int,
+                   band: int = 0):
+  """The output of a stream-K launch (:func:`stream_k_plan`): each item cut
+  between CTAs ``c`` and ``c + 1`` is the sum of ``c``'s last partial
+  (``parts[c, 1]``) and ``c + 1``'s first (``parts[c + 1, 0]``), stored to
+  its task's valid rows (one scatter; the other rows are dropped)."""
+  m, n = out.shape
+  ctas, _, halves, bm, bn = parts.shape
+  tiles_n = -(-n // block_n)
+  dp_items, sk_steps = stream_k_plan(count[0] * tiles_n, ctas, steps)
+  c = jnp.arange(ctas - 1, dtype=jnp.int32)
+  end = (c + 1) * sk_steps // ctas
+  cut = (sk_steps > 0) & (end % steps != 0)
+  item = jnp.where(cut, dp_items + end // steps, 0)
+  task, ni = work_item(item, count[0], tiles_n, grid_minor, tasks, band)
+  row0, start, size = (tasks[r, task][:, None] for r in (worklist.ROW0, worklist.START,
+                                                         worklist.SIZE))
+  tile = sum(parts[:-1, 1, h].astype(jnp.float32) + parts[1:, 0, h].astype(jnp.float32)
+             for h in range(halves))
+  # One update window per row and 64 columns (N is a multiple of 64, so a
+  # window is wholly inside N or wholly past it); rows outside the task's
+  # valid ones, and items not cut, go to row m: dropped.
+  r = jnp.arange(bm, dtype=jnp.int32)[None, :]
+  rows = jnp.where(cut[:, None] & (r >= start) & (r < start + size), row0 + r, m)
+  chunks = bn // NK_MULTIPLE
+  cols = ni[:, None] * block_n + NK_MULTIPLE * jnp.arange(chunks, dtype=jnp.int32)[None, :]
+  idx = jnp.stack(jnp.broadcast_arrays(rows[:, :, None], cols[:, None, :]), axis=-1)
+  updates = tile.astype(out.dtype).reshape(-1, NK_MULTIPLE)
+  dims = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,),
+                                     scatter_dims_to_operand_dims=(0, 1))
+  return lax.scatter(out, idx.reshape(-1, 2), updates, dims, unique_indices=True,
+                     mode=lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def work_item(rest, count, tiles_n: int, grid_minor: int, tasks, band: int = 0):
