@@ -5,6 +5,8 @@ against the float32 reference first): ``wt.attention`` with the option (the
 backend the selector picks), the other backends that run it (cuDNN's
 sliding window, XLA's attention, the Mosaic kernel at 128 x 128 and 128 x 64
 tiles), and cuDNN's full causal attention without the option (what a model runs when its attention library has no window).
+Where a problem has soft-capping or sinks, each Mosaic config is also timed
+without them (the window kept): what the options cost the same kernel.
 
     python3 benchmarks/attention_options.py [--quick] [--json out.json]
 """
@@ -44,6 +46,11 @@ EDGES = [
 ]
 
 
+#: The Mosaic configs timed (label -> config).
+_MOSAIC = {"mosaic": wt.MosaicAttentionConfig(block_q=128, block_k=128, num_stages=2),
+           "mosaic64": wt.MosaicAttentionConfig(block_q=128, block_k=64, num_stages=2)}
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="the first two problems")
@@ -70,10 +77,7 @@ def main(argv=None):
       chosen = wt.select("attention", problem, wt.detect()).config
     cands = {"wt": lambda q, k, v, s=None: wt.attention(q, k, v, **kw)}
     for label, cfg in (("cudnn", wt.CudnnAttentionConfig()), ("xla", wt.XlaAttentionConfig()),
-                       ("mosaic", wt.MosaicAttentionConfig(block_q=128, block_k=128,
-                                                           num_stages=2)),
-                       ("mosaic64", wt.MosaicAttentionConfig(block_q=128, block_k=64,
-                                                             num_stages=2))):
+                       *_MOSAIC.items()):
       try:
         wt.ATTENTION.backend_of(cfg).validate(problem, cfg, wt.detect())
       except ValueError:
@@ -85,10 +89,22 @@ def main(argv=None):
                             out_bytes=q.size * 4)
     full = prof.measure_many([lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn")], (q, k, v))[0]
+    # The same Mosaic configs without soft-capping and sinks (another
+    # function, so unchecked): what those options cost the kernel.
+    plain_kw = {k_: v_ for k_, v_ in kw.items() if k_ not in ("logit_soft_cap", "sinks")}
+    no_option = {}
+    if plain_kw != kw:
+      labels = [lab for lab in cands if lab.startswith("mosaic")]
+      plain = prof.measure_many(
+          [(lambda cfg: lambda q, k, v: wt.attention(q, k, v, config=cfg, **plain_kw))(cfg)
+           for cfg in (_MOSAIC[lab] for lab in labels)], (q, k, v))
+      no_option = {lab: m.median_us if m.status == "ok" else math.nan
+                   for lab, m in zip(labels, plain)}
     row = {"name": name, "seq": t, "q_heads": h, "kv_heads": kvh, "head_dim": d,
            "options": {k_: (v_ if not hasattr(v_, "shape") else "array")
                        for k_, v_ in kw.items()},
            "chosen": type(chosen).__name__, "full_causal_cudnn_us": full.median_us,
+           "mosaic_without_cap_or_sinks_us": no_option,
            "times": {lab: {"status": m.status, "us": m.median_us if m.status == "ok"
                            else math.nan, "error": (m.error or "")[:200]}
                      for lab, m in zip(cands, res)}}
@@ -99,6 +115,9 @@ def main(argv=None):
       extra = (f" ({full.median_us / r['us']:.2f}x the full causal)" if r["us"] == r["us"]
                else f" {r['status']}: {r['error']}")
       print(f"  {lab:<6} {r['us']:10.1f} us{extra}", flush=True)
+    for lab, us in no_option.items():
+      print(f"  {lab} without soft cap / sinks {us:10.1f} us: the options cost "
+            f"{row['times'][lab]['us'] / us - 1:+.1%}", flush=True)
     del q, k, v, ref
   if a.json:
     with open(a.json, "w") as f:
