@@ -102,10 +102,12 @@ def edge_cases() -> dict:
 
 
 def check_cases(runs: dict, only: str | None = None, what: str = "runs", k: int = 256,
-                n: int = 512) -> int:
+                n: int = 512, quantize=None) -> int:
   """Each of ``runs`` (name -> ``f(problem, lhs, rhs, group_sizes)``) on the
   :func:`edge_cases` (those whose name holds ``only``), every row against
-  the float32 reference (zeros past the groups); returns the failures."""
+  the float32 reference (zeros past the groups); returns the failures.
+  ``quantize(rhs) -> (w, scales [G, N])``: the runs get ``(w, scales)`` as
+  ``rhs``, and the reference is computed on ``w * scales``."""
   fails = 0
   print(f"edge cases ({what} vs float32 reference, every row):", flush=True)
   for name, (m, sizes) in edge_cases().items():
@@ -119,7 +121,11 @@ def check_cases(runs: dict, only: str | None = None, what: str = "runs", k: int 
     total = min(int(np.sum(sizes)), m)
     if total < m:
       lhs = lhs.at[total:].set(jnp.nan)
-    ref = np.array(jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs,
+    rhs32 = rhs.astype(jnp.float32)
+    if quantize is not None:
+      rhs = quantize(rhs)
+      rhs32 = rhs[0].astype(jnp.float32) * rhs[1][:, None, :]
+    ref = np.array(jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs32, gs,
                                         precision=jax.lax.Precision.HIGHEST))
     ref[total:] = 0.0
     p = RaggedDotProblem(m=m, g=g, k=k, n=n)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import wavetune_jax as wt
-from pallas_kernels.ragged_dot import fp8
+from pallas_kernels.ragged_dot import fp8, weight_only
 from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig as C
 from wavetune_jax import QRAGGED_DOT, QRaggedDotProblem
 from wavetune_jax.families.qragged_dot.backends import fp8_rule
@@ -141,9 +141,10 @@ def test_rule_space_and_selection():
   p = _problem(4096, 8, 4096, 28672)
   sel = wt.select(QRAGGED_DOT, p, H100)
   assert isinstance(sel.config, C) and sel.config.block_m == 128
-  # The Mosaic kernel runs W8A8 with [G, N, K] weights only; XLA elsewhere.
+  # The FP8 kernel runs W8A8 with [G, N, K] weights only, the weight-only
+  # kernel [G, K, N] weights; XLA elsewhere.
   for q in (_problem(4096, 8, 4096, 28672, layout="kn"),
-            _problem(4096, 8, 4096, 28672, "bfloat16", "int8", "kn"),
+            _problem(4096, 8, 4096, 28672, "bfloat16", "int8", "nk"),
             _problem(64, 8, 2880, 5760)):
     assert not mosaic.space(q, H100)
     assert isinstance(wt.select(QRAGGED_DOT, q, H100).config, wt.XlaQRaggedDotConfig)
@@ -220,3 +221,79 @@ def test_moe_decoder_with_w8a8_experts():
                     np.float32)
   assert rel(mlp["tables"], mlp["xla"]) < 0.02
   assert 0 < rel(mlp["xla"], bf16) < 0.1
+
+
+@pytest.mark.parametrize("m,g,k,n,wd,config", [
+    (64, 8, 4096, 14336, "int8", C(block_m=64, block_n=256, num_stages=4)),
+    (1000, 8, 1024, 2048, "float8_e4m3fn", C(block_m=128, block_n=128, num_stages=4,
+                                             grid_minor=2)),
+    (16, 8, 4096, 1024, "int8", C(block_m=64, block_n=256, num_stages=3, split_k=4)),
+    (777, 16, 512, 512, "float8_e4m3fn", C(block_m=64, block_n=256, num_stages=3,
+                                           grid_minor=0))])
+def test_mosaic_weight_only_kernel_lowers_for_cuda(m, g, k, n, wd, config):
+  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), wd),
+          jax.ShapeDtypeStruct((g, n), jnp.float32), jax.ShapeDtypeStruct((g,), jnp.int32))
+  out = jnp.float32 if config.split_k > 1 else None
+  f = lambda *a: weight_only.weight_only_ragged_dot(  # noqa: E731
+      *a, config=config, num_sms=132, out_dtype=out)
+  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_weight_only_rule_space_and_errors():
+  mosaic = QRAGGED_DOT.backend("mosaic")
+  for m, g, k, n in [(2, 8, 4096, 28672), (32, 8, 14336, 4096), (128, 64, 2048, 2048),
+                     (4096, 8, 4096, 28672)]:
+    for wd in ("int8", "float8_e4m3fn"):
+      for out in ("bfloat16", "float32"):
+        p = QRaggedDotProblem(m=m, g=g, k=k, n=n, dtype="bfloat16", w_dtype=wd, out_dtype=out)
+        space = mosaic.space(p, H100)
+        assert space and all(mosaic.why_not(p, c) is None for c in space)
+        for c in space:
+          mosaic.validate(p, c, H100)  # every config's ring and staging fit
+        rule = mosaic.heuristic(p, H100)
+        if m / g > 64:
+          assert rule is None  # above 64 rows per expert: XLA
+        else:
+          assert rule in space and (rule.block_m, rule.block_n) == (64, 256)
+        # The rule's tiles are trusted without evidence up to 64 rows per
+        # expert (measured faster than XLA on every problem); above, XLA.
+        chosen = wt.select(QRAGGED_DOT, p, H100).config
+        assert chosen == (rule or wt.XlaQRaggedDotConfig()), (p, chosen)
+  # One token of Mixtral's w2 (2 rows): 2 experts' tasks x 16 column tiles =
+  # 32 CTAs, 4 splits fill a wave; 16 tokens (32 rows) fill it unsplit.
+  assert weight_only.decode_config(2, 8, 4096, 14336, 132).split_k == 4
+  assert weight_only.decode_config(32, 8, 4096, 14336, 132).split_k == 1
+  bad = QRaggedDotProblem(m=16, g=8, k=4096, n=1000, dtype="bfloat16", w_dtype="int8")
+  assert "N a multiple of 128" in mosaic.why_not(bad) and not mosaic.space(bad, H100)
+  with pytest.raises(ValueError, match="tiles"):
+    weight_only.check_shapes(16, 1024, 4096, jnp.bfloat16, jnp.int8,
+                             C(block_m=128, block_n=256, num_stages=3))
+  with pytest.raises(ValueError, match="num_stages >= 3"):
+    weight_only.check_shapes(16, 1024, 4096, jnp.bfloat16, jnp.int8,
+                             C(block_m=64, block_n=256, num_stages=2))
+  with pytest.raises(ValueError, match="bfloat16 or float16 activations"):
+    weight_only.check_shapes(16, 1024, 4096, jnp.float32, jnp.int8,
+                             C(block_m=64, block_n=256, num_stages=3))
+
+
+def test_weight_only_run_on_record_reproduces_the_docs():
+  """docs/results.md's weight-only grouped GEMM numbers (H100 run of
+  ``benchmarks/weight_only_ragged_dot.py --check``): every edge case right,
+  the rule over XLA's op and over bf16 ``wt.ragged_dot`` on all 24 problems,
+  and the rule is the config the family's heuristic gives."""
+  run = json.loads((Path(__file__).parent.parent / "data/probes/"
+                    "weight_only_ragged_dot_h100.json").read_text())
+  assert run["edge_failures"] == 0 and len(run["rows"]) == 24
+  mosaic = QRAGGED_DOT.backend("mosaic")
+  over_xla, over_bf16 = [], []
+  for r in run["rows"]:
+    t = r["times"][r["rule"]]
+    over_xla.append(r["times"]["xla"] / t)
+    over_bf16.append(r["bf16_ragged_dot_us"] / t)
+    p = QRaggedDotProblem(m=r["m"], g=r["g"], k=r["k"], n=r["n"], dtype="bfloat16",
+                          w_dtype=r["w_dtype"])
+    c = mosaic.heuristic(p, H100)
+    assert r["rule"] == f"mosaic {c.block_m}x{c.block_n} s{c.num_stages} k{c.split_k}"
+  geo = lambda a: float(np.exp(np.mean(np.log(a))))  # noqa: E731
+  assert (round(min(over_xla), 2), round(max(over_xla), 2), round(geo(over_xla), 2)) == (1.09, 5.63, 2.38)
+  assert (round(min(over_bf16), 2), round(max(over_bf16), 2), round(geo(over_bf16), 2)) == (1.07, 1.92, 1.54)

@@ -138,13 +138,63 @@ def _matmul(x, w, scales, *, config: MosaicMatmulConfig, out_dtype, num_sms: int
   return (acc * scales.astype(jnp.float32)[None, :]).astype(out_dtype)
 
 
+def x_block_transforms(dtype) -> tuple:
+  """The 128-byte swizzle of a 16-bit block (``x`` and the dequantized ``w``)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  return (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(128))
+
+
+def operand_pipeline(body, compute_context, *, block_m: int, block_n: int, steps: int,
+                     num_stages: int, dtype):
+  """The TMA ring of the weight-only GEMMs (dense and grouped): ``[block_m,
+  64]`` 16-bit blocks of x and ``[64, block_n]`` 8-bit blocks of w (128-byte
+  swizzle), one producer and two consumer warpgroups, each slot released one
+  step late (x is read by a wgmma still in flight when the body returns)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  w_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+  return plgpu.emit_pipeline_warp_specialized(
+      body,
+      grid=(steps,),
+      memory_registers=_MEMORY_REGISTERS,
+      in_specs=[
+          plgpu.BlockSpec((block_m, BLOCK_K), lambda kk: (0, kk),
+                          transforms=x_block_transforms(dtype), memory_space=plgpu.SMEM,
+                          delay_release=1),
+          plgpu.BlockSpec((BLOCK_K, block_n), lambda kk: (kk, 0), transforms=w_transforms,
+                          memory_space=plgpu.SMEM, delay_release=1),
+      ],
+      wg_axis="wg",
+      num_compute_wgs=2,
+      max_concurrent_steps=min(num_stages, steps),
+      compute_context=compute_context,
+  )
+
+
+def dequantized_mma(step, steps: int, acc_ref, x_block, w_block, deq_bufs) -> None:
+  """One pipeline step of a consumer: its columns of the 8-bit block
+  ``w_block`` converted in registers (exact: 8-bit values are bfloat16 /
+  float16 values) into one of its two buffers ``deq_bufs`` while the last
+  step's wgmma reads the other, then ``acc += x_block @ that buffer``."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  dtype = deq_bufs.dtype
+  buf = lax.rem(step, 2)
+  wv = w_block[...]
+  if wv.dtype != jnp.int8 and dtype != jnp.float16:
+    wv = wv.astype(jnp.float16)  # e4m3 -> bfloat16 has no single cvt on sm_90
+  deq_bufs[buf] = wv.astype(dtype)
+  plgpu.commit_smem()
+  plgpu.wgmma(acc_ref, x_block, deq_bufs.at[buf])
+  # The last step's: its buffer is free for the next.
+  wgmma_wait_delayed(step, steps, 1)
+
+
 def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   (m, k), n = x.shape, w.shape[1]
   dtype = x.dtype
-  item = jnp.dtype(dtype).itemsize
   sk = config.split_k
   bm, bn = config.block_m, config.block_n
   wm, wn = wg_tile(bm, bn)
@@ -157,27 +207,11 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
   out_transforms = (plgpu.TilingTransform((8, EPI_N)), plgpu.SwizzleTransform(128))
   epi_m, epi_n = min(64, wm), EPI_N
   num_slots = min(2, (wm * wn) // (epi_m * epi_n))
-  x_transforms = (plgpu.TilingTransform((8, 128 // item)), plgpu.SwizzleTransform(128))
-  w_transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+  x_transforms = x_block_transforms(dtype)
 
   def get_pipeline(body, compute_context):
-    return plgpu.emit_pipeline_warp_specialized(
-        body,
-        grid=(steps,),
-        memory_registers=_MEMORY_REGISTERS,
-        in_specs=[
-            # x is read by a wgmma still in flight when the body returns (the
-            # pipeline releases every input alike).
-            plgpu.BlockSpec((bm, BLOCK_K), lambda kk: (0, kk), transforms=x_transforms,
-                            memory_space=plgpu.SMEM, delay_release=1),
-            plgpu.BlockSpec((BLOCK_K, bn), lambda kk: (kk, 0), transforms=w_transforms,
-                            memory_space=plgpu.SMEM, delay_release=1),
-        ],
-        wg_axis="wg",
-        num_compute_wgs=2,
-        max_concurrent_steps=min(config.num_stages, steps),
-        compute_context=compute_context,
-    )
+    return operand_pipeline(body, compute_context, block_m=bm, block_n=bn, steps=steps,
+                            num_stages=config.num_stages, dtype=dtype)
 
   def kernel(x_gmem, w_gmem, out_gmem):
     ignore = lambda *_, **__: None
@@ -209,18 +243,8 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
                        epi=(epi_m, epi_n))
 
         def mma_body(idx, x_smem, w_smem, acc_ref):
-          # The consumer's columns of the 8-bit block, converted in registers
-          # (exact: 8-bit values are bfloat16 / float16 values), to one of its
-          # two buffers while the last step's wgmma reads the other.
-          buf = lax.rem(idx[0], 2)
-          wv = w_smem[:, wg_n]
-          if wv.dtype != jnp.int8 and dtype != jnp.float16:
-            wv = wv.astype(jnp.float16)  # e4m3 -> bfloat16 has no single cvt on sm_90
-          deq_smem[wg, buf] = wv.astype(dtype)
-          plgpu.commit_smem()
-          plgpu.wgmma(acc_ref, x_smem.at[wg_m], deq_smem.at[wg, buf])
-          # The last step's: its buffer is free for the next.
-          wgmma_wait_delayed(idx[0], steps, 1)
+          dequantized_mma(idx[0], steps, acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n],
+                          deq_smem.at[wg])
           return acc_ref
 
         get_pipeline(mma_body, compute_context)(

@@ -1,6 +1,8 @@
 """The backends of the quantized grouped GEMM: XLA's ragged dot (the platform
 op: on the converted weights for weight-only problems, on the e4m3 operands
-for W8A8) and the Mosaic GPU FP8 kernel (``pallas_kernels.ragged_dot.fp8``)."""
+for W8A8) and the Mosaic GPU kernels (``pallas_kernels.ragged_dot.fp8`` for
+W8A8, ``pallas_kernels.ragged_dot.weight_only`` for 8-bit weights with 16-bit
+activations)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.matmul import fp8 as dense_fp8
+from pallas_kernels.matmul.mosaic import k_steps as bf16_k_steps
 from pallas_kernels.ragged_dot import fp8 as kernel
+from pallas_kernels.ragged_dot import weight_only as wo_kernel
 from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig
 from wavetune_jax.core.family import Backend, OneConfigBackend
 from wavetune_jax.core.hardware import Hardware
@@ -115,6 +119,12 @@ def fp8_rule(m: int, g: int, n: int, k: int, num_sms: int, smem_per_block: int =
   return next((c for c in cands if _smem(c, out_dtype) <= smem_per_block), None)
 
 
+def _wo_smem(c: MosaicRaggedDotConfig, dtype: str, out_dtype: str) -> int:
+  out = 4 if c.split_k > 1 else jnp.dtype(out_dtype).itemsize
+  return wo_kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
+                              itemsize=jnp.dtype(dtype).itemsize, out_itemsize=out)
+
+
 def _smem(c: MosaicRaggedDotConfig, out_dtype: str) -> int:
   out = 4 if c.split_k > 1 else jnp.dtype(out_dtype).itemsize
   return kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
@@ -142,9 +152,11 @@ class XlaQRaggedDot(OneConfigBackend):
 
 
 class MosaicQRaggedDot(Backend):
-  """The Mosaic GPU FP8 grouped GEMM (Hopper, W8A8 with the weights ``[G, N,
-  K]``): the bf16 grouped GEMM's run-time work list with FP8 wgmma and the
-  scales in the epilogue. No CPU interpret mode."""
+  """The Mosaic GPU quantized grouped GEMMs (Hopper): W8A8-FP8 with the
+  weights ``[G, N, K]`` (FP8 wgmma), and weight-only with the weights ``[G,
+  K, N]`` (each 8-bit block converted in registers before a 16-bit wgmma);
+  both the bf16 grouped GEMM's run-time work list with the scales in the
+  epilogue. No CPU interpret mode."""
 
   name = "mosaic"
   kernel_cache = True
@@ -161,8 +173,15 @@ class MosaicQRaggedDot(Backend):
   def why_not(p: QRaggedDotProblem, c: MosaicRaggedDotConfig | None = None) -> str | None:
     """Why the kernel cannot run ``p`` (with ``c``); None where it can."""
     if not p.w8a8:
-      return ("the Mosaic quantized grouped GEMM runs W8A8-FP8 (e4m3 activations); "
-              "weight-only problems run on XLA")
+      if p.w_layout != "kn":
+        return ("the Mosaic weight-only grouped GEMM reads the weights as [G, K, N] "
+                "(w_layout='kn'; or use the XLA config)")
+      try:
+        wo_kernel.check_shapes(p.m, p.n, p.k, p.dtype, p.w_dtype, c or MosaicRaggedDotConfig(
+            block_m=64, block_n=256, num_stages=4))
+      except ValueError as e:
+        return str(e)
+      return None
     if p.w_layout != "nk":
       return ("the Mosaic FP8 grouped GEMM reads the weights as [G, N, K] (FP8 tensor cores "
               "take 8-bit operands K-major); pass them with w_layout='nk' (or use the XLA "
@@ -175,10 +194,14 @@ class MosaicQRaggedDot(Backend):
     return None
 
   def smem_bytes(self, p: QRaggedDotProblem, c: MosaicRaggedDotConfig) -> int:
+    if not p.w8a8:
+      return _wo_smem(c, p.dtype, p.out_dtype)
     return _smem(c, p.out_dtype)
 
   def space(self, p: QRaggedDotProblem, hw: Hardware, *, prune: bool = True) -> tuple:
-    """:data:`~pallas_kernels.ragged_dot.fp8.TILES`, 3-5 stages, K splits
+    """The kernel's tiles (:data:`~pallas_kernels.ragged_dot.fp8.TILES` for
+    W8A8, :data:`~pallas_kernels.ragged_dot.weight_only.TILES` for
+    weight-only), 3-5 stages, K splits
     (at least four K steps each) only where the expected work fills less
     than a wave and (pruned) at most two with the splits; both orders and
     order 2 (by expert) only where the work takes more than a wave, order 2
@@ -187,9 +210,10 @@ class MosaicQRaggedDot(Backend):
       return ()
     out = []
     per = p.m / min(p.g, p.m)
-    for (bm, bn), st, sk, gm in itertools.product(kernel.TILES, STAGES, SPLIT_K, ORDERS):
+    tiles = kernel.TILES if p.w8a8 else wo_kernel.TILES
+    for (bm, bn), st, sk, gm in itertools.product(tiles, STAGES, SPLIT_K, ORDERS):
       work = int(expected_tasks(p.m, p.g, bm)) * -(-p.n // bn)
-      if sk > 1 and (gm != 1 or work >= hw.num_sms or dense_fp8.k_steps(p.k, sk) < 4
+      if sk > 1 and (gm != 1 or work >= hw.num_sms or self._k_steps(p, sk) < 4
                      or (prune and work * sk > 2 * hw.num_sms)):
         continue
       if gm != 1 and (work <= hw.num_sms or (gm == 2 and per <= 64)):
@@ -213,11 +237,23 @@ class MosaicQRaggedDot(Backend):
                        f"memory; {hw.name} allows {hw.smem_per_block} per block")
 
   def heuristic(self, p: QRaggedDotProblem, hw: Hardware) -> MosaicRaggedDotConfig | None:
-    """:func:`fp8_rule` (``benchmarks/fp8_ragged_dot.py``)."""
+    """:func:`fp8_rule` (``benchmarks/fp8_ragged_dot.py``) for W8A8; for
+    weight-only problems the kernel's ``decode_config`` (64 x 256 tiles up
+    to 64 rows per expert, else none: XLA)."""
     if self.why_not(p):
       return None
-    c = fp8_rule(p.m, p.g, p.n, p.k, hw.num_sms, hw.smem_per_block, p.out_dtype)
+    if p.w8a8:
+      c = fp8_rule(p.m, p.g, p.n, p.k, hw.num_sms, hw.smem_per_block, p.out_dtype)
+    else:
+      c = wo_kernel.decode_config(p.m, p.g, p.n, p.k, hw.num_sms)
+      if c is not None and self.smem_bytes(p, c) > hw.smem_per_block:
+        c = None
     return None if c is None or self.why_not(p, c) else c
+
+  @staticmethod
+  def _k_steps(p: QRaggedDotProblem, split_k: int) -> int:
+    """K steps of a split: 128 per FP8 step, 64 per weight-only step."""
+    return dense_fp8.k_steps(p.k, split_k) if p.w8a8 else bf16_k_steps(p.k, split_k)
 
   def occupancy_bound(self, problem, config, hw: Hardware) -> int:
     return 1  # one persistent CTA per SM
@@ -226,11 +262,14 @@ class MosaicQRaggedDot(Backend):
     """``G`` = expected row tasks x column tiles x splits, ``L`` = K steps of a split."""
     tasks = int(expected_tasks(p.m, p.g, macro["block_m"]))
     return (tasks * -(-p.n // macro["block_n"]) * macro["split_k"],
-            float(dense_fp8.k_steps(p.k, macro["split_k"])))
+            float(self._k_steps(p, macro["split_k"])))
 
   def run(self, p: QRaggedDotProblem, config, x, w, scales, group_sizes, x_scales=None, *,
           interpret: bool = False):
     if interpret:
-      raise NotImplementedError(kernel.NO_INTERPRET)
+      raise NotImplementedError(kernel.NO_INTERPRET if p.w8a8 else wo_kernel.NO_INTERPRET)
+    if not p.w8a8:
+      return wo_kernel.weight_only_ragged_dot(x, w, scales, group_sizes, config=config,
+                                              out_dtype=jnp.dtype(p.out_dtype))
     return kernel.fp8_ragged_dot(x, w, x_scales, scales, group_sizes, config=config,
                                  out_dtype=jnp.dtype(p.out_dtype))

@@ -1,0 +1,290 @@
+# Copyright 2026 The wavetune-jax Authors.
+#
+# Licensed under the Apache License, Version 2.0 (the "License");
+# you may not use this file except in compliance with the License.
+# You may obtain a copy of the License at
+#
+#     https://www.apache.org/licenses/LICENSE-2.0
+#
+# Unless required by applicable law or agreed to in writing, software
+# distributed under the License is distributed on an "AS IS" BASIS,
+# WITHOUT WARRANTIES OR CONDITIONS OF ANY KIND, either express or implied.
+# See the License for the specific language governing permissions and
+# limitations under the License.
+"""Pallas Mosaic GPU weight-only grouped GEMM for Hopper (W8A16 mixture-of-experts layers).
+
+``y[r] = (x[r] @ w[g]) * scales[g]`` for each row ``r`` of group ``g`` (rows
+grouped contiguously, ``lax.ragged_dot`` semantics): ``x [M, K]`` bfloat16 or
+float16, the expert weights ``w [G, K, N]`` int8 or float8_e4m3fn (the layout
+of ``lax.ragged_dot``'s right operand), ``scales [G, N]`` float32, one per
+expert and output channel. A channel's scale is common to its whole column,
+so it leaves the dot product: the kernel multiplies the 8-bit values (exact in
+bfloat16 and float16) and scales the fp32 tile in the epilogue. A decode step
+reads every expert's weight for a few rows each: half the bytes of bfloat16
+weights is what it saves.
+
+It is the grouped GEMM of :mod:`pallas_kernels.ragged_dot.mosaic` (the
+run-time work list of 8-row-aligned row tasks, one persistent CTA per SM, the
+row-exact ladder of TMA stores) with the weight-only GEMM's core
+(:mod:`pallas_kernels.matmul.weight_only`): each consumer warpgroup converts
+its columns of the 8-bit block in registers into a 16-bit buffer of its own,
+which wgmma reads. The scales of a work item's expert and columns come with
+TMA while its K loop runs. With ``split_k > 1`` each split writes its scaled
+fp32 partial (the scales are linear in the partial sums) and one XLA
+reduction sums them.
+
+Rows past ``sum(group_sizes)`` come out as zeros: their tasks' K loads lie
+past K (TMA fills zeros), even where ``x`` holds NaN there.
+
+Requirements (:func:`check_shapes`): compute capability 9.0; the tiles
+:data:`TILES`; ``N`` a multiple of 128, ``K`` of 64 with at least two K steps
+of 64 per split; ``num_stages >= 3``. ``M`` above 8 and not a multiple of 8
+pads ``x`` with zero rows (the output is stored row by row in place).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._launch import match_varying, out_struct, require_compute_capability
+from pallas_kernels.matmul import weight_only as dense
+from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, k_steps, persistent_kernel,
+                                          wg_tile)
+from pallas_kernels.ragged_dot import worklist
+from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, MosaicRaggedDotConfig, consumer_part,
+                                              store_rows, work_item)
+
+__all__ = ["TILES", "WEIGHT_DTYPES", "check_shapes", "decode_config", "smem_bytes",
+           "weight_only_ragged_dot"]
+
+WEIGHT_DTYPES = dense.WEIGHT_DTYPES
+#: CTA tiles the kernel runs: 64 x 256 (the consumers split the columns, each
+#: a 128-byte row of the 8-bit block) and 128 x 128 (they split the rows and
+#: each converts the whole block); 128 x 256 leaves no room for a ring.
+TILES = ((64, 256), (128, 128))
+_BARRIER_BYTES = 1024
+NO_INTERPRET = ("the Mosaic GPU weight-only grouped GEMM has no CPU interpret mode; its "
+                "correctness is checked on a Hopper GPU (benchmarks/weight_only.py "
+                "--grouped compares every config with the float32 product of the "
+                "dequantized weights)")
+
+
+def smem_bytes(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
+               out_itemsize: int) -> int:
+  """The operand ring (16-bit x blocks, 8-bit w blocks), two dequantized
+  blocks per consumer, each consumer's staged output tile and its scales."""
+  wm, wn = wg_tile(block_m, block_n)
+  ring = num_stages * (block_m * BLOCK_K * itemsize + BLOCK_K * block_n)
+  deq = 2 * 2 * BLOCK_K * (block_n if block_m >= 128 else wn) * itemsize
+  return ring + deq + 2 * wm * wn * out_itemsize + 2 * wn * 4 + _BARRIER_BYTES
+
+
+def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicRaggedDotConfig) -> None:
+  """Raises ``ValueError`` unless the kernel runs ``[m, k] x [G, k, n]`` with ``config``."""
+  if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
+    raise ValueError(f"the Mosaic GPU weight-only grouped GEMM takes bfloat16 or float16 "
+                     f"activations; got {jnp.dtype(dtype).name}")
+  if jnp.dtype(w_dtype).name not in WEIGHT_DTYPES:
+    raise ValueError(f"the Mosaic GPU weight-only grouped GEMM takes {WEIGHT_DTYPES} weights; "
+                     f"got {jnp.dtype(w_dtype).name}")
+  if (config.block_m, config.block_n) not in TILES:
+    raise ValueError(f"the Mosaic GPU weight-only grouped GEMM runs the tiles {TILES}; got "
+                     f"{config.block_m}x{config.block_n}")
+  if n % dense.N_MULTIPLE or k % BLOCK_K:
+    raise ValueError(f"the Mosaic GPU weight-only grouped GEMM needs N a multiple of "
+                     f"{dense.N_MULTIPLE} and K of {BLOCK_K}; got N={n}, K={k} (use the XLA "
+                     f"config)")
+  if config.num_stages < 3:
+    raise ValueError(f"config {config}: the weight-only grouped GEMM needs num_stages >= 3 "
+                     f"(a ring slot is released one step late)")
+  if k_steps(k, config.split_k) < 2:
+    raise ValueError(f"config {config}: the weight-only grouped GEMM needs at least 2 K "
+                     f"steps of {BLOCK_K} per split; K={k} gives "
+                     f"{k_steps(k, config.split_k)}")
+  del m  # any row count (padded to a multiple of 8 for the loads)
+
+
+def decode_config(m: int, g: int, n: int, k: int, num_sms: int) -> MosaicRaggedDotConfig | None:
+  """The config for a few rows per expert (at most 64 under balanced
+  routing): 64 x 256 tiles, 4 stages, column tiles first, and the largest
+  power-of-two split of K whose CTAs (expected row tasks x column tiles x
+  splits) fit one wave, with at least four K steps a split; None above 64
+  rows per expert (as the dense weight-only GEMM, whose conversion costs
+  more than the halved bytes save once the GEMM is compute-bound)."""
+  experts = min(g, m)
+  if m > 64 * experts:
+    return None
+  # An expert's rows start at a multiple of 8 rows: up to 7 more per task.
+  work = experts * -(-(-(-m // experts) + worklist.ALIGN - 1) // 64) * -(-n // 256)
+  sk = 1
+  while work * sk * 2 <= num_sms and k_steps(k, sk * 2) >= 4 and sk < 8:
+    sk *= 2
+  return MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4, split_k=sk)
+
+
+def weight_only_ragged_dot(x: jax.Array, w: jax.Array, scales: jax.Array,
+                           group_sizes: jax.Array, *, config: MosaicRaggedDotConfig,
+                           out_dtype=None, num_sms: int | None = None) -> jax.Array:
+  """The W8A16 grouped GEMM (Hopper only; module doc).
+
+  Args:
+    x: ``[M, K]`` bfloat16 or float16, rows grouped by expert.
+    w: ``[G, K, N]`` int8 or float8_e4m3fn expert weights.
+    scales: ``[G, N]`` float32, one per expert and output channel.
+    group_sizes: ``[G]`` integers (clipped as
+      :func:`~pallas_kernels.ragged_dot.worklist.clip_sizes` clips them).
+    config: launch parameters (:class:`MosaicRaggedDotConfig`), used as given.
+    out_dtype: bfloat16, float16 or float32 (default ``x.dtype``).
+    num_sms: CTAs of the persistent grid (default: the default device's SMs).
+
+  Raises:
+    ValueError: bad shapes or dtypes, shapes the kernel does not run, or no
+      Hopper GPU.
+  """
+  if not isinstance(config, MosaicRaggedDotConfig):
+    raise ValueError(f"config must be a MosaicRaggedDotConfig; got {type(config).__name__}")
+  if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+    raise ValueError(f"need x [M, K] and w [G, K, N]; got {x.shape}, {w.shape}")
+  (m, k), (g, _, n) = x.shape, w.shape
+  if scales.shape != (g, n) or group_sizes.shape != (g,):
+    raise ValueError(f"need scales [G, N] and group_sizes [G]; got {scales.shape}, "
+                     f"{group_sizes.shape}")
+  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  if out_dtype.name not in ("bfloat16", "float16", "float32"):
+    raise ValueError(f"the Mosaic GPU weight-only grouped GEMM writes bfloat16, float16 or "
+                     f"float32; got {out_dtype.name}")
+  check_shapes(m, n, k, x.dtype, w.dtype, config)
+  if num_sms is None:
+    num_sms = int(require_compute_capability("9.0", "Mosaic GPU weight-only grouped GEMM",
+                                             "use the XLA config").core_count)
+  return _ragged_dot(x, w, scales.astype(jnp.float32), group_sizes.astype(jnp.int32),
+                     config=config, out_dtype=out_dtype, num_sms=int(num_sms))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
+def _ragged_dot(x, w, ws, group_sizes, *, config, out_dtype, num_sms):
+  m, k = x.shape
+  group_sizes = worklist.clip_sizes(group_sizes, m)
+  tasks, count = worklist.row_tasks(
+      group_sizes, m, config.block_m,
+      band_cap=max(1, BAND_BYTES // (config.block_m * k * x.dtype.itemsize))
+      if config.grid_minor == 2 else 0)
+  pad = -m % M_MULTIPLE if m > M_MULTIPLE else 0
+  if pad:  # TMA loads rows in tiles of 8; the output keeps its M rows
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+  if config.split_k == 1:
+    return _kernel_call(tasks, count, x, w, ws, m=m, config=config, out_dtype=out_dtype,
+                        num_sms=num_sms)
+  partials = _kernel_call(tasks, count, x, w, ws, m=m, config=config,
+                          out_dtype=jnp.dtype(jnp.float32), num_sms=num_sms)
+  return partials.sum(axis=0).astype(out_dtype)
+
+
+def _kernel_call(tasks, count, x, w, ws, *, m, config, out_dtype, num_sms):
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  k, (groups, _, n) = x.shape[1], w.shape
+  dtype = x.dtype
+  sk = config.split_k
+  bm, bn = config.block_m, config.block_n
+  wm, wn = wg_tile(bm, bn)
+  deq_n = bn if bm >= 128 else wn  # the w columns one consumer converts
+  tiles_n = pl.cdiv(n, bn)
+  steps = k_steps(k, sk)
+  split_len = steps * BLOCK_K
+  past_k = sk * split_len  # K offset of the tail tasks: every load is past K
+  n_tasks = tasks.shape[1]
+
+  out_swizzle = 128
+  out_elems = out_swizzle // out_dtype.itemsize
+  # One row per tile: a store may start at any row of the tile.
+  out_transforms = (plgpu.TilingTransform((1, out_elems)), plgpu.SwizzleTransform(out_swizzle))
+
+  def get_pipeline(body, compute_context):
+    return dense.operand_pipeline(body, compute_context, block_m=bm, block_n=bn, steps=steps,
+                                  num_stages=config.num_stages, dtype=dtype)
+
+  def kernel(tasks_gmem, count_gmem, x_gmem, w_gmem, ws_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
+        out_smem=plgpu.SMEM((2, wn // out_elems, wm, out_elems), out_dtype,
+                            transforms=out_transforms),
+        deq_smem=plgpu.SMEM((2, 2, BLOCK_K, deq_n), dtype,
+                            transforms=dense.x_block_transforms(dtype)),
+        col_smem=plgpu.SMEM((2, wn), jnp.float32),
+        scale_bars=plgpu.Barrier(num_barriers=2),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem, deq_smem, col_smem, scale_bars):
+      wg = lax.axis_index("wg")
+      count = count_gmem[0]
+      per_split = count * tiles_n
+
+      @plgpu.nd_loop((per_split * sk,), collective_axes="sm")
+      def _work_loop(info: plgpu.NDLoopInfo):
+        (lin,) = info.index
+        split = lax.div(lin, per_split)
+        rest = lax.rem(lin, per_split)
+        task, ni = work_item(rest, count, tiles_n, config.grid_minor, tasks_gmem)
+        grp = tasks_gmem[worklist.GROUP, task]
+        row0 = tasks_gmem[worklist.ROW0, task]
+        start = tasks_gmem[worklist.START, task]
+        size = tasks_gmem[worklist.SIZE, task]
+        tail = grp >= groups
+        expert = jnp.minimum(grp, groups - 1)
+        k0 = jnp.where(tail, jnp.int32(past_k), split * split_len)
+        m_slice = pl.ds(pl.multiple_of(row0, worklist.ALIGN), bm)
+        n_slice = pl.ds(ni * bn, bn)
+        k_slice = pl.ds(k0, split_len)
+        out_ref = out_gmem.at[split] if sk > 1 else out_gmem
+        wg_m, wg_n, base, lo, rows, col0 = consumer_part(wg, ni, start, size, block_n=bn,
+                                                         wg_tile=(wm, wn))
+
+        def compute_context(eval_pipeline):
+          # Fetch this consumer's column scales while its K loop runs.
+          plgpu.copy_gmem_to_smem(ws_gmem.at[expert, pl.ds(col0, wn)], col_smem.at[wg],
+                                  scale_bars.at[wg])
+
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
+          def _acc_scope(acc_ref):
+            eval_pipeline(acc_ref)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_wait(scale_bars.at[wg])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            # Column slices one swizzle wide (64 bf16, 32 fp32), one row per
+            # tile: a store may start at any row.
+            for j in range(wn // out_elems):
+              cols = pl.ds(j * out_elems, out_elems)
+              col_s = plgpu.load(col_smem.at[wg, cols], (),
+                                 layout=plgpu.Layout.WGMMA.reduce(0))
+              acc = acc_ref[:, j * out_elems:(j + 1) * out_elems]
+              acc = acc * lax.broadcast_in_dim(col_s, (wm, out_elems), [1])
+              out_smem[wg, j] = acc.astype(out_dtype)
+            plgpu.commit_smem()
+            store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0)
+
+        def mma_body(idx, x_smem, w_smem, acc_ref):
+          dense.dequantized_mma(idx[0], steps, acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n],
+                                deq_smem.at[wg])
+          return acc_ref
+
+        get_pipeline(mma_body, compute_context)(
+            x_gmem.at[m_slice, k_slice],
+            w_gmem.at[expert, k_slice, n_slice],
+            allocations=pipeline_allocs,
+        )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  out_shape = (sk, m, n) if sk > 1 else (m, n)
+  arrays, axes = match_varying(tasks, count, x, w, ws)
+  return persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
+                           min(num_sms, n_tasks * tiles_n * sk))(*arrays)
