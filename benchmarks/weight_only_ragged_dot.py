@@ -17,7 +17,12 @@ bfloat16 weights (what the 8-bit weight saves against), the Mosaic kernel at
 its rule's config (``decode_config``) and a few around it, and what
 ``wt.quantized_ragged_dot`` runs.
 
-    PYTHONPATH=. python3 benchmarks/weight_only_ragged_dot.py [--check] [--quick] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/weight_only_ragged_dot.py [--check] [--quick] [--tokens T ...]
+        [--json out.json]
+
+Above 64 rows per expert (``--tokens`` of prefill sizes) the kernel has no
+rule: 128 x 128 and 64 x 256 tiles are timed in both orders (by expert and
+column tiles first).
 """
 
 from __future__ import annotations
@@ -46,14 +51,23 @@ def configs(p: QRaggedDotProblem):
   """The rule's config, 3 and 5 stages, its split halved and doubled, and
   128 x 128 tiles (order 1)."""
   rule = kernel.decode_config(p.m, p.g, p.n, p.k, 132)
-  if rule is None:
-    return []
+  if rule is None:  # above 64 rows per expert: no rule; both tiles, both orders
+    cfg = wt.MosaicRaggedDotConfig
+    return [cfg(block_m=128, block_n=128, num_stages=4, grid_minor=2),
+            cfg(block_m=128, block_n=128, num_stages=4, grid_minor=1),
+            cfg(block_m=64, block_n=256, num_stages=4, grid_minor=2),
+            cfg(block_m=64, block_n=256, num_stages=4, grid_minor=1)]
   out = [rule, dataclasses.replace(rule, num_stages=3), dataclasses.replace(rule, num_stages=5),
          dataclasses.replace(rule, block_m=128, block_n=128)]
   for sk in (rule.split_k // 2, rule.split_k * 2):
     if sk >= 1:
       out.append(dataclasses.replace(rule, split_k=sk))
   return out
+
+
+def _label(c) -> str:
+  return (f"mosaic {c.block_m}x{c.block_n} s{c.num_stages} k{c.split_k}"
+          + (f" o{c.grid_minor}" if c.grid_minor != 1 else ""))
 
 
 def check(fam) -> int:
@@ -91,6 +105,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--check", action="store_true", help="the ragged edge cases first")
   ap.add_argument("--quick", action="store_true", help="int8, Mixtral's w13 only")
+  ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS),
+                  help="tokens per problem (default: the decode sizes 1, 16, 64)")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
@@ -105,7 +121,7 @@ def main(argv=None):
   hw = wt.detect()
   for wname, g, top_k, k, n in (WEIGHTS[:1] if a.quick else WEIGHTS):
     for wd in (("int8",) if a.quick else ("int8", "float8_e4m3fn")):
-      for t in TOKENS:
+      for t in a.tokens:
         p = QRaggedDotProblem(m=t * top_k, g=g, k=k, n=n, dtype="bfloat16", w_dtype=wd)
         x, w, s, gs = fam.inputs(p, jax.random.PRNGKey(t))
         ref = fam.reference(p, x, w, s, gs)
@@ -117,7 +133,7 @@ def main(argv=None):
           except ValueError:
             continue
           else:
-            cands[f"mosaic {c.block_m}x{c.block_n} s{c.num_stages} k{c.split_k}"] = (
+            cands[_label(c)] = (
                 lambda c: lambda x, w, s, gs: mosaic.run(p, c, x, w, s, gs))(c)
         res = dict(zip(cands, prof.measure_many(list(cands.values()), (x, w, s, gs),
                                                 reference=ref, tolerance=fam.tolerance(p),
@@ -132,9 +148,9 @@ def main(argv=None):
         best = min(mos, key=mos.get) if mos else None
         with wt.policy("tables"):
           chosen = wt.select("qragged_dot", p, wt.detect()).config
-        rule = kernel.decode_config(p.m, p.g, p.n, p.k, 132)
-        rlab = (f"mosaic {rule.block_m}x{rule.block_n} s{rule.num_stages} k{rule.split_k}"
-                if rule else None)
+        rule = (kernel.decode_config(p.m, p.g, p.n, p.k, 132)
+                or kernel.prefill_config(p.m, p.g, p.n, p.k, 132))
+        rlab = _label(rule)
         row = {"weight": wname, "g": g, "k": k, "n": n, "w_dtype": wd, "tokens": t, "m": p.m,
                "bf16_ragged_dot_us": bf.median_us, "times": times, "errors": errs,
                "best_mosaic": best, "rule": rlab, "chosen": repr(chosen)}

@@ -238,15 +238,17 @@ class MosaicQRaggedDot(Backend):
 
   def heuristic(self, p: QRaggedDotProblem, hw: Hardware) -> MosaicRaggedDotConfig | None:
     """:func:`fp8_rule` (``benchmarks/fp8_ragged_dot.py``) for W8A8; for
-    weight-only problems the kernel's ``decode_config`` (64 x 256 tiles up
-    to 64 rows per expert, else none: XLA)."""
+    weight-only problems the kernel's ``decode_config`` up to 64 rows per
+    expert and ``prefill_config`` above (64 x 256 tiles both;
+    ``benchmarks/weight_only_ragged_dot.py``)."""
     if self.why_not(p):
       return None
     if p.w8a8:
       c = fp8_rule(p.m, p.g, p.n, p.k, hw.num_sms, hw.smem_per_block, p.out_dtype)
     else:
-      c = wo_kernel.decode_config(p.m, p.g, p.n, p.k, hw.num_sms)
-      if c is not None and self.smem_bytes(p, c) > hw.smem_per_block:
+      c = (wo_kernel.decode_config(p.m, p.g, p.n, p.k, hw.num_sms)
+           or wo_kernel.prefill_config(p.m, p.g, p.n, p.k, hw.num_sms))
+      if self.smem_bytes(p, c) > hw.smem_per_block:
         c = None
     return None if c is None or self.why_not(p, c) else c
 
