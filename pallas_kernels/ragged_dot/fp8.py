@@ -55,7 +55,7 @@ from pallas_kernels.matmul import fp8 as dense
 from pallas_kernels.matmul.mosaic import M_MULTIPLE, persistent_kernel, wg_tile, wgmma_wait_delayed
 from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, MosaicRaggedDotConfig, consumer_part,
-                                              store_rows, work_item)
+                                              decode_item, store_rows)
 
 __all__ = ["BLOCK_K", "K_MULTIPLE", "TILES", "check_shapes", "fp8_ragged_dot", "smem_bytes"]
 
@@ -204,16 +204,9 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
       @plgpu.nd_loop((per_split * sk,), collective_axes="sm")
       def _work_loop(info: plgpu.NDLoopInfo):
         (lin,) = info.index
-        split = lax.div(lin, per_split)
-        rest = lax.rem(lin, per_split)
-        task, ni = work_item(rest, count, tiles_n, config.grid_minor, tasks_gmem)
-        grp = tasks_gmem[worklist.GROUP, task]
-        row0 = tasks_gmem[worklist.ROW0, task]
-        start = tasks_gmem[worklist.START, task]
-        size = tasks_gmem[worklist.SIZE, task]
-        tail = grp >= groups
-        expert = jnp.minimum(grp, groups - 1)
-        k0 = jnp.where(tail, jnp.int32(past_k), split * split_len)
+        split, ni, row0, start, size, expert, k0 = decode_item(
+            lin, per_split, count, tasks_gmem, tiles_n=tiles_n, grid_minor=config.grid_minor,
+            groups=groups, past_k=past_k, split_len=split_len)
         m_slice = pl.ds(pl.multiple_of(row0, worklist.ALIGN), bm)
         n_slice = pl.ds(ni * bn, bn)
         k_slice = pl.ds(k0, split_len)

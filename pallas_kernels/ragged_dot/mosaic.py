@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +57,8 @@ from pallas_kernels._launch import check_ints, match_varying, out_struct
 from pallas_kernels.matmul import mosaic as gemm
 from pallas_kernels.ragged_dot import worklist
 
-__all__ = ["MosaicRaggedDotConfig", "MosaicRaggedDotOptions", "check_shapes", "ragged_dot",
+__all__ = ["Item", "MosaicRaggedDotConfig", "MosaicRaggedDotOptions", "check_shapes",
+           "decode_item", "ragged_dot",
            "smem_bytes", "staging_slots", "stream_k_fixup", "stream_k_plan"]
 
 COMPUTE_CAPABILITY = gemm.COMPUTE_CAPABILITY
@@ -430,22 +432,16 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
         grid_steps)`` of its split (default: all). ``piece`` ``(whole,
         slot)``: store the tile to the output where ``whole``, else as
         partial ``slot`` of this CTA (stream-K)."""
-        split = lax.div(lin, per_split)
-        rest = lax.rem(lin, per_split)
-        task, ni = work_item(rest, count, tiles_n, config.grid_minor, tasks_gmem, band)
-        grp = tasks_gmem[worklist.GROUP, task]
-        row0 = tasks_gmem[worklist.ROW0, task]
-        start = tasks_gmem[worklist.START, task]
-        size = tasks_gmem[worklist.SIZE, task]
+        split, ni, row0, start, size, expert, k0 = decode_item(
+            lin, per_split, count, tasks_gmem, tiles_n=tiles_n, grid_minor=config.grid_minor,
+            groups=groups, past_k=past_k, split_len=split_len, band=band)
         if cm > 1:
           # This CTA's half of the cluster's task: rows [cta * bm, cta * bm + bm).
           lo_c = jnp.clip(start - cta * bm, 0, bm)
           hi_c = jnp.clip(start + size - cta * bm, 0, bm)
           row0 = row0 + cta * bm
           start, size = lo_c, hi_c - lo_c
-        tail = grp >= groups
-        expert = jnp.minimum(grp, groups - 1)
-        k0 = jnp.where(tail, jnp.int32(past_k), split * split_len) + kb0 * BLOCK_K
+        k0 = k0 + kb0 * BLOCK_K
         m_slice = pl.ds(pl.multiple_of(row0, worklist.ALIGN), bm)
         n_slice = pl.ds(ni * bn, bn)
         k_slice = pl.ds(k0, split_len)
@@ -507,6 +503,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
         # (Not under stream-K: a CTA of one whole item would leave its
         # pipeline, START alone, unquiesced before its pieces.)
         if options.traced_steps:
+          # A value known only at run time (a constant could be folded).
           run_item(lin, grid_steps=lax.div(per_split, per_split) * steps)
           return
         if not stream and _pipelined(config, options, steps):
@@ -635,6 +632,29 @@ def work_item(rest, count, tiles_n: int, grid_minor: int, tasks, band: int = 0):
     width = jnp.minimum(jnp.int32(band), count - b_idx * band)
     return b_idx * band + lax.rem(b_rest, width), lax.div(b_rest, width)
   return lax.rem(rest, count), lax.div(rest, count)
+
+
+class Item(NamedTuple):
+  """One work item of the grouped kernels, as :func:`decode_item` reads it."""
+  split: jax.Array   # its K split
+  ni: jax.Array      # its column tile
+  row0: jax.Array    # the task's first row (a multiple of 8)
+  start: jax.Array   # the task's first valid row within its block
+  size: jax.Array    # the task's valid rows
+  expert: jax.Array  # the weight it multiplies (the last one for the tail)
+  k0: jax.Array      # its first K offset: past K for the tail, so its loads are zeros
+
+
+def decode_item(lin, per_split, count, tasks, *, tiles_n: int, grid_minor: int, groups: int,
+                past_k: int, split_len: int, band: int = 0) -> Item:
+  """Work item ``lin`` (split-major; ``per_split`` = ``count * tiles_n``
+  items a split) of the work list ``tasks`` under the order ``grid_minor``."""
+  split = lax.div(lin, per_split)
+  task, ni = work_item(lax.rem(lin, per_split), count, tiles_n, grid_minor, tasks, band)
+  grp, row0, start, size = (tasks[r, task] for r in (worklist.GROUP, worklist.ROW0,
+                                                     worklist.START, worklist.SIZE))
+  k0 = jnp.where(grp >= groups, jnp.int32(past_k), split * split_len)
+  return Item(split, ni, row0, start, size, jnp.minimum(grp, groups - 1), k0)
 
 
 def consumer_part(wg, ni, start, size, *, block_n: int, wg_tile: tuple[int, int]):

@@ -56,7 +56,7 @@ from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, k_steps, persiste
                                           wg_tile)
 from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, MosaicRaggedDotConfig, consumer_part,
-                                              store_rows, work_item)
+                                              decode_item, store_rows)
 
 __all__ = ["TILES", "WEIGHT_DTYPES", "check_shapes", "decode_config", "prefill_config",
            "smem_bytes", "weight_only_ragged_dot"]
@@ -108,6 +108,14 @@ def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicRaggedDot
   del m  # any row count (padded to a multiple of 8 for the loads)
 
 
+def _expected_work(m: int, g: int, n: int) -> int:
+  """64 x 256 work items of ``m`` rows over ``g`` experts under balanced
+  routing (an expert's rows start at a multiple of 8 rows: up to 7 more a
+  task)."""
+  experts = min(g, m)
+  return experts * -(-(-(-m // experts) + worklist.ALIGN - 1) // 64) * -(-n // 256)
+
+
 def decode_config(m: int, g: int, n: int, k: int, num_sms: int) -> MosaicRaggedDotConfig | None:
   """The config for a few rows per expert (at most 64 under balanced
   routing): 64 x 256 tiles, 4 stages, column tiles first, and the largest
@@ -115,11 +123,9 @@ def decode_config(m: int, g: int, n: int, k: int, num_sms: int) -> MosaicRaggedD
   splits) fit one wave, with at least four K steps a split; None above 64
   rows per expert (as the dense weight-only GEMM, whose conversion costs
   more than the halved bytes save once the GEMM is compute-bound)."""
-  experts = min(g, m)
-  if m > 64 * experts:
+  if m > 64 * min(g, m):
     return None
-  # An expert's rows start at a multiple of 8 rows: up to 7 more per task.
-  work = experts * -(-(-(-m // experts) + worklist.ALIGN - 1) // 64) * -(-n // 256)
+  work = _expected_work(m, g, n)
   sk = 1
   while work * sk * 2 <= num_sms and k_steps(k, sk * 2) >= 4 and sk < 8:
     sk *= 2
@@ -135,8 +141,7 @@ def prefill_config(m: int, g: int, n: int, k: int, num_sms: int) -> MosaicRagged
   3.9x XLA's ragged dot on the converted weights, and 0.84x / 0.51x the
   bfloat16 grouped GEMM: once the GEMM is compute-bound the conversion
   costs more than the halved bytes save."""
-  experts = min(g, m)
-  work = experts * -(-(-(-m // experts) + worklist.ALIGN - 1) // 64) * -(-n // 256)
+  work = _expected_work(m, g, n)
   return MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4,
                                grid_minor=2 if work > num_sms else 1)
 
@@ -246,16 +251,9 @@ def _kernel_call(tasks, count, x, w, ws, *, m, config, out_dtype, num_sms):
       @plgpu.nd_loop((per_split * sk,), collective_axes="sm")
       def _work_loop(info: plgpu.NDLoopInfo):
         (lin,) = info.index
-        split = lax.div(lin, per_split)
-        rest = lax.rem(lin, per_split)
-        task, ni = work_item(rest, count, tiles_n, config.grid_minor, tasks_gmem)
-        grp = tasks_gmem[worklist.GROUP, task]
-        row0 = tasks_gmem[worklist.ROW0, task]
-        start = tasks_gmem[worklist.START, task]
-        size = tasks_gmem[worklist.SIZE, task]
-        tail = grp >= groups
-        expert = jnp.minimum(grp, groups - 1)
-        k0 = jnp.where(tail, jnp.int32(past_k), split * split_len)
+        split, ni, row0, start, size, expert, k0 = decode_item(
+            lin, per_split, count, tasks_gmem, tiles_n=tiles_n, grid_minor=config.grid_minor,
+            groups=groups, past_k=past_k, split_len=split_len)
         m_slice = pl.ds(pl.multiple_of(row0, worklist.ALIGN), bm)
         n_slice = pl.ds(ni * bn, bn)
         k_slice = pl.ds(k0, split_len)
