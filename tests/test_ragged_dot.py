@@ -695,7 +695,7 @@ def test_stream_k_plan_and_fixup_give_every_row():
   # tail's zero rows, and bfloat16 (two terms per partial) or float32 out.
   rng = np.random.default_rng(0)
   cut_cases = 0
-  for trial in range(10):
+  for trial in range(6):
     m = int(rng.integers(100, 700))
     g = int(rng.integers(1, 9))
     sizes = rng.multinomial(int(rng.integers(m // 2, m + 1)), np.ones(g) / g)
@@ -715,7 +715,7 @@ def test_stream_k_plan_and_fixup_give_every_row():
     assert not np.isnan(got).any()
     tol = 1e-5 if out_dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(got, ref, atol=tol * np.abs(ref).max(), rtol=tol)
-  assert cut_cases >= 6  # (deterministic draws: 6 of the 10 cut items)
+  assert cut_cases >= 4  # (deterministic draws: 5 of the 6 cut items)
 
 
 def test_stream_k_plan():
