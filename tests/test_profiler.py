@@ -115,6 +115,33 @@ def test_gpu_backend_logs_checks_and_resumes(tmp_path, monkeypatch):
   assert again.measure(points) == got and prof2.timed == []
 
 
+def test_gpu_backend_keeps_the_chunks_done_when_stopped(tmp_path, monkeypatch):
+  # One problem a chunk: the first problem's rows are on file when the
+  # second one's compile stops the run, and a rerun times only the second.
+  from wavetune_jax.tuning import sweep, tuner as tuning
+  from synthetic import HW
+  _tag_builds(monkeypatch)
+  problems = [MatmulProblem(m=m, n=64, k=32) for m in (3, 40)]
+  points = [(p, c) for p in problems for c in MATMUL.space(p, HW)[:2]]
+  log_path = str(tmp_path / "anchors.jsonl.gz")
+  header = sweep.make_header(MATMUL, HW, jax_version="0", command="t", space="anchors")
+
+  class Stops(_CpuProfiler):
+    def compile(self, fn, args):
+      if fn.problem_config[0] is problems[1]:
+        raise KeyboardInterrupt
+      return super().compile(fn, args)
+  with pytest.raises(KeyboardInterrupt):
+    tuning.GpuMeasurer(MATMUL, Stops(), log=sweep.SweepFile(log_path, header),
+                       chunk=1).measure(points)
+  _, rows = sweep.read_sweep(log_path)
+  assert {r["problem"]["m"] for r in rows} == {3} and len(rows) == 2
+  prof = _CpuProfiler()
+  tuning.GpuMeasurer(MATMUL, prof, log=sweep.SweepFile(log_path, header),
+                     chunk=1).measure(points)
+  assert {k[0] for k in prof.timed} == {problems[1]}
+
+
 class _RecordingLock:
   """A stand-in for GpuLock that records what ran while it was held."""
 

@@ -93,12 +93,15 @@ def sweep_versions(header: dict) -> dict:
 
 class GpuMeasurer:
   """Times anchors on the GPU; every measurement is appended to ``log`` (a
-  :class:`sweep.SweepFile`), and anchors already in it are read, not re-timed."""
+  :class:`sweep.SweepFile`), and anchors already in it are read, not re-timed.
+  Problems are compiled and timed ``chunk`` at a time, each chunk logged when
+  it is done: a stopped run loses at most the chunk it was on."""
 
   mode = "gpu"
 
-  def __init__(self, spec: Family, profiler, log=None, progress=None):
+  def __init__(self, spec: Family, profiler, log=None, progress=None, chunk: int = 16):
     self.spec = spec
+    self.chunk = chunk
     self.prof = profiler
     self.log = log
     self.progress = progress
@@ -130,18 +133,22 @@ class GpuMeasurer:
     for p, c in todo:
       by_problem[p].append(c)
     t0 = time.perf_counter()
-    rows, current = [], None
-    for p, impl, c, m in measure.measure_points(spec, self.prof, list(by_problem.items()),
-                                                phase_seconds=self.phase_seconds):
-      if p is not current and rows:
-        self._flush(rows)
-        rows = []
-      current = p
-      self._known[(p, c)] = m.median_us if m.status == "ok" else None
-      rows.append(sweep.make_row(spec, p, impl, c, m))
-      if self.progress is not None:
-        self.progress.advance(m.status)
-    self._flush(rows)
+    work = list(by_problem.items())
+    # A chunk of problems compiles in parallel, then is timed and logged, so
+    # a run that is stopped keeps every chunk it finished (a rerun reads them).
+    for i in range(0, len(work), self.chunk):
+      rows, current = [], None
+      for p, impl, c, m in measure.measure_points(spec, self.prof, work[i:i + self.chunk],
+                                                  phase_seconds=self.phase_seconds):
+        if p is not current and rows:
+          self._flush(rows)
+          rows = []
+        current = p
+        self._known[(p, c)] = m.median_us if m.status == "ok" else None
+        rows.append(sweep.make_row(spec, p, impl, c, m))
+        if self.progress is not None:
+          self.progress.advance(m.status)
+      self._flush(rows)
     self.seconds += time.perf_counter() - t0
     return [self._known[pc] for pc in points]
 
