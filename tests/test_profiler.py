@@ -29,6 +29,20 @@ def test_kit_matches_eager_setup(spec, problem):
   assert poison.size == ref.size and np.isnan(poison).all()
 
 
+def test_kit_reference_reads_the_rounded_inputs():
+  # On a GPU, XLA fused the inputs' e4m3 cast into the reference and skipped
+  # its rounding (every W8A8 candidate then read as 3.7% wrong): the
+  # reference must come after a barrier on the inputs.
+  from wavetune_jax import QMATMUL, QMatmulProblem
+  p = QMatmulProblem(m=16, n=256, k=512, dtype="float8_e4m3fn",
+                     w_dtype="float8_e4m3fn", w_layout="nk")
+  jaxpr = jax.make_jaxpr(lambda key: profiler.kit_setup(QMATMUL, p, key))(
+      jax.random.PRNGKey(0))
+  names = [e.primitive.name for e in jaxpr.eqns]
+  barrier = names.index("optimization_barrier")
+  assert "dot_general" not in names[:barrier] and "dot_general" in names[barrier:]
+
+
 def test_kit_error_matches_rel_error_and_flags_nan():
   problem = MatmulProblem(m=8, n=32, k=16)
   fn = MATMUL.build(problem, MATMUL.default(problem), interpret=True)
