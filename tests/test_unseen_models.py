@@ -164,6 +164,9 @@ def test_quantized_gemms_are_an_optional_family(capsys):
   # XLA's FP8 dot at 200 rows, without evidence.
   assert by_label["phi_3_mini.gate_up M=3000 w8a8"].startswith("mosaic(block_m=128,block_n=256")
   assert by_label["phi_3_mini.gate_up M=200 w8a8"].startswith("xla")
+  # The H100 table's anchors admit the FP8 kernel for a down projection at
+  # one row (XLA's FP8 dot without them).
+  assert by_label["phi_3_mini.down M=1 w8a8"].startswith("mosaic(block_m=64,block_n=128")
   # An op call as the timing loop makes it, on a CPU (XLA).
   fam, _, p = next(t for t in plan if t[2].w8a8 and t[2].m == 1)
   spec = wt.get_family(fam)
@@ -258,6 +261,19 @@ def test_report_summarizes_recorded_rows(capsys):
   rows = json.loads(H100_ROWS.read_text())["rows"]
   n = sum(r["family"] == "ragged_dot" for r in rows)
   assert f"0 of {n} below 0.97x" in line
+
+
+def test_report_of_the_quantized_gemms_under_the_h100_table(capsys):
+  # docs/results.md ("Tables for the quantized GEMMs"): every recorded row ran
+  # what the shipped tables pick today, and the summary the docs quote.
+  mod = _mod()
+  rows = ROOT / "data" / "probes" / "unseen_qmatmul_tables_h100.json"
+  assert mod.main(["--report", str(rows), "--families", "qmatmul"]) == 0
+  out = capsys.readouterr().out
+  assert "21 problems, 0 measured with an older selection" in out
+  assert "qmatmul: wt vs base 1.069x geomean, min 0.990x, 0 of 21 below 0.97x" in out
+  down = next(x for x in out.splitlines() if "qwen2_5_7b.down M=1 w8a8" in x)
+  assert down.split()[-1] == "mosaic" and "1.110" in down
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
