@@ -1,5 +1,6 @@
 """The evaluation harness on synthetic sweeps with known answers."""
 
+import dataclasses
 import json
 import math
 
@@ -132,3 +133,16 @@ def test_cli_json_and_plot(tmp_path, capsys):
   assert "holds 'matmul' measurements" in capsys.readouterr().err
   assert cli_main(["eval", "--family", "matmul", "--sweep", path, "--policy", "best"]) == 2
   assert "unknown policy ['best']" in capsys.readouterr().err
+
+
+def test_learned_policies_features_have_one_length_across_windows():
+  # A sweep holds plain and windowed attention problems (window fields -1 or
+  # a size): the regressors' features must have one length, or gbdt / tree
+  # fail on the recorded attention sweeps.
+  from wavetune_jax import ATTENTION, AttentionProblem
+  from wavetune_jax.core.hardware import PRESETS
+  hw = PRESETS["h100"]
+  plain = AttentionProblem(batch=1, q_heads=8, kv_heads=8, q_len=8192, head_dim=128)
+  local = dataclasses.replace(plain, window_left=1024, window_right=0)
+  feats = [evaluate._features(ATTENTION, hw, p, ATTENTION.default(p)) for p in (plain, local)]
+  assert len(feats[0]) == len(feats[1]) and feats[0] != feats[1]
