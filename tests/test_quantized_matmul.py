@@ -235,6 +235,37 @@ def test_bench_model_with_quantized_weights(tmp_path, capsys, monkeypatch, weigh
   assert got["quantized_lm_head"] == head
 
 
+def test_quantized_experts(capsys):
+  # Weight-only experts: [E, K, N] int8 with a scale per expert and channel,
+  # run through the ops' quantized grouped GEMM (here XLA's; the wavetune
+  # ops' is wt.quantized_ragged_dot, tested with the family).
+  import wavetune_jax.models as M
+  from wavetune_jax.cli.main import main
+  cfg = M.MODELS["small_moe"].with_layers(1)
+  params = M.init(jax.random.PRNGKey(0), cfg)
+  toks = jax.random.randint(jax.random.PRNGKey(1), (1, 6), 0, cfg.vocab)
+  q = M.quantize_params(params, cfg, "int8", experts=True)
+  w13 = q["layers"][0]["w13"]
+  assert w13["q"].dtype == jnp.int8 and w13["q"].shape == params["layers"][0]["w13"].shape
+  assert w13["s"].shape == (cfg.experts, w13["q"].shape[-1])
+  assert not isinstance(M.quantize_params(params, cfg, "int8")["layers"][0]["w13"], dict)
+  for bad in ("bf16", "w8a8"):
+    with pytest.raises(ValueError, match="experts=True needs weights 'int8' or 'fp8'"):
+      M.quantize_params(params, cfg, bad, experts=True)
+  ref = np.asarray(M.prefill(params, toks, cfg=cfg, ops=M.make_ops("xla"), max_len=6)[0],
+                   np.float32)
+  got = np.asarray(M.prefill(q, toks, cfg=cfg, ops=M.make_ops("xla"), max_len=6)[0],
+                   np.float32)
+  rel = np.sqrt(np.mean((got - ref) ** 2) / np.mean(ref ** 2))
+  assert 0 < rel < 0.1, rel  # int8 rounding of every weight, nothing more
+  for argv, msg in ((["--model", "small_moe", "--quantize-experts"], "needs --weights int8"),
+                    (["--model", "small", "--weights", "int8", "--quantize-experts"],
+                     "has no experts")):
+    assert main(["bench", "model"] + argv) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1
+
+
 def test_quantized_lm_head(capsys):
   import wavetune_jax.models as M
   from wavetune_jax.cli.main import main

@@ -81,10 +81,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  "converted weight; the wavetune ops: wt.quantized_matmul); w8a8: e4m3 "
                  "weights and activations (quantized per token at each GEMM, experts "
                  "too: wt.quantized_ragged_dot; xla: XLA's FP8 dot and ragged dot); under "
-                 "int8 / fp8 expert weights stay bf16")
+                 "int8 / fp8 expert weights stay bf16 unless --quantize-experts")
   m.add_argument("--quantize-lm-head", action="store_true",
                  help="with --weights int8 / fp8 / w8a8, the LM head's weight too (weight-only, "
                  "in the format's weight dtype; by default it stays bf16)")
+  m.add_argument("--quantize-experts", action="store_true",
+                 help="with --weights int8 / fp8, a mixture-of-experts model's expert "
+                 "weights too (weight-only, a scale per expert and channel: "
+                 "wt.quantized_ragged_dot; by default they stay bf16)")
   m.add_argument("--cache-multiple", type=positive_int, default=1, metavar="N",
                  help="a contiguous cache holds the cache length + 1 positions rounded up "
                  "to a multiple of N, as a serving stack allocates it (the Mosaic decode "
@@ -166,6 +170,11 @@ def _bench_model(a) -> int:
   page_size = _page_size(a)
   if a.quantize_lm_head and a.weights == "bf16":
     raise CliError("--quantize-lm-head needs --weights int8, fp8 or w8a8")
+  if a.quantize_experts and a.weights not in ("int8", "fp8"):
+    raise CliError("--quantize-experts needs --weights int8 or fp8 (w8a8 quantizes the "
+                   "experts already)")
+  if a.quantize_experts and not cfg.experts:
+    raise CliError(f"--quantize-experts: --model {a.model} has no experts")
   if a.plot:
     pyplot()  # the error before the work
   _configure_xla(a)
@@ -180,10 +189,11 @@ def _bench_model(a) -> int:
   attn = _attention_summary(cfg)
   wts = "" if a.weights == "bf16" else f", {a.weights} weights"
   wts += " (LM head too)" if a.quantize_lm_head else ""
+  wts += " (experts too)" if a.quantize_experts else ""
   print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers{attn}{wts}, "
         f"{layout}, settings {','.join(settings)}", flush=True)
   params = M.quantize_params(M.init(jax.random.PRNGKey(0), cfg), cfg, a.weights,
-                             lm_head=a.quantize_lm_head)
+                             lm_head=a.quantize_lm_head, experts=a.quantize_experts)
   rows = []
   work = ([("prefill", s, a.batch) for s in a.prompt]
           + [("decode", c, b) for b in a.decode_batch for c in a.cache])
@@ -265,7 +275,8 @@ def _bench_model(a) -> int:
                      "layers": cfg.layers, "window": cfg.window,
                      "global_every": cfg.global_every, "soft_cap": cfg.soft_cap,
                      "sinks": cfg.sinks, "weights": a.weights,
-                     "quantized_lm_head": a.quantize_lm_head, "xla_autotune": a.xla_autotune,
+                     "quantized_lm_head": a.quantize_lm_head,
+                     "quantized_experts": a.quantize_experts, "xla_autotune": a.xla_autotune,
                      "compile_cache": bool(a.compile_cache), "cache_fill": a.cache_fill,
                      "cache_layout": a.cache_layout, "page_size": page_size,
                      "rows": rows}, f, indent=1)

@@ -280,7 +280,7 @@ _QUANTIZED = ("wqkv", "wo", "w13", "w2")
 
 
 def quantize_params(params: dict, cfg: ModelConfig, weights: str, *, quantize=None,
-                    lm_head: bool = False) -> dict:
+                    lm_head: bool = False, experts: bool = False) -> dict:
   """``params`` with each layer's dense GEMM weights quantized
   (``wavetune_jax.quantize_weight``) to ``{"q": w_q, "s": scales}`` (``"w8a8"``:
   ``{"qt": w_q [N, K], "s": scales}``, its inputs quantized per token as they run);
@@ -289,7 +289,10 @@ def quantize_params(params: dict, cfg: ModelConfig, weights: str, *, quantize=No
   weights too under ``"w8a8"`` (``[E, N, K]`` e4m3, a scale per expert and
   channel: ``wavetune_jax.quantized_ragged_dot``), and stay 16-bit under the
   weight-only formats: at prefill sizes the Mosaic weight-only grouped
-  GEMM ran 0.51-0.84x the 16-bit one on an H100 (docs/results.md).
+  GEMM ran 0.51-0.84x the 16-bit one on an H100 (docs/results.md), unless
+  ``experts=True``: then they are quantized weight-only too (``[E, K, N]``, a
+  scale per expert and channel), which halves the bytes of a model whose
+  weights are mostly experts, at that prefill cost.
 
   ``quantize(w, dtype, layout=layout) -> (w_q, scales)`` quantizes each
   weight, called with ``dtype`` the name ``"int8"`` or ``"float8_e4m3fn"``
@@ -305,17 +308,21 @@ def quantize_params(params: dict, cfg: ModelConfig, weights: str, *, quantize=No
   bits, against 0.22 GB a layer in 8 bits).
 
   Raises:
-    ValueError: an unknown ``weights``; ``lm_head=True`` with ``"bf16"``."""
+    ValueError: an unknown ``weights``; ``lm_head=True`` with ``"bf16"``;
+      ``experts=True`` with ``"bf16"`` or ``"w8a8"`` (whose experts are
+      quantized already)."""
   if weights not in WEIGHT_FORMATS:
     raise ValueError(f"weights={weights!r} must be one of {sorted(WEIGHT_FORMATS)}")
   dtype = WEIGHT_FORMATS[weights]
+  if experts and weights in ("bf16", "w8a8"):
+    raise ValueError(f"experts=True needs weights 'int8' or 'fp8'; got {weights!r}")
   if dtype is None:
     if lm_head:
       raise ValueError("lm_head=True needs weights 'int8', 'fp8' or 'w8a8'; got 'bf16'")
     return params
   if quantize is None:
     from wavetune_jax.families.qmatmul.quantize import quantize_weight as quantize
-  names = _QUANTIZED[:2] if cfg.experts and weights != "w8a8" else _QUANTIZED
+  names = _QUANTIZED[:2] if cfg.experts and weights != "w8a8" and not experts else _QUANTIZED
   layout = "nk" if weights == "w8a8" else "kn"
   layers = []
   for p in params["layers"]:
@@ -358,7 +365,10 @@ def _mlp(p, h, cfg: ModelConfig, ops: Ops):
 
 
 def _gmm(ops: Ops, x, w, sizes):
-  """The grouped ``x @ w[g]`` for 16-bit expert weights or W8A8 ones."""
+  """The grouped ``x @ w[g]`` for 16-bit expert weights, weight-only 8-bit
+  ones or W8A8 ones."""
+  if isinstance(w, dict) and "q" in w:
+    return ops.qragged_dot(x, w["q"], w["s"], sizes, out_dtype=x.dtype)
   if isinstance(w, dict):
     from wavetune_jax.families.qmatmul.quantize import quantize_rows
     x8, xs = quantize_rows(x)
