@@ -19,6 +19,21 @@ Routing is balanced (random top-k), and skewed (a few hot experts) for a
 subset. tokamax leaves rows past ``sum(group_sizes)`` unwritten; the routers
 here fill every row.
 
+``--weights int8`` runs the same problems with int8 expert weights
+(weight-only, a scale per expert and output channel, bf16 activations):
+
+* ``wt``: ``wt.quantized_ragged_dot`` with its shipped table;
+* ``tokamax``: ``tokamax.ragged_dot`` on a ``qwix.QArray`` (values ``[G, K,
+  N]``, scales ``[G, 1, N]`` in bfloat16, the dtype its sm90 kernel
+  dequantizes to), ``implementation="mosaic"``: the weights converted in
+  registers before a bf16 wgmma. It needs K a multiple of 256 and N of 128;
+  where it declines, its row says so;
+* ``xla``: XLA's ragged dot on the converted weights (the family's
+  platform op).
+
+The other problems, the checks against the float32 product of the
+dequantized operands, and the timing are the same.
+
 Needs tokamax (and its dependencies) importable; on a machine without
 network, install its wheels with ``pip install --no-index --no-deps --target``.
 tokamax 0.0.12 calls ``plgpu.kernel(out_shape=..., scratch_shapes=...)``,
@@ -26,12 +41,13 @@ which JAX 0.11 renamed to ``out_type`` / ``scratch_types``; where the
 installed JAX has the new names, :func:`jax_compat` renames the arguments
 (and says so) so that its kernels compile unchanged.
 
-    python3 benchmarks/ragged_dot_tokamax.py [--quick] [--json out.json]
+    python3 benchmarks/ragged_dot_tokamax.py [--quick] [--weights bf16|int8] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import math
@@ -42,7 +58,7 @@ import jax
 import jax.numpy as jnp
 
 import wavetune_jax as wt
-from wavetune_jax import RAGGED_DOT, RaggedDotProblem
+from wavetune_jax import QRAGGED_DOT, RAGGED_DOT, QRaggedDotProblem, RaggedDotProblem
 from wavetune_jax.families.ragged_dot import routing
 from wavetune_jax.shapes import load_suite
 from wavetune_jax.tuning import evaluate, profiler
@@ -59,9 +75,22 @@ SKEW = [("mixtral_8x7b.w13", 1024), ("dbrx.w13", 1024), ("olmoe_1b_7b.w13", 4096
 EXTRA = {"mixtral_8x7b.w1": {"E": 8, "top_k": 2, "K": 4096, "N": 14336}}
 
 
-def problem(weights: dict, name: str, tokens: int) -> RaggedDotProblem:
+def problem(weights: dict, name: str, tokens: int, fmt: str = "bf16"):
+  """The grouped GEMM of ``tokens`` tokens on weight ``name``; ``fmt="int8"``:
+  its weight-only int8 form (bf16 activations)."""
   w = EXTRA.get(name) or weights[name]
+  if fmt == "int8":
+    return QRaggedDotProblem(m=tokens * w["top_k"], g=w["E"], k=w["K"], n=w["N"],
+                             dtype="bfloat16", w_dtype="int8")
   return RaggedDotProblem(m=tokens * w["top_k"], g=w["E"], k=w["K"], n=w["N"])
+
+
+def tokamax_qarray(w, scales):
+  """``qwix.QArray`` of int8 expert weights ``[G, K, N]`` and float32 scales
+  ``[G, N]``: scales ``[G, 1, N]`` in bfloat16 (a scale per expert and output
+  channel; tokamax's sm90 kernel dequantizes to the scales' dtype)."""
+  import qwix
+  return qwix.QArray(qvalue=w, scale=scales.astype(jnp.bfloat16)[:, None, :])
 
 
 def jax_compat() -> bool:
@@ -109,15 +138,29 @@ def candidates(p: RaggedDotProblem) -> dict:
   }
 
 
+def quantized_candidates(p: QRaggedDotProblem) -> dict:
+  """int8 weight-only: ``wt.quantized_ragged_dot``, tokamax's Mosaic kernel on
+  the same values and scales, XLA's op; ``tokamax_c4`` and ``tokamax_c8`` stay
+  empty (their pinned configs are bf16 ones)."""
+  import tokamax
+  return {
+      "wt": lambda x, w, s, gs: wt.quantized_ragged_dot(x, w, s, gs),
+      "tokamax": lambda x, w, s, gs: tokamax.ragged_dot(x, tokamax_qarray(w, s), gs,
+                                                        implementation="mosaic"),
+      "xla": QRAGGED_DOT.baseline(p),
+  }
+
+
 def run(fam, name, tokens, p, prof) -> dict:
-  fns = candidates(p)
+  quantized = isinstance(p, QRaggedDotProblem)
+  fns = quantized_candidates(p) if quantized else candidates(p)
   args = fam.inputs(p, jax.random.PRNGKey(0))
   ref = fam.reference(p, *args)
   res = prof.measure_many(list(fns.values()), args, reference=ref,
                           tolerance=fam.tolerance(p), out_bytes=ref.size * 4)
-  sel = wt.select("ragged_dot", p)
-  row = {"weight": name, "tokens": tokens, "problem": RAGGED_DOT.problem_key(p),
-         "skew": fam.skew, "wt_config": RAGGED_DOT.config_to_dict(sel.config),
+  sel = wt.select(fam.name, p)
+  row = {"weight": name, "tokens": tokens, "problem": fam.problem_key(p),
+         "skew": fam.skew, "wt_config": fam.config_to_dict(sel.config),
          "us": {}, "status": {}}
   for k, r in zip(fns, res):
     row["us"][k] = r.median_us if r.status == "ok" else None
@@ -128,6 +171,8 @@ def run(fam, name, tokens, p, prof) -> dict:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="three problems, no skew")
+  ap.add_argument("--weights", choices=("bf16", "int8"), default="bf16",
+                  help="the experts' weights: bf16 (default) or int8 weight-only")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None, help="write every row here (after each problem)")
   a = ap.parse_args(argv)
@@ -148,20 +193,26 @@ def main(argv=None) -> int:
           "scratch_types= for tokamax", flush=True)
   weights = load_suite("train")["grouped_gemm"]["weights"]
   prof = profiler.Profiler(iterations=a.iterations)
-  out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": []}
-  plan = [(RAGGED_DOT, n, t) for n, t in (QUICK if a.quick else PROBLEMS)]
+  out = {"device_kind": dev.device_kind, "jax": jax.__version__, "weights": a.weights,
+         "rows": []}
+  fam0 = QRAGGED_DOT if a.weights == "int8" else RAGGED_DOT
+  plan = [(fam0, n, t) for n, t in (QUICK if a.quick else PROBLEMS)]
   if not a.quick:
-    skewed = RAGGED_DOT.with_routing(routing.SKEWED)
+    skewed = copy.copy(fam0)  # the same family, its router skewed
+    skewed.skew = float(routing.SKEWED)
     plan += [(skewed, n, t) for n, t in SKEW]
   print(f"{'weight':<22}{'tokens':>7}{'skew':>5}{'xla us':>10}{'wt us':>9}{'tokamax':>9}"
         f"{'tk c4':>9}{'tk c8':>9}{'wt/tk':>7}{'wt/tk*':>8}{'wt/xla':>8}  wt config", flush=True)
   t0 = time.time()
   for fam, name, tokens in plan:
-    p = problem(weights, name, tokens)
+    p = problem(weights, name, tokens, a.weights)
     row = run(fam, name, tokens, p, prof)
     out["rows"].append(row)
     us = {k: (v if v is not None else math.nan) for k, v in row["us"].items()}
-    best_tk = min(us["tokamax"], us["tokamax_c4"], us["tokamax_c8"])
+    for k in ("tokamax_c4", "tokamax_c8"):
+      us.setdefault(k, math.nan)
+    best_tk = min((v for k, v in us.items() if k.startswith("tokamax") and not math.isnan(v)),
+                  default=math.nan)
     c = row["wt_config"]
     cs = c["backend"] + ("" if c["backend"] == "xla" else
                          f" {c.get('block_m')}x{c.get('block_n')} k{c.get('split_k')}")

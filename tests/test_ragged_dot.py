@@ -464,6 +464,22 @@ def test_tokamax_benchmark_without_tokamax_and_kernel_renames(monkeypatch, capsy
   assert not mod.jax_compat() and plgpu.kernel is old_kernel
 
 
+def test_tokamax_benchmark_int8_weights_as_tokamax_takes_them():
+  # --weights int8: the weight-only problem, and the qwix.QArray tokamax reads
+  # (values [G, K, N], a bf16 scale per expert and output channel).
+  pytest.importorskip("qwix")
+  from wavetune_jax import QRAGGED_DOT
+  mod = _load_benchmark("ragged_dot_tokamax")
+  p = mod.problem({}, "mixtral_8x7b.w1", 64, "int8")
+  assert (p.m, p.g, p.k, p.n, p.dtype, p.w_dtype) == (128, 8, 4096, 14336, "bfloat16", "int8")
+  small = mod.problem({"w": {"E": 3, "top_k": 2, "K": 256, "N": 128}}, "w", 5, "int8")
+  x, w, s, gs = QRAGGED_DOT.inputs(small, jax.random.PRNGKey(0))
+  q = mod.tokamax_qarray(w, s)
+  assert q.qvalue is w and q.scale.shape == (3, 1, 128) and q.scale.dtype == jnp.bfloat16
+  deq = q.qvalue.astype(jnp.float32) * q.scale.astype(jnp.float32)
+  np.testing.assert_allclose(deq, w.astype(jnp.float32) * s[:, None, :], rtol=4e-3)
+
+
 @pytest.mark.parametrize("sizes", [(5, 0, 17, 9), (0, 31, 0, 0), (3, 4, 0, 2), (10, 10, 10, 10)])
 def test_blocked_reference_equals_lax_ragged_dot(sizes):
   """The row-block loop the reference takes for problems too big for XLA's
