@@ -144,5 +144,9 @@ def test_learned_policies_features_have_one_length_across_windows():
   hw = PRESETS["h100"]
   plain = AttentionProblem(batch=1, q_heads=8, kv_heads=8, q_len=8192, head_dim=128)
   local = dataclasses.replace(plain, window_left=1024, window_right=0)
-  feats = [evaluate._features(ATTENTION, hw, p, ATTENTION.default(p)) for p in (plain, local)]
-  assert len(feats[0]) == len(feats[1]) and feats[0] != feats[1]
+  diagonal = dataclasses.replace(plain, window_left=0, window_right=0)
+  feats = [evaluate._features(ATTENTION, hw, p, ATTENTION.default(p))
+           for p in (plain, local, diagonal)]
+  assert len({len(f) for f in feats}) == 1
+  # An unbounded side (-1), a side of 0 and one of 1,024 read apart.
+  assert len({tuple(f) for f in feats}) == 3

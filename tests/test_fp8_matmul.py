@@ -91,8 +91,9 @@ def test_mosaic_fp8_kernel_lowers_for_cuda(m, n, k, config):
 
 
 def test_smem_estimate_covers_the_lowered_kernels():
-  # Shared memory of the lowered kernel (CUDA lowering on the CPU, fp32
-  # partials): the estimate is never below it, and the space leaves out
+  # Shared memory of the lowered kernel, as CUDA lowering on a CPU reported
+  # it (fp32 partials; recorded numbers, since only a kernel past the limit
+  # reports its size): the estimate is never below them, and the space leaves out
   # 128 x 192 with 4 stages and a K split, which lowers 96 bytes past the
   # limit (a GPU tune recorded its compile error).
   from wavetune_jax.core.hardware import PRESETS

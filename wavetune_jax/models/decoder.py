@@ -163,7 +163,8 @@ class Ops(NamedTuple):
   # product with a weight of quantize_params (wt.quantized_matmul's arguments).
   qmatmul: Callable = None
   # (x, w_q, scales, group_sizes, x_scales=None, w_layout="kn", out_dtype=None)
-  # -> the grouped product with W8A8 expert weights (wt.quantized_ragged_dot's).
+  # -> the grouped product with 8-bit expert weights, weight-only or W8A8
+  # (wt.quantized_ragged_dot's arguments).
   qragged_dot: Callable = None
 
 

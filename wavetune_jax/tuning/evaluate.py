@@ -270,10 +270,11 @@ class _RegressorPolicy(Policy):
 def _features(spec, hw, problem, config) -> list[float]:
   g, l = spec.coords(problem, config)
   waves = g / hw.num_sms
-  # Every integer field of the problem (-1 where it is not positive: a
-  # window's unbounded side), so all problems of a family have one feature
-  # length: windowed and plain attention problems share a sweep.
-  prob = [math.log2(v) if v > 0 else -1.0 for v in spec.problem_to_dict(problem).values()
+  # Every integer field of the problem (0 as -1 and a negative value, a
+  # window's unbounded side, as -2), so all problems of a family have one
+  # feature length: windowed and plain attention problems share a sweep.
+  prob = [math.log2(v) if v > 0 else -1.0 if v == 0 else -2.0
+          for v in spec.problem_to_dict(problem).values()
           if isinstance(v, int) and not isinstance(v, bool)]
   # Every field of every backend (-1 where a backend has none) and the
   # backend one-hot, so all configs have one feature length.

@@ -100,6 +100,8 @@ class GpuMeasurer:
   mode = "gpu"
 
   def __init__(self, spec: Family, profiler, log=None, progress=None, chunk: int = 16):
+    if chunk < 1:
+      raise ValueError(f"chunk={chunk} must be >= 1")
     self.spec = spec
     self.chunk = chunk
     self.prof = profiler
