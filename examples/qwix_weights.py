@@ -22,6 +22,7 @@ warning); on an H100 or H200 they run the shipped tables' kernels.
 from __future__ import annotations
 
 import argparse
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,10 @@ def main(argv=None) -> dict:
   ap.add_argument("--weights", default="int8", choices=("int8", "fp8", "w8a8"))
   ap.add_argument("--tokens", type=int, default=16, help="prompt length (batch 1)")
   a = ap.parse_args(argv)
+  try:
+    import qwix  # noqa: F401
+  except ImportError:
+    sys.exit("qwix_weights.py needs qwix: pip install qwix (or the package's [clients] extra)")
   cfg = models.MODELS[a.model]
   if a.layers:
     cfg = cfg.with_layers(a.layers)

@@ -193,7 +193,8 @@ def test_cli_select_attention(capsys):
   text = capsys.readouterr().out
   assert "config" in text and "answered by" in text and "G=1536" in text
   assert cli_main(["select", "attention", "--m", "3000", "--device", "h200"]) == 2
-  assert "not a attention problem" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert "not an attention problem" in err and "give --set" in err
 
 
 # --- the Mosaic GPU backend (runs on Hopper only; here: configs, spaces, errors) ----------

@@ -166,6 +166,8 @@ def test_static_argnums_and_donation():
               donate_argnums=0)
   out = f(X + 0, W, 3.0, jax.nn.relu)
   assert_close(out, jax.nn.relu(X @ W) * 3.0)
+  # The README's `step.sites` on the jitted function: the last trace's calls.
+  assert [s.op for s in f.sites] == ["matmul"] and f.sites[0].replaced
 
 
 def test_kwargs_and_pytrees():

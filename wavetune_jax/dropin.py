@@ -119,13 +119,15 @@ def autotune(fn=None, *, report: bool = False, masks: bool = False):
     xs = [leaves[i] for i in dynamic]
     sites = _Sites()
     if _differentiated(xs):
-      tuned.sites = sites
+      tuned.sites[:] = sites
       return fn(*args, **kwargs)
     with _intercept_attention(sites, masks):
       closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*xs)
     with _work_memo_scope():
       out = _evaluate(closed, xs, sites)
-    tuned.sites = sites
+    # In place: jax.jit(tuned) copied the attribute when it was made, so
+    # `step.sites` is this very list.
+    tuned.sites[:] = sites
     if report:
       print(sites, flush=True)
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), out)

@@ -180,7 +180,8 @@ def _bench_model(a) -> int:
   _configure_xla(a)
   on_gpu = jax.devices()[0].platform == "gpu"
   if not on_gpu and not small:
-    raise CliError(f"--model {a.model} needs a GPU; on a CPU use --model small or small_moe")
+    raise CliError(f"--model {a.model} needs a GPU; on a CPU use --model small, small_moe "
+                   f"or small_local")
   prof = None
   if on_gpu:
     from wavetune_jax.tuning.profiler import Profiler

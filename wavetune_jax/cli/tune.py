@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 import time
@@ -92,8 +93,9 @@ def _tune(args) -> int:
     if progress is not None:
       progress.stop()
   _write_table(res.table, out, hw)
+  measured = ("s of GPU time recorded for them in the sweep" if args.replay else "s measuring")
   print(f"{res.measurements} anchors ({res.table.provenance['failed_anchors']} failed), "
-        f"{res.seconds:.0f} s measuring, {time.perf_counter() - t0:.0f} s in all")
+        f"{res.seconds:.0f} {measured}, {time.perf_counter() - t0:.0f} s in all")
   _print_written(args, out)
   return 0
 
@@ -153,7 +155,9 @@ def _select(args) -> int:
   try:
     problem = spec.problem_from_dict(fields)
   except (TypeError, ValueError) as e:
-    raise CliError(f"not a {spec.name} problem: {fields} ({e})") from None
+    missing = re.findall(r"'(\w+)'", str(e)) if "missing" in str(e) else []
+    hint = "; give " + " ".join(f"--set {f}=..." for f in missing) if missing else ""
+    raise CliError(f"not {_article(spec.name)} {spec.name} problem: {fields} ({e}){hint}") from None
   if args.table:
     ctx = selector.use_tables(tables.load(args.table, spec, hw), spec.name)
   else:
@@ -165,7 +169,8 @@ def _select(args) -> int:
   print(f"problem     {spec.problem_key(problem)} on {hw.name}")
   print(f"config      {spec.config_to_dict(sel.config)}")
   print(f"answered by {sel.source}" + (f" ({sel.note})" if sel.note else "")
-        + (f" from {table.provenance.get('source', '?')}" if table is not None else ""))
+        + (f"; the table was tuned from {table.provenance.get('source', '?')}"
+           if table is not None else ""))
   pred = "-" if sel.predicted_us is None else f"{sel.predicted_us:.1f} us"
   print(f"predicted   {pred}")
   print(f"grid        G={g} CTAs, L={l:.4g} trips" +
@@ -368,8 +373,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   se.add_argument("--k", type=positive_int, help="GEMM K")
   se.add_argument("--set", action="append", metavar="FIELD=VALUE", type=_field,
                   help="any other problem field, e.g. --set batch=2 --set q_heads=32")
-  se.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                  help="input dtype (default: bfloat16)")
+  se.add_argument("--dtype", default="bfloat16",
+                  choices=("bfloat16", "float16", "float32", "float8_e4m3fn"),
+                  help="input dtype (default: bfloat16; float8_e4m3fn: the W8A8 problems of "
+                  "qmatmul and qragged_dot)")
   se.add_argument("--device", choices=sorted(PRESETS),
                   help="hardware preset (default: this GPU)")
   se.add_argument("--table", type=existing_file, help="table file (default: the shipped one)")
@@ -389,3 +396,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                   help="how many configs to draw (default: 4)")
   pl.add_argument("--out", required=True, type=output_file, help="PNG path")
   pl.set_defaults(func=_plot)
+
+
+def _article(word: str) -> str:
+  return "an" if word[:1] in "aeiou" else "a"

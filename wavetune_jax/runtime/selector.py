@@ -204,8 +204,8 @@ class Decider:
     t = float(pred[r])
     if kept[r]:
       return Selection(configs[i], "heuristic", t if np.isfinite(t) else None,
-                       note="kept: the model predicts no gain over it beyond the spec's "
-                            "heuristic_margin")
+                       note="the family's rule: the table's model predicts no config "
+                            "faster by more than the family's heuristic_margin")
     return Selection(configs[i], "model", t)
 
   def _block(self, problem, sizes: np.ndarray):
