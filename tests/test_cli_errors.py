@@ -3,6 +3,7 @@
 import gzip
 import os
 import shutil
+import sys
 
 import pytest
 
@@ -102,3 +103,33 @@ def test_every_option_of_every_command_has_help():
           and not isinstance(action, argparse._StoreTrueAction):
         assert "default" in action.help, f"wavetune {name} {action.option_strings}: " \
                                          f"help does not say its default"
+
+
+def test_a_warning_is_one_line(monkeypatch, capsys):
+  # Printed as `wavetune COMMAND: warning: ...`, without the library's source
+  # line; the default format is back after the command.
+  import argparse
+  import warnings
+
+  import importlib
+  main_mod = importlib.import_module("wavetune_jax.cli.main")
+
+  def build():
+    ap = argparse.ArgumentParser(prog="wavetune")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def run(args):
+      warnings.warn("first line\nsecond line", UserWarning)
+      return 0
+    sub.add_parser("demo").set_defaults(func=run)
+    return ap
+  monkeypatch.setattr(main_mod, "build_parser", build)
+  plain = warnings.formatwarning
+  with warnings.catch_warnings():
+    warnings.simplefilter("always")
+    # Python's default: write formatwarning's text to stderr (pytest records instead).
+    monkeypatch.setattr(warnings, "showwarning", lambda m, c, f, n, file=None, line=None:
+                        sys.stderr.write(warnings.formatwarning(m, c, f, n, line)))
+    assert main_mod.main(["demo"]) == 0
+  assert capsys.readouterr().err == "wavetune demo: warning: first line\nsecond line\n"
+  assert warnings.formatwarning is plain

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 __all__ = ["main", "build_parser"]
 
@@ -40,6 +41,12 @@ def main(argv=None) -> int:
   exit with status 2; ``WAVETUNE_DEBUG=1`` shows the traceback."""
   from wavetune_jax.cli.common import CliError
   args = build_parser().parse_args(argv)
+  plain = warnings.formatwarning
+  # A warning prints as one line too (not the source line of the library
+  # that raised it); recorded warnings (tests, `warnings.catch_warnings`)
+  # are not affected.
+  warnings.formatwarning = lambda message, category, *_: (
+      f"wavetune {args.command}: warning: {str(message).strip()}\n")
   try:
     return args.func(args)
   except (CliError, ValueError, OSError, EOFError, KeyError, RuntimeError, OverflowError,
@@ -52,6 +59,8 @@ def main(argv=None) -> int:
     print(f"wavetune {args.command}: interrupted (what was measured is on file)",
           file=sys.stderr)
     return 130
+  finally:
+    warnings.formatwarning = plain
 
 
 if __name__ == "__main__":
