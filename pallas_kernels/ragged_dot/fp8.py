@@ -55,7 +55,7 @@ from pallas_kernels.matmul import fp8 as dense
 from pallas_kernels.matmul.mosaic import M_MULTIPLE, persistent_kernel, wg_tile, wgmma_wait_delayed
 from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, MosaicRaggedDotConfig, consumer_part,
-                                              decode_item, store_rows)
+                                              decode_item, item_windows, store_rows)
 
 __all__ = ["BLOCK_K", "K_MULTIPLE", "TILES", "check_shapes", "fp8_ragged_dot", "smem_bytes"]
 
@@ -207,10 +207,9 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
         split, ni, row0, start, size, expert, k0 = decode_item(
             lin, per_split, count, tasks_gmem, tiles_n=tiles_n, grid_minor=config.grid_minor,
             groups=groups, past_k=past_k, split_len=split_len)
-        m_slice = pl.ds(pl.multiple_of(row0, worklist.ALIGN), bm)
-        n_slice = pl.ds(ni * bn, bn)
-        k_slice = pl.ds(k0, split_len)
-        out_ref = out_gmem.at[split] if sk > 1 else out_gmem
+        m_slice, n_slice, k_slice, out_ref = item_windows(
+            row0, ni, k0, split, out_gmem, block_m=bm, block_n=bn, split_len=split_len,
+            split_k=sk)
         wg_m, w_rows, base, lo, rows, col0 = consumer_part(wg, ni, start, size, block_n=bn,
                                                            wg_tile=(wm, wn))
 

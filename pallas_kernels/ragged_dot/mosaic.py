@@ -442,10 +442,9 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
           row0 = row0 + cta * bm
           start, size = lo_c, hi_c - lo_c
         k0 = k0 + kb0 * BLOCK_K
-        m_slice = pl.ds(pl.multiple_of(row0, worklist.ALIGN), bm)
-        n_slice = pl.ds(ni * bn, bn)
-        k_slice = pl.ds(k0, split_len)
-        out_ref = out_gmem.at[split] if sk > 1 else out_gmem
+        m_slice, n_slice, k_slice, out_ref = item_windows(
+            row0, ni, k0, split, out_gmem, block_m=bm, block_n=bn, split_len=split_len,
+            split_k=sk)
         wg_m, wg_n, base, lo, rows, col0 = consumer_part(wg, ni, start, size, block_n=bn,
                                                          wg_tile=(wm, wn))
         cast = lambda a: a.astype(out_dtype)
@@ -655,6 +654,16 @@ def decode_item(lin, per_split, count, tasks, *, tiles_n: int, grid_minor: int, 
                                                      worklist.START, worklist.SIZE))
   k0 = jnp.where(grp >= groups, jnp.int32(past_k), split * split_len)
   return Item(split, ni, row0, start, size, jnp.minimum(grp, groups - 1), k0)
+
+
+def item_windows(row0, ni, k0, split, out_gmem, *, block_m: int, block_n: int,
+                 split_len: int, split_k: int):
+  """A work item's ``(rows, columns, K)`` windows of ``x``, ``w`` and the
+  output, and the output it writes (its split's partials where ``split_k >
+  1``)."""
+  import jax.experimental.pallas as pl
+  return (pl.ds(pl.multiple_of(row0, worklist.ALIGN), block_m), pl.ds(ni * block_n, block_n),
+          pl.ds(k0, split_len), out_gmem.at[split] if split_k > 1 else out_gmem)
 
 
 def consumer_part(wg, ni, start, size, *, block_n: int, wg_tile: tuple[int, int]):
