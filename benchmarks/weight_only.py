@@ -9,7 +9,12 @@ then dot (what a JAX user writes: ``jnp.dot(x, (w * scales).astype(bf16))``),
 XLA's dot on the converted 8-bit weight with the scales after it, and the
 Mosaic kernel (``pallas_kernels.matmul.weight_only``) at a few configs.
 
-    PYTHONPATH=. python3 benchmarks/weight_only.py [--quick] [--json out.json]
+``--layout nk`` takes the weight as ``[N, K]`` (K contiguous; ``y = (x @
+w.T) * scales``), every candidate on that layout, and the Mosaic kernel is
+the swapped one (``pallas_kernels.matmul.weight_only_nk``: the 8-bit block
+converted in registers and fed to wgmma from there), up to 64 rows.
+
+    PYTHONPATH=. python3 benchmarks/weight_only.py [--quick] [--layout kn|nk] [--json out.json]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.matmul.mosaic import MosaicMatmulConfig
+from pallas_kernels.matmul import weight_only_nk as nk_kernel
 from pallas_kernels.matmul.weight_only import check_shapes, decode_config, weight_only_matmul
 from wavetune_jax.tuning import profiler
 
@@ -47,54 +53,81 @@ def configs(m: int, k: int, n: int):
   return out
 
 
+def nk_configs(m: int, k: int, n: int):
+  """The swapped kernel's rule (``weight_only_nk.decode_config``), every
+  power-of-two split up to 16 at its stages, 4 and 8 stages, and
+  256-channel tiles."""
+  rule = nk_kernel.decode_config(m, k, n, 132)
+  if rule is None:
+    return []
+  out = [rule] + [dataclasses.replace(rule, num_stages=st) for st in (4, 8)]
+  out += [dataclasses.replace(rule, split_k=sk) for sk in (1, 2, 4, 8, 16) if sk != rule.split_k]
+  out.append(dataclasses.replace(rule, block_n=256))
+  return out
+
+
+def _dot(layout: str):
+  dims = (((1,), (0 if layout == "kn" else 1,)), ((), ()))
+  return lambda x, w, **kw: jax.lax.dot_general(x, w, dims, **kw)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="int8 only, the first weight")
+  ap.add_argument("--layout", choices=("kn", "nk"), default="kn",
+                  help="the weight as [K, N] (default) or [N, K]")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
   prof = profiler.Profiler(iterations=a.iterations)
   dev = jax.devices()[0]
-  print(dev.device_kind, jax.__version__, flush=True)
+  print(dev.device_kind, jax.__version__, f"weight layout {a.layout}", flush=True)
+  nk = a.layout == "nk"
+  dot = _dot(a.layout)
   rows = []
   wdtypes = ("int8",) if a.quick else ("int8", "float8_e4m3fn")
   for wname, k, n in (WEIGHTS[:1] if a.quick else WEIGHTS):
     for wd in wdtypes:
       kw, ks = jax.random.split(jax.random.PRNGKey(1))
+      shape = (n, k) if nk else (k, n)
       if wd == "int8":
-        w = jax.random.randint(kw, (k, n), -127, 128, jnp.int32).astype(jnp.int8)
+        w = jax.random.randint(kw, shape, -127, 128, jnp.int32).astype(jnp.int8)
       else:
-        w = (jax.random.normal(kw, (k, n), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+        w = (jax.random.normal(kw, shape, jnp.float32) * 64).astype(jnp.float8_e4m3fn)
       s = jax.random.uniform(ks, (n,), jnp.float32, 0.5, 1.5) / (127 * math.sqrt(k))
-      w_bf16 = (w.astype(jnp.float32) * s).astype(jnp.bfloat16)
+      sb = s[:, None] if nk else s  # the scales along w's channel axis
+      w_bf16 = (w.astype(jnp.float32) * sb).astype(jnp.bfloat16)
       for m in (MS if wname == WEIGHTS[0][0] else MS[:-1]):
+        if nk and m > nk_kernel.MAX_M:
+          continue
         x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
-        ref = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32) * s,
-                      precision=jax.lax.Precision.HIGHEST)
+        ref = dot(x.astype(jnp.float32), w.astype(jnp.float32) * sb,
+                  precision=jax.lax.Precision.HIGHEST)
         cands = {
-            "xla_dequant_dot": lambda x, w, s: jnp.dot(
-                x, (w.astype(jnp.float32) * s).astype(jnp.bfloat16)),
-            "xla_dot_scale": lambda x, w, s: (jnp.dot(
+            "xla_dequant_dot": lambda x, w, s: dot(
+                x, (w.astype(jnp.float32) * (s[:, None] if nk else s)).astype(jnp.bfloat16)),
+            "xla_dot_scale": lambda x, w, s: (dot(
                 x, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
                 * s).astype(jnp.bfloat16),
         }
-        for c in configs(m, k, n):
+        for c in (nk_configs(m, k, n) if nk else configs(m, k, n)):
           try:
-            check_shapes(m, n, k, jnp.bfloat16, w.dtype, c)
+            (nk_kernel.check_shapes if nk else check_shapes)(m, n, k, jnp.bfloat16, w.dtype, c)
           except ValueError:
             continue
+          run = nk_kernel.weight_only_matmul_nk if nk else weight_only_matmul
           cands[f"mosaic {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k}"] = (
-              lambda c: lambda x, w, s: weight_only_matmul(x, w, s, config=c))(c)
+              lambda c, run: lambda x, w, s: run(x, w, s, config=c))(c, run)
         res = dict(zip(cands, prof.measure_many(list(cands.values()), (x, w, s),
                                                 reference=ref, tolerance=2e-2,
                                                 out_bytes=m * n * 4)))
-        (bf,) = prof.measure_many([lambda x, wb: jnp.dot(x, wb)], (x, w_bf16))
+        (bf,) = prof.measure_many([lambda x, wb: dot(x, wb)], (x, w_bf16))
         times = {lab: (r.median_us if r.status == "ok" else math.nan) for lab, r in res.items()}
         errs = {lab: f"{r.status}: {(r.error or '')[:150]}" for lab, r in res.items()
                 if r.status != "ok"}
         mos = {lab: t for lab, t in times.items() if lab.startswith("mosaic") and t == t}
         best = min(mos, key=mos.get) if mos else None
-        row = {"weight": wname, "k": k, "n": n, "w_dtype": wd, "m": m,
+        row = {"weight": wname, "k": k, "n": n, "w_dtype": wd, "m": m, "layout": a.layout,
                "bf16_dot_us": bf.median_us, "times": times, "errors": errs,
                "best_mosaic": best}
         rows.append(row)

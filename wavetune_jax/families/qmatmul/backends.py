@@ -1,7 +1,7 @@
 """The backends of the quantized GEMM: XLA's dot (the platform op: on the
 converted weight for weight-only problems, on the e4m3 operands for W8A8)
-and the Mosaic GPU kernels (``pallas_kernels.matmul.weight_only`` and
-``pallas_kernels.matmul.fp8``)."""
+and the Mosaic GPU kernels (``pallas_kernels.matmul.weight_only``,
+``pallas_kernels.matmul.weight_only_nk`` and ``pallas_kernels.matmul.fp8``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from jax import lax
 
 from pallas_kernels.matmul import fp8 as fp8_kernel
 from pallas_kernels.matmul import weight_only as kernel
+from pallas_kernels.matmul import weight_only_nk as nk_kernel
 from pallas_kernels.matmul.mosaic import BLOCK_K, MosaicMatmulConfig
 from wavetune_jax.core.family import Backend, OneConfigBackend
 from wavetune_jax.core.hardware import Hardware
@@ -28,6 +29,8 @@ NOMINAL_M, NOMINAL_N = 64, 128
 MOSAIC_MAX_M = 64
 STAGES = (3, 4, 5)
 SPLIT_K = (1, 2, 4, 8, 16, 32)
+#: Stages of the weight-only ``[N, K]`` space.
+NK_STAGES = (4, 6, 8)
 #: CTA tiles of the W8A8 space.
 FP8_TILES = ((64, 128), (64, 256), (128, 128), (128, 192), (128, 256), (256, 128))
 
@@ -93,10 +96,12 @@ class XlaQMatmul(OneConfigBackend):
 
 
 class MosaicQMatmul(Backend):
-  """The Mosaic GPU kernels (Hopper). Weight-only: up to 64 rows, 64 x 256
-  tiles, K split to fill the SMs. W8A8-FP8: FP8 wgmma on ``x [M, K]`` and
-  ``w [N, K]`` (``w_layout="nk"``), the scales in the epilogue. No CPU
-  interpret mode."""
+  """The Mosaic GPU kernels (Hopper). Weight-only, up to 64 rows: with ``w
+  [K, N]`` 64 x 256 tiles, K split to fill the SMs; with ``w [N, K]``
+  (``w_layout="nk"``) the swapped kernel, 128 or 256 channels a CTA, the
+  8-bit block converted in registers and fed to wgmma from there.
+  W8A8-FP8: FP8 wgmma on ``x [M, K]`` and ``w [N, K]`` (``w_layout="nk"``),
+  the scales in the epilogue. No CPU interpret mode."""
 
   name = "mosaic"
   kernel_cache = True
@@ -122,9 +127,13 @@ class MosaicQMatmul(Backend):
       except ValueError as e:
         return str(e)
       return None
-    if p.w_layout != "kn":
-      return ("the Mosaic weight-only GEMM takes the weight as [K, N] (w_layout='kn'); use "
-              "the XLA config")
+    if p.w_layout == "nk":
+      c = c or MosaicMatmulConfig(block_m=64, block_n=128, num_stages=6)
+      try:
+        nk_kernel.check_shapes(p.m, p.n, p.k, p.dtype, p.w_dtype, c)
+      except ValueError as e:
+        return str(e)
+      return None
     if p.m > MOSAIC_MAX_M:
       return (f"the Mosaic weight-only GEMM runs up to {MOSAIC_MAX_M} rows; got M={p.m} "
               f"(use the XLA config)")
@@ -142,13 +151,17 @@ class MosaicQMatmul(Backend):
       out = 4 if c.split_k > 1 else jnp.dtype(p.out_dtype).itemsize
       return fp8_kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n,
                                    num_stages=c.num_stages, out_itemsize=out)
+    if p.w_layout == "nk":
+      return nk_kernel.smem_bytes(m=min(p.m, nk_kernel.MAX_M), block_n=c.block_n,
+                                  num_stages=c.num_stages, itemsize=p.itemsize)
     return kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
                              itemsize=p.itemsize)
 
   def space(self, problem: QMatmulProblem, hw: Hardware, *, prune: bool = True) -> tuple:
-    """Weight-only: 64 x 256 tiles, 3-5 stages, power-of-two K splits with
-    at least four K steps each and (pruned) column tiles times splits within
-    two waves. W8A8: :data:`FP8_TILES`, 3-5 stages, K splits where the
+    """Weight-only ``[K, N]``: 64 x 256 tiles, 3-5 stages, power-of-two K
+    splits with at least four K steps each and (pruned) column tiles times
+    splits within two waves. Weight-only ``[N, K]``: 128- and 256-channel
+    tiles, 4 / 6 / 8 stages, the same splits. W8A8: :data:`FP8_TILES`, 3-5 stages, K splits where the
     output has less than a wave of tiles, the tile order's band 1 or 8
     where it has more than a wave."""
     p = problem
@@ -156,6 +169,8 @@ class MosaicQMatmul(Backend):
       return ()
     if p.w8a8:
       return self._fp8_space(p, hw, prune)
+    if p.w_layout == "nk":
+      return self._nk_space(p, hw, prune)
     tiles = -(-p.n // 256)
     out = []
     for st, sk in itertools.product(STAGES, SPLIT_K):
@@ -163,6 +178,17 @@ class MosaicQMatmul(Backend):
         continue
       c = MosaicMatmulConfig(block_m=64, block_n=256, num_stages=st, split_k=sk)
       if self.smem_bytes(p, c) <= hw.smem_per_block:
+        out.append(c)
+    return tuple(out)
+
+  def _nk_space(self, p: QMatmulProblem, hw: Hardware, prune: bool) -> tuple:
+    out = []
+    for bn, st, sk in itertools.product(nk_kernel.BLOCK_N, NK_STAGES, SPLIT_K):
+      tiles = -(-p.n // bn)
+      if sk * 4 > p.k // BLOCK_K or (prune and sk > 1 and tiles * sk > 2 * hw.num_sms):
+        continue
+      c = MosaicMatmulConfig(block_m=64, block_n=bn, num_stages=st, split_k=sk)
+      if not self.why_not(p, c) and self.smem_bytes(p, c) <= hw.smem_per_block:
         out.append(c)
     return tuple(out)
 
@@ -196,7 +222,10 @@ class MosaicQMatmul(Backend):
     """Weight-only: ``pallas_kernels.matmul.weight_only.decode_config``; on
     an H100 it was the fastest of its neighbours (split halved and doubled,
     3 and 5 stages) on 30 of 32 problems and within 0.9% on the others
-    (``benchmarks/weight_only.py``). W8A8: ``pallas_kernels.matmul.fp8.
+    (``benchmarks/weight_only.py``). Weight-only ``[N, K]``:
+    ``pallas_kernels.matmul.weight_only_nk.decode_config``, within 5.4% of
+    the fastest of up to 8 configs on 29 of 30 problems on an H100
+    (``benchmarks/weight_only.py --layout nk``). W8A8: ``pallas_kernels.matmul.fp8.
     heuristic_config`` (``benchmarks/fp8_gemm.py``)."""
     p = problem
     if self.why_not(p):
@@ -204,6 +233,9 @@ class MosaicQMatmul(Backend):
     if p.w8a8:
       c = fp8_kernel.heuristic_config(p.m, p.n, p.k, hw.num_sms)
       return None if self.why_not(p, c) else c
+    if p.w_layout == "nk":
+      c = nk_kernel.decode_config(p.m, p.k, p.n, hw.num_sms)
+      return None if c is None or self.why_not(p, c) else c
     return kernel.decode_config(p.m, p.k, p.n, hw.num_sms)
 
   def occupancy_bound(self, problem, config, hw: Hardware) -> int:
@@ -225,4 +257,6 @@ class MosaicQMatmul(Backend):
     out = jnp.dtype(problem.out_dtype)
     if problem.w8a8:
       return fp8_kernel.fp8_matmul(x, w, x_scales, scales, config=config, out_dtype=out)
+    if problem.w_layout == "nk":
+      return nk_kernel.weight_only_matmul_nk(x, w, scales, config=config, out_dtype=out)
     return kernel.weight_only_matmul(x, w, scales, config=config, out_dtype=out)

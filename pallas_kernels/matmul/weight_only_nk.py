@@ -1,0 +1,263 @@
+"""Pallas Mosaic GPU weight-only GEMM for a few rows with the weight as
+``[N, K]``: ``y = (x @ w.T) * scales``.
+
+``x [M, K]`` bfloat16 or float16 with ``M <= 64`` (a decode step), ``w [N,
+K]`` int8 or float8_e4m3fn with K contiguous (what
+``quantize_weight(..., layout="nk")`` gives, and the layout of most
+checkpoints), ``scales [N]`` float32, one per output channel (it leaves the
+dot product: the kernel computes on the 8-bit values, exact in 16 bits, and
+the scales multiply the fp32 result once).
+
+The operands are swapped: each consumer warpgroup computes a tile of
+``(x @ w.T).T = w @ x.T``, ``[64 or 128 channels, M]``. wgmma's left
+operand can live in registers, so a consumer loads its rows of the 8-bit
+``w`` block from shared memory into registers, converts them there and hands
+them to wgmma directly: the dequantized weight never goes back through
+shared memory, which is what bounds the ``[K, N]`` kernel
+(:mod:`pallas_kernels.matmul.weight_only`: each 8-bit block is written to
+shared memory again in 16 bits and read by wgmma). ``x``'s block is wgmma's
+right operand, read transposed from shared memory, with the rows (tokens) as
+wgmma's N: 8, 16, 32 or 64 of them, the rows past M zeros.
+
+The rest is the project's Mosaic GEMM: a persistent grid, one producer
+warpgroup streaming ``[block_n, 64]`` 8-bit blocks of ``w`` (64-byte swizzle)
+and ``[rows, 64]`` blocks of ``x`` (128-byte swizzle) with TMA into a ring,
+two consumer warpgroups (each half of the block's channels), split-K with
+fp32 partials. The kernel writes the fp32 ``[split, N, rows]`` tile of the
+transposed product; one XLA fusion sums the splits, transposes, applies the
+scales and casts (``M x N`` values, against ``N x K`` weight bytes).
+
+Requirements (:func:`check_shapes`): compute capability 9.0; ``M <= 64``, a
+multiple of 8 or below it; ``N`` a multiple of ``block_n`` (128 or 256) and ``K`` of 64, no split of K
+empty.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, k_steps, launch,
+                                          store_tile)
+from pallas_kernels._launch import require_compute_capability
+
+__all__ = ["MAX_M", "BLOCK_N", "check_shapes", "decode_config", "row_tile", "smem_bytes",
+           "weight_only_matmul_nk"]
+
+#: Rows (tokens) the kernel runs: wgmma's N, rounded up to a power of two.
+MAX_M = 64
+#: CTA tiles of channels (rows of ``w``): two consumers of 64 or 128.
+BLOCK_N = (128, 256)
+WEIGHT_DTYPES = ("int8", "float8_e4m3fn")
+_BARRIER_BYTES = 1024
+#: The ring's fill at each work item, in pipeline steps (:func:`decode_config`).
+ITEM_OVERHEAD_STEPS = 3
+_MEMORY_REGISTERS = 40
+
+
+def row_tile(m: int) -> int:
+  """wgmma's N for ``m`` rows: 8, 16, 32 or 64."""
+  for t in (8, 16, 32, 64):
+    if m <= t:
+      return t
+  raise ValueError(f"the swapped weight-only GEMM runs up to {MAX_M} rows; got M={m}")
+
+
+def smem_bytes(*, m: int, block_n: int, num_stages: int, itemsize: int) -> int:
+  """The operand ring (8-bit w blocks and x blocks) and one fp32 output
+  slot of 64 channels per consumer."""
+  rows = row_tile(m)
+  ring = num_stages * (block_n * BLOCK_K + rows * BLOCK_K * itemsize)
+  return ring + 2 * 64 * rows * 4 + _BARRIER_BYTES
+
+
+def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulConfig) -> None:
+  """Raises ``ValueError`` unless the kernel runs these shapes with ``config``."""
+  if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
+    raise ValueError(f"the Mosaic GPU weight-only GEMM takes bfloat16 or float16 "
+                     f"activations; got {jnp.dtype(dtype).name}")
+  if jnp.dtype(w_dtype).name not in WEIGHT_DTYPES:
+    raise ValueError(f"the Mosaic GPU weight-only GEMM takes {WEIGHT_DTYPES} weights; got "
+                     f"{jnp.dtype(w_dtype).name}")
+  if not 1 <= m <= MAX_M:
+    raise ValueError(f"the Mosaic GPU weight-only GEMM on an [N, K] weight runs 1 to "
+                     f"{MAX_M} rows; got M={m} (use the XLA config)")
+  if m > M_MULTIPLE and m % M_MULTIPLE:
+    raise ValueError(f"the Mosaic GPU weight-only GEMM needs M a multiple of {M_MULTIPLE} "
+                     f"or below it; got M={m} (use the XLA config)")
+  if config.block_n not in BLOCK_N:
+    raise ValueError(f"config {config}: the weight-only GEMM on an [N, K] weight needs "
+                     f"block_n in {BLOCK_N}")
+  if n % config.block_n or k % BLOCK_K:
+    raise ValueError(f"the Mosaic GPU weight-only GEMM on an [N, K] weight needs N a "
+                     f"multiple of block_n={config.block_n} and K of {BLOCK_K}; got N={n}, "
+                     f"K={k} (use the XLA config)")
+  if (config.split_k - 1) * k_steps(k, config.split_k) >= k // BLOCK_K:
+    raise ValueError(f"config {config}: K={k} gives {k // BLOCK_K} steps of {BLOCK_K}, too "
+                     f"few for {config.split_k} splits (the last would be empty; use fewer "
+                     f"splits or the XLA config)")
+  if not 2 <= config.num_stages <= 8:
+    raise ValueError(f"config {config}: num_stages must be in [2, 8]")
+
+
+def decode_config(m: int, k: int, n: int, num_sms: int) -> MosaicMatmulConfig | None:
+  """6 stages, and the channel tile (:data:`BLOCK_N`) and split of K (a
+  power of two, at least four K steps a split) of least modelled time,
+  counted in pipeline steps of a 128-channel tile: the persistent grid's
+  waves times a work item's steps (a 256-channel step counts two) plus
+  :data:`ITEM_OVERHEAD_STEPS` (the ring's fill), plus the fp32 partials
+  written and summed (as steps of the whole grid's weight bytes). None above
+  :data:`MAX_M` rows or where N is not a multiple of 128."""
+  if m > MAX_M or n % 128 or k % BLOCK_K:
+    return None
+  steps, rows = k // BLOCK_K, row_tile(m)
+  best = None
+  for bn in BLOCK_N:
+    if n % bn:
+      continue
+    sk = 1
+    while sk == 1 or steps // sk >= 4:
+      waves = -(-(n // bn) * sk // num_sms)
+      cost = waves * (-(-steps // sk) * bn // 128 + ITEM_OVERHEAD_STEPS)
+      if sk > 1:
+        cost += 2 * sk * n * rows * 4 / (num_sms * 128 * BLOCK_K)
+      if best is None or cost < best[0]:
+        best = (cost, bn, sk)
+      sk *= 2
+  return MosaicMatmulConfig(block_m=64, block_n=best[1], num_stages=6, split_k=best[2])
+
+
+def weight_only_matmul_nk(x: jax.Array, w: jax.Array, scales: jax.Array, *,
+                          config: MosaicMatmulConfig, out_dtype=None,
+                          num_sms: int | None = None) -> jax.Array:
+  """``(x @ w.T) * scales`` with 8-bit ``w [N, K]`` (Hopper only).
+
+  Args:
+    x: ``[M, K]`` bfloat16 or float16, ``M <= 64``.
+    w: ``[N, K]`` int8 or float8_e4m3fn.
+    scales: ``[N]`` float32, the dequantization scale of each output channel.
+    config: launch parameters (:class:`MosaicMatmulConfig`; ``block_n``,
+      ``num_stages`` and ``split_k`` are used), used as given.
+    out_dtype: bfloat16, float16 or float32 (default ``x.dtype``).
+    num_sms: CTAs of the persistent grid (default: the default device's SMs).
+
+  The result matches the float32 product of ``x`` and the dequantized
+  weight to a bfloat16 GEMM's error (relative 1e-2): the 8-bit values are
+  exact in 16 bits and products accumulate in fp32.
+
+  Raises:
+    ValueError: bad shapes or dtypes, shapes the kernel does not run, or no
+      Hopper GPU.
+  """
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or scales.shape != (w.shape[0],):
+    raise ValueError(f"need x [M, K], w [N, K] and scales [N]; got {x.shape}, {w.shape}, "
+                     f"{scales.shape}")
+  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  (m, k), n = x.shape, w.shape[0]
+  check_shapes(m, n, k, x.dtype, w.dtype, config)
+  if num_sms is None:
+    num_sms = int(require_compute_capability("9.0", "Mosaic GPU weight-only GEMM",
+                                             "use the XLA config").core_count)
+  return _matmul(x, w, scales, config=config, out_dtype=out_dtype, num_sms=int(num_sms))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
+def _matmul(x, w, scales, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
+  acc = _kernel_call(x, w, config=config, num_sms=num_sms)  # [(split,) N, rows]
+  if config.split_k > 1:
+    acc = acc.sum(axis=0)
+  acc = acc[:, :x.shape[0]].T
+  return (acc * scales.astype(jnp.float32)[None, :]).astype(out_dtype)
+
+
+def _transforms(row_bytes: int, itemsize: int) -> tuple:
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  swizzle = min(128, row_bytes)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  (m, k), n = x.shape, w.shape[0]
+  dtype = x.dtype
+  sk, bn = config.split_k, config.block_n
+  wn = bn // 2  # channels of one consumer
+  rows = row_tile(m)
+  tiles = n // bn
+  steps = k_steps(k, sk)
+  split_len = steps * BLOCK_K
+  x_transforms = _transforms(BLOCK_K * jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
+  w_transforms = _transforms(BLOCK_K, 1)
+  out_transforms = _transforms(rows * 4, 4)
+  convert_f16 = w.dtype != jnp.int8 and dtype != jnp.float16
+
+  def get_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(steps,),
+        memory_registers=_MEMORY_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec((rows, BLOCK_K), lambda kk: (0, kk), transforms=x_transforms,
+                            memory_space=plgpu.SMEM),
+            plgpu.BlockSpec((bn, BLOCK_K), lambda kk: (0, kk), transforms=w_transforms,
+                            memory_space=plgpu.SMEM),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=2,
+        max_concurrent_steps=min(config.num_stages, steps),
+        compute_context=compute_context,
+    )
+
+  def kernel(x_gmem, w_gmem, out_gmem):
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+        out_smem=plgpu.SMEM((2, 1, 64, rows), jnp.float32, transforms=out_transforms),
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem):
+      wg = lax.axis_index("wg")
+      wg_n = pl.ds(wg * wn, wn)
+
+      @plgpu.nd_loop((tiles * sk,), collective_axes="sm")
+      def _tile_loop(info: plgpu.NDLoopInfo):
+        (lin,) = info.index
+        # Splits outermost: the CTAs of a wave read neighbouring weight rows.
+        split = lax.div(lin, jnp.int32(tiles))
+        n_slice = pl.ds(lax.rem(lin, jnp.int32(tiles)) * bn, bn)
+        k_slice = pl.ds(split * split_len, split_len)
+        out_ref = out_gmem.at[split] if sk > 1 else out_gmem
+
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wn, rows), jnp.float32))
+          def _acc_scope(acc_ref):
+            eval_pipeline(acc_ref)
+            store_tile(acc_ref[...], out_smem, wg, out_ref.at[n_slice].at[wg_n],
+                       epi=(64, rows))
+
+        def mma_body(_, x_smem, w_smem, acc_ref):
+          a = w_smem[wg_n]
+          if convert_f16:
+            a = a.astype(jnp.float16)  # e4m3 -> bfloat16 has no single cvt on sm_90
+          plgpu.wgmma(acc_ref, a.astype(dtype), plgpu.transpose_ref(x_smem, (1, 0)))
+          # The registers of a stay read until the wgmma completes.
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        get_pipeline(mma_body, compute_context)(
+            x_gmem.at[pl.ds(0, rows), k_slice],
+            w_gmem.at[n_slice, k_slice],
+            allocations=pipeline_allocs,
+        )
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return launch(kernel, (x, w), out_shape=(n, rows), split_k=sk, out_dtype=jnp.float32,
+                work_tiles=tiles * sk, num_sms=num_sms)
