@@ -55,14 +55,14 @@ def configs(m: int, k: int, n: int):
 
 def nk_configs(m: int, k: int, n: int):
   """The swapped kernel's rule (``weight_only_nk.decode_config``), every
-  power-of-two split up to 16 at its stages, 4 and 8 stages, and
-  256-channel tiles."""
+  power-of-two split up to 16 at its stages, 3 and 6 stages, and the other
+  channel tile."""
   rule = nk_kernel.decode_config(m, k, n, 132)
   if rule is None:
     return []
-  out = [rule] + [dataclasses.replace(rule, num_stages=st) for st in (4, 8)]
+  out = [rule] + [dataclasses.replace(rule, num_stages=st) for st in (3, 6)]
   out += [dataclasses.replace(rule, split_k=sk) for sk in (1, 2, 4, 8, 16) if sk != rule.split_k]
-  out.append(dataclasses.replace(rule, block_n=256))
+  out.append(dataclasses.replace(rule, block_n=384 - rule.block_n))
   return out
 
 

@@ -300,7 +300,7 @@ NK_RUN = "data/probes/weight_only_nk_h100.json"
     ("int8", jnp.float16, 32, 256, 1)])
 def test_nk_kernel_lowers_for_cuda(w_dtype, dtype, m, bn, split_k):
   from pallas_kernels.matmul.weight_only_nk import weight_only_matmul_nk
-  c = MosaicMatmulConfig(block_m=64, block_n=bn, num_stages=6, split_k=split_k)
+  c = MosaicMatmulConfig(block_m=64, block_n=bn, num_stages=4, split_k=split_k)
   args = (jax.ShapeDtypeStruct((m, 1024), dtype),
           jax.ShapeDtypeStruct((512, 1024), jnp.dtype(w_dtype)),
           jax.ShapeDtypeStruct((512,), jnp.float32))
@@ -328,31 +328,39 @@ def test_nk_backend_space_rule_and_selection():
   for c in space:
     assert mosaic.smem_bytes(p, c) <= H100.smem_per_block
   assert not mosaic.space(QMatmulProblem(m=65, n=14336, k=4096, w_layout="nk"), H100)
-  # No blanket trust: at one row the kernel ran 0.82-1.58x XLA's best.
+  # Trusted at one row with K >= 4096 (1.09-1.66x XLA's best on an H100);
+  # at 16 rows, or with a short K, XLA's GEMM unless evidence says otherwise.
   with wt.policy("tables"):
-    for m in (1, 16):
-      sel = wt.select("qmatmul", QMatmulProblem(m=m, n=14336, k=4096, w_layout="nk"), "h100")
-      assert isinstance(sel.config, wt.XlaQMatmulConfig)
+    for m, k, want in ((1, 4096, MosaicMatmulConfig), (16, 4096, wt.XlaQMatmulConfig),
+                       (1, 1536, wt.XlaQMatmulConfig)):
+      sel = wt.select("qmatmul", QMatmulProblem(m=m, n=14336, k=k, w_layout="nk"), "h100")
+      assert isinstance(sel.config, want)
   with wt.policy("heuristic"):
     sel = wt.select("qmatmul", p, "h100")
     assert isinstance(sel.config, MosaicMatmulConfig)
 
 
 def test_nk_rule_against_the_recorded_h100_run():
-  # docs/results.md: the rule within 5.4% of the fastest timed config on 29
-  # of the 30 problems, 9.7% on the last; every candidate was right.
+  # docs/results.md: every candidate right (or over shared memory); the rule
+  # within 3.3% of the fastest timed config on 29 of the 30 problems, 8% on
+  # the last; at one row with K >= 4096 (the trusted case) faster than XLA.
   import json
   import pathlib
   from pallas_kernels.matmul.weight_only_nk import decode_config
+  from wavetune_jax.families.qmatmul.family import NK_TRUSTED_MIN_K
   run = json.loads((pathlib.Path(__file__).parent.parent / NK_RUN).read_text())
   assert run["device_kind"] == "NVIDIA H100 80GB HBM3" and len(run["rows"]) == 30
-  ratios = []
+  ratios, trusted = [], []
   for r in run["rows"]:
-    assert not r["errors"]
+    assert all("shared memory" in e for e in r["errors"].values())
     c = decode_config(r["m"], r["k"], r["n"], 132)
     t = r["times"][f"mosaic 64x{c.block_n} st{c.num_stages} sk{c.split_k}"]
-    ratios.append(t / min(v for lab, v in r["times"].items() if lab.startswith("mosaic")))
-  assert sum(x <= 1.054 for x in ratios) == 29 and max(ratios) < 1.10
+    ratios.append(t / min(v for lab, v in r["times"].items()
+                           if lab.startswith("mosaic") and v == v))
+    if r["m"] == 1 and r["k"] >= NK_TRUSTED_MIN_K:
+      trusted.append(min(r["times"]["xla_dot_scale"], r["times"]["xla_dequant_dot"]) / t)
+  assert sum(x <= 1.033 for x in ratios) == 29 and max(ratios) < 1.09
+  assert len(trusted) == 8 and min(trusted) > 1.05
 
 
 def test_nk_op_on_cpu_matches_the_reference():

@@ -30,7 +30,7 @@ MOSAIC_MAX_M = 64
 STAGES = (3, 4, 5)
 SPLIT_K = (1, 2, 4, 8, 16, 32)
 #: Stages of the weight-only ``[N, K]`` space.
-NK_STAGES = (4, 6, 8)
+NK_STAGES = (3, 4, 6)
 #: CTA tiles of the W8A8 space.
 FP8_TILES = ((64, 128), (64, 256), (128, 128), (128, 192), (128, 256), (256, 128))
 
@@ -161,7 +161,7 @@ class MosaicQMatmul(Backend):
     """Weight-only ``[K, N]``: 64 x 256 tiles, 3-5 stages, power-of-two K
     splits with at least four K steps each and (pruned) column tiles times
     splits within two waves. Weight-only ``[N, K]``: 128- and 256-channel
-    tiles, 4 / 6 / 8 stages, the same splits. W8A8: :data:`FP8_TILES`, 3-5 stages, K splits where the
+    tiles, 3 / 4 / 6 stages, the same splits. W8A8: :data:`FP8_TILES`, 3-5 stages, K splits where the
     output has less than a wave of tiles, the tile order's band 1 or 8
     where it has more than a wave."""
     p = problem
@@ -223,9 +223,9 @@ class MosaicQMatmul(Backend):
     an H100 it was the fastest of its neighbours (split halved and doubled,
     3 and 5 stages) on 30 of 32 problems and within 0.9% on the others
     (``benchmarks/weight_only.py``). Weight-only ``[N, K]``:
-    ``pallas_kernels.matmul.weight_only_nk.decode_config``, within 5.4% of
-    the fastest of up to 8 configs on 29 of 30 problems on an H100
-    (``benchmarks/weight_only.py --layout nk``). W8A8: ``pallas_kernels.matmul.fp8.
+    ``pallas_kernels.matmul.weight_only_nk.decode_config``, within 3.3% of
+    the fastest of up to 9 configs on 29 of 30 problems on an H100 and 8% on
+    the last (``benchmarks/weight_only.py --layout nk``). W8A8: ``pallas_kernels.matmul.fp8.
     heuristic_config`` (``benchmarks/fp8_gemm.py``)."""
     p = problem
     if self.why_not(p):

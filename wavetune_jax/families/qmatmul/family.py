@@ -18,6 +18,10 @@ from wavetune_jax.families.qmatmul.problem import (DTYPES, W_LAYOUTS, WEIGHT_DTY
 
 __all__ = ["QMatmulFamily", "check_activation_scales"]
 
+#: K from which the swapped weight-only kernel (``w [N, K]``) is trusted over
+#: XLA's GEMM at one row (:meth:`QMatmulFamily.trusted_without_evidence`).
+NK_TRUSTED_MIN_K = 4096
+
 
 def check_activation_scales(x, w, x_scales, out_dtype, weight: str):
   """``(x_scales, out dtype)`` of a quantized GEMM's call: e4m3 ``x`` (W8A8)
@@ -112,6 +116,12 @@ class QMatmulFamily(Family):
     16), ran 0.95x. At 16 rows XLA's own fused GEMM ran at 0.96-1.06x of it,
     so other row counts need a table's evidence or first-use measurement.
 
+    Weight-only ``[N, K]`` (the swapped kernel): at one row where K >=
+    :data:`NK_TRUSTED_MIN_K`, 1.09-1.66x XLA's best on all eight such
+    problems measured on an H100 (four weights, int8 and e4m3;
+    ``benchmarks/weight_only.py --layout nk``); with K = 1,536 it ran
+    0.89-0.92x, and at 16 rows 0.98-1.25x, left to evidence.
+
     W8A8-FP8: the FP8 kernel over XLA's FP8 dot where its rule gives more
     than a wave of 128 x 256 tiles (bands of 8): 1.10-1.72x on all 12 such
     problems measured on an H100 (``benchmarks/fp8_gemm.py``); with fewer
@@ -122,8 +132,8 @@ class QMatmulFamily(Family):
       return False
     if problem.w8a8:
       return (config.block_m, config.block_n) == (128, 256) and config.grid_width > 1
-    if problem.w_layout != "kn":
-      return False  # the [N, K] kernel: 0.82-1.58x XLA's best at one row, left to evidence
+    if problem.w_layout == "nk":
+      return problem.m == 1 and problem.k >= NK_TRUSTED_MIN_K
     ctas = -(-problem.n // config.block_n) * config.split_k
     return problem.m == 1 and hw is not None and ctas <= hw.num_sms
 
