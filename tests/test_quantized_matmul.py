@@ -210,8 +210,11 @@ def test_quantized_decoder_continues_the_prompt_and_matches_xla():
     M.quantize_params(params, cfg, "int4")
 
 
-@pytest.mark.parametrize("weights,tol,head", [("fp8", 5e-2, False), ("w8a8", 15e-2, True)])
-def test_bench_model_with_quantized_weights(tmp_path, capsys, monkeypatch, weights, tol, head):
+@pytest.mark.parametrize("weights,tol,head,layout", [("fp8", 5e-2, False, None),
+                                                     ("w8a8", 15e-2, True, None),
+                                                     ("int8", 5e-2, True, "nk")])
+def test_bench_model_with_quantized_weights(tmp_path, capsys, monkeypatch, weights, tol, head,
+                                            layout):
   import json
 
   import wavetune_jax.models as M
@@ -221,18 +224,49 @@ def test_bench_model_with_quantized_weights(tmp_path, capsys, monkeypatch, weigh
   quantize_params = M.quantize_params
 
   def recording(*args, **kwargs):
-    asked.append(kwargs.get("lm_head"))
+    asked.append((kwargs.get("lm_head"), kwargs.get("layout")))
     return quantize_params(*args, **kwargs)
 
   monkeypatch.setattr(M, "quantize_params", recording)
   assert main(["bench", "model", "--model", "small", "--layers", "1", "--prompt", "8",
                "--decode-batch", "2", "--cache", "16", "--ops", "tables", "--weights", weights,
-               "--json", str(out)] + ["--quantize-lm-head"] * head) == 0
-  assert asked == [head]  # the flag reaches the model's weights
-  assert f"{weights} weights" + " (LM head too)" * head in capsys.readouterr().out
+               "--json", str(out)] + ["--quantize-lm-head"] * head
+              + (["--weight-layout", layout] if layout else [])) == 0
+  assert asked == [(head, layout)]  # the flags reach the model's weights
+  text = capsys.readouterr().out
+  assert f"{weights} weights" + " (LM head too)" * head in text
+  assert (", dense weights [N, K]" in text) == (layout == "nk")
   got = json.loads(out.read_text())
   assert got["weights"] == weights and all(r["rel_diff_vs_xla"] < tol for r in got["rows"])
-  assert got["quantized_lm_head"] == head
+  assert got["quantized_lm_head"] == head and got["weight_layout"] == layout
+
+
+def test_weight_only_nk_layout_in_the_decoder():
+  import wavetune_jax.models as M
+  cfg = M.MODELS["small"].with_layers(1)
+  params = M.init(jax.random.PRNGKey(0), cfg)
+  q = M.quantize_params(params, cfg, "int8", lm_head=True, layout="nk")
+  w = params["layers"][0]["w13"]
+  assert q["layers"][0]["w13"]["qn"].shape == w.shape[::-1]
+  assert q["lm_head"]["qn"].shape == params["lm_head"].shape[::-1]
+  # The same model as the [K, N] one, up to the layout.
+  kn = M.quantize_params(params, cfg, "int8", lm_head=True)
+  np.testing.assert_array_equal(np.asarray(kn["layers"][0]["w13"]["q"]).T,
+                                np.asarray(q["layers"][0]["w13"]["qn"]))
+  toks = jnp.array([[1, 2, 3, 4]], jnp.int32)
+  a = M.prefill(q, toks, cfg=cfg, ops=M.make_ops("tables"), max_len=4)[0]
+  b = M.prefill(kn, toks, cfg=cfg, ops=M.make_ops("xla"), max_len=4)[0]
+  np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2,
+                             atol=2e-2)
+  with pytest.raises(ValueError, match="w8a8"):
+    M.quantize_params(params, cfg, "w8a8", layout="kn")
+  with pytest.raises(ValueError, match="layout="):
+    M.quantize_params(params, cfg, "int8", layout="mk")
+  # A mixture-of-experts model keeps weight-only experts [E, K, N].
+  mcfg = M.MODELS["small_moe"].with_layers(1)
+  mq = M.quantize_params(M.init(jax.random.PRNGKey(0), mcfg), mcfg, "int8", experts=True,
+                         layout="nk")
+  assert set(mq["layers"][0]["w13"]) == {"q", "s"} and "qn" in mq["layers"][0]["wo"]
 
 
 def test_quantized_experts(capsys):
@@ -260,7 +294,9 @@ def test_quantized_experts(capsys):
   assert 0 < rel < 0.1, rel  # int8 rounding of every weight, nothing more
   for argv, msg in ((["--model", "small_moe", "--quantize-experts"], "needs --weights int8"),
                     (["--model", "small", "--weights", "int8", "--quantize-experts"],
-                     "has no experts")):
+                     "has no experts"),
+                    (["--model", "small", "--weights", "w8a8", "--weight-layout", "nk"],
+                     "--weight-layout is for --weights int8 / fp8")):
     assert main(["bench", "model"] + argv) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1

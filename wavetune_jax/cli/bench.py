@@ -89,6 +89,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  help="with --weights int8 / fp8, a mixture-of-experts model's expert "
                  "weights too (weight-only, a scale per expert and channel: "
                  "wt.quantized_ragged_dot; by default they stay bf16)")
+  m.add_argument("--weight-layout", choices=("kn", "nk"), default=None,
+                 help="with --weights int8 / fp8, the dense weights (and a quantized LM "
+                 "head) as [K, N] (kn, the default) or [N, K] (nk: the layout of most "
+                 "checkpoints, run at decode sizes by the swapped weight-only kernel); "
+                 "w8a8 is always nk")
   m.add_argument("--cache-multiple", type=positive_int, default=1, metavar="N",
                  help="a contiguous cache holds the cache length + 1 positions rounded up "
                  "to a multiple of N, as a serving stack allocates it (the Mosaic decode "
@@ -173,6 +178,9 @@ def _bench_model(a) -> int:
   if a.quantize_experts and a.weights not in ("int8", "fp8"):
     raise CliError("--quantize-experts needs --weights int8 or fp8 (w8a8 quantizes the "
                    "experts already)")
+  if a.weight_layout and a.weights not in ("int8", "fp8"):
+    raise CliError(f"--weight-layout is for --weights int8 / fp8 (w8a8 is always nk); got "
+                   f"--weights {a.weights}")
   if a.quantize_experts and not cfg.experts:
     raise CliError(f"--quantize-experts: --model {a.model} has no experts")
   if a.plot:
@@ -191,10 +199,12 @@ def _bench_model(a) -> int:
   wts = "" if a.weights == "bf16" else f", {a.weights} weights"
   wts += " (LM head too)" if a.quantize_lm_head else ""
   wts += " (experts too)" if a.quantize_experts else ""
+  wts += ", dense weights [N, K]" if a.weight_layout == "nk" else ""
   print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers{attn}{wts}, "
         f"{layout}, settings {','.join(settings)}", flush=True)
   params = M.quantize_params(M.init(jax.random.PRNGKey(0), cfg), cfg, a.weights,
-                             lm_head=a.quantize_lm_head, experts=a.quantize_experts)
+                             lm_head=a.quantize_lm_head, experts=a.quantize_experts,
+                             layout=a.weight_layout)
   rows = []
   work = ([("prefill", s, a.batch) for s in a.prompt]
           + [("decode", c, b) for b in a.decode_batch for c in a.cache])
@@ -277,7 +287,8 @@ def _bench_model(a) -> int:
                      "global_every": cfg.global_every, "soft_cap": cfg.soft_cap,
                      "sinks": cfg.sinks, "weights": a.weights,
                      "quantized_lm_head": a.quantize_lm_head,
-                     "quantized_experts": a.quantize_experts, "xla_autotune": a.xla_autotune,
+                     "quantized_experts": a.quantize_experts,
+                     "weight_layout": a.weight_layout, "xla_autotune": a.xla_autotune,
                      "compile_cache": bool(a.compile_cache), "cache_fill": a.cache_fill,
                      "cache_layout": a.cache_layout, "page_size": page_size,
                      "rows": rows}, f, indent=1)

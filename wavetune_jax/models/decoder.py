@@ -281,7 +281,8 @@ _QUANTIZED = ("wqkv", "wo", "w13", "w2")
 
 
 def quantize_params(params: dict, cfg: ModelConfig, weights: str, *, quantize=None,
-                    lm_head: bool = False, experts: bool = False) -> dict:
+                    lm_head: bool = False, experts: bool = False,
+                    layout: str | None = None) -> dict:
   """``params`` with each layer's dense GEMM weights quantized
   (``wavetune_jax.quantize_weight``) to ``{"q": w_q, "s": scales}`` (``"w8a8"``:
   ``{"qt": w_q [N, K], "s": scales}``, its inputs quantized per token as they run);
@@ -308,10 +309,17 @@ def quantize_params(params: dict, cfg: ModelConfig, weights: str, *, quantize=No
   much as the layers' weights (Llama-3-8B: a 1.05 GB bf16 head, 0.53 GB in 8
   bits, against 0.22 GB a layer in 8 bits).
 
+  ``layout="nk"`` stores the weight-only formats' dense weights (and the LM
+  head) transposed, ``{"qn": w_q [N, K], "s": scales}``, the layout of most
+  checkpoints, run with ``w_layout="nk"`` (at decode sizes by the swapped
+  weight-only kernel); ``None`` (default) is ``"kn"`` for the weight-only
+  formats and ``"nk"`` for ``"w8a8"``, which takes no other.
+
   Raises:
     ValueError: an unknown ``weights``; ``lm_head=True`` with ``"bf16"``;
       ``experts=True`` with ``"bf16"`` or ``"w8a8"`` (whose experts are
-      quantized already)."""
+      quantized already); ``layout`` not ``"kn"`` / ``"nk"``, or ``"kn"``
+      with ``"w8a8"``."""
   if weights not in WEIGHT_FORMATS:
     raise ValueError(f"weights={weights!r} must be one of {sorted(WEIGHT_FORMATS)}")
   dtype = WEIGHT_FORMATS[weights]
@@ -324,19 +332,29 @@ def quantize_params(params: dict, cfg: ModelConfig, weights: str, *, quantize=No
   if quantize is None:
     from wavetune_jax.families.qmatmul.quantize import quantize_weight as quantize
   names = _QUANTIZED[:2] if cfg.experts and weights != "w8a8" and not experts else _QUANTIZED
-  layout = "nk" if weights == "w8a8" else "kn"
+  if layout not in (None, "kn", "nk"):
+    raise ValueError(f"layout={layout!r} must be 'kn' or 'nk'")
+  if layout == "kn" and weights == "w8a8":
+    raise ValueError("weights='w8a8' takes its weights as [N, K] (layout='nk')")
+  layout = layout or ("nk" if weights == "w8a8" else "kn")
+  # "q": weight-only [K, N]; "qn": weight-only [N, K]; "qt": W8A8, [N, K].
+  key = "q" if layout == "kn" else ("qt" if weights == "w8a8" else "qn")
   layers = []
   for p in params["layers"]:
     p = dict(p)
     for n in names:
+      if cfg.experts and n not in _QUANTIZED[:2] and weights != "w8a8":
+        q, s = quantize(p[n], dtype, layout="kn")  # weight-only experts: [E, K, N]
+        p[n] = {"q": q, "s": s}
+        continue
       q, s = quantize(p[n], dtype, layout=layout)
-      # "qt": the weight transposed ([N, K]), run as W8A8.
-      p[n] = {"q" if layout == "kn" else "qt": q, "s": s}
+      p[n] = {key: q, "s": s}
     layers.append(p)
   out = {**params, "layers": layers}
   if lm_head:
-    q, s = quantize(params["lm_head"], dtype, layout="kn")
-    out["lm_head"] = {"q": q, "s": s}
+    head_layout = "nk" if key == "qn" else "kn"
+    q, s = quantize(params["lm_head"], dtype, layout=head_layout)
+    out["lm_head"] = {"qn" if key == "qn" else "q": q, "s": s}
   return out
 
 
@@ -346,6 +364,8 @@ def _mm(ops: Ops, x, w):
     from wavetune_jax.families.qmatmul.quantize import quantize_rows
     x8, xs = quantize_rows(x)
     return ops.qmatmul(x8, w["qt"], w["s"], x_scales=xs, w_layout="nk", out_dtype=x.dtype)
+  if isinstance(w, dict) and "qn" in w:
+    return ops.qmatmul(x, w["qn"], w["s"], w_layout="nk")
   if isinstance(w, dict):
     return ops.qmatmul(x, w["q"], w["s"])
   return ops.matmul(x, w)
