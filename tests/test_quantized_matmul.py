@@ -407,3 +407,25 @@ def test_nk_op_on_cpu_matches_the_reference():
   got = wt.quantized_matmul(x, w, s, w_layout="nk").astype(jnp.float32)
   want = QMATMUL.reference(p, x, w, s)
   assert float(jnp.abs(got - want).max() / jnp.abs(want).max()) < 1e-2
+
+
+def test_decoder_tpot_numbers_in_the_docs_match_the_recorded_runs():
+  # docs/results.md quotes these ratios of the H100 runs in data/e2e.
+  import json
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent
+  docs = (root / "docs" / "results.md").read_text()
+
+  def tpot(name, setting):
+    rows = json.loads((root / "data" / "e2e" / name).read_text())["rows"]
+    return {r["batch"]: r["us"] for r in rows if r["kind"] == "decode" and r["setting"] == setting}
+
+  bf16 = tpot("llama3_8b_tpot_bf16_h100.json", "xla")
+  nk = tpot("llama3_8b_tpot_int8_nk_head_h100.json", "tables")
+  assert [f"{bf16[b] / nk[b]:.2f}x" for b in (1, 16)] == ["1.54x", "1.45x"]
+  moe_bf16 = tpot("mixtral_8x7b_bf16_xla_tpot_h100.json", "xla")
+  moe = tpot("mixtral_8x7b_int8_experts_h100.json", "tables")
+  got = [f"{moe_bf16[b] / moe[b]:.2f}x" for b in (1, 8, 32)]
+  assert got == ["4.17x", "1.77x", "1.58x"]
+  for text in ["1.54x", "1.45x", *got]:
+    assert text in docs

@@ -22,7 +22,7 @@ wgmma's N: 8, 16, 32 or 64 of them, the rows past M zeros.
 The rest is the project's Mosaic GEMM: a persistent grid, one producer
 warpgroup streaming ``[block_n, 128]`` 8-bit blocks of ``w`` and ``[rows,
 128]`` blocks of ``x`` (128-byte swizzle) with TMA into a ring (a K step of
-128: on an H100 it ran up to 1.15x faster than steps of 64 on Llama-3-8B's
+128: on an H100 it ran 1.11-1.17x faster than steps of 64 on Llama-3-8B's
 weights, the per-step wait for the wgmma coming half as often),
 two consumer warpgroups (each half of the block's channels), split-K with
 fp32 partials. The kernel writes the fp32 ``[split, N, rows]`` tile of the
