@@ -238,7 +238,8 @@ def test_bench_model_with_quantized_weights(tmp_path, capsys, monkeypatch, weigh
   assert (", dense weights [N, K]" in text) == (layout == "nk")
   got = json.loads(out.read_text())
   assert got["weights"] == weights and all(r["rel_diff_vs_xla"] < tol for r in got["rows"])
-  assert got["quantized_lm_head"] == head and got["weight_layout"] == layout
+  assert got["quantized_lm_head"] == head
+  assert got["weight_layout"] == (layout or ("nk" if weights == "w8a8" else "kn"))
 
 
 def test_weight_only_nk_layout_in_the_decoder():
@@ -260,8 +261,9 @@ def test_weight_only_nk_layout_in_the_decoder():
                              atol=2e-2)
   with pytest.raises(ValueError, match="w8a8"):
     M.quantize_params(params, cfg, "w8a8", layout="kn")
-  with pytest.raises(ValueError, match="layout="):
-    M.quantize_params(params, cfg, "int8", layout="mk")
+  for w in ("int8", "bf16"):
+    with pytest.raises(ValueError, match="layout="):
+      M.quantize_params(params, cfg, w, layout="mk")
   # A mixture-of-experts model keeps weight-only experts [E, K, N].
   mcfg = M.MODELS["small_moe"].with_layers(1)
   mq = M.quantize_params(M.init(jax.random.PRNGKey(0), mcfg), mcfg, "int8", experts=True,
@@ -333,12 +335,13 @@ NK_RUN = "data/probes/weight_only_nk_h100.json"
 @pytest.mark.parametrize("w_dtype,dtype,m,bn,split_k", [
     ("int8", jnp.bfloat16, 1, 128, 1), ("int8", jnp.bfloat16, 16, 256, 4),
     ("float8_e4m3fn", jnp.bfloat16, 64, 128, 2), ("float8_e4m3fn", jnp.float16, 8, 128, 1),
-    ("int8", jnp.float16, 32, 256, 1)])
+    ("int8", jnp.float16, 32, 256, 1), ("int8", jnp.bfloat16, 3, 128, 2)])
 def test_nk_kernel_lowers_for_cuda(w_dtype, dtype, m, bn, split_k):
   from pallas_kernels.matmul.weight_only_nk import weight_only_matmul_nk
   c = MosaicMatmulConfig(block_m=64, block_n=bn, num_stages=4, split_k=split_k)
-  args = (jax.ShapeDtypeStruct((m, 1024), dtype),
-          jax.ShapeDtypeStruct((512, 1024), jnp.dtype(w_dtype)),
+  k = 1152 if m == 3 else 1024  # 9 steps of 128: the last split shorter
+  args = (jax.ShapeDtypeStruct((m, k), dtype),
+          jax.ShapeDtypeStruct((512, k), jnp.dtype(w_dtype)),
           jax.ShapeDtypeStruct((512,), jnp.float32))
   f = lambda x, w, s: weight_only_matmul_nk(x, w, s, config=c, num_sms=132)  # noqa: E731
   jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
@@ -346,13 +349,28 @@ def test_nk_kernel_lowers_for_cuda(w_dtype, dtype, m, bn, split_k):
 
 @pytest.mark.parametrize("m,n,k,split_k,match", [
     (65, 512, 1024, 1, "runs 1 to 64 rows"), (12, 512, 1024, 1, "multiple of 8"),
-    (16, 384, 1024, 1, "multiple of block_n=256"), (16, 512, 1000, 1, "K of 64"),
-    (16, 512, 128, 4, "too few for 4 splits"), (16, 512, 1024, 12, "too few for 12")])
+    (16, 384, 1024, 1, "multiple of block_n=256"), (16, 512, 1088, 1, "K of 128"),
+    (16, 512, 256, 4, "too few for 4 splits"), (16, 512, 1152, 4, "too few for 4")])
 def test_nk_kernel_shapes_it_does_not_run_are_clear_errors(m, n, k, split_k, match):
   from pallas_kernels.matmul.weight_only_nk import check_shapes
   c = MosaicMatmulConfig(block_m=64, block_n=256, num_stages=6, split_k=split_k)
   with pytest.raises(ValueError, match=match):
     check_shapes(m, n, k, jnp.bfloat16, jnp.int8, c)
+
+
+def test_nk_rule_gives_configs_the_kernel_runs():
+  from pallas_kernels.matmul.weight_only_nk import check_shapes, decode_config
+  for n in range(128, 8192 + 1, 384):
+    for k in range(128, 20480 + 1, 128):
+      for m in (1, 16, 64):
+        c = decode_config(m, k, n, 132)
+        check_shapes(m, n, k, jnp.bfloat16, jnp.int8, c)
+  # K not a multiple of 128 (gpt-oss-20b's 2,880): no rule, and XLA runs it.
+  assert decode_config(1, 2880, 5120, 132) is None
+  p = QMatmulProblem(m=1, n=5120, k=2880, w_layout="nk")
+  assert not QMATMUL.backend("mosaic").space(p, H100)
+  with wt.policy("heuristic"):
+    assert isinstance(wt.select("qmatmul", p, "h100").config, wt.XlaQMatmulConfig)
 
 
 def test_nk_backend_space_rule_and_selection():

@@ -31,7 +31,8 @@ scales and casts (``M x N`` values, against ``N x K`` weight bytes).
 
 Requirements (:func:`check_shapes`): compute capability 9.0; ``M <= 64``, a
 multiple of 8 or below it; ``N`` a multiple of ``block_n`` (128 or 256) and
-``K`` of 64 (a last K block of 64 reads zeros past K), no split of K empty.
+``K`` of 128 (TMA tiles the 8-bit weight by 128-byte rows), no split of K
+empty.
 """
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ def row_tile(m: int) -> int:
   raise ValueError(f"the swapped weight-only GEMM runs up to {MAX_M} rows; got M={m}")
 
 
+def _empty_split(steps: int, split_k: int) -> bool:
+  """Whether ``split_k`` splits of ``steps`` K steps, each of ``ceil(steps /
+  split_k)``, leave the last one empty."""
+  return (split_k - 1) * -(-steps // split_k) >= steps
+
+
 def k_steps(k: int, split_k: int) -> int:
   """Pipeline steps of one K split (the last split may run past K: zeros)."""
   return -(-(-(-k // STEP_K)) // split_k)
@@ -100,12 +107,12 @@ def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulCon
   if config.block_n not in BLOCK_N:
     raise ValueError(f"config {config}: the weight-only GEMM on an [N, K] weight needs "
                      f"block_n in {BLOCK_N}")
-  if n % config.block_n or k % BLOCK_K:
+  if n % config.block_n or k % STEP_K:
     raise ValueError(f"the Mosaic GPU weight-only GEMM on an [N, K] weight needs N a "
-                     f"multiple of block_n={config.block_n} and K of {BLOCK_K}; got N={n}, "
+                     f"multiple of block_n={config.block_n} and K of {STEP_K}; got N={n}, "
                      f"K={k} (use the XLA config)")
-  if (config.split_k - 1) * k_steps(k, config.split_k) >= -(-k // STEP_K):
-    raise ValueError(f"config {config}: K={k} gives {-(-k // STEP_K)} steps of {STEP_K}, too "
+  if _empty_split(k // STEP_K, config.split_k):
+    raise ValueError(f"config {config}: K={k} gives {k // STEP_K} steps of {STEP_K}, too "
                      f"few for {config.split_k} splits (the last would be empty; use fewer "
                      f"splits or the XLA config)")
   if not 2 <= config.num_stages <= 8:
@@ -114,21 +121,24 @@ def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulCon
 
 def decode_config(m: int, k: int, n: int, num_sms: int) -> MosaicMatmulConfig | None:
   """4 stages, and the channel tile (:data:`BLOCK_N`) and split of K (a
-  power of two, at least two K steps a split) of least modelled time,
+  power of two, at least two K steps a split, none empty) of least modelled time,
   counted in pipeline steps of a 128-channel tile: the persistent grid's
   waves times a work item's steps (a 256-channel step counts two) plus
   :data:`ITEM_OVERHEAD_STEPS` (the ring's fill), plus the fp32 partials
   written and summed (as steps of the whole grid's weight bytes). None above
-  :data:`MAX_M` rows or where N is not a multiple of 128."""
-  if m > MAX_M or n % 128 or k % BLOCK_K:
+  :data:`MAX_M` rows or where N or K is not a multiple of 128."""
+  if m > MAX_M or n % 128 or k % STEP_K:
     return None
-  steps, rows = -(-k // STEP_K), row_tile(m)
+  steps, rows = k // STEP_K, row_tile(m)
   best = None
   for bn in BLOCK_N:
     if n % bn:
       continue
     sk = 1
     while sk == 1 or steps // sk >= 2:
+      if _empty_split(steps, sk):
+        sk *= 2
+        continue
       waves = -(-(n // bn) * sk // num_sms)
       cost = waves * (-(-steps // sk) * bn // 128 + ITEM_OVERHEAD_STEPS)
       if sk > 1:

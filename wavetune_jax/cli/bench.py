@@ -288,7 +288,9 @@ def _bench_model(a) -> int:
                      "sinks": cfg.sinks, "weights": a.weights,
                      "quantized_lm_head": a.quantize_lm_head,
                      "quantized_experts": a.quantize_experts,
-                     "weight_layout": a.weight_layout, "xla_autotune": a.xla_autotune,
+                     "weight_layout": (None if a.weights == "bf16" else a.weight_layout
+                                       or ("nk" if a.weights == "w8a8" else "kn")),
+                     "xla_autotune": a.xla_autotune,
                      "compile_cache": bool(a.compile_cache), "cache_fill": a.cache_fill,
                      "cache_layout": a.cache_layout, "page_size": page_size,
                      "rows": rows}, f, indent=1)

@@ -305,7 +305,7 @@ def quantize_params(params: dict, cfg: ModelConfig, weights: str, *, quantize=No
   ``lm_head=True`` quantizes the LM head ``[hidden, vocab]`` too, weight-only
   in the format's weight dtype (``"w8a8"``: e4m3 weights, 16-bit
   activations: the logits' GEMM keeps its input unrounded), to
-  ``{"q": w_q, "s": scales}``. A decode step of a few layers reads it as
+  ``{"q": w_q, "s": scales}`` (``{"qn": ...}`` with ``layout="nk"``). A decode step of a few layers reads it as
   much as the layers' weights (Llama-3-8B: a 1.05 GB bf16 head, 0.53 GB in 8
   bits, against 0.22 GB a layer in 8 bits).
 
@@ -323,6 +323,8 @@ def quantize_params(params: dict, cfg: ModelConfig, weights: str, *, quantize=No
   if weights not in WEIGHT_FORMATS:
     raise ValueError(f"weights={weights!r} must be one of {sorted(WEIGHT_FORMATS)}")
   dtype = WEIGHT_FORMATS[weights]
+  if layout not in (None, "kn", "nk"):
+    raise ValueError(f"layout={layout!r} must be 'kn' or 'nk'")
   if experts and weights in ("bf16", "w8a8"):
     raise ValueError(f"experts=True needs weights 'int8' or 'fp8'; got {weights!r}")
   if dtype is None:
@@ -332,8 +334,6 @@ def quantize_params(params: dict, cfg: ModelConfig, weights: str, *, quantize=No
   if quantize is None:
     from wavetune_jax.families.qmatmul.quantize import quantize_weight as quantize
   names = _QUANTIZED[:2] if cfg.experts and weights != "w8a8" and not experts else _QUANTIZED
-  if layout not in (None, "kn", "nk"):
-    raise ValueError(f"layout={layout!r} must be 'kn' or 'nk'")
   if layout == "kn" and weights == "w8a8":
     raise ValueError("weights='w8a8' takes its weights as [N, K] (layout='nk')")
   layout = layout or ("nk" if weights == "w8a8" else "kn")

@@ -243,7 +243,8 @@ class MosaicQMatmul(Backend):
 
   def coords(self, problem: QMatmulProblem, macro: dict) -> tuple[int, float]:
     sk = macro["split_k"]
-    block_k = fp8_kernel.BLOCK_K if problem.w8a8 else BLOCK_K
+    block_k = (fp8_kernel.BLOCK_K if problem.w8a8 else
+               nk_kernel.STEP_K if problem.w_layout == "nk" else BLOCK_K)
     steps = -(-(problem.k // block_k) // sk)
     return (-(-problem.m // macro["block_m"]) * -(-problem.n // macro["block_n"]) * sk,
             float(steps))
