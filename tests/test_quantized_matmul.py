@@ -198,10 +198,9 @@ def test_quantized_decoder_continues_the_prompt_and_matches_xla():
   o = M.make_ops("xla")
   _, kc, vc = M.prefill(q8, toks[:, :9], cfg=cfg, ops=o, max_len=12)
   step, _, _ = M.decode_step(q8, kc, vc, jnp.array([9, 9]), toks[:, 9], cfg=cfg, ops=o)
-  outs = {ops: np.asarray(M.prefill(q8, toks, cfg=cfg, ops=M.make_ops(ops), max_len=10)[0],
-                          np.float32) for ops in ("xla", "tables")}
+  # (The wavetune settings' prefill against xla's: the bench CLI test below.)
+  outs = {"xla": np.asarray(M.prefill(q8, toks, cfg=cfg, ops=o, max_len=10)[0], np.float32)}
   np.testing.assert_allclose(np.asarray(step, np.float32), outs["xla"], rtol=5e-2, atol=5e-2)
-  np.testing.assert_allclose(outs["tables"], outs["xla"], rtol=5e-2, atol=5e-2)
   bf16 = np.asarray(M.prefill(params, toks, cfg=cfg, ops=M.make_ops("xla"), max_len=10)[0],
                     np.float32)
   rel = np.sqrt(np.mean((outs["xla"] - bf16) ** 2) / np.mean(bf16 ** 2))
@@ -254,11 +253,15 @@ def test_weight_only_nk_layout_in_the_decoder():
   kn = M.quantize_params(params, cfg, "int8", lm_head=True)
   np.testing.assert_array_equal(np.asarray(kn["layers"][0]["w13"]["q"]).T,
                                 np.asarray(q["layers"][0]["w13"]["qn"]))
-  toks = jnp.array([[1, 2, 3, 4]], jnp.int32)
-  a = M.prefill(q, toks, cfg=cfg, ops=M.make_ops("tables"), max_len=4)[0]
-  b = M.prefill(kn, toks, cfg=cfg, ops=M.make_ops("xla"), max_len=4)[0]
-  np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2,
-                             atol=2e-2)
+  # Each GEMM of the model gives the [K, N] model's product (the whole
+  # decoder with [N, K] weights runs in test_bench_model_with_quantized_weights).
+  from wavetune_jax.models.decoder import _mm
+  x = jax.random.normal(jax.random.PRNGKey(2), (3, w.shape[0]), jnp.bfloat16)
+  for ops in ("xla", "tables"):
+    a = _mm(M.make_ops(ops), x, q["layers"][0]["w13"])
+    b = _mm(M.make_ops("xla"), x, kn["layers"][0]["w13"])
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=2e-2, atol=2e-2)
   with pytest.raises(ValueError, match="w8a8"):
     M.quantize_params(params, cfg, "w8a8", layout="kn")
   for w in ("int8", "bf16"):
