@@ -154,11 +154,11 @@ def test_quantized_gemms_are_an_optional_family(capsys):
   # Not in the default families (the files on record hold none).
   assert len(mod.problems(mod.FAMILIES, quick=False)) == 168
   plan = mod.problems(("qmatmul",), quick=True, models=("phi_3_mini",))
-  assert {p.w_layout for _, _, p in plan} == {"kn", "nk"} and len(plan) == 24
+  assert {p.w_layout for _, _, p in plan} == {"kn", "nk"} and len(plan) == 36
   lines, last = _dry_run(mod, capsys, ["--device-key", "nvidia_h100_80gb_hbm3",
                                        "--families", "qmatmul", "--models", "phi_3_mini",
                                        "--quick"])
-  assert last == "24 problems"
+  assert last == "36 problems"
   by_label = {line[12:52].strip(): line[52:] for line in lines}
   # The FP8 kernel where the guard trusts it (a wave of 128 x 256 tiles);
   # XLA's FP8 dot at 200 rows, without evidence.
@@ -167,6 +167,10 @@ def test_quantized_gemms_are_an_optional_family(capsys):
   # The H100 table's anchors admit the FP8 kernel for a down projection at
   # one row (XLA's FP8 dot without them).
   assert by_label["phi_3_mini.down M=1 w8a8"].startswith("mosaic(block_m=64,block_n=128")
+  # The swapped weight-only kernel, trusted at one row with K >= 4096 (the
+  # down projection's 8,192), not with the gate/up's K of 3,072.
+  assert by_label["phi_3_mini.down M=1 int8 nk"].startswith("mosaic(block_m=64")
+  assert by_label["phi_3_mini.gate_up M=1 int8 nk"].startswith("xla")
   # An op call as the timing loop makes it, on a CPU (XLA).
   fam, _, p = next(t for t in plan if t[2].w8a8 and t[2].m == 1)
   spec = wt.get_family(fam)
