@@ -300,8 +300,10 @@ def test_quantized_experts(capsys):
   for argv, msg in ((["--model", "small_moe", "--quantize-experts"], "needs --weights int8"),
                     (["--model", "small", "--weights", "int8", "--quantize-experts"],
                      "has no experts"),
-                    (["--model", "small", "--weights", "w8a8", "--weight-layout", "nk"],
-                     "--weight-layout is for --weights int8 / fp8")):
+                    (["--model", "small", "--weights", "w8a8", "--weight-layout", "kn"],
+                     "takes its weights [N, K]"),
+                    (["--model", "small", "--weight-layout", "nk"],
+                     "--weight-layout is for --weights int8, fp8 or w8a8")):
     assert main(["bench", "model"] + argv) == 2
     err = capsys.readouterr().err
     assert msg in err and err.count("\n") == 1
@@ -418,6 +420,13 @@ def test_nk_rule_against_the_recorded_h100_run():
       trusted.append(min(r["times"]["xla_dot_scale"], r["times"]["xla_dequant_dot"]) / t)
   assert sum(x <= 1.033 for x in ratios) == 29 and max(ratios) < 1.09
   assert len(trusted) == 8 and min(trusted) > 1.05
+
+
+def test_an_nk_weight_without_w_layout_says_so():
+  x = jnp.ones((4, 512), jnp.bfloat16)
+  w8, s = wt.quantize_weight(jnp.ones((512, 256), jnp.float32), "int8", layout="nk")
+  with pytest.raises(ValueError, match="pass w_layout='nk'"):
+    wt.quantized_matmul(x, w8, s)
 
 
 def test_nk_op_on_cpu_matches_the_reference():

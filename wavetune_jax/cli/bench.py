@@ -178,9 +178,10 @@ def _bench_model(a) -> int:
   if a.quantize_experts and a.weights not in ("int8", "fp8"):
     raise CliError("--quantize-experts needs --weights int8 or fp8 (w8a8 quantizes the "
                    "experts already)")
-  if a.weight_layout and a.weights not in ("int8", "fp8"):
-    raise CliError(f"--weight-layout is for --weights int8 / fp8 (w8a8 is always nk); got "
-                   f"--weights {a.weights}")
+  if a.weight_layout and a.weights == "bf16":
+    raise CliError("--weight-layout is for --weights int8, fp8 or w8a8")
+  if a.weight_layout == "kn" and a.weights == "w8a8":
+    raise CliError("--weight-layout kn: --weights w8a8 takes its weights [N, K] (nk)")
   if a.quantize_experts and not cfg.experts:
     raise CliError(f"--quantize-experts: --model {a.model} has no experts")
   if a.plot:
