@@ -39,7 +39,8 @@ from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfi
                                           work_tile)
 from pallas_kernels._launch import require_compute_capability
 
-__all__ = ["WEIGHT_DTYPES", "check_shapes", "decode_config", "smem_bytes", "weight_only_matmul"]
+__all__ = ["WEIGHT_DTYPES", "check_dtypes", "check_shapes", "decode_config", "smem_bytes",
+           "weight_only_matmul"]
 
 #: 8-bit weight dtypes.
 WEIGHT_DTYPES = ("int8", "float8_e4m3fn")
@@ -60,14 +61,20 @@ def smem_bytes(*, block_m: int, block_n: int, num_stages: int, itemsize: int) ->
   return ring + deq + 2 * 2 * 64 * EPI_N * 4 + _BARRIER_BYTES
 
 
+def check_dtypes(dtype, w_dtype, kernel: str = "weight-only GEMM") -> None:
+  """Raises ``ValueError`` unless the activations are 16-bit and the weight
+  8-bit (every weight-only kernel: dense, ``[N, K]`` and grouped)."""
+  if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
+    raise ValueError(f"the Mosaic GPU {kernel} takes bfloat16 or float16 activations; got "
+                     f"{jnp.dtype(dtype).name}")
+  if jnp.dtype(w_dtype).name not in WEIGHT_DTYPES:
+    raise ValueError(f"the Mosaic GPU {kernel} takes {WEIGHT_DTYPES} weights; got "
+                     f"{jnp.dtype(w_dtype).name}")
+
+
 def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulConfig) -> None:
   """Raises ``ValueError`` unless the kernel runs these shapes with ``config``."""
-  if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
-    raise ValueError(f"the Mosaic GPU weight-only GEMM takes bfloat16 or float16 "
-                     f"activations; got {jnp.dtype(dtype).name}")
-  if jnp.dtype(w_dtype).name not in WEIGHT_DTYPES:
-    raise ValueError(f"the Mosaic GPU weight-only GEMM takes {WEIGHT_DTYPES} weights; got "
-                     f"{jnp.dtype(w_dtype).name}")
+  check_dtypes(dtype, w_dtype)
   if config.block_n not in (128, 256) or (config.block_m == 64 and config.block_n != 256):
     raise ValueError(f"config {config}: the weight-only GEMM needs block_n 256 with "
                      f"block_m 64, or block_n 128 / 256 with block_m >= 128")

@@ -46,6 +46,7 @@ from jax import lax
 from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, launch,
                                           store_tile)
 from pallas_kernels._launch import require_compute_capability
+from pallas_kernels.matmul.weight_only import check_dtypes
 
 __all__ = ["MAX_M", "BLOCK_N", "check_shapes", "decode_config", "row_tile", "smem_bytes",
            "weight_only_matmul_nk"]
@@ -54,7 +55,6 @@ __all__ = ["MAX_M", "BLOCK_N", "check_shapes", "decode_config", "row_tile", "sme
 MAX_M = 64
 #: CTA tiles of channels (rows of ``w``): two consumers of 64 or 128.
 BLOCK_N = (128, 256)
-WEIGHT_DTYPES = ("int8", "float8_e4m3fn")
 _BARRIER_BYTES = 1024
 _MEMORY_REGISTERS = 40
 #: K of one pipeline step (a 128-byte row of the 8-bit block).
@@ -92,12 +92,7 @@ def smem_bytes(*, m: int, block_n: int, num_stages: int, itemsize: int) -> int:
 
 def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulConfig) -> None:
   """Raises ``ValueError`` unless the kernel runs these shapes with ``config``."""
-  if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
-    raise ValueError(f"the Mosaic GPU weight-only GEMM takes bfloat16 or float16 "
-                     f"activations; got {jnp.dtype(dtype).name}")
-  if jnp.dtype(w_dtype).name not in WEIGHT_DTYPES:
-    raise ValueError(f"the Mosaic GPU weight-only GEMM takes {WEIGHT_DTYPES} weights; got "
-                     f"{jnp.dtype(w_dtype).name}")
+  check_dtypes(dtype, w_dtype)
   if not 1 <= m <= MAX_M:
     raise ValueError(f"the Mosaic GPU weight-only GEMM on an [N, K] weight runs 1 to "
                      f"{MAX_M} rows; got M={m} (use the XLA config)")

@@ -85,12 +85,7 @@ def smem_bytes(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
 
 def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicRaggedDotConfig) -> None:
   """Raises ``ValueError`` unless the kernel runs ``[m, k] x [G, k, n]`` with ``config``."""
-  if jnp.dtype(dtype).name not in ("bfloat16", "float16"):
-    raise ValueError(f"the Mosaic GPU weight-only grouped GEMM takes bfloat16 or float16 "
-                     f"activations; got {jnp.dtype(dtype).name}")
-  if jnp.dtype(w_dtype).name not in WEIGHT_DTYPES:
-    raise ValueError(f"the Mosaic GPU weight-only grouped GEMM takes {WEIGHT_DTYPES} weights; "
-                     f"got {jnp.dtype(w_dtype).name}")
+  dense.check_dtypes(dtype, w_dtype, "weight-only grouped GEMM")
   if (config.block_m, config.block_n) not in TILES:
     raise ValueError(f"the Mosaic GPU weight-only grouped GEMM runs the tiles {TILES}; got "
                      f"{config.block_m}x{config.block_n}")

@@ -117,34 +117,30 @@ class MosaicQMatmul(Backend):
   @staticmethod
   def why_not(p: QMatmulProblem, c: MosaicMatmulConfig | None = None) -> str | None:
     """Why the kernel cannot run ``p`` (with ``c``); None where it can."""
+    def refusal(check, default: MosaicMatmulConfig) -> str | None:
+      try:
+        check(p.m, p.n, p.k, p.dtype, p.w_dtype, c or default)
+      except ValueError as e:
+        return str(e)
+      return None
+
     if p.w8a8:
       if p.w_layout != "nk":
         return ("the Mosaic FP8 GEMM reads the weight as [N, K] (FP8 tensor cores take "
                 "8-bit operands K-major); pass it with w_layout='nk' (or use the XLA config)")
-      c = c or MosaicMatmulConfig(block_m=64, block_n=128, num_stages=4)
-      try:
-        fp8_kernel.check_shapes(p.m, p.n, p.k, p.dtype, p.w_dtype, c)
-      except ValueError as e:
-        return str(e)
-      return None
+      return refusal(fp8_kernel.check_shapes,
+                     MosaicMatmulConfig(block_m=64, block_n=128, num_stages=4))
     if p.w_layout == "nk":
-      c = c or MosaicMatmulConfig(block_m=64, block_n=128, num_stages=6)
-      try:
-        nk_kernel.check_shapes(p.m, p.n, p.k, p.dtype, p.w_dtype, c)
-      except ValueError as e:
-        return str(e)
-      return None
+      return refusal(nk_kernel.check_shapes,
+                     MosaicMatmulConfig(block_m=64, block_n=128, num_stages=6))
     if p.m > MOSAIC_MAX_M:
       return (f"the Mosaic weight-only GEMM runs up to {MOSAIC_MAX_M} rows; got M={p.m} "
               f"(use the XLA config)")
     c = c or MosaicMatmulConfig(block_m=64, block_n=256, num_stages=4)
-    try:
-      kernel.check_shapes(p.m, p.n, p.k, p.dtype, p.w_dtype, c)
-    except ValueError as e:
-      return str(e)
-    if c.num_stages < 3:
+    why = refusal(kernel.check_shapes, c)
+    if why is None and c.num_stages < 3:
       return f"config {c}: the weight-only GEMM needs num_stages >= 3"
-    return None
+    return why
 
   def smem_bytes(self, p: QMatmulProblem, c: MosaicMatmulConfig) -> int:
     if p.w8a8:
