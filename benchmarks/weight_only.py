@@ -14,7 +14,14 @@ w.T) * scales``), every candidate on that layout, and the Mosaic kernel is
 the swapped one (``pallas_kernels.matmul.weight_only_nk``: the 8-bit block
 converted in registers and fed to wgmma from there), up to 64 rows.
 
+``--weights int4`` (layout ``[N, K]``) takes int4 weights with a float32
+scale per ``--group`` (64 or 128) values of each channel along K, ``y = x @
+dequant(w).T``: bfloat16 ``dot``, XLA's dequantize then dot, the swapped
+kernel on the int4 weight (its rule and neighbours), and on the int8 weight
+of the same shape at its rule (what the 4-bit weight saves against).
+
     PYTHONPATH=. python3 benchmarks/weight_only.py [--quick] [--layout kn|nk] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/weight_only.py --weights int4 [--group 128] [--json out.json]
 """
 
 from __future__ import annotations
@@ -66,6 +73,83 @@ def nk_configs(m: int, k: int, n: int):
   return out
 
 
+def int4_configs(m: int, k: int, n: int, a_group: int):
+  """The swapped kernel's rule on int4 (steps of 256), 3 and 6 stages, the
+  split halved and doubled, and the other channel tile."""
+  rule = nk_kernel.decode_config(m, k, n, 132, group=a_group)
+  if rule is None:
+    return []
+  out = [rule] + [dataclasses.replace(rule, num_stages=st) for st in (3, 6)]
+  out += [dataclasses.replace(rule, split_k=sk) for sk in (rule.split_k // 2, rule.split_k * 2)
+          if sk >= 1]
+  out.append(dataclasses.replace(rule, block_n=384 - rule.block_n))
+  return out
+
+
+def dequantize_int4(w, s):
+  """``w [N, K]`` int4 and ``s [K // group, N]`` -> the float32 ``[N, K]`` weight."""
+  n, k = w.shape
+  g = k // s.shape[0]
+  return (w.astype(jnp.float32).reshape(n, k // g, g) * s.T[:, :, None]).reshape(n, k)
+
+
+def run_int4(a, prof, dev) -> None:
+  """The int4 rows (``--weights int4``)."""
+  dot = _dot("nk")
+  rows = []
+  for wname, k, n in (WEIGHTS[:1] if a.quick else WEIGHTS):
+    kw, ks = jax.random.split(jax.random.PRNGKey(1))
+    w = jax.random.randint(kw, (n, k), -8, 8, jnp.int32).astype(jnp.int4)
+    s = jax.random.uniform(ks, (k // a.group, n), jnp.float32, 0.5, 1.5) / (7 * math.sqrt(k))
+    w32 = dequantize_int4(w, s)
+    w_bf16 = w32.astype(jnp.bfloat16)
+    w8 = w.astype(jnp.int8)
+    s8 = jax.random.uniform(ks, (n,), jnp.float32, 0.5, 1.5) / (127 * math.sqrt(k))
+    for m in (1, 16, 64):
+      x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+      ref = dot(x.astype(jnp.float32), w32, precision=jax.lax.Precision.HIGHEST)
+      cands = {"xla_dequant_dot": lambda x, w, s: dot(x, dequantize_int4(w, s).astype(
+          jnp.bfloat16))}
+      for c in int4_configs(m, k, n, a.group):
+        try:
+          nk_kernel.check_shapes(m, n, k, jnp.bfloat16, jnp.int4, c, a.group)
+        except ValueError:
+          continue
+        cands[f"mosaic {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k}"] = (
+            lambda c: lambda x, w, s: nk_kernel.weight_only_matmul_nk(x, w, s, config=c))(c)
+      res = dict(zip(cands, prof.measure_many(list(cands.values()), (x, w, s), reference=ref,
+                                              tolerance=2e-2, out_bytes=m * n * 4)))
+      (bf,) = prof.measure_many([lambda x, wb: dot(x, wb)], (x, w_bf16))
+      int8_t = math.nan
+      rule8 = nk_kernel.decode_config(m, k, n, 132)
+      if rule8 is not None:
+        (r8,) = prof.measure_many([lambda x, w, s: nk_kernel.weight_only_matmul_nk(
+            x, w, s, config=rule8)], (x, w8, s8))
+        int8_t = r8.median_us if r8.status == "ok" else math.nan
+      times = {lab: (r.median_us if r.status == "ok" else math.nan) for lab, r in res.items()}
+      errs = {lab: f"{r.status}: {(r.error or '')[:150]}" for lab, r in res.items()
+              if r.status != "ok"}
+      mos = {lab: t for lab, t in times.items() if lab.startswith("mosaic") and t == t}
+      best = min(mos, key=mos.get) if mos else None
+      rows.append({"weight": wname, "k": k, "n": n, "w_dtype": "int4", "group": a.group,
+                   "m": m, "layout": "nk", "bf16_dot_us": bf.median_us,
+                   "int8_nk_rule_us": int8_t, "times": times, "errors": errs,
+                   "best_mosaic": best})
+      line = (f"{wname} int4 g{a.group} M={m:<3} bf16 dot {bf.median_us:7.1f} us | XLA "
+              f"dequant+dot {times['xla_dequant_dot']:7.1f} | int8 kernel {int8_t:6.1f}")
+      if best:
+        t = mos[best]
+        line += (f" | {best} {t:6.1f} us: {bf.median_us / t:.2f}x bf16, "
+                 f"{times['xla_dequant_dot'] / t:.2f}x XLA, {int8_t / t:.2f}x int8")
+      print(line, flush=True)
+      for lab, e in errs.items():
+        print(f"    {lab}: {e}", flush=True)
+      if a.json:
+        with open(a.json, "w") as f:
+          json.dump({"device_kind": dev.device_kind, "jax": jax.__version__, "rows": rows},
+                    f, indent=1)
+
+
 def _dot(layout: str):
   dims = (((1,), (0 if layout == "kn" else 1,)), ((), ()))
   return lambda x, w, **kw: jax.lax.dot_general(x, w, dims, **kw)
@@ -74,13 +158,23 @@ def _dot(layout: str):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="int8 only, the first weight")
-  ap.add_argument("--layout", choices=("kn", "nk"), default="kn",
+  ap.add_argument("--layout", choices=("kn", "nk"), default=None,
                   help="the weight as [K, N] (default) or [N, K]")
+  ap.add_argument("--weights", choices=("int8", "int4"), default="int8",
+                  help="8-bit weights (int8 and e4m3; default) or int4 ([N, K] only)")
+  ap.add_argument("--group", type=int, choices=nk_kernel.INT4_GROUPS, default=128,
+                  help="int4: values of K per scale (default 128)")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
   prof = profiler.Profiler(iterations=a.iterations)
   dev = jax.devices()[0]
+  if a.weights == "int4":
+    if a.layout == "kn":
+      ap.error("--weights int4 takes the weight as [N, K] (--layout nk)")
+    print(dev.device_kind, jax.__version__, f"int4 weights [N, K], group {a.group}", flush=True)
+    return run_int4(a, prof, dev)
+  a.layout = a.layout or "kn"
   print(dev.device_kind, jax.__version__, f"weight layout {a.layout}", flush=True)
   nk = a.layout == "nk"
   dot = _dot(a.layout)

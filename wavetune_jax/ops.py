@@ -56,12 +56,20 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, x_scales=
   dequantized operands: that of a bfloat16 GEMM (1e-2 relative), 2e-2 for
   W8A8 (FP8 MMA keeps fewer accumulator bits).
 
+  W4A16: an int4 ``w [N, K]`` (``w_layout="nk"``) with ``scales [K //
+  group, N]``, a scale per ``group`` values of K of each channel
+  (``quantize_weight(w, "int4", layout="nk", group_size=128)``): the
+  result is ``x @ dequant(w).T``; the Mosaic kernel converts and scales each
+  group in registers (groups of 64 or 128, K a multiple of 256, up to 64
+  rows), XLA dequantizes the weight first. Same tolerance as W8A16.
+
   Args:
     x: ``[M, K]`` bfloat16 or float16 activations, or float8_e4m3fn with
       ``x_scales``.
     w: ``[K, N]`` int8 or float8_e4m3fn weight (``[N, K]`` with
-      ``w_layout="nk"``; W8A8 takes e4m3).
-    scales: ``[N]`` floating point (used as float32), one per output channel.
+      ``w_layout="nk"``; W8A8 takes e4m3), or an int4 ``[N, K]`` one.
+    scales: ``[N]`` floating point (used as float32), one per output channel;
+      ``[K // group, N]`` for int4 ``w``.
     x_scales: ``[M]`` floating point, one per row; only with e4m3 ``x``.
     w_layout: ``"kn"`` (default) or ``"nk"``: the weight transposed, K
       contiguous, the layout FP8 tensor cores read; the Mosaic FP8 kernel

@@ -48,8 +48,8 @@ from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfi
 from pallas_kernels._launch import require_compute_capability
 from pallas_kernels.matmul.weight_only import check_dtypes
 
-__all__ = ["MAX_M", "BLOCK_N", "check_shapes", "decode_config", "row_tile", "smem_bytes",
-           "weight_only_matmul_nk"]
+__all__ = ["MAX_M", "BLOCK_N", "INT4_GROUPS", "check_shapes", "decode_config", "row_tile",
+           "smem_bytes", "step_k", "weight_only_matmul_nk"]
 
 #: Rows (tokens) the kernel runs: wgmma's N, rounded up to a power of two.
 MAX_M = 64
@@ -61,6 +61,31 @@ _MEMORY_REGISTERS = 40
 STEP_K = 128
 #: The ring's fill at each work item, in pipeline steps (:func:`decode_config`).
 ITEM_OVERHEAD_STEPS = 2
+#: Shared memory per block on an H100 or H200 (the rule's default bound).
+SMEM_LIMIT = 232448
+#: Group sizes along K of an int4 weight's scales (one scale per ``group``
+#: values of a channel).
+INT4_GROUPS = (64, 128)
+#: K of one pipeline step on an int4 weight: a 128-byte row of 4-bit values,
+#: so a step moves as many weight bytes as an 8-bit step of 128.
+INT4_STEP_K = 256
+
+
+def step_k(w_dtype) -> int:
+  """K of one pipeline step: :data:`STEP_K`, or :data:`INT4_STEP_K` for int4."""
+  return INT4_STEP_K if jnp.dtype(w_dtype) == jnp.int4 else STEP_K
+
+
+def check_int4(k: int, group: int) -> None:
+  """Raises ``ValueError`` unless int4 ``[N, K]`` weights with scales per
+  ``group`` values of K run: ``group`` in :data:`INT4_GROUPS`, K a multiple
+  of :data:`INT4_STEP_K`."""
+  if group not in INT4_GROUPS:
+    raise ValueError(f"the Mosaic GPU int4 GEMM takes scales per group of {INT4_GROUPS} "
+                     f"values along K; got group={group}")
+  if k % INT4_STEP_K:
+    raise ValueError(f"the Mosaic GPU int4 GEMM needs K a multiple of {INT4_STEP_K}; got "
+                     f"K={k} (use the XLA config)")
 
 
 def row_tile(m: int) -> int:
@@ -77,22 +102,37 @@ def _empty_split(steps: int, split_k: int) -> bool:
   return (split_k - 1) * -(-steps // split_k) >= steps
 
 
-def k_steps(k: int, split_k: int) -> int:
+def k_steps(k: int, split_k: int, step: int = STEP_K) -> int:
   """Pipeline steps of one K split (the last split may run past K: zeros)."""
-  return -(-(-(-k // STEP_K)) // split_k)
+  return -(-(-(-k // step)) // split_k)
 
 
-def smem_bytes(*, m: int, block_n: int, num_stages: int, itemsize: int) -> int:
-  """The operand ring (8-bit w blocks and x blocks) and one fp32 output
+def smem_bytes(*, m: int, block_n: int, num_stages: int, itemsize: int,
+               group: int = 0) -> int:
+  """The operand ring (8-bit w blocks and x blocks; for int4 (``group`` > 0)
+  4-bit w blocks, x blocks and the steps' fp32 scales) and one fp32 output
   slot of 64 channels per consumer."""
   rows = row_tile(m)
-  ring = num_stages * (block_n * STEP_K + rows * STEP_K * itemsize)
-  return ring + 2 * 64 * rows * 4 + _BARRIER_BYTES
+  if group:
+    stage = block_n * INT4_STEP_K // 2 + rows * INT4_STEP_K * itemsize + (
+        INT4_STEP_K // group * block_n * 4)
+  else:
+    stage = block_n * STEP_K + rows * STEP_K * itemsize
+  return num_stages * stage + 2 * 64 * rows * 4 + _BARRIER_BYTES
 
 
-def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulConfig) -> None:
-  """Raises ``ValueError`` unless the kernel runs these shapes with ``config``."""
-  check_dtypes(dtype, w_dtype)
+def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulConfig,
+                 group: int = 0) -> None:
+  """Raises ``ValueError`` unless the kernel runs these shapes with ``config``
+  (``group``: int4 weights' scale group along K; 0 for 8-bit weights)."""
+  int4 = jnp.dtype(w_dtype) == jnp.int4
+  check_dtypes(dtype, jnp.int8 if int4 else w_dtype)
+  if int4:
+    check_int4(k, group)
+  elif group:
+    raise ValueError(f"scales per group of K are for int4 weights; got w_dtype="
+                     f"{jnp.dtype(w_dtype).name} with group={group}")
+  step = step_k(w_dtype)
   if not 1 <= m <= MAX_M:
     raise ValueError(f"the Mosaic GPU weight-only GEMM on an [N, K] weight runs 1 to "
                      f"{MAX_M} rows; got M={m} (use the XLA config)")
@@ -102,32 +142,40 @@ def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulCon
   if config.block_n not in BLOCK_N:
     raise ValueError(f"config {config}: the weight-only GEMM on an [N, K] weight needs "
                      f"block_n in {BLOCK_N}")
-  if n % config.block_n or k % STEP_K:
+  if n % config.block_n or k % step:
     raise ValueError(f"the Mosaic GPU weight-only GEMM on an [N, K] weight needs N a "
-                     f"multiple of block_n={config.block_n} and K of {STEP_K}; got N={n}, "
+                     f"multiple of block_n={config.block_n} and K of {step}; got N={n}, "
                      f"K={k} (use the XLA config)")
-  if _empty_split(k // STEP_K, config.split_k):
-    raise ValueError(f"config {config}: K={k} gives {k // STEP_K} steps of {STEP_K}, too "
+  if _empty_split(k // step, config.split_k):
+    raise ValueError(f"config {config}: K={k} gives {k // step} steps of {step}, too "
                      f"few for {config.split_k} splits (the last would be empty; use fewer "
                      f"splits or the XLA config)")
   if not 2 <= config.num_stages <= 8:
     raise ValueError(f"config {config}: num_stages must be in [2, 8]")
 
 
-def decode_config(m: int, k: int, n: int, num_sms: int) -> MosaicMatmulConfig | None:
-  """4 stages, and the channel tile (:data:`BLOCK_N`) and split of K (a
-  power of two, at least two K steps a split, none empty) of least modelled time,
-  counted in pipeline steps of a 128-channel tile: the persistent grid's
-  waves times a work item's steps (a 256-channel step counts two) plus
+def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
+                  smem_limit: int = SMEM_LIMIT) -> MosaicMatmulConfig | None:
+  """The channel tile (:data:`BLOCK_N`) and split of K (a power of two, at
+  least two K steps a split, none empty) of least modelled time, counted in
+  pipeline steps of a 128-channel tile: the persistent grid's waves times a
+  work item's steps (a 256-channel step counts two) plus
   :data:`ITEM_OVERHEAD_STEPS` (the ring's fill), plus the fp32 partials
-  written and summed (as steps of the whole grid's weight bytes). None above
-  :data:`MAX_M` rows or where N or K is not a multiple of 128."""
-  if m > MAX_M or n % 128 or k % STEP_K:
+  written and summed (as steps of the whole grid's weight bytes); 4 stages,
+  or the most under 4 that fit ``smem_limit`` bytes. ``group`` > 0: an int4
+  weight with scales per ``group`` values of K (steps of
+  :data:`INT4_STEP_K`, each moving as many weight bytes as an 8-bit step).
+  None above :data:`MAX_M` rows, where N is not a multiple of 128 or K of
+  the step, or where nothing fits."""
+  step = INT4_STEP_K if group else STEP_K
+  if m > MAX_M or n % 128 or k % step:
     return None
-  steps, rows = k // STEP_K, row_tile(m)
+  steps, rows = k // step, row_tile(m)
   best = None
   for bn in BLOCK_N:
-    if n % bn:
+    stages = [st for st in (4, 3, 2) if smem_bytes(m=m, block_n=bn, num_stages=st, itemsize=2,
+                                                   group=group) <= smem_limit]
+    if n % bn or not stages:
       continue
     sk = 1
     while sk == 1 or steps // sk >= 2:
@@ -137,22 +185,28 @@ def decode_config(m: int, k: int, n: int, num_sms: int) -> MosaicMatmulConfig | 
       waves = -(-(n // bn) * sk // num_sms)
       cost = waves * (-(-steps // sk) * bn // 128 + ITEM_OVERHEAD_STEPS)
       if sk > 1:
-        cost += 2 * sk * n * rows * 4 / (num_sms * 128 * STEP_K)
+        cost += 2 * sk * n * rows * 4 / (num_sms * 128 * 128)
       if best is None or cost < best[0]:
-        best = (cost, bn, sk)
+        best = (cost, bn, sk, stages[0])
       sk *= 2
-  return MosaicMatmulConfig(block_m=64, block_n=best[1], num_stages=4, split_k=best[2])
+  if best is None:
+    return None
+  return MosaicMatmulConfig(block_m=64, block_n=best[1], num_stages=best[3], split_k=best[2])
 
 
 def weight_only_matmul_nk(x: jax.Array, w: jax.Array, scales: jax.Array, *,
                           config: MosaicMatmulConfig, out_dtype=None,
                           num_sms: int | None = None) -> jax.Array:
-  """``(x @ w.T) * scales`` with 8-bit ``w [N, K]`` (Hopper only).
+  """``(x @ w.T) * scales`` with 8-bit ``w [N, K]``, or the int4 weight's
+  group-wise dequantized product (Hopper only).
 
   Args:
     x: ``[M, K]`` bfloat16 or float16, ``M <= 64``.
-    w: ``[N, K]`` int8 or float8_e4m3fn.
-    scales: ``[N]`` float32, the dequantization scale of each output channel.
+    w: ``[N, K]`` int8, float8_e4m3fn or int4.
+    scales: for 8-bit ``w``, ``[N]`` float32, the dequantization scale of
+      each output channel. For int4 ``w``, ``[K // group, N]`` float32: the
+      scale of each ``group`` (64 or 128) consecutive values of a channel,
+      ``w[n, k]`` standing for ``w[n, k] * scales[k // group, n]``.
     config: launch parameters (:class:`MosaicMatmulConfig`; ``block_n``,
       ``num_stages`` and ``split_k`` are used), used as given.
     out_dtype: bfloat16, float16 or float32 (default ``x.dtype``).
@@ -160,18 +214,27 @@ def weight_only_matmul_nk(x: jax.Array, w: jax.Array, scales: jax.Array, *,
 
   The result matches the float32 product of ``x`` and the dequantized
   weight to a bfloat16 GEMM's error (relative 1e-2): the 8-bit values are
-  exact in 16 bits and products accumulate in fp32.
+  exact in 16 bits and products accumulate in fp32. An int4 value times its
+  group's scale is rounded to ``x``'s dtype before the MMA (one rounding of
+  the dequantized weight, as a 16-bit weight has).
 
   Raises:
     ValueError: bad shapes or dtypes, shapes the kernel does not run, or no
       Hopper GPU.
   """
-  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or scales.shape != (w.shape[0],):
-    raise ValueError(f"need x [M, K], w [N, K] and scales [N]; got {x.shape}, {w.shape}, "
-                     f"{scales.shape}")
-  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+    raise ValueError(f"need x [M, K] and w [N, K]; got {x.shape} and {w.shape}")
   (m, k), n = x.shape, w.shape[0]
-  check_shapes(m, n, k, x.dtype, w.dtype, config)
+  group = 0
+  if w.dtype == jnp.int4:
+    if scales.ndim != 2 or scales.shape[1] != n or not scales.shape[0] or k % scales.shape[0]:
+      raise ValueError(f"an int4 w [N, K] = {w.shape} takes scales [K // group, N]; got "
+                       f"{scales.shape}")
+    group = k // scales.shape[0]
+  elif scales.shape != (n,):
+    raise ValueError(f"an 8-bit w [N, K] = {w.shape} takes scales [N]; got {scales.shape}")
+  out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+  check_shapes(m, n, k, x.dtype, w.dtype, config, group)
   if num_sms is None:
     num_sms = int(require_compute_capability("9.0", "Mosaic GPU weight-only GEMM",
                                              "use the XLA config").core_count)
@@ -180,11 +243,15 @@ def weight_only_matmul_nk(x: jax.Array, w: jax.Array, scales: jax.Array, *,
 
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
 def _matmul(x, w, scales, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
-  acc = _kernel_call(x, w, config=config, num_sms=num_sms)  # [(split,) N, rows]
+  int4 = w.dtype == jnp.int4
+  acc = _kernel_call(x, w, scales.astype(jnp.float32) if int4 else None, config=config,
+                     num_sms=num_sms)  # [(split,) N, rows]
   if config.split_k > 1:
     acc = acc.sum(axis=0)
   acc = acc[:, :x.shape[0]].T
-  return (acc * scales.astype(jnp.float32)[None, :]).astype(out_dtype)
+  if not int4:
+    acc = acc * scales.astype(jnp.float32)[None, :]
+  return acc.astype(out_dtype)
 
 
 def _transforms(row_bytes: int, itemsize: int) -> tuple:
@@ -193,46 +260,64 @@ def _transforms(row_bytes: int, itemsize: int) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
+def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int):
+  """The fp32 ``[(split,) N, rows]`` product. ``group_scales [K // group, N]``
+  with an int4 ``w``: a step of :data:`INT4_STEP_K` is ``INT4_STEP_K //
+  group`` sub-blocks ``[block_n, group]`` of ``w`` (each its own TMA copy
+  and ring buffer, so that a consumer loads each whole), each converted,
+  scaled by its row of scales and handed to its own wgmma."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   (m, k), n = x.shape, w.shape[0]
   dtype = x.dtype
+  int4 = group_scales is not None
+  step = step_k(w.dtype)
+  group = k // group_scales.shape[0] if int4 else step
+  subs = step // group  # sub-blocks of w (and rows of scales) a step
   sk, bn = config.split_k, config.block_n
   wn = bn // 2  # channels of one consumer
   rows = row_tile(m)
   tiles = n // bn
-  steps = k_steps(k, sk)
-  split_len = steps * STEP_K
-  x_transforms = _transforms(BLOCK_K * jnp.dtype(dtype).itemsize, jnp.dtype(dtype).itemsize)
-  w_transforms = _transforms(STEP_K, 1)
+  steps = k_steps(k, sk, step)
+  split_len = steps * step
+  itemsize = jnp.dtype(dtype).itemsize
+  x_transforms = _transforms(min(128, step * itemsize), itemsize)
+  w_bits = 4 if int4 else 8
+  w_swizzle = min(128, group * w_bits // 8)
+  w_transforms = (plgpu.TilingTransform((8, w_swizzle * 8 // w_bits)),
+                  plgpu.SwizzleTransform(w_swizzle))
   out_transforms = _transforms(rows * 4, 4)
-  convert_f16 = w.dtype != jnp.int8 and dtype != jnp.float16
+  convert_f16 = w.dtype == jnp.float8_e4m3fn and dtype != jnp.float16
+
+  in_specs = [plgpu.BlockSpec((rows, step), lambda kk: (0, kk), transforms=x_transforms,
+                              memory_space=plgpu.SMEM)]
+  for j in range(subs):
+    in_specs.append(plgpu.BlockSpec((bn, group), lambda kk, j=j: (0, kk * subs + j),
+                                    transforms=w_transforms, memory_space=plgpu.SMEM))
+  if int4:
+    in_specs.append(plgpu.BlockSpec((subs, bn), lambda kk: (kk, 0), memory_space=plgpu.SMEM))
 
   def get_pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(steps,),
         memory_registers=_MEMORY_REGISTERS,
-        in_specs=[
-            plgpu.BlockSpec((rows, STEP_K), lambda kk: (0, kk), transforms=x_transforms,
-                            memory_space=plgpu.SMEM),
-            plgpu.BlockSpec((bn, STEP_K), lambda kk: (0, kk), transforms=w_transforms,
-                            memory_space=plgpu.SMEM),
-        ],
+        in_specs=in_specs,
         wg_axis="wg",
         num_compute_wgs=2,
         max_concurrent_steps=min(config.num_stages, steps),
         compute_context=compute_context,
     )
 
-  def kernel(x_gmem, w_gmem, out_gmem):
+  def kernel(x_gmem, w_gmem, *rest):
+    s_gmem, out_gmem = rest if int4 else (None, *rest)
     ignore = lambda *_, **__: None
+    operands = (x_gmem,) + (w_gmem,) * subs + ((s_gmem,) if int4 else ())
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(*operands),
         out_smem=plgpu.SMEM((2, 1, 64, rows), jnp.float32, transforms=out_transforms),
         collective_axes="wg",
     )
@@ -256,22 +341,35 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
             store_tile(acc_ref[...], out_smem, wg, out_ref.at[n_slice].at[wg_n],
                        epi=(64, rows))
 
-        def mma_body(_, x_smem, w_smem, acc_ref):
-          a = w_smem[wg_n]
-          if convert_f16:
-            a = a.astype(jnp.float16)  # e4m3 -> bfloat16 has no single cvt on sm_90
-          plgpu.wgmma(acc_ref, a.astype(dtype), plgpu.transpose_ref(x_smem, (1, 0)))
-          # The registers of a stay read until the wgmma completes.
+        def mma_body(_, x_smem, *refs):
+          *w_smems, acc_ref = refs
+          s_smem = w_smems.pop() if int4 else None
+          for j, w_smem in enumerate(w_smems):
+            # Loaded in wgmma's layout. (Loading 32 bits a thread, then a
+            # relayout in registers, ran no faster on an H100.)
+            a = w_smem[wg_n]
+            if convert_f16:
+              a = a.astype(jnp.float16)  # e4m3 -> bfloat16 has no single cvt on sm_90
+            a = a.astype(dtype)
+            if int4:
+              s = plgpu.load(s_smem.at[j, wg_n], (), layout=plgpu.Layout.WGMMA.reduce(1))
+              a = a * lax.broadcast_in_dim(s.astype(dtype), a.shape, [0])
+            x_part = x_smem.at[:, pl.ds(j * group, group)] if subs > 1 else x_smem
+            plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_part, (1, 0)))
+          # The registers of a stay read until the wgmmas complete.
           plgpu.wgmma_wait(0)
           return acc_ref
 
         get_pipeline(mma_body, compute_context)(
             x_gmem.at[pl.ds(0, rows), k_slice],
-            w_gmem.at[n_slice, k_slice],
+            *(w_gmem.at[n_slice, k_slice],) * subs,
+            *((s_gmem.at[pl.ds(split * (split_len // group), split_len // group), n_slice],)
+              if int4 else ()),
             allocations=pipeline_allocs,
         )
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  return launch(kernel, (x, w), out_shape=(n, rows), split_k=sk, out_dtype=jnp.float32,
+  arrays = (x, w, group_scales) if int4 else (x, w)
+  return launch(kernel, arrays, out_shape=(n, rows), split_k=sk, out_dtype=jnp.float32,
                 work_tiles=tiles * sk, num_sms=num_sms)

@@ -75,15 +75,17 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  "sequence's pages a random permutation of the pool; the xla setting "
                  "gathers them into a contiguous cache for cuDNN, the wavetune ops read "
                  "the pages)")
-  m.add_argument("--weights", choices=("bf16", "int8", "fp8", "w8a8"), default="bf16",
+  m.add_argument("--weights", choices=("bf16", "int8", "fp8", "int4", "w8a8"), default="bf16",
                  help="the dense GEMMs' weights: bf16 (default), or int8 / fp8 (e4m3) with a "
                  "scale per output channel, run by every setting (xla: XLA's GEMM on the "
                  "converted weight; the wavetune ops: wt.quantized_matmul); w8a8: e4m3 "
                  "weights and activations (quantized per token at each GEMM, experts "
-                 "too: wt.quantized_ragged_dot; xla: XLA's FP8 dot and ragged dot); under "
-                 "int8 / fp8 expert weights stay bf16 unless --quantize-experts")
+                 "too: wt.quantized_ragged_dot; xla: XLA's FP8 dot and ragged dot); int4: "
+                 "[N, K] weights with a scale per 128 values of K (xla: the weight "
+                 "dequantized, then XLA's GEMM); under int8 / fp8 / int4 expert weights "
+                 "stay bf16 unless --quantize-experts (int8 / fp8)")
   m.add_argument("--quantize-lm-head", action="store_true",
-                 help="with --weights int8 / fp8 / w8a8, the LM head's weight too (weight-only, "
+                 help="with --weights int8 / fp8 / int4 / w8a8, the LM head's weight too (weight-only, "
                  "in the format's weight dtype; by default it stays bf16)")
   m.add_argument("--quantize-experts", action="store_true",
                  help="with --weights int8 / fp8, a mixture-of-experts model's expert "
@@ -93,7 +95,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  help="with --weights int8 / fp8, the dense weights (and a quantized LM "
                  "head) as [K, N] (kn, the default) or [N, K] (nk: the layout of most "
                  "checkpoints, run at decode sizes by the swapped weight-only kernel); "
-                 "w8a8 is always nk")
+                 "w8a8 and int4 are always nk")
   m.add_argument("--cache-multiple", type=positive_int, default=1, metavar="N",
                  help="a contiguous cache holds the cache length + 1 positions rounded up "
                  "to a multiple of N, as a serving stack allocates it (the Mosaic decode "
@@ -179,9 +181,9 @@ def _bench_model(a) -> int:
     raise CliError("--quantize-experts needs --weights int8 or fp8 (w8a8 quantizes the "
                    "experts already)")
   if a.weight_layout and a.weights == "bf16":
-    raise CliError("--weight-layout is for --weights int8, fp8 or w8a8")
-  if a.weight_layout == "kn" and a.weights == "w8a8":
-    raise CliError("--weight-layout kn: --weights w8a8 takes its weights [N, K] (nk)")
+    raise CliError("--weight-layout is for --weights int8, fp8, int4 or w8a8")
+  if a.weight_layout == "kn" and a.weights in ("w8a8", "int4"):
+    raise CliError(f"--weight-layout kn: --weights {a.weights} takes its weights [N, K] (nk)")
   if a.quantize_experts and not cfg.experts:
     raise CliError(f"--quantize-experts: --model {a.model} has no experts")
   if a.plot:
@@ -200,7 +202,7 @@ def _bench_model(a) -> int:
   wts = "" if a.weights == "bf16" else f", {a.weights} weights"
   wts += " (LM head too)" if a.quantize_lm_head else ""
   wts += " (experts too)" if a.quantize_experts else ""
-  wts += ", dense weights [N, K]" if a.weight_layout == "nk" else ""
+  wts += ", dense weights [N, K]" if a.weight_layout == "nk" or a.weights == "int4" else ""
   print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers{attn}{wts}, "
         f"{layout}, settings {','.join(settings)}", flush=True)
   params = M.quantize_params(M.init(jax.random.PRNGKey(0), cfg), cfg, a.weights,
@@ -290,7 +292,7 @@ def _bench_model(a) -> int:
                      "quantized_lm_head": a.quantize_lm_head,
                      "quantized_experts": a.quantize_experts,
                      "weight_layout": (None if a.weights == "bf16" else a.weight_layout
-                                       or ("nk" if a.weights == "w8a8" else "kn")),
+                                       or ("nk" if a.weights in ("w8a8", "int4") else "kn")),
                      "xla_autotune": a.xla_autotune,
                      "compile_cache": bool(a.compile_cache), "cache_fill": a.cache_fill,
                      "cache_layout": a.cache_layout, "page_size": page_size,

@@ -34,6 +34,7 @@ on a contiguous cache, what a JAX user writes.
 
 from __future__ import annotations
 
+import math
 import contextlib
 import dataclasses
 import functools
@@ -273,7 +274,7 @@ def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
 #: (weight-only), or ``"w8a8"``: e4m3 weights stored ``[N, K]`` (experts
 #: ``[E, N, K]``) and e4m3 activations, each GEMM's input quantized per token
 #: as it runs (``wavetune_jax.quantize_rows``), the FP8 tensor cores' GEMM.
-WEIGHT_FORMATS = {"bf16": None, "int8": "int8", "fp8": "float8_e4m3fn",
+WEIGHT_FORMATS = {"bf16": None, "int8": "int8", "fp8": "float8_e4m3fn", "int4": "int4",
                   "w8a8": "float8_e4m3fn"}
 #: The layer weights quantize_params quantizes (dense MLPs, and experts under
 #: ``"w8a8"``; the embedding and router stay 16-bit, the LM head unless asked).
@@ -312,31 +313,35 @@ def quantize_params(params: dict, cfg: ModelConfig, weights: str, *, quantize=No
   ``layout="nk"`` stores the weight-only formats' dense weights (and the LM
   head) transposed, ``{"qn": w_q [N, K], "s": scales}``, the layout of most
   checkpoints, run with ``w_layout="nk"`` (at decode sizes by the swapped
-  weight-only kernel); ``None`` (default) is ``"kn"`` for the weight-only
-  formats and ``"nk"`` for ``"w8a8"``, which takes no other.
+  weight-only kernel); ``None`` (default) is ``"kn"`` for the 8-bit
+  weight-only formats and ``"nk"`` for ``"w8a8"`` and ``"int4"``, which take
+  no other. ``"int4"`` (W4A16) quantizes with a scale per 128 values of K
+  (``quantize(w, "int4", layout="nk", group_size=128)``; ``gcd(128, K)``
+  values where K is not a multiple of 128); a mixture-of-experts model's
+  experts stay 16-bit under it.
 
   Raises:
     ValueError: an unknown ``weights``; ``lm_head=True`` with ``"bf16"``;
-      ``experts=True`` with ``"bf16"`` or ``"w8a8"`` (whose experts are
-      quantized already); ``layout`` not ``"kn"`` / ``"nk"``, or ``"kn"``
-      with ``"w8a8"``."""
+      ``experts=True`` with ``"bf16"``, ``"int4"`` or ``"w8a8"`` (whose
+      experts are quantized already); ``layout`` not ``"kn"`` / ``"nk"``, or
+      ``"kn"`` with ``"w8a8"`` or ``"int4"``."""
   if weights not in WEIGHT_FORMATS:
     raise ValueError(f"weights={weights!r} must be one of {sorted(WEIGHT_FORMATS)}")
   dtype = WEIGHT_FORMATS[weights]
   if layout not in (None, "kn", "nk"):
     raise ValueError(f"layout={layout!r} must be 'kn' or 'nk'")
-  if experts and weights in ("bf16", "w8a8"):
+  if experts and weights in ("bf16", "w8a8", "int4"):
     raise ValueError(f"experts=True needs weights 'int8' or 'fp8'; got {weights!r}")
   if dtype is None:
     if lm_head:
-      raise ValueError("lm_head=True needs weights 'int8', 'fp8' or 'w8a8'; got 'bf16'")
+      raise ValueError("lm_head=True needs weights 'int8', 'fp8', 'int4' or 'w8a8'; got 'bf16'")
     return params
   if quantize is None:
     from wavetune_jax.families.qmatmul.quantize import quantize_weight as quantize
   names = _QUANTIZED[:2] if cfg.experts and weights != "w8a8" and not experts else _QUANTIZED
-  if layout == "kn" and weights == "w8a8":
-    raise ValueError("weights='w8a8' takes its weights as [N, K] (layout='nk')")
-  layout = layout or ("nk" if weights == "w8a8" else "kn")
+  if layout == "kn" and weights in ("w8a8", "int4"):
+    raise ValueError(f"weights={weights!r} takes its weights as [N, K] (layout='nk')")
+  layout = layout or ("nk" if weights in ("w8a8", "int4") else "kn")
   # "q": weight-only [K, N]; "qn": weight-only [N, K]; "qt": W8A8, [N, K].
   key = "q" if layout == "kn" else ("qt" if weights == "w8a8" else "qn")
   layers = []
@@ -347,15 +352,22 @@ def quantize_params(params: dict, cfg: ModelConfig, weights: str, *, quantize=No
         q, s = quantize(p[n], dtype, layout="kn")  # weight-only experts: [E, K, N]
         p[n] = {"q": q, "s": s}
         continue
-      q, s = quantize(p[n], dtype, layout=layout)
+      q, s = quantize(p[n], dtype, layout=layout, **_groups(p[n], weights))
       p[n] = {key: q, "s": s}
     layers.append(p)
   out = {**params, "layers": layers}
   if lm_head:
     head_layout = "nk" if key == "qn" else "kn"
-    q, s = quantize(params["lm_head"], dtype, layout=head_layout)
+    q, s = quantize(params["lm_head"], dtype, layout=head_layout,
+                    **_groups(params["lm_head"], weights))
     out["lm_head"] = {"qn" if key == "qn" else "q": q, "s": s}
   return out
+
+
+def _groups(w, weights: str) -> dict:
+  """``quantize``'s group size for ``"int4"``: 128 values of K, or the
+  greatest common divisor of 128 and K where K is not a multiple of 128."""
+  return {"group_size": math.gcd(128, w.shape[-2])} if weights == "int4" else {}
 
 
 def _mm(ops: Ops, x, w):

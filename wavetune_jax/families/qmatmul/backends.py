@@ -20,7 +20,7 @@ from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.qmatmul.problem import QMatmulProblem
 
 __all__ = ["XlaQMatmul", "XlaQMatmulConfig", "MosaicQMatmul", "xla_qmatmul",
-           "xla_dequantize_dot", "dequantized_product"]
+           "xla_dequantize_dot", "dequantized_product", "dequantize_int4"]
 
 #: The nominal tiling of the XLA backend's (G, L).
 NOMINAL_M, NOMINAL_N = 64, 128
@@ -39,13 +39,29 @@ def _dims(w_layout: str):
   return (((1,), (0 if w_layout == "kn" else 1,)), ((), ()))
 
 
-def xla_qmatmul(x, w, scales, out_dtype, *, x_scales=None, w_layout: str = "kn"):
+def dequantize_int4(w, scales, dtype=jnp.float32):
+  """An int4 ``w [N, K]`` with ``scales [K // group, N]`` -> the ``[N, K]``
+  weight in ``dtype`` (each value times its group's scale, in float32)."""
+  n, k = w.shape
+  g = k // scales.shape[0]
+  w32 = w.astype(jnp.float32).reshape(n, k // g, g) * scales.astype(jnp.float32).T[:, :, None]
+  return w32.reshape(n, k).astype(dtype)
+
+
+def xla_qmatmul(x, w, scales, out_dtype, *, x_scales=None, w_layout: str = "kn",
+                group_size: int = 0):
   """What a JAX user writes, XLA's dot with fp32 accumulation and the scales
   on the result. Weight-only: the weight converted to the activations'
   dtype (exact for 8-bit values; XLA fuses the conversion into its GEMM,
   reading the 8-bit weight). W8A8: ``lax.dot_general`` on the e4m3
   operands with ``preferred_element_type=float32`` (XLA's FP8 GEMM), then
-  the rows' and the channels' scales."""
+  the rows' and the channels' scales. W4A16 (``group_size`` > 0): the int4
+  weight dequantized to the activations' dtype, then the dot (the scales
+  vary along K, so they cannot wait for the result)."""
+  if group_size:
+    acc = lax.dot_general(x, dequantize_int4(w, scales, x.dtype), _dims(w_layout),
+                          preferred_element_type=jnp.float32)
+    return acc.astype(out_dtype)
   if x_scales is None:
     acc = lax.dot_general(x, w.astype(x.dtype), _dims(w_layout),
                           preferred_element_type=jnp.float32)
@@ -55,15 +71,19 @@ def xla_qmatmul(x, w, scales, out_dtype, *, x_scales=None, w_layout: str = "kn")
           * scales.astype(jnp.float32)[None, :]).astype(out_dtype)
 
 
-def dequantized_product(x, w, scales, x_scales=None, w_layout: str = "kn"):
+def dequantized_product(x, w, scales, x_scales=None, w_layout: str = "kn",
+                        group_size: int = 0):
   """The float32 product of the dequantized operands at highest precision:
   the reference every backend is checked against."""
   x32 = x.astype(jnp.float32)
   if x_scales is not None:
     x32 = x32 * x_scales.astype(jnp.float32)[:, None]
-  w32 = w.astype(jnp.float32)
-  w32 = w32 * scales.astype(jnp.float32) if w_layout == "kn" else (
-      w32 * scales.astype(jnp.float32)[:, None])
+  if group_size:
+    w32 = dequantize_int4(w, scales)
+  else:
+    w32 = w.astype(jnp.float32)
+    w32 = w32 * scales.astype(jnp.float32) if w_layout == "kn" else (
+        w32 * scales.astype(jnp.float32)[:, None])
   return lax.dot_general(x32, w32, _dims(w_layout), precision=lax.Precision.HIGHEST)
 
 
@@ -92,7 +112,7 @@ class XlaQMatmul(OneConfigBackend):
   def run(self, problem: QMatmulProblem, config, x, w, scales, x_scales=None, *,
           interpret: bool = False):
     return xla_qmatmul(x, w, scales, jnp.dtype(problem.out_dtype), x_scales=x_scales,
-                       w_layout=problem.w_layout)
+                       w_layout=problem.w_layout, group_size=problem.group_size)
 
 
 class MosaicQMatmul(Backend):
@@ -101,7 +121,9 @@ class MosaicQMatmul(Backend):
   (``w_layout="nk"``) the swapped kernel, 128 or 256 channels a CTA, the
   8-bit block converted in registers and fed to wgmma from there.
   W8A8-FP8: FP8 wgmma on ``x [M, K]`` and ``w [N, K]`` (``w_layout="nk"``),
-  the scales in the epilogue. No CPU interpret mode."""
+  the scales in the epilogue. W4A16 (int4 ``[N, K]``, a scale per group of
+  64 or 128 values of K): the swapped kernel, each int4 sub-block converted
+  and scaled by its group's scales in registers. No CPU interpret mode."""
 
   name = "mosaic"
   kernel_cache = True
@@ -117,9 +139,9 @@ class MosaicQMatmul(Backend):
   @staticmethod
   def why_not(p: QMatmulProblem, c: MosaicMatmulConfig | None = None) -> str | None:
     """Why the kernel cannot run ``p`` (with ``c``); None where it can."""
-    def refusal(check, default: MosaicMatmulConfig) -> str | None:
+    def refusal(check, default: MosaicMatmulConfig, *extra) -> str | None:
       try:
-        check(p.m, p.n, p.k, p.dtype, p.w_dtype, c or default)
+        check(p.m, p.n, p.k, p.dtype, p.w_dtype, c or default, *extra)
       except ValueError as e:
         return str(e)
       return None
@@ -132,7 +154,7 @@ class MosaicQMatmul(Backend):
                      MosaicMatmulConfig(block_m=64, block_n=128, num_stages=4))
     if p.w_layout == "nk":
       return refusal(nk_kernel.check_shapes,
-                     MosaicMatmulConfig(block_m=64, block_n=128, num_stages=6))
+                     MosaicMatmulConfig(block_m=64, block_n=128, num_stages=3), p.group_size)
     if p.m > MOSAIC_MAX_M:
       return (f"the Mosaic weight-only GEMM runs up to {MOSAIC_MAX_M} rows; got M={p.m} "
               f"(use the XLA config)")
@@ -149,7 +171,8 @@ class MosaicQMatmul(Backend):
                                    num_stages=c.num_stages, out_itemsize=out)
     if p.w_layout == "nk":
       return nk_kernel.smem_bytes(m=min(p.m, nk_kernel.MAX_M), block_n=c.block_n,
-                                  num_stages=c.num_stages, itemsize=p.itemsize)
+                                  num_stages=c.num_stages, itemsize=p.itemsize,
+                                  group=p.group_size)
     return kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
                              itemsize=p.itemsize)
 
@@ -230,7 +253,8 @@ class MosaicQMatmul(Backend):
       c = fp8_kernel.heuristic_config(p.m, p.n, p.k, hw.num_sms)
       return None if self.why_not(p, c) else c
     if p.w_layout == "nk":
-      c = nk_kernel.decode_config(p.m, p.k, p.n, hw.num_sms)
+      c = nk_kernel.decode_config(p.m, p.k, p.n, hw.num_sms, group=p.group_size,
+                                  smem_limit=hw.smem_per_block)
       return None if c is None or self.why_not(p, c) else c
     return kernel.decode_config(p.m, p.k, p.n, hw.num_sms)
 
@@ -239,8 +263,9 @@ class MosaicQMatmul(Backend):
 
   def coords(self, problem: QMatmulProblem, macro: dict) -> tuple[int, float]:
     sk = macro["split_k"]
-    block_k = (fp8_kernel.BLOCK_K if problem.w8a8 else
-               nk_kernel.STEP_K if problem.w_layout == "nk" else BLOCK_K)
+    block_k = (fp8_kernel.BLOCK_K if problem.w8a8 else nk_kernel.INT4_STEP_K
+               if problem.group_size else nk_kernel.STEP_K if problem.w_layout == "nk"
+               else BLOCK_K)
     steps = -(-(problem.k // block_k) // sk)
     return (-(-problem.m // macro["block_m"]) * -(-problem.n // macro["block_n"]) * sk,
             float(steps))

@@ -13,7 +13,7 @@ from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.matmul.family import (_out_dtype, check_operands, gemm_weights,
                                                  operand)
-from wavetune_jax.families.qmatmul.problem import (DTYPES, W_LAYOUTS, WEIGHT_DTYPES,
+from wavetune_jax.families.qmatmul.problem import (DTYPES, INT4, W_LAYOUTS, WEIGHT_DTYPES,
                                                    QMatmulProblem)
 
 __all__ = ["QMatmulFamily", "check_activation_scales"]
@@ -65,7 +65,8 @@ class QMatmulFamily(Family):
   # --- the call ------------------------------------------------------------------------
   def bind(self, x, w, scales, *, x_scales=None, w_layout="kn", out_dtype=None):
     """Checks ``x [M, K]``, ``w [K, N]`` (``[N, K]`` with ``w_layout="nk"``),
-    ``scales [N]`` and, for e4m3 ``x``, ``x_scales [M]``; the problem."""
+    ``scales [N]`` (``[K // group, N]`` for an int4 ``w``, which is ``[N,
+    K]``) and, for e4m3 ``x``, ``x_scales [M]``; the problem."""
     if w_layout not in W_LAYOUTS:
       raise ValueError(f"w_layout={w_layout!r} must be one of {W_LAYOUTS} (w as [K, N] or "
                        f"[N, K])")
@@ -82,11 +83,20 @@ class QMatmulFamily(Family):
                        f"w.shape={w.shape}")
     if x.dtype.name not in DTYPES:
       raise ValueError(f"x.dtype={x.dtype} must be one of {DTYPES}")
-    if w.dtype.name not in WEIGHT_DTYPES:
-      raise ValueError(f"w.dtype={w.dtype} must be one of {WEIGHT_DTYPES} (a quantized "
-                       f"weight; use wavetune_jax.matmul for 16-bit weights)")
+    if w.dtype.name not in WEIGHT_DTYPES + (INT4,):
+      raise ValueError(f"w.dtype={w.dtype} must be one of {WEIGHT_DTYPES + (INT4,)} (a "
+                       f"quantized weight; use wavetune_jax.matmul for 16-bit weights)")
     (m, k), n = x.shape, w.shape[1] if w_layout == "kn" else w.shape[0]
-    if scales.shape != (n,):
+    group = 0
+    if w.dtype.name == INT4:
+      if w_layout != "nk":
+        raise ValueError("int4 weights are [N, K]: pass w_layout='nk' (quantize_weight(w, "
+                         "'int4') gives that layout)")
+      if scales.ndim != 2 or scales.shape[1] != n or not scales.shape[0] or k % scales.shape[0]:
+        raise ValueError(f"an int4 w [N, K] = {w.shape} takes scales [K // group, N], one per "
+                         f"group of K values of each channel; got {scales.shape}")
+      group = k // scales.shape[0]
+    elif scales.shape != (n,):
       raise ValueError(f"scales must have shape [N] = ({n},), one per output channel; got "
                        f"{scales.shape}")
     if not jnp.issubdtype(scales.dtype, jnp.floating):
@@ -96,7 +106,7 @@ class QMatmulFamily(Family):
     if m == 0 or n == 0 or k == 0:
       return jnp.zeros((m, n), out)
     problem = QMatmulProblem(m=m, n=n, k=k, dtype=x.dtype.name, w_dtype=w.dtype.name,
-                             out_dtype=out.name, w_layout=w_layout)
+                             out_dtype=out.name, w_layout=w_layout, group_size=group)
     if fp8:
       return Call(problem, (x, w, scales.astype(jnp.float32), x_scales.astype(jnp.float32)),
                   {}, ("scales", "x_scales"))
@@ -131,13 +141,21 @@ class QMatmulFamily(Family):
     W8A8-FP8: the FP8 kernel over XLA's FP8 dot where its rule gives more
     than a wave of 128 x 256 tiles (bands of 8): 1.10-1.72x on all 12 such
     problems measured on an H100 (``benchmarks/fp8_gemm.py``); with fewer
-    tiles its margin was 0.97-1.22x, left to evidence."""
+    tiles its margin was 0.97-1.22x, left to evidence.
+
+    W4A16 (int4 ``[N, K]``, scales per group): the kernel wherever it runs
+    (up to 64 rows): XLA's GEMM on the weight dequantized first ran
+    1.92-7.09x slower on all 30 problems measured on an H100 (five weights,
+    1 / 16 / 64 rows, groups of 128 and 64; ``benchmarks/weight_only.py
+    --weights int4``)."""
     from pallas_kernels.matmul.mosaic import MosaicMatmulConfig
     from wavetune_jax.families.qmatmul.backends import XlaQMatmulConfig
     if not (isinstance(config, MosaicMatmulConfig) and isinstance(platform, XlaQMatmulConfig)):
       return False
     if problem.w8a8:
       return (config.block_m, config.block_n) == (128, 256) and config.grid_width > 1
+    if problem.w_dtype == INT4:
+      return True
     if problem.w_layout == "nk":
       return problem.m == 1 and problem.k >= NK_TRUSTED_MIN_K
     ctas = -(-problem.n // config.block_n) * config.split_k
@@ -164,7 +182,8 @@ class QMatmulFamily(Family):
   def problem_key(self, problem: QMatmulProblem) -> str:
     p = problem
     nk = ":nk" if p.w_layout == "nk" else ""
-    return f"{p.m}x{p.n}x{p.k}:{p.dtype}:w{p.w_dtype}:{p.out_dtype}{nk}"
+    group = f":g{p.group_size}" if p.group_size else ""
+    return f"{p.m}x{p.n}x{p.k}:{p.dtype}:w{p.w_dtype}:{p.out_dtype}{nk}{group}"
 
   def inputs(self, problem: QMatmulProblem, key: jax.Array):
     """``(x, w, scales[, x_scales])``: int8 weights uniform in [-127, 127],
@@ -177,6 +196,11 @@ class QMatmulFamily(Family):
     # e4m3 has no infinity: past 448 a cast gives NaN.
     x = (jnp.clip(x * 64, -448, 448) if p.w8a8 else x).astype(jnp.dtype(p.dtype))
     wshape = (p.k, p.n) if p.w_layout == "kn" else (p.n, p.k)
+    if p.w_dtype == INT4:
+      w = jax.random.randint(kw, wshape, -8, 8, jnp.int32).astype(jnp.int4)
+      s = jax.random.uniform(ks, (p.k // p.group_size, p.n), jnp.float32, 0.5,
+                             1.5) / (7 * math.sqrt(p.k))
+      return x, w, s
     if p.w_dtype == "int8":
       w = jax.random.randint(kw, wshape, -127, 128, jnp.int32).astype(jnp.int8)
     else:
@@ -190,12 +214,13 @@ class QMatmulFamily(Family):
   def reference(self, problem: QMatmulProblem, x, w, scales, x_scales=None):
     """The float32 product of the dequantized operands, at highest precision."""
     from wavetune_jax.families.qmatmul.backends import dequantized_product
-    return dequantized_product(x, w, scales, x_scales, problem.w_layout)
+    return dequantized_product(x, w, scales, x_scales, problem.w_layout, problem.group_size)
 
   def baseline(self, problem: QMatmulProblem):
     from wavetune_jax.families.qmatmul.backends import xla_qmatmul
     out, layout = jnp.dtype(problem.out_dtype), problem.w_layout
-    return lambda x, w, s, xs=None: xla_qmatmul(x, w, s, out, x_scales=xs, w_layout=layout)
+    return lambda x, w, s, xs=None: xla_qmatmul(x, w, s, out, x_scales=xs, w_layout=layout,
+                                                group_size=problem.group_size)
 
   def extra_baselines(self, problem: QMatmulProblem) -> dict:
     from wavetune_jax.families.qmatmul.backends import xla_dequantize_dot

@@ -1,4 +1,5 @@
-"""Per-channel 8-bit quantization of a weight, as :func:`wavetune_jax.quantized_matmul` takes it."""
+"""Per-channel 8-bit and group-wise int4 quantization of a weight, as
+:func:`wavetune_jax.quantized_matmul` takes it."""
 
 from __future__ import annotations
 
@@ -6,17 +7,18 @@ import jax
 import jax.numpy as jnp
 
 from wavetune_jax.families.matmul.problem import _dtype_name
-from wavetune_jax.families.qmatmul.problem import W_LAYOUTS, WEIGHT_DTYPES
+from wavetune_jax.families.qmatmul.problem import INT4, W_LAYOUTS, WEIGHT_DTYPES
 
-__all__ = ["quantize_weight", "quantize_rows", "from_qwix", "FP8_MAX", "INT8_MAX"]
+__all__ = ["quantize_weight", "quantize_rows", "from_qwix", "FP8_MAX", "INT8_MAX", "INT4_MAX"]
 
 #: The largest magnitudes the quantized values take.
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # float8_e4m3fn
+INT4_MAX = 7.0
 
 
-def quantize_weight(w: jax.Array, dtype: str = "int8",
-                    layout: str = "kn") -> tuple[jax.Array, jax.Array]:
+def quantize_weight(w: jax.Array, dtype: str = "int8", layout: str = "kn",
+                    group_size: int = 128) -> tuple[jax.Array, jax.Array]:
   """``w [K, N]`` -> ``(w_q, scales [N])`` with ``w ~ w_q * scales``, ``w_q``
   ``[K, N]`` (``layout="kn"``) or ``[N, K]`` (``"nk"``). Expert weights
   ``[G, K, N]`` give ``w_q [G, K, N]`` (or ``[G, N, K]``) and ``scales [G,
@@ -34,17 +36,26 @@ def quantize_weight(w: jax.Array, dtype: str = "int8",
   scale 1. The dequantized weight's error is at most half a step of its
   column: ``scales / 2`` for int8.
 
+  ``dtype="int4"`` (W4A16; a ``[K, N]`` weight, ``layout="nk"``): a scale
+  per ``group_size`` values of K of each channel, ``scales [K //
+  group_size, N] = max|w[group, n]| / 7``, values rounded to nearest in
+  [-7, 7]; ``w_q`` is ``[N, K]`` int4 (XLA packs two values a byte).
+  ``group_size`` is used for int4 only.
+
   Raises:
     ValueError: ``w`` not a rank-2 or rank-3 floating array, an unknown
-      ``dtype`` or ``layout``.
+      ``dtype`` or ``layout``; for int4, ``w`` not rank 2, ``layout`` not
+      ``"nk"``, or ``group_size`` not a positive divisor of K.
   """
   w = jnp.asarray(w)
   if w.ndim not in (2, 3) or not jnp.issubdtype(w.dtype, jnp.floating):
     raise ValueError(f"w must be a [K, N] (or [G, K, N]) floating array; got {w.shape} "
                      f"{w.dtype}")
-  name = _dtype_name("dtype", dtype, WEIGHT_DTYPES)
+  name = _dtype_name("dtype", dtype, WEIGHT_DTYPES + (INT4,))
   if layout not in W_LAYOUTS:
     raise ValueError(f"layout={layout!r} must be one of {W_LAYOUTS}")
+  if name == INT4:
+    return _quantize_int4(w, layout, group_size)
   top = INT8_MAX if name == "int8" else FP8_MAX
   w32 = w.astype(jnp.float32)
   amax = jnp.max(jnp.abs(w32), axis=-2)
@@ -55,6 +66,23 @@ def quantize_weight(w: jax.Array, dtype: str = "int8",
   else:
     wq = jnp.clip(v, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
   return (wq if layout == "kn" else jnp.swapaxes(wq, -1, -2)), scales.astype(jnp.float32)
+
+
+def _quantize_int4(w, layout: str, group_size: int) -> tuple[jax.Array, jax.Array]:
+  if w.ndim != 2:
+    raise ValueError(f"int4 quantization takes a [K, N] weight; got shape {w.shape} (expert "
+                     f"weights are quantized to 8 bits)")
+  if layout != "nk":
+    raise ValueError("int4 weights are [N, K]: pass layout='nk'")
+  k, n = w.shape
+  if (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0
+      or k % group_size):
+    raise ValueError(f"group_size={group_size!r} must be a positive divisor of K={k}")
+  w32 = w.astype(jnp.float32).reshape(k // group_size, group_size, n)
+  amax = jnp.max(jnp.abs(w32), axis=1)  # [K // group, N]
+  scales = jnp.where(amax > 0, amax / INT4_MAX, 1.0)
+  q = jnp.clip(jnp.round(w32 / scales[:, None, :]), -INT4_MAX, INT4_MAX)
+  return q.reshape(k, n).T.astype(jnp.int4), scales.astype(jnp.float32)
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
