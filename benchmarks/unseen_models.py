@@ -83,7 +83,8 @@ FAMILIES = ("matmul", "attention", "decode", "ragged_dot")
 #: Families run only when named in ``--families``: the quantized GEMM
 #: (``wt.quantized_matmul``) on the dense models' weights, W8A8-FP8 with the
 #: weight ``[N, K]`` and int8 weight-only with the weight ``[K, N]`` and
-#: ``[N, K]`` (label ``int8 nk``), at the GEMM token counts; the
+#: ``[N, K]`` (label ``int8 nk``), and W4A16 (int4 ``[N, K]``, a scale per
+#: 128 values of K, label ``int4 nk``), at the GEMM token counts; the
 #: W8A8-FP8 grouped GEMM (``wt.quantized_ragged_dot``, experts ``[E, N, K]``)
 #: on the MoE models' experts at the MoE token counts.
 OPTIONAL = ("qmatmul", "qragged_dot")
@@ -187,7 +188,10 @@ def problems(families, quick: bool, models=None,
                                   w_dtype="float8_e4m3fn", w_layout="nk")),
                   ("qmatmul", f"{name}.{w} M={m} int8", QMatmulProblem(m=m, n=n, k=k)),
                   ("qmatmul", f"{name}.{w} M={m} int8 nk",
-                   QMatmulProblem(m=m, n=n, k=k, w_layout="nk"))]
+                   QMatmulProblem(m=m, n=n, k=k, w_layout="nk")),
+                  ("qmatmul", f"{name}.{w} M={m} int4 nk",
+                   QMatmulProblem(m=m, n=n, k=k, w_dtype="int4", w_layout="nk",
+                                  group_size=math.gcd(128, k)))]
     if "attention" in families:
       out += [("attention", f"{name} b={b} L={s}",
                AttentionProblem(batch=b, q_heads=c["q_heads"], kv_heads=c["kv_heads"],

@@ -105,23 +105,29 @@ def run_int4(a, prof, dev) -> None:
     w_bf16 = w32.astype(jnp.bfloat16)
     w8 = w.astype(jnp.int8)
     s8 = jax.random.uniform(ks, (n,), jnp.float32, 0.5, 1.5) / (127 * math.sqrt(k))
-    for m in (1, 16, 64):
+    for m in (1, 16, 64, 128):
       x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
       ref = dot(x.astype(jnp.float32), w32, precision=jax.lax.Precision.HIGHEST)
       cands = {"xla_dequant_dot": lambda x, w, s: dot(x, dequantize_int4(w, s).astype(
           jnp.bfloat16))}
-      for c in int4_configs(m, k, n, a.group):
+      # Above 64 rows: the rule's config at 64, on chunks of 64 rows (as the
+      # quantized GEMM's Mosaic backend runs it).
+      chunk = nk_kernel.MAX_M
+      for c in (int4_configs(m, k, n, a.group) if m <= chunk else
+                int4_configs(chunk, k, n, a.group)[:1]):
         try:
-          nk_kernel.check_shapes(m, n, k, jnp.bfloat16, jnp.int4, c, a.group)
+          nk_kernel.check_shapes(min(m, chunk), n, k, jnp.bfloat16, jnp.int4, c, a.group)
         except ValueError:
           continue
         cands[f"mosaic {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k}"] = (
-            lambda c: lambda x, w, s: nk_kernel.weight_only_matmul_nk(x, w, s, config=c))(c)
+            lambda c: lambda x, w, s: jnp.concatenate([
+                nk_kernel.weight_only_matmul_nk(x[i:i + chunk], w, s, config=c)
+                for i in range(0, x.shape[0], chunk)]))(c)
       res = dict(zip(cands, prof.measure_many(list(cands.values()), (x, w, s), reference=ref,
                                               tolerance=2e-2, out_bytes=m * n * 4)))
       (bf,) = prof.measure_many([lambda x, wb: dot(x, wb)], (x, w_bf16))
       int8_t = math.nan
-      rule8 = nk_kernel.decode_config(m, k, n, 132)
+      rule8 = nk_kernel.decode_config(m, k, n, 132) if m <= chunk else None
       if rule8 is not None:
         (r8,) = prof.measure_many([lambda x, w, s: nk_kernel.weight_only_matmul_nk(
             x, w, s, config=rule8)], (x, w8, s8))

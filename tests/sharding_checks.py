@@ -183,6 +183,28 @@ def sharded_jit_quantized_ragged_dot():
 
 
 @check
+def sharded_jit_int4_matmul():
+  # W4A16 [N, K] with scales [K // group, N]: N sharded with the scales' N
+  # (no collective), or K by whole groups with the scales' groups (fp32
+  # partials, one all-reduce).
+  w4, s = wt.quantize_weight(rnd(6, (512, 96)), "int4", layout="nk", group_size=64)
+  x = rnd(7, (16, 512), jnp.bfloat16)
+  f = jax.jit(lambda a, b, c: wt.quantized_matmul(a, b, c, w_layout="nk"))
+  ref = f(x, w4, s)
+  for ls, rs, ss, out, red in [(P(), P("a", None), P(None, "a"), P(None, "a"), False),
+                               (P(None, "a"), P(None, "a"), P("a", None), P(), True)]:
+    args = (put(x, ls), put(w4, rs), put(s, ss))
+    y = f(*args)
+    try:
+      close(y, ref, 1e-2)
+    except AssertionError as e:
+      raise AssertionError(f"{ls} {rs}: {e}") from None
+    assert y.sharding.spec == out, y.sharding.spec
+    text = hlo(f, *args)
+    assert "all-gather" not in text and ("all-reduce" in text) == red, (ls, rs)
+
+
+@check
 def shard_map_default_check_vma():
   mm = jax.shard_map(lambda x, w: wt.matmul(x, w), mesh=MESH, in_specs=(P("a"), P(None, "b")),
                      out_specs=P("a", "b"))

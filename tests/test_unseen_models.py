@@ -154,11 +154,11 @@ def test_quantized_gemms_are_an_optional_family(capsys):
   # Not in the default families (the files on record hold none).
   assert len(mod.problems(mod.FAMILIES, quick=False)) == 168
   plan = mod.problems(("qmatmul",), quick=True, models=("phi_3_mini",))
-  assert {p.w_layout for _, _, p in plan} == {"kn", "nk"} and len(plan) == 36
+  assert {p.w_layout for _, _, p in plan} == {"kn", "nk"} and len(plan) == 48
   lines, last = _dry_run(mod, capsys, ["--device-key", "nvidia_h100_80gb_hbm3",
                                        "--families", "qmatmul", "--models", "phi_3_mini",
                                        "--quick"])
-  assert last == "36 problems"
+  assert last == "48 problems"
   by_label = {line[12:52].strip(): line[52:] for line in lines}
   # The FP8 kernel where the guard trusts it (a wave of 128 x 256 tiles);
   # XLA's FP8 dot at 200 rows, without evidence.
@@ -171,6 +171,8 @@ def test_quantized_gemms_are_an_optional_family(capsys):
   # down projection's 8,192), not with the gate/up's K of 3,072.
   assert by_label["phi_3_mini.down M=1 int8 nk"].startswith("mosaic(block_m=64")
   assert by_label["phi_3_mini.gate_up M=1 int8 nk"].startswith("xla")
+  # W4A16: the int4 kernel up to 64 rows.
+  assert by_label["phi_3_mini.gate_up M=1 int4 nk"].startswith("mosaic(block_m=64")
   # An op call as the timing loop makes it, on a CPU (XLA).
   fam, _, p = next(t for t in plan if t[2].w8a8 and t[2].m == 1)
   spec = wt.get_family(fam)

@@ -34,10 +34,10 @@ on a contiguous cache, what a JAX user writes.
 
 from __future__ import annotations
 
-import math
 import contextlib
 import dataclasses
 import functools
+import math
 from typing import Callable, NamedTuple
 
 import jax

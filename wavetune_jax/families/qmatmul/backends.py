@@ -29,6 +29,9 @@ NOMINAL_M, NOMINAL_N = 64, 128
 MOSAIC_MAX_M = 64
 STAGES = (3, 4, 5)
 SPLIT_K = (1, 2, 4, 8, 16, 32)
+#: Rows up to which the W4A16 backend runs the int4 kernel, in chunks of
+#: its 64 rows (each chunk reads the whole weight).
+INT4_MAX_M = 128
 #: Stages of the weight-only ``[N, K]`` space.
 NK_STAGES = (3, 4, 6)
 #: CTA tiles of the W8A8 space.
@@ -48,17 +51,17 @@ def dequantize_int4(w, scales, dtype=jnp.float32):
   return w32.reshape(n, k).astype(dtype)
 
 
-def xla_qmatmul(x, w, scales, out_dtype, *, x_scales=None, w_layout: str = "kn",
-                group_size: int = 0):
+def xla_qmatmul(x, w, scales, out_dtype, *, x_scales=None, w_layout: str = "kn"):
   """What a JAX user writes, XLA's dot with fp32 accumulation and the scales
   on the result. Weight-only: the weight converted to the activations'
   dtype (exact for 8-bit values; XLA fuses the conversion into its GEMM,
   reading the 8-bit weight). W8A8: ``lax.dot_general`` on the e4m3
   operands with ``preferred_element_type=float32`` (XLA's FP8 GEMM), then
-  the rows' and the channels' scales. W4A16 (``group_size`` > 0): the int4
-  weight dequantized to the activations' dtype, then the dot (the scales
-  vary along K, so they cannot wait for the result)."""
-  if group_size:
+  the rows' and the channels' scales. W4A16 (an int4 ``w [N, K]``, scales
+  ``[K // group, N]``): the weight dequantized to the activations' dtype,
+  then the dot (the scales vary along K, so they cannot wait for the
+  result)."""
+  if w.dtype == jnp.int4:
     acc = lax.dot_general(x, dequantize_int4(w, scales, x.dtype), _dims(w_layout),
                           preferred_element_type=jnp.float32)
     return acc.astype(out_dtype)
@@ -71,14 +74,13 @@ def xla_qmatmul(x, w, scales, out_dtype, *, x_scales=None, w_layout: str = "kn",
           * scales.astype(jnp.float32)[None, :]).astype(out_dtype)
 
 
-def dequantized_product(x, w, scales, x_scales=None, w_layout: str = "kn",
-                        group_size: int = 0):
+def dequantized_product(x, w, scales, x_scales=None, w_layout: str = "kn"):
   """The float32 product of the dequantized operands at highest precision:
   the reference every backend is checked against."""
   x32 = x.astype(jnp.float32)
   if x_scales is not None:
     x32 = x32 * x_scales.astype(jnp.float32)[:, None]
-  if group_size:
+  if w.dtype == jnp.int4:
     w32 = dequantize_int4(w, scales)
   else:
     w32 = w.astype(jnp.float32)
@@ -112,7 +114,7 @@ class XlaQMatmul(OneConfigBackend):
   def run(self, problem: QMatmulProblem, config, x, w, scales, x_scales=None, *,
           interpret: bool = False):
     return xla_qmatmul(x, w, scales, jnp.dtype(problem.out_dtype), x_scales=x_scales,
-                       w_layout=problem.w_layout, group_size=problem.group_size)
+                       w_layout=problem.w_layout)
 
 
 class MosaicQMatmul(Backend):
@@ -139,9 +141,9 @@ class MosaicQMatmul(Backend):
   @staticmethod
   def why_not(p: QMatmulProblem, c: MosaicMatmulConfig | None = None) -> str | None:
     """Why the kernel cannot run ``p`` (with ``c``); None where it can."""
-    def refusal(check, default: MosaicMatmulConfig, *extra) -> str | None:
+    def refusal(check, default: MosaicMatmulConfig, *extra, m: int = p.m) -> str | None:
       try:
-        check(p.m, p.n, p.k, p.dtype, p.w_dtype, c or default, *extra)
+        check(m, p.n, p.k, p.dtype, p.w_dtype, c or default, *extra)
       except ValueError as e:
         return str(e)
       return None
@@ -152,9 +154,17 @@ class MosaicQMatmul(Backend):
                 "8-bit operands K-major); pass it with w_layout='nk' (or use the XLA config)")
       return refusal(fp8_kernel.check_shapes,
                      MosaicMatmulConfig(block_m=64, block_n=128, num_stages=4))
+    nk_default = MosaicMatmulConfig(block_m=64, block_n=128, num_stages=3)
+    if p.group_size and p.m > nk_kernel.MAX_M:
+      if p.m > INT4_MAX_M:
+        return (f"the Mosaic int4 GEMM runs up to {INT4_MAX_M} rows; got M={p.m} (use the "
+                f"XLA config)")
+      # Chunks of 64 rows, the last one the rest.
+      return (refusal(nk_kernel.check_shapes, nk_default, p.group_size, m=nk_kernel.MAX_M)
+              or refusal(nk_kernel.check_shapes, nk_default, p.group_size,
+                         m=p.m - nk_kernel.MAX_M))
     if p.w_layout == "nk":
-      return refusal(nk_kernel.check_shapes,
-                     MosaicMatmulConfig(block_m=64, block_n=128, num_stages=3), p.group_size)
+      return refusal(nk_kernel.check_shapes, nk_default, p.group_size)
     if p.m > MOSAIC_MAX_M:
       return (f"the Mosaic weight-only GEMM runs up to {MOSAIC_MAX_M} rows; got M={p.m} "
               f"(use the XLA config)")
@@ -253,7 +263,8 @@ class MosaicQMatmul(Backend):
       c = fp8_kernel.heuristic_config(p.m, p.n, p.k, hw.num_sms)
       return None if self.why_not(p, c) else c
     if p.w_layout == "nk":
-      c = nk_kernel.decode_config(p.m, p.k, p.n, hw.num_sms, group=p.group_size,
+      c = nk_kernel.decode_config(min(p.m, nk_kernel.MAX_M), p.k, p.n, hw.num_sms,
+                                  group=p.group_size,
                                   smem_limit=hw.smem_per_block)
       return None if c is None or self.why_not(p, c) else c
     return kernel.decode_config(p.m, p.k, p.n, hw.num_sms)
@@ -280,5 +291,10 @@ class MosaicQMatmul(Backend):
     if problem.w8a8:
       return fp8_kernel.fp8_matmul(x, w, x_scales, scales, config=config, out_dtype=out)
     if problem.w_layout == "nk":
-      return nk_kernel.weight_only_matmul_nk(x, w, scales, config=config, out_dtype=out)
+      chunk = nk_kernel.MAX_M  # int4 above 64 rows: chunks of 64
+      return jnp.concatenate([
+          nk_kernel.weight_only_matmul_nk(x[i:i + chunk], w, scales, config=config,
+                                          out_dtype=out)
+          for i in range(0, problem.m, chunk)]) if problem.m > chunk else (
+              nk_kernel.weight_only_matmul_nk(x, w, scales, config=config, out_dtype=out))
     return kernel.weight_only_matmul(x, w, scales, config=config, out_dtype=out)

@@ -21,6 +21,9 @@ __all__ = ["QMatmulFamily", "check_activation_scales"]
 #: K from which the swapped weight-only kernel (``w [N, K]``) is trusted over
 #: XLA's GEMM at one row (:meth:`QMatmulFamily.trusted_without_evidence`).
 NK_TRUSTED_MIN_K = 4096
+#: N from which the int4 kernel on chunks of 64 rows (65-128 rows) is trusted
+#: over XLA's GEMM on the dequantized weight.
+INT4_CHUNKED_MIN_N = 4096
 
 
 def check_activation_scales(x, w, x_scales, out_dtype, weight: str):
@@ -115,7 +118,11 @@ class QMatmulFamily(Family):
   def partition_rule(self, problem: QMatmulProblem):
     """Rows, columns and K split like XLA's dot (a channel's scale is
     linear over the K partials); the scales split with the columns, the
-    rows' scales with the rows."""
+    rows' scales with the rows, an int4 weight's group scales with the
+    columns and K's groups."""
+    if problem.group_size:  # int4: K is (groups, values of a group); scales [groups, N]
+      return PartitionRule("m (k r), n (k r), k n -> m n",
+                           factor_sizes={"r": problem.group_size}, reduction=("k",))
     w = "k n" if problem.w_layout == "kn" else "n k"
     return PartitionRule(f"m k, {w}, n{', m' if problem.w8a8 else ''} -> m n",
                          reduction=("k",))
@@ -143,11 +150,14 @@ class QMatmulFamily(Family):
     problems measured on an H100 (``benchmarks/fp8_gemm.py``); with fewer
     tiles its margin was 0.97-1.22x, left to evidence.
 
-    W4A16 (int4 ``[N, K]``, scales per group): the kernel wherever it runs
-    (up to 64 rows): XLA's GEMM on the weight dequantized first ran
-    1.92-7.09x slower on all 30 problems measured on an H100 (five weights,
-    1 / 16 / 64 rows, groups of 128 and 64; ``benchmarks/weight_only.py
-    --weights int4``)."""
+    W4A16 (int4 ``[N, K]``, scales per group): the kernel up to 64 rows,
+    where XLA's GEMM on the weight dequantized first ran 1.97-7.14x slower
+    on all 18 problems measured on an H100 (five weights at 1 / 16 / 64 rows
+    in groups of 128, one weight at three row counts in groups of 64;
+    ``benchmarks/weight_only.py --weights int4``); from 65 to 128 rows (two
+    chunks of 64, each reading the weight) where N >=
+    :data:`INT4_CHUNKED_MIN_N`: 1.68-2.66x on those four of five weights at
+    128 rows, the fifth (N = 1,536) 1.03x, left to evidence."""
     from pallas_kernels.matmul.mosaic import MosaicMatmulConfig
     from wavetune_jax.families.qmatmul.backends import XlaQMatmulConfig
     if not (isinstance(config, MosaicMatmulConfig) and isinstance(platform, XlaQMatmulConfig)):
@@ -155,7 +165,7 @@ class QMatmulFamily(Family):
     if problem.w8a8:
       return (config.block_m, config.block_n) == (128, 256) and config.grid_width > 1
     if problem.w_dtype == INT4:
-      return True
+      return problem.m <= 64 or problem.n >= INT4_CHUNKED_MIN_N
     if problem.w_layout == "nk":
       return problem.m == 1 and problem.k >= NK_TRUSTED_MIN_K
     ctas = -(-problem.n // config.block_n) * config.split_k
@@ -214,13 +224,12 @@ class QMatmulFamily(Family):
   def reference(self, problem: QMatmulProblem, x, w, scales, x_scales=None):
     """The float32 product of the dequantized operands, at highest precision."""
     from wavetune_jax.families.qmatmul.backends import dequantized_product
-    return dequantized_product(x, w, scales, x_scales, problem.w_layout, problem.group_size)
+    return dequantized_product(x, w, scales, x_scales, problem.w_layout)
 
   def baseline(self, problem: QMatmulProblem):
     from wavetune_jax.families.qmatmul.backends import xla_qmatmul
     out, layout = jnp.dtype(problem.out_dtype), problem.w_layout
-    return lambda x, w, s, xs=None: xla_qmatmul(x, w, s, out, x_scales=xs, w_layout=layout,
-                                                group_size=problem.group_size)
+    return lambda x, w, s, xs=None: xla_qmatmul(x, w, s, out, x_scales=xs, w_layout=layout)
 
   def extra_baselines(self, problem: QMatmulProblem) -> dict:
     from wavetune_jax.families.qmatmul.backends import xla_dequantize_dot
