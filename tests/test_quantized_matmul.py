@@ -462,6 +462,10 @@ def test_decoder_tpot_numbers_in_the_docs_match_the_recorded_runs():
   assert got == ["4.17x", "1.77x", "1.58x"]
   for text in ["1.54x", "1.45x", *got]:
     assert text in docs
+  bf16 = tpot("llama3_8b_tpot_bf16_rerun_h100.json", "xla")
+  int4 = tpot("llama3_8b_tpot_int4_head_h100.json", "tables")
+  got = [f"{bf16[b] / int4[b]:.2f}x" for b in (1, 16)]
+  assert got == ["2.09x", "1.77x"] and all(f"**{t}**" in docs for t in got)
 
 
 # --- W4A16: int4 [N, K] weights with a scale per group of K ------------------------------

@@ -151,7 +151,7 @@ class QMatmulFamily(Family):
     tiles its margin was 0.97-1.22x, left to evidence.
 
     W4A16 (int4 ``[N, K]``, scales per group): the kernel up to 64 rows,
-    where XLA's GEMM on the weight dequantized first ran 1.97-7.14x slower
+    where XLA's GEMM on the weight dequantized first ran 1.97-6.89x slower
     on all 18 problems measured on an H100 (five weights at 1 / 16 / 64 rows
     in groups of 128, one weight at three row counts in groups of 64;
     ``benchmarks/weight_only.py --weights int4``); from 65 to 128 rows (two
