@@ -15,8 +15,10 @@ warning); on an H100 or H200 they run the shipped tables' kernels.
     python3 examples/qwix_weights.py --model small_moe --weights w8a8  # FP8 experts too
     python3 examples/qwix_weights.py --model llama3_8b --layers 2 --tokens 512   # GPU
 
-``--weights``: ``int8`` or ``fp8`` (weight-only, bf16 activations) or
-``w8a8`` (e4m3 weights ``[N, K]`` and e4m3 activations quantized per token).
+``--weights``: ``int8`` or ``fp8`` (weight-only, bf16 activations),
+``int4`` (weight-only, ``[N, K]``, a scale per 128 values of K: qwix's
+``tiled_axes``) or ``w8a8`` (e4m3 weights ``[N, K]`` and e4m3 activations
+quantized per token).
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ import wavetune_jax as wt
 from wavetune_jax import models
 
 
-def qwix_quantize(w, dtype: str, layout: str):
+def qwix_quantize(w, dtype: str, layout: str, group_size: int | None = None):
   """``w [K, N]`` (or experts ``[G, K, N]``) quantized by qwix per output
-  channel, as ``(w_q, scales)``: ``models.quantize_params``'s ``quantize``."""
+  channel (int4: per ``group_size`` values of K of each channel), as
+  ``(w_q, scales)``: ``models.quantize_params``'s ``quantize``."""
   import qwix
   axes = list(range(w.ndim - 2)) + [w.ndim - 1]  # each expert and output channel
-  return wt.from_qwix(qwix.quantize(w, jnp.dtype(dtype), channelwise_axes=axes), layout=layout)
+  tiles = {w.ndim - 2: group_size} if group_size else None
+  return wt.from_qwix(qwix.quantize(w, jnp.dtype(dtype), channelwise_axes=axes,
+                                    tiled_axes=tiles), layout=layout)
 
 
 def rel_rms(a, b) -> float:
@@ -49,7 +54,7 @@ def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--model", default="small", choices=sorted(models.MODELS))
   ap.add_argument("--layers", type=int, default=None, help="default: the model's")
-  ap.add_argument("--weights", default="int8", choices=("int8", "fp8", "w8a8"))
+  ap.add_argument("--weights", default="int8", choices=("int8", "fp8", "int4", "w8a8"))
   ap.add_argument("--tokens", type=int, default=16, help="prompt length (batch 1)")
   a = ap.parse_args(argv)
   try:

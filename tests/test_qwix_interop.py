@@ -37,7 +37,8 @@ def test_layouts_shapes_and_a_per_tensor_scale():
 @pytest.mark.parametrize("arg,match", [
     (jnp.ones((4, 4)), "expected a qwix.QArray"),
     (_qarray(jnp.ones((4, 4), jnp.int8), jnp.ones((1, 4)), jnp.ones((1, 4))), "zero point"),
-    (_qarray(jnp.ones((4, 4), jnp.int4), jnp.ones((1, 4))), "holds int4 values"),
+    (_qarray(jnp.ones((4, 4), jnp.int4), jnp.ones((1, 4))), "int4 weights are \\[N, K\\]"),
+    (_qarray(jnp.ones((2, 4, 4), jnp.int4), jnp.ones((2, 1, 4))), "int4 expert weights"),
     (_qarray(jnp.ones((4, 4), jnp.uint8), jnp.ones((1, 4))), "holds uint8 values"),
     (_qarray(jnp.ones((4,), jnp.int8), jnp.ones((1,))), r"must be \[K, N\]"),
     (_qarray(jnp.ones((128, 4), jnp.int8), jnp.ones((2, 4))),
@@ -76,6 +77,26 @@ def test_qwix_weights_in_the_quantized_ops(dtype):
   assert float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref))) < 2e-2
 
 
+def test_qwix_int4_weights_with_group_scales():
+  qwix = pytest.importorskip("qwix")
+  kx, kw = jax.random.split(jax.random.PRNGKey(2))
+  x = jax.random.normal(kx, (24, 512), jnp.float32).astype(jnp.bfloat16)
+  w = jax.random.normal(kw, (512, 96), jnp.float32)
+  qa = qwix.quantize(w, jnp.int4, channelwise_axes=[1], tiled_axes={0: 128})
+  wq, s = wt.from_qwix(qa, layout="nk")
+  assert wq.dtype == jnp.int4 and wq.shape == (96, 512) and s.shape == (4, 96)
+  from wavetune_jax.families.qmatmul.backends import dequantize_int4
+  np.testing.assert_allclose(dequantize_int4(wq, s).T, qwix.dequantize(qa), rtol=1e-6,
+                             atol=1e-6)
+  y = wt.quantized_matmul(x, wq, s, w_layout="nk")
+  ref = x.astype(jnp.float32) @ qwix.dequantize(qa)
+  assert float(jnp.max(jnp.abs(y.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref))) < 2e-2
+  with pytest.raises(ValueError, match="pass layout='nk'"):
+    wt.from_qwix(qa)
+  with pytest.raises(ValueError, match=r"tiled_axes=\{0: group\}"):
+    wt.from_qwix(_qarray(qa.qvalue, jnp.ones((3, 96))), layout="nk")
+
+
 def test_qwix_e4m3_weights_as_w8a8():
   """qwix's e4m3 weights, transposed by from_qwix, in the W8A8 ops."""
   qwix = pytest.importorskip("qwix")
@@ -108,3 +129,6 @@ def test_the_example_runs_a_decoder_with_qwix_weights(capsys):
   assert "int8 weights quantized by qwix" in capsys.readouterr().out
   assert out["wavetune_vs_xla"] < 5e-2  # the same quantized model, two sets of ops
   assert 0 < out["quantized_vs_bf16"] < 5e-2  # quantized, and close to the 16-bit model
+  out = mod.main(["--model", "small", "--layers", "1", "--tokens", "8", "--weights", "int4"])
+  assert "int4 weights quantized by qwix" in capsys.readouterr().out
+  assert out["wavetune_vs_xla"] < 5e-2 and 0 < out["quantized_vs_bf16"] < 0.2

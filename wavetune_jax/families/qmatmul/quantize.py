@@ -85,6 +85,22 @@ def _quantize_int4(w, layout: str, group_size: int) -> tuple[jax.Array, jax.Arra
   return q.reshape(k, n).T.astype(jnp.int4), scales.astype(jnp.float32)
 
 
+def _int4_from_qwix(q, s, layout: str) -> tuple[jax.Array, jax.Array]:
+  if q.ndim != 2:
+    raise ValueError(f"an int4 qwix weight must be [K, N]; got shape {q.shape} (int4 expert "
+                     f"weights are not supported)")
+  if layout != "nk":
+    raise ValueError("int4 weights are [N, K]: pass layout='nk'")
+  k, n = q.shape
+  if s.ndim != 2 or s.shape[1] != n or not s.shape[0] or k % s.shape[0] or (
+      not jnp.issubdtype(s.dtype, jnp.floating)):
+    raise ValueError(f"the int4 qwix weight's scales have shape {s.shape} {s.dtype}; the "
+                     f"quantized ops take a floating scale per group of K values of each "
+                     f"channel, [K // group, N]: quantize with channelwise_axes=[1] and "
+                     f"tiled_axes={{0: group}}")
+  return q.T, s.astype(jnp.float32)
+
+
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``x [M, K]`` -> ``(x_q [M, K] float8_e4m3fn, x_scales [M] float32)``
   with ``x ~ x_q * x_scales[:, None]``: symmetric per-row (per-token)
@@ -125,15 +141,23 @@ def from_qwix(qarray, layout: str = "kn") -> tuple[jax.Array, jax.Array]:
   ``[G, N]`` (a scale per tensor or per expert is repeated over the
   channels).
   ``w_q * scales`` is then ``qwix.dequantize(qarray)`` computed in float32
-  (qwix rounds its product to the scale's dtype). Only the attributes ``qvalue``, ``scale``,
+  (qwix rounds its product to the scale's dtype).
+
+  An int4 weight quantized per group of K values of each channel (W4A16)::
+
+      q = qwix.quantize(w, jnp.int4, channelwise_axes=[1], tiled_axes={0: 128})
+      w_q, scales = wt.from_qwix(q, layout="nk")  # [N, K] int4, [K // 128, N]
+
+  takes ``layout="nk"`` only (qwix's int4 may hold -8, which the int4
+  kernel takes as well). Only the attributes ``qvalue``, ``scale``,
   ``zero_point`` are read: qwix itself is not imported.
 
   Raises:
     ValueError: not a QArray-like object; an asymmetric quantization (a zero
-      point); a value dtype other than int8 or float8_e4m3fn (int4 weights
-      with group-wise scales are not supported); scales that are not one
-      per output channel or per tensor (sub-channel tiles along K); an
-      unknown ``layout``.
+      point); a value dtype other than int8, float8_e4m3fn or int4; 8-bit
+      scales that are not one per output channel or per tensor (sub-channel
+      tiles along K), int4 ones not per group of K of each channel, or an
+      int4 weight with ``layout="kn"`` or experts; an unknown ``layout``.
   """
   if not all(hasattr(qarray, a) for a in ("qvalue", "scale", "zero_point")):
     raise ValueError(f"expected a qwix.QArray (with qvalue, scale and zero_point); got "
@@ -145,10 +169,11 @@ def from_qwix(qarray, layout: str = "kn") -> tuple[jax.Array, jax.Array]:
                      "quantized ops take symmetric weights: quantize with the default "
                      "calibration_method='absmax'")
   q, s = jnp.asarray(qarray.qvalue), jnp.asarray(qarray.scale)
+  if q.dtype.name == INT4:
+    return _int4_from_qwix(q, s, layout)
   if q.dtype.name not in WEIGHT_DTYPES:
     raise ValueError(f"the qwix weight holds {q.dtype.name} values; the quantized ops take "
-                     f"{' or '.join(WEIGHT_DTYPES)} (int4 with group-wise scales is not "
-                     f"supported)")
+                     f"{', '.join(WEIGHT_DTYPES + (INT4,))}")
   if q.ndim not in (2, 3):
     raise ValueError(f"the qwix weight must be [K, N] (or [G, K, N] experts); got shape "
                      f"{q.shape}")
