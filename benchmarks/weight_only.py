@@ -163,7 +163,8 @@ def _dot(layout: str):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--quick", action="store_true", help="int8 only, the first weight")
+  ap.add_argument("--quick", action="store_true",
+                  help="the first weight only (and int8 only, without --weights int4)")
   ap.add_argument("--layout", choices=("kn", "nk"), default=None,
                   help="the weight as [K, N] (default) or [N, K]")
   ap.add_argument("--weights", choices=("int8", "int4"), default="int8",

@@ -332,7 +332,8 @@ def test_quantized_lm_head(capsys):
   assert 0 < rel < 0.1  # the head's weight rounded to e4m3, nothing else
   assert main(["bench", "model", "--model", "small", "--quantize-lm-head"]) == 2
   err = capsys.readouterr().err
-  assert "--quantize-lm-head needs --weights int8, fp8 or w8a8" in err and err.count("\n") == 1
+  assert "--quantize-lm-head needs --weights int8, fp8, int4 or w8a8" in err
+  assert err.count("\n") == 1
 
 
 # --- the weight-only kernel on an [N, K] weight (w_layout="nk") ------------------------

@@ -41,7 +41,7 @@ def matmul(x: jax.Array, w: jax.Array, *, out_dtype=None, config=None) -> jax.Ar
 
 def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, x_scales=None,
                      w_layout: str = "kn", out_dtype=None, config=None) -> jax.Array:
-  """A GEMM on 8-bit weights, tuned like :func:`matmul`: ``(x @ w) * scales``
+  """A GEMM on 8-bit (or int4) weights, tuned like :func:`matmul`: ``(x @ w) * scales``
   (weight-only, W8A16), or with e4m3 activations and their per-row scales
   ``(x @ w) * x_scales[:, None] * scales`` (W8A8-FP8).
 
@@ -61,7 +61,8 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, x_scales=
   (``quantize_weight(w, "int4", layout="nk", group_size=128)``): the
   result is ``x @ dequant(w).T``; the Mosaic kernel converts and scales each
   group in registers (groups of 64 or 128, K a multiple of 256, up to 64
-  rows), XLA dequantizes the weight first. Same tolerance as W8A16.
+  rows, and to 128 in chunks of 64), XLA dequantizes the weight first. Same
+  tolerance as W8A16.
 
   Args:
     x: ``[M, K]`` bfloat16 or float16 activations, or float8_e4m3fn with
@@ -78,7 +79,7 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, x_scales=
     out_dtype: bfloat16, float16 or float32 (default ``x.dtype``;
       bfloat16 for e4m3 ``x``).
     config: ``XlaQMatmulConfig()`` (XLA's dot with the scales after),
-      ``MosaicMatmulConfig`` (the Mosaic kernels: weight-only up to 64 rows;
+      ``MosaicMatmulConfig`` (the Mosaic kernels: weight-only up to 64 rows, int4 128;
       W8A8 at any M), a dict ``{"backend": name, **fields}``, or ``None`` to
       let the selector choose.
 

@@ -6,7 +6,10 @@ K]`` int8 or float8_e4m3fn with K contiguous (what
 ``quantize_weight(..., layout="nk")`` gives, and the layout of most
 checkpoints), ``scales [N]`` float32, one per output channel (it leaves the
 dot product: the kernel computes on the 8-bit values, exact in 16 bits, and
-the scales multiply the fp32 result once).
+the scales multiply the fp32 result once). W4A16: ``w [N, K]`` int4 with
+``scales [K // group, N]``, a scale per 64 or 128 values of K of each
+channel; each group's block is converted and scaled in registers before its
+wgmma (the scales vary along K, so they cannot wait for the result).
 
 The operands are swapped: each consumer warpgroup computes a tile of
 ``(x @ w.T).T = w @ x.T``, ``[64 or 128 channels, M]``. wgmma's left
@@ -25,14 +28,17 @@ warpgroup streaming ``[block_n, 128]`` 8-bit blocks of ``w`` and ``[rows,
 128: on an H100 it ran 1.11-1.17x faster than steps of 64 on Llama-3-8B's
 weights, the per-step wait for the wgmma coming half as often),
 two consumer warpgroups (each half of the block's channels), split-K with
-fp32 partials. The kernel writes the fp32 ``[split, N, rows]`` tile of the
+fp32 partials. On an int4 weight a step is :data:`INT4_STEP_K` = 256 (a
+128-byte row of 4-bit values), loaded as one ``[block_n, group]`` sub-block
+per scale group plus the step's ``[256 // group, block_n]`` scales, and
+each sub-block goes to its own wgmma. The kernel writes the fp32 ``[split, N, rows]`` tile of the
 transposed product; one XLA fusion sums the splits, transposes, applies the
 scales and casts (``M x N`` values, against ``N x K`` weight bytes).
 
 Requirements (:func:`check_shapes`): compute capability 9.0; ``M <= 64``, a
 multiple of 8 or below it; ``N`` a multiple of ``block_n`` (128 or 256) and
-``K`` of 128 (TMA tiles the 8-bit weight by 128-byte rows), no split of K
-empty.
+``K`` of 128 (TMA tiles the 8-bit weight by 128-byte rows; int4: of 256,
+groups of 64 or 128), no split of K empty.
 """
 
 from __future__ import annotations
@@ -214,9 +220,10 @@ def weight_only_matmul_nk(x: jax.Array, w: jax.Array, scales: jax.Array, *,
 
   The result matches the float32 product of ``x`` and the dequantized
   weight to a bfloat16 GEMM's error (relative 1e-2): the 8-bit values are
-  exact in 16 bits and products accumulate in fp32. An int4 value times its
-  group's scale is rounded to ``x``'s dtype before the MMA (one rounding of
-  the dequantized weight, as a 16-bit weight has).
+  exact in 16 bits and products accumulate in fp32. For int4 the group's
+  scale is rounded to ``x``'s dtype and so is its product with the value
+  before the MMA (two roundings of the dequantized weight; XLA's
+  dequantize-then-dot scales in float32 and rounds once).
 
   Raises:
     ValueError: bad shapes or dtypes, shapes the kernel does not run, or no

@@ -85,8 +85,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  "dequantized, then XLA's GEMM); under int8 / fp8 / int4 expert weights "
                  "stay bf16 unless --quantize-experts (int8 / fp8)")
   m.add_argument("--quantize-lm-head", action="store_true",
-                 help="with --weights int8 / fp8 / int4 / w8a8, the LM head's weight too (weight-only, "
-                 "in the format's weight dtype; by default it stays bf16)")
+                 help="with --weights int8 / fp8 / int4 / w8a8, the LM head's weight too "
+                 "(weight-only, in the format's weight dtype; by default it stays bf16)")
   m.add_argument("--quantize-experts", action="store_true",
                  help="with --weights int8 / fp8, a mixture-of-experts model's expert "
                  "weights too (weight-only, a scale per expert and channel: "
@@ -176,7 +176,7 @@ def _bench_model(a) -> int:
   settings = _settings(a.ops)
   page_size = _page_size(a)
   if a.quantize_lm_head and a.weights == "bf16":
-    raise CliError("--quantize-lm-head needs --weights int8, fp8 or w8a8")
+    raise CliError("--quantize-lm-head needs --weights int8, fp8, int4 or w8a8")
   if a.quantize_experts and a.weights not in ("int8", "fp8"):
     raise CliError("--quantize-experts needs --weights int8 or fp8 (w8a8 quantizes the "
                    "experts already)")

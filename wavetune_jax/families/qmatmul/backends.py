@@ -118,7 +118,7 @@ class XlaQMatmul(OneConfigBackend):
 
 
 class MosaicQMatmul(Backend):
-  """The Mosaic GPU kernels (Hopper). Weight-only, up to 64 rows: with ``w
+  """The Mosaic GPU kernels (Hopper). Weight-only, up to 64 rows (int4: 128): with ``w
   [K, N]`` 64 x 256 tiles, K split to fill the SMs; with ``w [N, K]``
   (``w_layout="nk"``) the swapped kernel, 128 or 256 channels a CTA, the
   8-bit block converted in registers and fed to wgmma from there.
@@ -160,9 +160,11 @@ class MosaicQMatmul(Backend):
         return (f"the Mosaic int4 GEMM runs up to {INT4_MAX_M} rows; got M={p.m} (use the "
                 f"XLA config)")
       # Chunks of 64 rows, the last one the rest.
-      return (refusal(nk_kernel.check_shapes, nk_default, p.group_size, m=nk_kernel.MAX_M)
-              or refusal(nk_kernel.check_shapes, nk_default, p.group_size,
-                         m=p.m - nk_kernel.MAX_M))
+      why = refusal(nk_kernel.check_shapes, nk_default, p.group_size, m=nk_kernel.MAX_M)
+      last = refusal(nk_kernel.check_shapes, nk_default, p.group_size, m=p.m - nk_kernel.MAX_M)
+      return why or (last and f"the Mosaic int4 GEMM runs M={p.m} as chunks of "
+                              f"{nk_kernel.MAX_M} rows, the last of {p.m - nk_kernel.MAX_M}: "
+                              f"{last}")
     if p.w_layout == "nk":
       return refusal(nk_kernel.check_shapes, nk_default, p.group_size)
     if p.m > MOSAIC_MAX_M:
@@ -254,7 +256,11 @@ class MosaicQMatmul(Backend):
     (``benchmarks/weight_only.py``). Weight-only ``[N, K]``:
     ``pallas_kernels.matmul.weight_only_nk.decode_config``, within 3.3% of
     the fastest of up to 9 configs on 29 of 30 problems on an H100 and 8% on
-    the last (``benchmarks/weight_only.py --layout nk``). W8A8: ``pallas_kernels.matmul.fp8.
+    the last (``benchmarks/weight_only.py --layout nk``); on int4, its
+    256-steps and the most stages up to 4 that fit shared memory (the
+    config of 64 rows above them), within 6% of the fastest of its
+    neighbours on all 23 problems measured on an H100
+    (``benchmarks/weight_only.py --weights int4``). W8A8: ``pallas_kernels.matmul.fp8.
     heuristic_config`` (``benchmarks/fp8_gemm.py``)."""
     p = problem
     if self.why_not(p):

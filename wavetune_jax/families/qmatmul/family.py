@@ -1,6 +1,7 @@
 """The quantized GEMM family: ``y = (x @ w) * scales`` with 8-bit ``w``
-(weight-only), and ``(x @ w) * x_scales[:, None] * scales`` with e4m3 ``x``
-too (W8A8-FP8)."""
+(weight-only), ``(x @ w) * x_scales[:, None] * scales`` with e4m3 ``x``
+too (W8A8-FP8), and ``x @ dequant(w).T`` with an int4 ``w [N, K]`` and a
+scale per group of K values (W4A16)."""
 
 from __future__ import annotations
 
@@ -49,11 +50,12 @@ def check_activation_scales(x, w, x_scales, out_dtype, weight: str):
 
 
 class QMatmulFamily(Family):
-  """8-bit GEMM: weight-only (int8 or float8_e4m3fn weights, a float32 scale
-  per output channel, bfloat16 / float16 activations) or W8A8-FP8 (e4m3
-  activations with a float32 scale per row too); fp32 accumulation. XLA's
-  dot (on the converted weight, or on the e4m3 operands) is the baseline and
-  the platform op."""
+  """Quantized GEMM: weight-only (int8 or float8_e4m3fn weights, a float32
+  scale per output channel, bfloat16 / float16 activations), W8A8-FP8 (e4m3
+  activations with a float32 scale per row too) or W4A16 (int4 ``[N, K]``
+  weights, a float32 scale per group of K values); fp32 accumulation. XLA's
+  dot (on the converted or dequantized weight, or on the e4m3 operands) is
+  the baseline and the platform op."""
 
   name = "qmatmul"
   problem_cls = QMatmulProblem
@@ -95,10 +97,11 @@ class QMatmulFamily(Family):
       if w_layout != "nk":
         raise ValueError("int4 weights are [N, K]: pass w_layout='nk' (quantize_weight(w, "
                          "'int4') gives that layout)")
-      if scales.ndim != 2 or scales.shape[1] != n or not scales.shape[0] or k % scales.shape[0]:
+      if k and (scales.ndim != 2 or scales.shape[1] != n or not scales.shape[0]
+                or k % scales.shape[0]):
         raise ValueError(f"an int4 w [N, K] = {w.shape} takes scales [K // group, N], one per "
                          f"group of K values of each channel; got {scales.shape}")
-      group = k // scales.shape[0]
+      group = k // scales.shape[0] if k else 0
     elif scales.shape != (n,):
       raise ValueError(f"scales must have shape [N] = ({n},), one per output channel; got "
                        f"{scales.shape}")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 
@@ -75,9 +77,13 @@ def _quantize_int4(w, layout: str, group_size: int) -> tuple[jax.Array, jax.Arra
   if layout != "nk":
     raise ValueError("int4 weights are [N, K]: pass layout='nk'")
   k, n = w.shape
-  if (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0
-      or k % group_size):
+  try:
+    g = None if isinstance(group_size, bool) else operator.index(group_size)
+  except TypeError:
+    g = None
+  if g is None or g <= 0 or k % g:
     raise ValueError(f"group_size={group_size!r} must be a positive divisor of K={k}")
+  group_size = g
   w32 = w.astype(jnp.float32).reshape(k // group_size, group_size, n)
   amax = jnp.max(jnp.abs(w32), axis=1)  # [K // group, N]
   scales = jnp.where(amax > 0, amax / INT4_MAX, 1.0)
