@@ -93,6 +93,27 @@ def dequantize_int4(w, s):
   return (w.astype(jnp.float32).reshape(n, k // g, g) * s.T[:, :, None]).reshape(n, k)
 
 
+def _summary(res: dict):
+  """``(times, errors, Mosaic times, fastest Mosaic label)`` of measured candidates."""
+  times = {lab: (r.median_us if r.status == "ok" else math.nan) for lab, r in res.items()}
+  errs = {lab: f"{r.status}: {(r.error or '')[:150]}" for lab, r in res.items()
+          if r.status != "ok"}
+  mos = {lab: t for lab, t in times.items() if lab.startswith("mosaic") and t == t}
+  return times, errs, mos, (min(mos, key=mos.get) if mos else None)
+
+
+def _report(line: str, errs: dict, rows: list, json_path, dev) -> None:
+  """Prints a problem's line and its failed candidates; rewrites the JSON
+  after every row (a run cut short keeps its rows)."""
+  print(line, flush=True)
+  for lab, e in errs.items():
+    print(f"    {lab}: {e}", flush=True)
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump({"device_kind": dev.device_kind, "jax": jax.__version__, "rows": rows}, f,
+                indent=1)
+
+
 def run_int4(a, prof, dev) -> None:
   """The int4 rows (``--weights int4``)."""
   dot = _dot("nk")
@@ -132,11 +153,7 @@ def run_int4(a, prof, dev) -> None:
         (r8,) = prof.measure_many([lambda x, w, s: nk_kernel.weight_only_matmul_nk(
             x, w, s, config=rule8)], (x, w8, s8))
         int8_t = r8.median_us if r8.status == "ok" else math.nan
-      times = {lab: (r.median_us if r.status == "ok" else math.nan) for lab, r in res.items()}
-      errs = {lab: f"{r.status}: {(r.error or '')[:150]}" for lab, r in res.items()
-              if r.status != "ok"}
-      mos = {lab: t for lab, t in times.items() if lab.startswith("mosaic") and t == t}
-      best = min(mos, key=mos.get) if mos else None
+      times, errs, mos, best = _summary(res)
       rows.append({"weight": wname, "k": k, "n": n, "w_dtype": "int4", "group": a.group,
                    "m": m, "layout": "nk", "bf16_dot_us": bf.median_us,
                    "int8_nk_rule_us": int8_t, "times": times, "errors": errs,
@@ -147,13 +164,7 @@ def run_int4(a, prof, dev) -> None:
         t = mos[best]
         line += (f" | {best} {t:6.1f} us: {bf.median_us / t:.2f}x bf16, "
                  f"{times['xla_dequant_dot'] / t:.2f}x XLA, {int8_t / t:.2f}x int8")
-      print(line, flush=True)
-      for lab, e in errs.items():
-        print(f"    {lab}: {e}", flush=True)
-      if a.json:
-        with open(a.json, "w") as f:
-          json.dump({"device_kind": dev.device_kind, "jax": jax.__version__, "rows": rows},
-                    f, indent=1)
+      _report(line, errs, rows, a.json, dev)
 
 
 def _dot(layout: str):
@@ -223,11 +234,7 @@ def main(argv=None):
                                                 reference=ref, tolerance=2e-2,
                                                 out_bytes=m * n * 4)))
         (bf,) = prof.measure_many([lambda x, wb: dot(x, wb)], (x, w_bf16))
-        times = {lab: (r.median_us if r.status == "ok" else math.nan) for lab, r in res.items()}
-        errs = {lab: f"{r.status}: {(r.error or '')[:150]}" for lab, r in res.items()
-                if r.status != "ok"}
-        mos = {lab: t for lab, t in times.items() if lab.startswith("mosaic") and t == t}
-        best = min(mos, key=mos.get) if mos else None
+        times, errs, mos, best = _summary(res)
         row = {"weight": wname, "k": k, "n": n, "w_dtype": wd, "m": m, "layout": a.layout,
                "bf16_dot_us": bf.median_us, "times": times, "errors": errs,
                "best_mosaic": best}
@@ -239,13 +246,7 @@ def main(argv=None):
           t = mos[best]
           line += (f" | {best} {t:8.1f} us: {bf.median_us / t:.2f}x bf16, "
                    f"{xla / t:.2f}x XLA's best")
-        print(line, flush=True)
-        for lab, e in errs.items():
-          print(f"    {lab}: {e}", flush=True)
-        if a.json:  # after every row: a run cut short keeps its rows
-          with open(a.json, "w") as f:
-            json.dump({"device_kind": dev.device_kind, "jax": jax.__version__, "rows": rows},
-                      f, indent=1)
+        _report(line, errs, rows, a.json, dev)
 
 
 if __name__ == "__main__":

@@ -160,18 +160,14 @@ def sharded_jit_ragged_dot():
   close(y, ref, 1e-5)
 
 
-@check
-def sharded_jit_quantized_ragged_dot():
-  # W8A8 experts [G, N, K]: N sharded with its scales (no collective), or K
-  # with the rows' K (fp32 partials, one all-reduce).
-  x8, xs = wt.quantize_rows(LHS)
-  w8, s = wt.quantize_weight(RHS, "float8_e4m3fn", layout="nk")
-  f = jax.jit(lambda a, b, c, d: wt.quantized_ragged_dot(a, b, c, GS, x_scales=d,
-                                                         w_layout="nk"))
-  ref = f(x8, w8, s, xs)
-  for ls, rs, ss, out, red in [(P(), P(None, "a", None), P(None, "a"), P(None, "a"), False),
-                               (P(None, "a"), P(None, None, "a"), P(), P(), True)]:
-    args = (put(x8, ls), put(w8, rs), put(s, ss), xs)
+def check_quantized_layouts(f, sharded, rest, cases):
+  """``f(x, w, scales, *rest)`` with ``(x, w, scales)`` put as each case's
+  ``(x spec, w spec, scales spec)``: the result matches the unsharded one
+  (1e-2), has the case's output spec, gathers nothing and all-reduces iff
+  the case says so (a K split)."""
+  ref = f(*sharded, *rest)
+  for ls, rs, ss, out, red in cases:
+    args = tuple(put(a, spec) for a, spec in zip(sharded, (ls, rs, ss))) + tuple(rest)
     y = f(*args)
     try:
       close(y, ref, 1e-2)
@@ -180,6 +176,19 @@ def sharded_jit_quantized_ragged_dot():
     assert y.sharding.spec == out, y.sharding.spec
     text = hlo(f, *args)
     assert "all-gather" not in text and ("all-reduce" in text) == red, (ls, rs)
+
+
+@check
+def sharded_jit_quantized_ragged_dot():
+  # W8A8 experts [G, N, K]: N sharded with its scales (no collective), or K
+  # with the rows' K (fp32 partials, one all-reduce).
+  x8, xs = wt.quantize_rows(LHS)
+  w8, s = wt.quantize_weight(RHS, "float8_e4m3fn", layout="nk")
+  f = jax.jit(lambda a, b, c, d: wt.quantized_ragged_dot(a, b, c, GS, x_scales=d,
+                                                         w_layout="nk"))
+  cases = [(P(), P(None, "a", None), P(None, "a"), P(None, "a"), False),
+           (P(None, "a"), P(None, None, "a"), P(), P(), True)]
+  check_quantized_layouts(f, (x8, w8, s), (xs,), cases)
 
 
 @check
@@ -190,18 +199,9 @@ def sharded_jit_int4_matmul():
   w4, s = wt.quantize_weight(rnd(6, (512, 96)), "int4", layout="nk", group_size=64)
   x = rnd(7, (16, 512), jnp.bfloat16)
   f = jax.jit(lambda a, b, c: wt.quantized_matmul(a, b, c, w_layout="nk"))
-  ref = f(x, w4, s)
-  for ls, rs, ss, out, red in [(P(), P("a", None), P(None, "a"), P(None, "a"), False),
-                               (P(None, "a"), P(None, "a"), P("a", None), P(), True)]:
-    args = (put(x, ls), put(w4, rs), put(s, ss))
-    y = f(*args)
-    try:
-      close(y, ref, 1e-2)
-    except AssertionError as e:
-      raise AssertionError(f"{ls} {rs}: {e}") from None
-    assert y.sharding.spec == out, y.sharding.spec
-    text = hlo(f, *args)
-    assert "all-gather" not in text and ("all-reduce" in text) == red, (ls, rs)
+  cases = [(P(), P("a", None), P(None, "a"), P(None, "a"), False),
+           (P(None, "a"), P(None, "a"), P("a", None), P(), True)]
+  check_quantized_layouts(f, (x, w4, s), (), cases)
 
 
 @check

@@ -70,12 +70,17 @@ def quantize_weight(w: jax.Array, dtype: str = "int8", layout: str = "kn",
   return (wq if layout == "kn" else jnp.swapaxes(wq, -1, -2)), scales.astype(jnp.float32)
 
 
-def _quantize_int4(w, layout: str, group_size: int) -> tuple[jax.Array, jax.Array]:
-  if w.ndim != 2:
-    raise ValueError(f"int4 quantization takes a [K, N] weight; got shape {w.shape} (expert "
-                     f"weights are quantized to 8 bits)")
+def _check_int4(what: str, shape, layout: str) -> None:
+  """int4 weights: ``[K, N]`` (no experts), stored ``[N, K]``."""
+  if len(shape) != 2:
+    raise ValueError(f"{what} takes a [K, N] weight; got shape {shape} (int4 expert "
+                     f"weights are not supported)")
   if layout != "nk":
     raise ValueError("int4 weights are [N, K]: pass layout='nk'")
+
+
+def _quantize_int4(w, layout: str, group_size: int) -> tuple[jax.Array, jax.Array]:
+  _check_int4("int4 quantization", w.shape, layout)
   k, n = w.shape
   try:
     g = None if isinstance(group_size, bool) else operator.index(group_size)
@@ -92,11 +97,7 @@ def _quantize_int4(w, layout: str, group_size: int) -> tuple[jax.Array, jax.Arra
 
 
 def _int4_from_qwix(q, s, layout: str) -> tuple[jax.Array, jax.Array]:
-  if q.ndim != 2:
-    raise ValueError(f"an int4 qwix weight must be [K, N]; got shape {q.shape} (int4 expert "
-                     f"weights are not supported)")
-  if layout != "nk":
-    raise ValueError("int4 weights are [N, K]: pass layout='nk'")
+  _check_int4("an int4 qwix weight", q.shape, layout)
   k, n = q.shape
   if s.ndim != 2 or s.shape[1] != n or not s.shape[0] or k % s.shape[0] or (
       not jnp.issubdtype(s.dtype, jnp.floating)):
