@@ -74,6 +74,23 @@ def test_work_list_covers_every_row_once():
     np.testing.assert_array_equal(owner, _owner(sizes, m))
 
 
+def test_work_list_past_the_masked_sums_bound_is_the_same(monkeypatch):
+  # Past MASKED_MAX_GROUPS groups the running sums are scans: the same list.
+  from pallas_kernels.ragged_dot import worklist
+  rng = np.random.default_rng(1)
+  lists = []
+  for bound in (worklist.MASKED_MAX_GROUPS, 3):
+    monkeypatch.setattr(worklist, "MASKED_MAX_GROUPS", bound)
+    fn = jax.jit(lambda s: (worklist.row_tasks(s, 200, 16, band_cap=2),
+                            worklist.clip_sizes(s, 200)))
+    rng = np.random.default_rng(1)
+    lists.append([jax.tree.map(np.asarray, fn(jnp.asarray(rng.integers(-3, 90, 9), jnp.int32)))
+                  for _ in range(4)])
+  for a, b in zip(*lists):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(x, y)
+
+
 CASES = {
     "balanced": (50, [10, 15, 12, 13]),
     "empty groups": (50, [0, 30, 0, 20]),

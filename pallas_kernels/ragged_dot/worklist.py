@@ -17,6 +17,14 @@ ops, vectorised (no loop over the groups), into one int32 array
 ``tasks [4, T]`` (group, first row, first valid row within the block, valid
 rows) and the number of tasks in use, ``count [1]``: tasks ``[0, count)``
 are the non-empty ones, in group order; ``T`` is a static bound.
+
+The running sums are masked reductions (``sum_j [j <= i] v[j]`` over a
+``[G, G]`` mask) rather than ``cumsum``, and each task reads its group's
+values by a telescoping sum over the groups rather than ``searchsorted`` and
+gathers: on a GPU a reduction is one kernel that also takes in the
+elementwise ops around it, where a ``cumsum`` is a reduce-window kernel of
+its own and the search and each gather more kernels (:data:`MASKED_MAX_GROUPS`
+bounds the ``[G, G]`` masks; past it the sums are scans).
 """
 
 from __future__ import annotations
@@ -68,18 +76,36 @@ def clip_sizes(group_sizes, m: int) -> jax.Array:
   sizes = clipped_int32(group_sizes, m, name="group_sizes")
   if sizes.ndim != 1 or sizes.shape[0] < 2:
     return sizes
-  return jnp.diff(_ends(sizes, m), prepend=jnp.zeros((1,), jnp.int32))
+  starts, ends = _bounds(sizes, m)
+  return ends - starts
 
 
-def _ends(sizes: jax.Array, m: int) -> jax.Array:
-  """Where each group ends: the running sum of ``sizes [G]`` (int32, each in
-  ``[0, m]``), saturated at ``m``."""
-  if sizes.shape[0] * m <= INT32_MAX:
-    # No partial sum of sizes in [0, m] can overflow: one cumsum, which XLA
-    # fuses with the clip (the scan below is a kernel per level on a GPU,
-    # 3-12 us per call at 60-128 experts on an H100).
-    return jnp.minimum(jnp.cumsum(sizes, dtype=jnp.int32), m)
-  return jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
+#: Groups up to which running sums are ``[G, G]`` masked reductions (one
+#: kernel on a GPU, 4M elements at this bound); past it, scans.
+MASKED_MAX_GROUPS = 2048
+
+
+def _prefix_sums(v: jax.Array, *, inclusive: bool) -> jax.Array:
+  """``sum_{j <= i} v[j]`` (or ``j < i``) of int32 ``v [n]`` as one masked
+  reduction (no partial sum may overflow int32: callers check)."""
+  i = jnp.arange(v.shape[0], dtype=jnp.int32)
+  mask = (i[None, :] <= i[:, None]) if inclusive else (i[None, :] < i[:, None])
+  return jnp.sum(jnp.where(mask, v[None, :], 0), axis=1, dtype=jnp.int32)
+
+
+def _bounds(sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+  """Where each group starts and ends: the running sums of ``sizes [G]``
+  (int32, each in ``[0, m]``) before and through it, saturated at ``m``."""
+  g = sizes.shape[0]
+  if g * m <= INT32_MAX and g <= MASKED_MAX_GROUPS:
+    # No partial sum of sizes in [0, m] can overflow.
+    return (jnp.minimum(_prefix_sums(sizes, inclusive=False), m),
+            jnp.minimum(_prefix_sums(sizes, inclusive=True), m))
+  if g * m <= INT32_MAX:
+    ends = jnp.minimum(jnp.cumsum(sizes, dtype=jnp.int32), m)
+  else:
+    ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]]), ends
 
 
 def batch_rows(sizes: jax.Array, m: int, *, shared_groups: bool) -> tuple[jax.Array, jax.Array]:
@@ -153,36 +179,44 @@ def row_tasks(group_sizes: jax.Array, m: int, block_m: int,
     raise ValueError(f"block_m={block_m} must be a multiple of align={align}")
   g = group_sizes.shape[0]
   t = max_tasks(m, g, block_m, align)
-  ends = _ends(clipped_int32(group_sizes, m, name="group_sizes"), m)  # clip_sizes' sums
-  zero = jnp.zeros((1,), jnp.int32)
-  starts = jnp.concatenate([zero, ends[:-1]]) if g else zero[:0]
-  # The tail: rows past the last group.
-  last = ends[-1:] if g else zero
+  # clip_sizes' bounds, then the tail: rows past the last group.
+  starts, ends = _bounds(clipped_int32(group_sizes, m, name="group_sizes"), m)
+  last = ends[-1:] if g else jnp.zeros((1,), jnp.int32)
   starts = jnp.concatenate([starts, last])
   ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
   first = (starts // align) * align
   ntiles = jnp.where(ends > starts, (ends - first + block_m - 1) // block_m, 0)
-  cum = jnp.cumsum(ntiles)
-  count = cum[-1:]
+  # Tasks before each group: at most m / align + g + 1 of them, no overflow.
+  if g + 1 <= MASKED_MAX_GROUPS:
+    before = _prefix_sums(ntiles, inclusive=False)
+  else:
+    before = jnp.cumsum(ntiles, dtype=jnp.int32) - ntiles
+  count = before[-1:] + ntiles[-1:]
   tid = jnp.arange(t, dtype=jnp.int32)
-  grp = jnp.minimum(jnp.searchsorted(cum, tid, side="right", method="compare_all"),
-                    g).astype(jnp.int32)
-  row0 = first[grp] + (tid - (cum[grp] - ntiles[grp])) * block_m
-  lo = jnp.maximum(starts[grp], row0)
-  hi = jnp.minimum(ends[grp], row0 + block_m)
+  # Task i's group is the number of groups ending at or before it (the
+  # groups' task ranges are in order), capped at the tail's index g. A
+  # group's value at it telescopes: v[0] + sum over groups h < g whose tasks
+  # end by i of (v[h + 1] - v[h]), one reduction for all the values.
+  done = (before[1:] <= tid[:, None]).astype(jnp.int32)  # [T, g]: group h ended by i
+  values = jnp.stack([first, before, ntiles, starts, ends])  # [5, g + 1]
+  steps = jnp.diff(values, axis=1)  # [5, g]
+  grp = jnp.sum(done, axis=1, dtype=jnp.int32)
+  at = values[:, :1] + jnp.sum(done[None] * steps[:, None, :], axis=2, dtype=jnp.int32)
+  first_g, before_g, n_g, start_g, end_g = at
+  row0 = first_g + (tid - before_g) * block_m
+  lo = jnp.maximum(start_g, row0)
+  hi = jnp.minimum(end_g, row0 + block_m)
   used = tid < count[0]
   size = jnp.where(used, jnp.maximum(hi - lo, 0), 0)
   start = jnp.where(used, lo - row0, 0)
   row0 = jnp.where(used, row0, 0)
   rows = [grp, row0, start, size]
   if band_cap:
-    n_g = ntiles[grp]
-    first_task = cum[grp] - n_g
     bands = (n_g + band_cap - 1) // band_cap
     width = (n_g + jnp.maximum(bands, 1) - 1) // jnp.maximum(bands, 1)
-    local = tid - first_task
-    b0 = first_task + (local // jnp.maximum(width, 1)) * width
-    bw = jnp.minimum(width, first_task + n_g - b0)
+    local = tid - before_g
+    b0 = before_g + (local // jnp.maximum(width, 1)) * width
+    bw = jnp.minimum(width, before_g + n_g - b0)
     rows += [jnp.where(used, b0, tid), jnp.where(used, bw, 1)]
   tasks = jnp.stack(rows).astype(jnp.int32)
   return tasks, count.astype(jnp.int32)
