@@ -1,21 +1,26 @@
-"""What the grouped GEMM's work list costs, built two ways, alone and in
+"""What the grouped GEMM's work list costs, built each way, alone and in
 ``wt.ragged_dot``.
 
 The work list (:mod:`pallas_kernels.ragged_dot.worklist`) is built from the
 group sizes on the device by small XLA ops before each grouped GEMM: the
-family's clip of the sizes, then the row tasks. It is built with running
-sums as masked reductions and each task's group values as one telescoping
-reduction (``masked``, the library's); ``scan`` is the way it was built
-before (``cumsum`` and ``searchsorted`` with gathers, kept here to compare).
-Per problem, on one GPU, CUPTI, L2 flushed:
+family's clip of the sizes, then the row tasks. Its running sums are masked
+reductions or ``cumsum``s, and each task reads its group's values by one
+telescoping reduction or by ``searchsorted`` and gathers (the module's
+``MASKED_SUMS_FROM`` and ``TELESCOPED_FROM`` pick by the number of groups):
+``scan`` is cumsums and searches (how it was built first), ``masked`` both
+reductions, ``masked sums`` and ``telescoped`` one of each. Per problem, on
+one GPU, CUPTI, L2 flushed:
 
 * each way alone (the clip and the row tasks of the shipped rule's tile):
-  its kernels, their summed time, and a check that both give the same list;
-* ``wt.ragged_dot`` (policy ``tables``) with each way: the op's time, the
-  main kernel's, and what the rest took.
+  its kernels, their summed time, and a check that every way gives the same
+  list;
+* ``wt.ragged_dot`` (policy ``tables``) built ``scan`` and ``masked``: the
+  op's time (checked against the float32 reference), the main kernel's,
+  and what the rest took. ``--lists-only``: the lists alone, every way, on
+  4 to 256 experts.
 
-    python3 benchmarks/ragged_dot_worklist.py [--json out.json]   # GPU
-    python3 benchmarks/ragged_dot_worklist.py --summarize out.json  # CPU
+    python3 benchmarks/ragged_dot_worklist.py [--lists-only] [--json out.json]   # GPU
+    python3 benchmarks/ragged_dot_worklist.py --summarize out.json               # CPU
 """
 
 from __future__ import annotations
@@ -30,11 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import wavetune_jax as wt
-from pallas_kernels._integers import INT32_MAX, clipped_int32
 from pallas_kernels.ragged_dot import mosaic as kernel
 from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.reference import ragged_dot_reference
-from wavetune_jax.families.ragged_dot import family as rd_family
 from wavetune_jax.tuning import profiler
 
 # (experts, total rows, K, N, label): decode steps (16 or 64 tokens x top-k
@@ -53,66 +56,23 @@ PROBLEMS = [
 ]
 
 
-def _scan_bounds(sizes, m):
-  ends = jnp.minimum(jnp.cumsum(sizes, dtype=jnp.int32), m)
-  if sizes.shape[0] * m > INT32_MAX:
-    ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, m - b) + b, sizes)
-  return ends
-
-
-def scan_clip_sizes(group_sizes, m):
-  """The clip as built before (a cumsum, then its differences)."""
-  sizes = clipped_int32(group_sizes, m, name="group_sizes")
-  if sizes.ndim != 1 or sizes.shape[0] < 2:
-    return sizes
-  return jnp.diff(_scan_bounds(sizes, m), prepend=jnp.zeros((1,), jnp.int32))
-
-
-def scan_row_tasks(group_sizes, m, block_m, align=worklist.ALIGN, band_cap=0):
-  """The row tasks as built before: cumsums, ``searchsorted`` and gathers."""
-  g = group_sizes.shape[0]
-  t = worklist.max_tasks(m, g, block_m, align)
-  ends = _scan_bounds(clipped_int32(group_sizes, m, name="group_sizes"), m)
-  zero = jnp.zeros((1,), jnp.int32)
-  starts = jnp.concatenate([zero, ends[:-1], ends[-1:]])
-  ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
-  first = (starts // align) * align
-  ntiles = jnp.where(ends > starts, (ends - first + block_m - 1) // block_m, 0)
-  cum = jnp.cumsum(ntiles)
-  count = cum[-1:]
-  tid = jnp.arange(t, dtype=jnp.int32)
-  grp = jnp.minimum(jnp.searchsorted(cum, tid, side="right", method="compare_all"),
-                    g).astype(jnp.int32)
-  row0 = first[grp] + (tid - (cum[grp] - ntiles[grp])) * block_m
-  lo = jnp.maximum(starts[grp], row0)
-  hi = jnp.minimum(ends[grp], row0 + block_m)
-  used = tid < count[0]
-  size = jnp.where(used, jnp.maximum(hi - lo, 0), 0)
-  start = jnp.where(used, lo - row0, 0)
-  row0 = jnp.where(used, row0, 0)
-  rows = [grp, row0, start, size]
-  if band_cap:
-    n_g = ntiles[grp]
-    first_task = cum[grp] - n_g
-    bands = (n_g + band_cap - 1) // band_cap
-    width = (n_g + jnp.maximum(bands, 1) - 1) // jnp.maximum(bands, 1)
-    b0 = first_task + ((tid - first_task) // jnp.maximum(width, 1)) * width
-    bw = jnp.minimum(width, first_task + n_g - b0)
-    rows += [jnp.where(used, b0, tid), jnp.where(used, bw, 1)]
-  return jnp.stack(rows).astype(jnp.int32), count.astype(jnp.int32)
+#: Ways of building the list: (MASKED_SUMS_FROM, TELESCOPED_FROM) of
+#: :mod:`pallas_kernels.ragged_dot.worklist` (0: always; NEVER: never).
+NEVER = 10**9
+WAYS = {"scan": (NEVER, NEVER), "masked": (0, 0), "masked sums": (0, NEVER),
+        "telescoped": (NEVER, 0)}
 
 
 @contextlib.contextmanager
-def scan_worklist():
-  """Runs ``wt.ragged_dot`` with the work list built the way before."""
-  saved = (worklist.row_tasks, worklist.clip_sizes, rd_family.clip_sizes)
-  worklist.row_tasks, worklist.clip_sizes, rd_family.clip_sizes = (
-      scan_row_tasks, scan_clip_sizes, scan_clip_sizes)
+def way(name: str):
+  """Builds the work list one way (module thresholds, caches cleared)."""
+  saved = (worklist.MASKED_SUMS_FROM, worklist.TELESCOPED_FROM)
+  worklist.MASKED_SUMS_FROM, worklist.TELESCOPED_FROM = WAYS[name]
   jax.clear_caches()
   try:
     yield
   finally:
-    worklist.row_tasks, worklist.clip_sizes, rd_family.clip_sizes = saved
+    worklist.MASKED_SUMS_FROM, worklist.TELESCOPED_FROM = saved
     jax.clear_caches()
 
 
@@ -122,9 +82,16 @@ def _routing(g, m, seed=0):
   return jnp.asarray(rng.multinomial(m, np.ones(g) / g), jnp.int32)
 
 
+#: (experts, total rows, K) of the list-only problems: 4 to 256 experts.
+LIST_ONLY = [(4, 32, 4096), (8, 32, 4096), (8, 4096, 4096), (16, 64, 2048), (16, 4096, 6144),
+             (32, 128, 2880), (64, 128, 2048), (128, 512, 768), (256, 512, 2048)]
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--iterations", type=int, default=20)
+  ap.add_argument("--lists-only", action="store_true",
+                  help="time the lists alone, every way, on 4 to 256 experts")
   ap.add_argument("--json", default=None)
   ap.add_argument("--summarize", metavar="JSON", help="print a run's table (CPU)")
   a = ap.parse_args()
@@ -137,34 +104,41 @@ def main():
   prof = profiler.Profiler(iterations=a.iterations)
   out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": []}
   print(dev.device_kind, jax.__version__, flush=True)
-  for g, m, k, n, label in PROBLEMS:
+  problems = ([(g, m, k, 4096, f"{g} experts, {m} rows") for g, m, k in LIST_ONLY]
+              if a.lists_only else PROBLEMS)
+  ways = tuple(WAYS) if a.lists_only else ("scan", "masked")
+  for g, m, k, n, label in problems:
     sizes = _routing(g, m)
     with wt.policy("tables"):
       cfg = wt.select("ragged_dot", wt.RaggedDotProblem(m=m, g=g, k=k, n=n), hw).config
     row = {"g": g, "m": m, "k": k, "n": n, "label": label, "config": repr(cfg)}
     bm = getattr(cfg, "block_m", 128)
     cap = kernel.band_cap(bm, k, 2) if getattr(cfg, "grid_minor", 0) == 2 else 0
-    lists = {}
-    for way, clip, tasks in (("scan", scan_clip_sizes, scan_row_tasks),
-                             ("masked", worklist.clip_sizes, worklist.row_tasks)):
-      fn = lambda s, clip=clip, tasks=tasks: tasks(clip(s, m), m, bm, band_cap=cap)  # noqa: E731
-      lists[way] = jax.tree.map(np.asarray, jax.jit(fn)(sizes))
-      bd = prof.kernel_breakdown(fn, (sizes,))
-      row[f"list_{way}"] = {"kernels": len(bd), "us": sum(us for _, us in bd), "breakdown": bd}
-    row["same_list"] = all(np.array_equal(x, y) for x, y in zip(lists["scan"], lists["masked"]))
-    kx, kw = jax.random.split(jax.random.PRNGKey(0))
-    lhs = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
-    rhs = (jax.random.normal(kw, (g, k, n), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16)
-    op = lambda x, w, s: wt.ragged_dot(x, w, s, config=cfg)  # noqa: E731
-    ref = ragged_dot_reference(lhs, rhs, sizes, jnp.float32)
-    for way in ("scan", "masked"):
-      with scan_worklist() if way == "scan" else contextlib.nullcontext():
-        res = prof.measure_many([op], (lhs, rhs, sizes), reference=ref, tolerance=2e-2)[0]
-        bd = prof.kernel_breakdown(op, (lhs, rhs, sizes))
-      main_us = max((us for _, us in bd), default=math.nan)
-      row[f"op_{way}"] = {"us": res.median_us if res.status == "ok" else math.nan, "status": res.status,
-                          "main_us": main_us, "rest_us": sum(us for _, us in bd) - main_us,
-                          "kernels": len(bd)}
+    lists = []
+    for name in ways:
+      with way(name):
+        fn = lambda s: worklist.row_tasks(worklist.clip_sizes(s, m), m, bm,  # noqa: E731
+                                          band_cap=cap)
+        lists.append(jax.tree.map(np.asarray, jax.jit(fn)(sizes)))
+        bd = prof.kernel_breakdown(fn, (sizes,))
+      row[f"list_{name}"] = {"kernels": len(bd), "us": sum(us for _, us in bd),
+                             "breakdown": bd}
+    row["same_list"] = all(np.array_equal(x, y) for other in lists[1:]
+                           for x, y in zip(lists[0], other))
+    if not a.lists_only:
+      kx, kw = jax.random.split(jax.random.PRNGKey(0))
+      lhs = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+      rhs = (jax.random.normal(kw, (g, k, n), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16)
+      op = lambda x, w, s: wt.ragged_dot(x, w, s, config=cfg)  # noqa: E731
+      ref = ragged_dot_reference(lhs, rhs, sizes, jnp.float32)
+      for name in ways:
+        with way(name):
+          res = prof.measure_many([op], (lhs, rhs, sizes), reference=ref, tolerance=2e-2)[0]
+          bd = prof.kernel_breakdown(op, (lhs, rhs, sizes))
+        main_us = max((us for _, us in bd), default=math.nan)
+        row[f"op_{name}"] = {"us": res.median_us if res.status == "ok" else math.nan,
+                             "status": res.status, "main_us": main_us,
+                             "rest_us": sum(us for _, us in bd) - main_us, "kernels": len(bd)}
     out["rows"].append(row)
     _print_row(row)
     if a.json:
@@ -173,13 +147,15 @@ def main():
 
 
 def _print_row(r):
-  s, w = r["list_scan"], r["list_masked"]
-  os_, ow = r["op_scan"], r["op_masked"]
-  print(f"{r['label']:32s} G={r['g']:3d} M={r['m']:6d} K={r['k']:5d} N={r['n']:5d} | list "
-        f"scan {s['kernels']} kernels {s['us']:5.1f} us, masked {w['kernels']} kernels "
-        f"{w['us']:5.1f} us, same={r['same_list']} | op scan {os_['us']:8.1f} us, masked "
-        f"{ow['us']:8.1f} us ({os_['us'] / ow['us']:.3f}x); main kernel {ow['main_us']:.1f}",
-        flush=True)
+  lists = ", ".join(f"{name} {r[f'list_{name}']['kernels']} kernels "
+                    f"{r[f'list_{name}']['us']:5.1f} us" for name in WAYS if f"list_{name}" in r)
+  line = (f"{r['label']:32s} G={r['g']:3d} M={r['m']:6d} K={r['k']:5d} | {lists}, "
+          f"same={r['same_list']}")
+  if "op_masked" in r:
+    os_, ow = r["op_scan"], r["op_masked"]
+    line += (f" | op scan {os_['us']:8.1f} us, masked {ow['us']:8.1f} us "
+             f"({os_['us'] / ow['us']:.3f}x); main kernel {ow['main_us']:.1f}")
+  print(line, flush=True)
 
 
 def summarize(out):
@@ -187,7 +163,7 @@ def summarize(out):
   for r in out["rows"]:
     _print_row(r)
   ratios = [r["op_scan"]["us"] / r["op_masked"]["us"] for r in out["rows"]
-            if r["op_masked"]["us"] == r["op_masked"]["us"]]
+            if "op_masked" in r and r["op_masked"]["us"] == r["op_masked"]["us"]]
   if ratios:
     print(f"op with the masked work list over the scan one: geomean "
           f"{math.exp(np.mean(np.log(ratios))):.3f}x ({min(ratios):.3f}-{max(ratios):.3f}x) "

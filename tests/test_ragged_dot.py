@@ -74,21 +74,28 @@ def test_work_list_covers_every_row_once():
     np.testing.assert_array_equal(owner, _owner(sizes, m))
 
 
-def test_work_list_past_the_masked_sums_bound_is_the_same(monkeypatch):
-  # Past MASKED_MAX_GROUPS groups the running sums are scans: the same list.
+@pytest.mark.parametrize("sums_from,telescoped_from,max_groups",
+                         [(0, 0, 2048), (99, 99, 2048), (0, 99, 2048), (99, 0, 2048),
+                          (0, 0, 3)])
+def test_every_way_of_building_the_work_list_gives_the_same_list(
+    monkeypatch, sums_from, telescoped_from, max_groups):
+  # Masked sums or cumsums, telescoped lookups or searchsorted and gathers,
+  # and past MASKED_MAX_GROUPS scans: the same list and clipped sizes.
   from pallas_kernels.ragged_dot import worklist
+
+  def build(s):
+    return worklist.row_tasks(s, 200, 16, band_cap=2), worklist.clip_sizes(s, 200)
+
   rng = np.random.default_rng(1)
-  lists = []
-  for bound in (worklist.MASKED_MAX_GROUPS, 3):
-    monkeypatch.setattr(worklist, "MASKED_MAX_GROUPS", bound)
-    fn = jax.jit(lambda s: (worklist.row_tasks(s, 200, 16, band_cap=2),
-                            worklist.clip_sizes(s, 200)))
-    rng = np.random.default_rng(1)
-    lists.append([jax.tree.map(np.asarray, fn(jnp.asarray(rng.integers(-3, 90, 9), jnp.int32)))
-                  for _ in range(4)])
-  for a, b in zip(*lists):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-      np.testing.assert_array_equal(x, y)
+  sizes = [jnp.asarray(rng.integers(-3, 90, 9), jnp.int32) for _ in range(4)]
+  want = [jax.tree.map(np.asarray, jax.jit(build)(x)) for x in sizes]
+  monkeypatch.setattr(worklist, "MASKED_SUMS_FROM", sums_from)
+  monkeypatch.setattr(worklist, "TELESCOPED_FROM", telescoped_from)
+  monkeypatch.setattr(worklist, "MASKED_MAX_GROUPS", max_groups)
+  for x, w in zip(sizes, want):
+    got = jax.jit(build)(x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(w)):
+      np.testing.assert_array_equal(np.asarray(a), b)
 
 
 CASES = {

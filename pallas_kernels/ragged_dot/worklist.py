@@ -18,13 +18,14 @@ ops, vectorised (no loop over the groups), into one int32 array
 rows) and the number of tasks in use, ``count [1]``: tasks ``[0, count)``
 are the non-empty ones, in group order; ``T`` is a static bound.
 
-The running sums are masked reductions (``sum_j [j <= i] v[j]`` over a
-``[G, G]`` mask) rather than ``cumsum``, and each task reads its group's
-values by a telescoping sum over the groups rather than ``searchsorted`` and
-gathers: on a GPU a reduction is one kernel that also takes in the
-elementwise ops around it, where a ``cumsum`` is a reduce-window kernel of
-its own and the search and each gather more kernels (:data:`MASKED_MAX_GROUPS`
-bounds the ``[G, G]`` masks; past it the sums are scans).
+From :data:`MASKED_SUMS_FROM` groups the running sums are masked reductions
+(``sum_j [j <= i] v[j]`` over a ``[G, G]`` mask) rather than ``cumsum``, and
+each task reads its group's values by a telescoping sum over the groups
+rather than ``searchsorted`` and gathers: on a GPU a reduction is one kernel
+that also takes in the elementwise ops around it, where a ``cumsum`` is a
+reduce-window kernel of its own and the search and each gather more kernels
+(:data:`MASKED_MAX_GROUPS` bounds the ``[G, G]`` masks; past it the sums are
+scans). With few groups XLA fuses the cumsums well, and they stay.
 """
 
 from __future__ import annotations
@@ -83,6 +84,19 @@ def clip_sizes(group_sizes, m: int) -> jax.Array:
 #: Groups up to which running sums are ``[G, G]`` masked reductions (one
 #: kernel on a GPU, 4M elements at this bound); past it, scans.
 MASKED_MAX_GROUPS = 2048
+#: Groups from which the running sums are masked reductions (below, cumsums).
+#: On an H100 the masked list took 7.6-13.0 us against 8.2-35.2 for cumsums
+#: and searches at 32-256 groups, and 0.6-2.3 us more at 8-16 groups, where
+#: XLA fuses the cumsums into 4-6 kernels
+#: (``benchmarks/ragged_dot_worklist.py --lists-only``).
+MASKED_SUMS_FROM = 32
+#: Groups from which each task reads its group's values by one telescoping
+#: reduction over the groups (below, ``searchsorted`` and gathers).
+TELESCOPED_FROM = 32
+
+
+def _masked(g: int, first: int) -> bool:
+  return first <= g <= MASKED_MAX_GROUPS
 
 
 def _prefix_sums(v: jax.Array, *, inclusive: bool) -> jax.Array:
@@ -97,7 +111,7 @@ def _bounds(sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
   """Where each group starts and ends: the running sums of ``sizes [G]``
   (int32, each in ``[0, m]``) before and through it, saturated at ``m``."""
   g = sizes.shape[0]
-  if g * m <= INT32_MAX and g <= MASKED_MAX_GROUPS:
+  if g * m <= INT32_MAX and _masked(g, MASKED_SUMS_FROM):
     # No partial sum of sizes in [0, m] can overflow.
     return (jnp.minimum(_prefix_sums(sizes, inclusive=False), m),
             jnp.minimum(_prefix_sums(sizes, inclusive=True), m))
@@ -187,21 +201,26 @@ def row_tasks(group_sizes: jax.Array, m: int, block_m: int,
   first = (starts // align) * align
   ntiles = jnp.where(ends > starts, (ends - first + block_m - 1) // block_m, 0)
   # Tasks before each group: at most m / align + g + 1 of them, no overflow.
-  if g + 1 <= MASKED_MAX_GROUPS:
+  if _masked(g + 1, MASKED_SUMS_FROM):
     before = _prefix_sums(ntiles, inclusive=False)
   else:
     before = jnp.cumsum(ntiles, dtype=jnp.int32) - ntiles
   count = before[-1:] + ntiles[-1:]
   tid = jnp.arange(t, dtype=jnp.int32)
   # Task i's group is the number of groups ending at or before it (the
-  # groups' task ranges are in order), capped at the tail's index g. A
-  # group's value at it telescopes: v[0] + sum over groups h < g whose tasks
-  # end by i of (v[h + 1] - v[h]), one reduction for all the values.
-  done = (before[1:] <= tid[:, None]).astype(jnp.int32)  # [T, g]: group h ended by i
+  # groups' task ranges are in order), capped at the tail's index g.
   values = jnp.stack([first, before, ntiles, starts, ends])  # [5, g + 1]
-  steps = jnp.diff(values, axis=1)  # [5, g]
-  grp = jnp.sum(done, axis=1, dtype=jnp.int32)
-  at = values[:, :1] + jnp.sum(done[None] * steps[:, None, :], axis=2, dtype=jnp.int32)
+  if _masked(g + 1, TELESCOPED_FROM):
+    # A group's value at it telescopes: v[0] + sum over groups h < g whose
+    # tasks end by i of (v[h + 1] - v[h]), one reduction for all the values.
+    done = (before[1:] <= tid[:, None]).astype(jnp.int32)  # [T, g]: group h ended by i
+    steps = jnp.diff(values, axis=1)  # [5, g]
+    grp = jnp.sum(done, axis=1, dtype=jnp.int32)
+    at = values[:, :1] + jnp.sum(done[None] * steps[:, None, :], axis=2, dtype=jnp.int32)
+  else:
+    grp = jnp.minimum(jnp.searchsorted(before + ntiles, tid, side="right",
+                                       method="compare_all"), g).astype(jnp.int32)
+    at = values[:, grp]
   first_g, before_g, n_g, start_g, end_g = at
   row0 = first_g + (tid - before_g) * block_m
   lo = jnp.maximum(start_g, row0)
