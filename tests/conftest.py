@@ -53,9 +53,11 @@ RSS_LIMIT = 1536 << 20
 #: The longest modules (seconds on a 2-core CPU), run first: with the
 #: suite spread over two processes by module (``-n 2 --dist loadfile``), a
 #: long module handed out last would leave one core idle at the end.
-LONG_MODULES = ("test_bad_inputs", "test_op_edge_cases", "test_decode_paged", "test_ragged_dot",
-                "test_tuning", "test_autotune", "test_models", "test_readme",
-                "test_attention_kv_cache", "test_models_paged", "test_table_cache")
+LONG_MODULES = ("test_bad_inputs", "test_ragged_dot", "test_op_edge_cases",
+                "test_quantized_matmul", "test_decode_options", "test_tuning",
+                "test_table_cache", "test_decode_paged", "test_models", "test_autotune",
+                "test_tune_safety", "test_readme", "test_matmul_backends", "test_sharding",
+                "test_fp8_ragged_dot", "test_models_paged", "test_attention_kv_cache")
 
 
 def pytest_collection_modifyitems(items):
