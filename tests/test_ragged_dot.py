@@ -575,6 +575,26 @@ def test_efficiency_runs_on_record_reproduce_the_docs(capsys):
   assert max(v["cluster_2"] for v in opts.values()) == pytest.approx(0.988, abs=5e-4)
   assert mod._geo([v["task_band"] for v in opts.values()]) == pytest.approx(1.100, abs=5e-4)
   assert "rule run, 8 problems" in capsys.readouterr().out
+  h200 = mod.summarize(str(root / "ragged_dot_efficiency_rule_h200.json"))
+  wt_speed = [v["wt"] for v in h200.values()]
+  assert len(h200) == 12 and mod._geo(wt_speed) == pytest.approx(0.912, abs=5e-4)
+  assert min(wt_speed) == pytest.approx(0.763, abs=5e-4)
+  assert max(wt_speed) == pytest.approx(0.978, abs=5e-4)
+
+
+def test_work_list_runs_on_record_reproduce_the_docs(capsys):
+  """docs/results.md's work-list numbers come from ``ragged_dot_worklist.py
+  --summarize`` on the committed H100 runs."""
+  import json
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent / "data" / "probes"
+  mod = _load_benchmark("ragged_dot_worklist")
+  for name in ("ragged_dot_worklist_h100.json", "ragged_dot_worklist_lists_h100.json"):
+    mod.summarize(json.loads((root / name).read_text()))
+  out = capsys.readouterr().out
+  assert "geomean 1.010x (0.998-1.030x) over 9" in out
+  assert "256 experts, 512 rows" in out and "masked 8 kernels  13.0 us" in out
+  assert out.count("same=True") == 18
 
 
 @pytest.mark.parametrize("gpu,lines", [
