@@ -88,7 +88,9 @@ def test_every_way_of_building_the_work_list_gives_the_same_list(
 
   rng = np.random.default_rng(1)
   sizes = [jnp.asarray(rng.integers(-3, 90, 9), jnp.int32) for _ in range(4)]
+  sizes.append(jnp.zeros((0,), jnp.int32))  # no groups: every row is the tail's
   want = [jax.tree.map(np.asarray, jax.jit(build)(x)) for x in sizes]
+  assert want[-1][0][1][0] == 13 and (want[-1][0][0][worklist.GROUP, :13] == 0).all()
   monkeypatch.setattr(worklist, "MASKED_SUMS_FROM", sums_from)
   monkeypatch.setattr(worklist, "TELESCOPED_FROM", telescoped_from)
   monkeypatch.setattr(worklist, "MASKED_MAX_GROUPS", max_groups)

@@ -111,6 +111,8 @@ def _bounds(sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
   """Where each group starts and ends: the running sums of ``sizes [G]``
   (int32, each in ``[0, m]``) before and through it, saturated at ``m``."""
   g = sizes.shape[0]
+  if not g:
+    return sizes, sizes
   if g * m <= INT32_MAX and _masked(g, MASKED_SUMS_FROM):
     # No partial sum of sizes in [0, m] can overflow.
     return (jnp.minimum(_prefix_sums(sizes, inclusive=False), m),
