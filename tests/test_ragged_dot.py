@@ -83,21 +83,35 @@ def test_every_way_of_building_the_work_list_gives_the_same_list(
   # and past MASKED_MAX_GROUPS scans: the same list and clipped sizes.
   from pallas_kernels.ragged_dot import worklist
 
-  def build(s):
-    return worklist.row_tasks(s, 200, 16, band_cap=2), worklist.clip_sizes(s, 200)
+  def build():  # a new function each time: jit's trace cache keys on it
+    return jax.jit(lambda s: (worklist.row_tasks(s, 200, 16, band_cap=2),
+                              worklist.clip_sizes(s, 200)))
 
   rng = np.random.default_rng(1)
-  sizes = [jnp.asarray(rng.integers(-3, 90, 9), jnp.int32) for _ in range(4)]
+  sizes = [jnp.asarray(rng.integers(-3, 90, 9), jnp.int32) for _ in range(2)]
   sizes.append(jnp.zeros((0,), jnp.int32))  # no groups: every row is the tail's
-  want = [jax.tree.map(np.asarray, jax.jit(build)(x)) for x in sizes]
+  want = [jax.tree.map(np.asarray, build()(x)) for x in sizes]
   assert want[-1][0][1][0] == 13 and (want[-1][0][0][worklist.GROUP, :13] == 0).all()
   monkeypatch.setattr(worklist, "MASKED_SUMS_FROM", sums_from)
   monkeypatch.setattr(worklist, "TELESCOPED_FROM", telescoped_from)
   monkeypatch.setattr(worklist, "MASKED_MAX_GROUPS", max_groups)
-  for x, w in zip(sizes, want):
-    got = jax.jit(build)(x)
+  # Spies: which way each list was built (traced anew each time).
+  used = {"masked sums": 0, "search": 0}
+
+  def spy(name, fn):
+    def wrapped(*args, **kwargs):
+      used[name] += 1
+      return fn(*args, **kwargs)
+    return wrapped
+  monkeypatch.setattr(worklist, "_prefix_sums", spy("masked sums", worklist._prefix_sums))
+  monkeypatch.setattr(jnp, "searchsorted", spy("search", jnp.searchsorted))
+  for i, (x, w) in enumerate(zip(sizes, want)):
+    got = build()(x)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(w)):
       np.testing.assert_array_equal(np.asarray(a), b)
+    if i == 0:  # 9 groups
+      assert bool(used["masked sums"]) == (sums_from == 0 and max_groups >= 9)
+      assert bool(used["search"]) == (telescoped_from > 0 or max_groups < 10)
 
 
 CASES = {
