@@ -1,5 +1,6 @@
-"""What the grouped GEMM's work list costs, built each way, alone and in
-``wt.ragged_dot``.
+"""What the grouped GEMM's work list costs, built each way, alone and in the op.
+
+The op is ``wt.ragged_dot``.
 
 The work list (:mod:`pallas_kernels.ragged_dot.worklist`) is built from the
 group sizes on the device by small XLA ops before each grouped GEMM: the

@@ -74,11 +74,12 @@ def test_work_list_covers_every_row_once():
     np.testing.assert_array_equal(owner, _owner(sizes, m))
 
 
-@pytest.mark.parametrize("sums_from,telescoped_from,max_groups",
-                         [(0, 0, 2048), (99, 99, 2048), (0, 99, 2048), (99, 0, 2048),
-                          (0, 0, 3)])
+@pytest.mark.parametrize("sums_from,telescoped_from,max_groups,max_elements",
+                         [(0, 0, 2048, 1 << 22), (99, 99, 2048, 1 << 22),
+                          (0, 99, 2048, 1 << 22), (99, 0, 2048, 1 << 22),
+                          (0, 0, 3, 1 << 22), (0, 0, 2048, 16)])
 def test_every_way_of_building_the_work_list_gives_the_same_list(
-    monkeypatch, sums_from, telescoped_from, max_groups):
+    monkeypatch, sums_from, telescoped_from, max_groups, max_elements):
   # Masked sums or cumsums, telescoped lookups or searchsorted and gathers,
   # and past MASKED_MAX_GROUPS scans: the same list and clipped sizes.
   from pallas_kernels.ragged_dot import worklist
@@ -89,12 +90,14 @@ def test_every_way_of_building_the_work_list_gives_the_same_list(
 
   rng = np.random.default_rng(1)
   sizes = [jnp.asarray(rng.integers(-3, 90, 9), jnp.int32) for _ in range(2)]
+  sizes.append(jnp.asarray(rng.integers(-1, 9, 40), jnp.int32))  # the default's masked way
   sizes.append(jnp.zeros((0,), jnp.int32))  # no groups: every row is the tail's
   want = [jax.tree.map(np.asarray, build()(x)) for x in sizes]
   assert want[-1][0][1][0] == 13 and (want[-1][0][0][worklist.GROUP, :13] == 0).all()
   monkeypatch.setattr(worklist, "MASKED_SUMS_FROM", sums_from)
   monkeypatch.setattr(worklist, "TELESCOPED_FROM", telescoped_from)
   monkeypatch.setattr(worklist, "MASKED_MAX_GROUPS", max_groups)
+  monkeypatch.setattr(worklist, "TELESCOPED_MAX_ELEMENTS", max_elements)
   # Spies: which way each list was built (traced anew each time).
   used = {"masked sums": 0, "search": 0}
 
@@ -111,7 +114,11 @@ def test_every_way_of_building_the_work_list_gives_the_same_list(
       np.testing.assert_array_equal(np.asarray(a), b)
     if i == 0:  # 9 groups
       assert bool(used["masked sums"]) == (sums_from == 0 and max_groups >= 9)
-      assert bool(used["search"]) == (telescoped_from > 0 or max_groups < 10)
+      assert bool(used["search"]) == (telescoped_from > 0 or max_groups < 10
+                                      or max_elements < 16 * 9)
+  # Sums past int32 (G * M > 2**31 - 1): the saturating scan.
+  big = jnp.asarray([2**31 - 1, 5, 2**31 - 1], jnp.int32)
+  np.testing.assert_array_equal(np.asarray(worklist.clip_sizes(big, 2**30)), [2**30, 0, 0])
 
 
 CASES = {

@@ -86,13 +86,16 @@ def clip_sizes(group_sizes, m: int) -> jax.Array:
 MASKED_MAX_GROUPS = 2048
 #: Groups from which the running sums are masked reductions (below, cumsums).
 #: On an H100 the masked list took 7.6-13.0 us against 8.2-35.2 for cumsums
-#: and searches at 32-256 groups, and 0.6-2.3 us more at 8-16 groups, where
+#: and searches at 32-256 groups, and 0.8-2.3 us more at 8-16 groups, where
 #: XLA fuses the cumsums into 4-6 kernels
 #: (``benchmarks/ragged_dot_worklist.py --lists-only``).
 MASKED_SUMS_FROM = 32
 #: Groups from which each task reads its group's values by one telescoping
 #: reduction over the groups (below, ``searchsorted`` and gathers).
 TELESCOPED_FROM = 32
+#: Tasks x groups up to which the lookup telescopes (its reduction reads
+#: five values at each; past it, ``searchsorted`` and gathers).
+TELESCOPED_MAX_ELEMENTS = 1 << 22
 
 
 def _masked(g: int, first: int) -> bool:
@@ -212,7 +215,7 @@ def row_tasks(group_sizes: jax.Array, m: int, block_m: int,
   # Task i's group is the number of groups ending at or before it (the
   # groups' task ranges are in order), capped at the tail's index g.
   values = jnp.stack([first, before, ntiles, starts, ends])  # [5, g + 1]
-  if _masked(g + 1, TELESCOPED_FROM):
+  if _masked(g + 1, TELESCOPED_FROM) and t * g <= TELESCOPED_MAX_ELEMENTS:
     # A group's value at it telescopes: v[0] + sum over groups h < g whose
     # tasks end by i of (v[h + 1] - v[h]), one reduction for all the values.
     done = (before[1:] <= tid[:, None]).astype(jnp.int32)  # [T, g]: group h ended by i
