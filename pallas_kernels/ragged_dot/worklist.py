@@ -87,7 +87,7 @@ MASKED_MAX_GROUPS = 2048
 #: Groups from which the running sums are masked reductions (below, cumsums).
 #: On an H100 the masked list took 7.6-13.0 us against 8.2-35.2 for cumsums
 #: and searches at 32-256 groups, and 0.8-2.3 us more at 8-16 groups, where
-#: XLA fuses the cumsums into 4-6 kernels
+#: XLA fuses the cumsums into 3-6 kernels
 #: (``benchmarks/ragged_dot_worklist.py --lists-only``).
 MASKED_SUMS_FROM = 32
 #: Groups from which each task reads its group's values by one telescoping
