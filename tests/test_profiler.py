@@ -257,3 +257,57 @@ def test_a_problem_whose_inputs_fail_is_recorded_and_the_next_is_measured(monkey
   rows = list(measure_points(MATMUL, _CpuProfiler(), work))
   assert [(r[0], r[3].status) for r in rows] == [(big, "run_error")] * 2 + [(small, "ok")] * 2
   assert "Out of memory" in rows[0][3].error
+
+
+def test_refinement_times_decode_on_full_caches_too(monkeypatch):
+  """First use times decode configs on the spread lengths and on full
+  caches (the same compiled code): a config faster on the spread lengths but
+  slower than the platform op on full caches is not kept."""
+  from wavetune_jax import DECODE, DecodeProblem
+  from wavetune_jax.families.decode.library import XlaDecodeConfig
+  from wavetune_jax.runtime import refine
+  from pallas_kernels.decode.triton import TritonDecodeConfig
+  p = DecodeProblem(batch=3, q_heads=4, kv_heads=2, kv_len=64, head_dim=64)
+  (full,) = DECODE.refine_mixes(p)
+  assert full.length_mix == "full" and DECODE.length_mix == "spread"
+  assert full.refine_mixes(p) == () and DECODE.refine_mixes(
+      DecodeProblem(batch=3, q_heads=4, kv_heads=2, kv_len=64, head_dim=64, lengths=False)) == ()
+  xla = XlaDecodeConfig()
+  a, b = (TritonDecodeConfig(block_h=16, block_k=16, num_splits=s) for s in (4, 1))
+  build = DECODE.build
+
+  def tagged_build(problem, config, **kw):
+    fn = build(problem, config, interpret=True)
+    fn.config = config
+    return fn
+  monkeypatch.setattr(DECODE, "build", tagged_build)
+  us = {}   # (config, full cache) -> us
+
+  class Prof(_CpuProfiler):
+    def compile(self, fn, args):   # ahead of time, as on a GPU
+      exe = jax.jit(lambda buf, *x: (buf, fn(*x))).lower(
+          jax.ShapeDtypeStruct((8,), jnp.float32), *args).compile()
+      run = lambda *x: exe(*x)  # noqa: E731
+      run.config = fn.config
+      return run, 0.01
+
+    def time_compiled(self, exe, args, out_bytes):
+      whole = bool((np.asarray(args[3]) == p.kv_len).all())
+      self.timed.append((exe.config, whole))
+      return [us[exe.config, whole]] * self.iterations
+  prof = Prof()
+  monkeypatch.setattr(refine, "_profiler", lambda: prof)
+  # a: 2x faster on spread lengths, 10% slower on full caches; b: 1.25x / 1.1x.
+  us.update({(xla, False): 10.0, (xla, True): 10.0, (a, False): 5.0, (a, True): 11.0,
+             (b, False): 8.0, (b, True): 9.0})
+  out = refine.measure_candidates(DECODE, p, [xla, a, b], xla)
+  assert not out.failed, out.failed
+  assert sorted(prof.timed, key=str) == sorted(us, key=str)
+  assert out.config == b and out.us == 8.0 and out.platform_us == 10.0
+  # Slower than the platform op on full caches everywhere: the platform op.
+  us[b, True] = 10.5
+  assert refine.measure_candidates(DECODE, p, [xla, a, b], xla).config == xla
+  # Without the platform config the spread lengths decide.
+  assert refine.measure_candidates(DECODE, p, [a, b], None).config == a
+  assert refine.pick({xla: 10.0, a: 5.0}, xla, [{xla: 10.0}]) == xla   # a not timed there
+  assert refine.pick({xla: 10.0, a: 5.0}, xla, [{a: 1.0}]) == a        # platform not timed

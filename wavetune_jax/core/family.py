@@ -396,6 +396,14 @@ class Family(abc.ABC):
     """Other platform implementations to time in sweeps, by name."""
     return {}
 
+  def refine_mixes(self, problem) -> tuple["Family", ...]:
+    """Other families whose :meth:`inputs` give ``problem`` another run-time
+    mix (decode: every sequence at the full cache next to the spread
+    lengths), on which first-use refinement also times its candidates: a
+    config replaces the platform config only where it is not slower on any
+    of them. Default: none."""
+    return ()
+
   def speed_references(self, problem) -> dict[str, tuple[Callable, tuple]]:
     """Platform ops that bound the problem's speed without computing its op,
     by name: ``{name: (fn, input shapes)}`` (``jax.ShapeDtypeStruct`` values).

@@ -14,6 +14,11 @@ length and routing mixes their sweeps use):
   (a backend newer than the table);
 * the wave model's top :data:`TOP_K` configs (:meth:`Decider.ranked`).
 
+Decode with run-time lengths is also timed with every sequence at the full
+cache (:meth:`Family.refine_mixes`): a config replaces the platform config
+only if it is :data:`MARGIN` faster on the spread lengths and no slower on
+the full caches.
+
 A decision also answers the other sizes of the problem's weight in the same
 power-of-two size bucket (``(2**(j-1), 2**j]`` tokens or cache length) where
 its config runs them: a server sees many token counts, and measures each
@@ -366,24 +371,43 @@ def measure_candidates(spec: Family, problem, configs: list, platform) -> Outcom
   prof.threads = min(8, len(configs))
   try:
     with jax.ensure_compile_time_eval():
-      rows = list(measure.measure_points(spec, prof, [(problem, configs)],
+      rows = list(measure.measure_points(spec, prof, [(problem, configs)], mixes=True,
                                          phase_seconds=_stats["phases"]))
   finally:
     prof._flush_buf = None   # (256 MiB of GPU memory; the flush kernel is kept)
-  ok = {c: m.median_us for _, _, c, m in rows if m.status == "ok"}
-  failed = [(c, f"{m.status}: {m.error[:160]}") for _, _, c, m in rows if m.status != "ok"]
+  ok = {c: m.median_us for _, impl, c, m in rows if impl == "pallas" and m.status == "ok"}
+  failed = [(c, f"{m.status}: {m.error[:160]}") for _, impl, c, m in rows
+            if impl == "pallas" and m.status != "ok"]
+  # The other mixes: a config that failed there is dropped (it ran wrong or
+  # not at all on inputs a user's call can have).
+  others: dict = {}
+  for _, impl, c, m in rows:
+    if impl.startswith("pallas@"):
+      if m.status == "ok":
+        others.setdefault(impl, {})[c] = m.median_us
+      elif c in ok:
+        del ok[c]
+        failed.append((c, f"{m.status} on another input mix: {m.error[:140]}"))
   if not ok:
     return Outcome(None, math.inf, None, failed)
-  best = pick(ok, platform)
+  best = pick(ok, platform, list(others.values()))
   return Outcome(best, ok[best], ok.get(platform), failed)
 
 
-def pick(times: dict, platform):
+def pick(times: dict, platform, other_mixes: list | None = None):
   """The config refinement keeps from measured ``times`` (config -> us): the
   fastest, unless ``platform`` ran and the fastest is not :data:`MARGIN`
-  faster than it."""
-  best = min(times, key=times.get)
+  faster than it. ``other_mixes``: the same configs' times on the problem's
+  other input mixes (:meth:`Family.refine_mixes`); where the platform config
+  ran on them, only configs no slower than it on each mix (and timed there)
+  can replace it."""
   t_plat = times.get(platform)
+  if t_plat is not None:
+    for mix in other_mixes or ():
+      if platform in mix:
+        times = {c: t for c, t in times.items()
+                 if c == platform or (c in mix and mix[c] <= mix[platform])}
+  best = min(times, key=times.get)
   if t_plat is not None and best != platform and times[best] * (1 + MARGIN) > t_plat:
     return platform
   return best

@@ -28,7 +28,7 @@ __all__ = ["baseline_candidates", "baseline_impls", "measure_points"]
 
 def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
                    baselines: bool | set = False, repeat_best: bool = False,
-                   phase_seconds: dict | None = None
+                   mixes: bool = False, phase_seconds: dict | None = None
                    ) -> Iterator[tuple[object, str, object, Measurement]]:
   """Measures ``work = [(problem, configs), ...]`` (see module doc).
 
@@ -42,17 +42,20 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
       ``"baseline"`` or ``"baseline_<name>"``).
     repeat_best: time each problem's fastest config a second time
       (repeatability; impl ``"repeat"``, not checked).
+    mixes: also check and time each config on the inputs of each family of
+      ``family.refine_mixes(problem)`` (the same compiled code; impl
+      ``"pallas@<i>"`` for the i-th mix, from 1).
     phase_seconds: if given, wall seconds are added under ``"compile"``,
       ``"setup"`` and ``"check_and_time"``.
 
   Yields:
     ``(problem, impl, config, Measurement)``, grouped by problem in the order
     of ``work``; impl is ``"pallas"`` (a config), ``"baseline"`` or
-    ``"baseline_<name>"`` (config None) or ``"repeat"``.
+    ``"baseline_<name>"`` (config None), ``"repeat"`` or ``"pallas@<i>"``.
   """
   phases = phase_seconds if phase_seconds is not None else {}
   t0 = time.perf_counter()
-  cands, kits, shapes = [], [], {}
+  cands, kits, shapes, alts = [], [], {}, []
   for p, configs in work:
     # (impl, config, fn, input shapes: None for the problem's own inputs)
     fns = [("pallas", c, family.build(p, c), None) for c in configs]
@@ -64,11 +67,15 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
     own_inputs = [fn for _, _, fn, own in fns if own is None]
     kits.append(functools.partial(prof.compile_kit, family, p,
                                   own_inputs[0] if own_inputs else None))
+    alts.append([functools.partial(prof.compile_kit, f, p, own_inputs[0] if own_inputs else None)
+                 for f in (family.refine_mixes(p) if mixes and configs else ())])
+  n_alt = [len(a) for a in alts]
+  kits += [k for a in alts for k in a]
   jobs = [functools.partial(prof.compile_timed, fn, own or shapes[p])
           for (p, _), fns in zip(work, cands) for _, _, fn, own in fns]
   if prof.gpu_lock is None:
     done = prof.parallel(jobs + kits)
-    compiled, kit_of = done[:len(jobs)], done[len(jobs):]
+    compiled, kit_of = done[:len(jobs)], _split_kits(done[len(jobs):], n_alt)
     phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - t0
     yield from _check_and_time(family, prof, work, cands, compiled, kit_of, phases,
                                repeat_best)
@@ -79,7 +86,7 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
   pallas = [impl == "pallas" and family.backend_of(c).kernel_cache
             for fns in cands for impl, c, _, _ in fns]
   done = prof.parallel([j for j, q in zip(jobs, pallas) if q] + kits)
-  quiet, kit_of = iter(done[:sum(pallas)]), done[sum(pallas):]
+  quiet, kit_of = iter(done[:sum(pallas)]), _split_kits(done[sum(pallas):], n_alt)
   with prof.on_gpu():
     loud = iter(prof.parallel([j for j, q in zip(jobs, pallas) if not q]))
     compiled = [next(quiet) if q else next(loud) for q in pallas]
@@ -88,10 +95,17 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
                                repeat_best)
 
 
+def _split_kits(done: list, n_alt: list) -> list:
+  """``[(kit, [alt kits])]`` per problem from the compiled kits: the
+  problems' own first, then each problem's ``n_alt`` mixes in turn."""
+  own, rest = done[:len(n_alt)], iter(done[len(n_alt):])
+  return [(k, [next(rest) for _ in range(n)]) for k, n in zip(own, n_alt)]
+
+
 def _check_and_time(family, prof, work, cands, compiled, kit_of, phases, repeat_best):
   """The measuring half of :func:`measure_points`, problem by problem."""
   pos = 0
-  for (p, _), fns, kit in zip(work, cands, kit_of):
+  for (p, _), fns, (kit, alt_kits) in zip(work, cands, kit_of):
     exes = compiled[pos:pos + len(fns)]
     compiled[pos:pos + len(fns)] = [None] * len(fns)
     pos += len(fns)
@@ -128,7 +142,35 @@ def _check_and_time(family, prof, work, cands, compiled, kit_of, phases, repeat_
     if repeat_best and best[0] is not None:
       yield p, "repeat", best[0], prof.check_and_time(best[1], 0.0, args, None, None,
                                                       kit.out_bytes, kit)
-    del args, ref, exes, best
+    del args, ref, best
+    for i, (mix, alt) in enumerate(zip(family.refine_mixes(p), alt_kits), 1):
+      yield from _time_mix(prof, p, fns, exes, mix.tolerance(p), alt, f"pallas@{i}", phases)
+    del exes
+
+
+def _time_mix(prof, p, fns, exes, tol, kit, impl, phases):
+  """Checks and times the configs of ``fns`` (compiled: ``exes``) on the
+  inputs of another mix's ``kit``; rows ``(p, impl, config, Measurement)``."""
+  t1 = time.perf_counter()
+  try:
+    if isinstance(kit, BaseException):
+      raise kit
+    args, ref = kit.materialize()
+    jax.block_until_ready(ref)
+  except Exception as e:  # noqa: BLE001 - recorded per config
+    for own_impl, c, _, _ in fns:
+      if own_impl == "pallas":
+        yield p, impl, c, Measurement(status="run_error",
+                                      error=f"inputs or reference of the mix failed: {e}"[:400])
+    return
+  finally:
+    phases["setup"] = phases.get("setup", 0.0) + time.perf_counter() - t1
+  for (own_impl, c, _, _), (exe, compile_s) in zip(fns, exes):
+    if own_impl == "pallas":
+      t2 = time.perf_counter()
+      yield p, impl, c, prof.check_and_time(exe, compile_s, args, ref, tol, kit.out_bytes, kit)
+      phases["check_and_time"] = phases.get("check_and_time", 0.0) + time.perf_counter() - t2
+  del args, ref
 
 
 

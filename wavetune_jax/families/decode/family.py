@@ -89,6 +89,15 @@ class DecodeFamily(Family):
     new.length_mix = mix
     return new
 
+  def refine_mixes(self, problem: DecodeProblem) -> tuple["DecodeFamily", ...]:
+    """With run-time lengths, first use also times the candidates with every
+    sequence at the full cache: the split count is static and the two mixes
+    want different splits (a Triton config chosen on spread lengths ran a
+    four-layer decode step of full caches at 0.95x XLA + cuDNN)."""
+    if problem.lengths and self.length_mix != "full":
+      return (self.with_lengths("full"),)
+    return ()
+
   def heuristic(self, problem: DecodeProblem, hw):
     """cuDNN for few (sequence, KV head) pairs against a long cache: at most
     16 pairs and a cache of at least 16,384, or at most 8 and 8,192 (where
