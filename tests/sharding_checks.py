@@ -7,7 +7,9 @@ import sys
 import traceback
 import warnings
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# Four CPU devices; LLVM unoptimized, as in the rest of the suite (tests/conftest.py).
+os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4"
+                           " --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 warnings.simplefilter("ignore")
 

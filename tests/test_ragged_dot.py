@@ -74,6 +74,9 @@ def test_work_list_covers_every_row_once():
     np.testing.assert_array_equal(owner, _owner(sizes, m))
 
 
+_DEFAULT_LISTS = []
+
+
 @pytest.mark.parametrize("sums_from,telescoped_from,max_groups,max_elements",
                          [(0, 0, 2048, 1 << 22), (99, 99, 2048, 1 << 22),
                           (0, 99, 2048, 1 << 22), (99, 0, 2048, 1 << 22),
@@ -92,7 +95,9 @@ def test_every_way_of_building_the_work_list_gives_the_same_list(
   sizes = [jnp.asarray(rng.integers(-3, 90, 9), jnp.int32) for _ in range(2)]
   sizes.append(jnp.asarray(rng.integers(-1, 9, 40), jnp.int32))  # the default's masked way
   sizes.append(jnp.zeros((0,), jnp.int32))  # no groups: every row is the tail's
-  want = [jax.tree.map(np.asarray, build()(x)) for x in sizes]
+  if not _DEFAULT_LISTS:  # the lists the default thresholds build, once per module
+    _DEFAULT_LISTS.extend(jax.tree.map(np.asarray, build()(x)) for x in sizes)
+  want = _DEFAULT_LISTS
   assert want[-1][0][1][0] == 13 and (want[-1][0][0][worklist.GROUP, :13] == 0).all()
   monkeypatch.setattr(worklist, "MASKED_SUMS_FROM", sums_from)
   monkeypatch.setattr(worklist, "TELESCOPED_FROM", telescoped_from)
