@@ -16,8 +16,7 @@ length and routing mixes their sweeps use):
 
 Decode with run-time lengths is also timed with every sequence at the full
 cache (:meth:`Family.refine_mixes`): a config replaces the platform config
-only if it is :data:`MARGIN` faster on the spread lengths and no slower on
-the full caches.
+only if it is :data:`MARGIN` faster on both.
 
 A decision also answers the other sizes of the problem's weight in the same
 power-of-two size bucket (``(2**(j-1), 2**j]`` tokens or cache length) where
@@ -399,14 +398,14 @@ def pick(times: dict, platform, other_mixes: list | None = None):
   fastest, unless ``platform`` ran and the fastest is not :data:`MARGIN`
   faster than it. ``other_mixes``: the same configs' times on the problem's
   other input mixes (:meth:`Family.refine_mixes`); where the platform config
-  ran on them, only configs no slower than it on each mix (and timed there)
-  can replace it."""
+  ran on them, only configs :data:`MARGIN` faster than it on each mix (and
+  timed there) can replace it."""
   t_plat = times.get(platform)
   if t_plat is not None:
     for mix in other_mixes or ():
       if platform in mix:
         times = {c: t for c, t in times.items()
-                 if c == platform or (c in mix and mix[c] <= mix[platform])}
+                 if c == platform or (c in mix and mix[c] * (1 + MARGIN) <= mix[platform])}
   best = min(times, key=times.get)
   if t_plat is not None and best != platform and times[best] * (1 + MARGIN) > t_plat:
     return platform
