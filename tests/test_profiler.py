@@ -294,6 +294,8 @@ def test_refinement_times_decode_on_full_caches_too(monkeypatch):
     def time_compiled(self, exe, args, out_bytes):
       whole = bool((np.asarray(args[3]) == p.kv_len).all())
       self.timed.append((exe.config, whole))
+      if isinstance(us[exe.config, whole], Exception):
+        raise us[exe.config, whole]
       return [us[exe.config, whole]] * self.iterations
   prof = Prof()
   monkeypatch.setattr(refine, "_profiler", lambda: prof)
@@ -311,4 +313,13 @@ def test_refinement_times_decode_on_full_caches_too(monkeypatch):
   # Without the platform config the spread lengths decide.
   assert refine.pick({a: 5.0, b: 8.0}, None, [whole]) == a
   assert refine.pick({xla: 10.0, a: 5.0}, xla, [{xla: 10.0}]) == xla   # a not timed there
-  assert refine.pick({xla: 10.0, a: 5.0}, xla, [{a: 1.0}]) == a        # platform not timed
+  assert refine.pick({xla: 10.0, a: 5.0}, xla, [{a: 1.0}]) == xla   # platform failed there
+  # The platform op failing on full caches: it stays (the fallback), and a
+  # config that failed there is dropped and not timed on that mix.
+  prof.timed.clear()
+  us[xla, True] = RuntimeError("no kernel image")
+  us[a, False] = RuntimeError("illegal address")
+  out = refine.measure_candidates(DECODE, p, [xla, a, b], xla)
+  assert out.config == xla and out.platform_us == 10.0
+  assert [c for c, _ in out.failed] == [a]
+  assert (a, True) not in prof.timed and (b, True) in prof.timed

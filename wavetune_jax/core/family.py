@@ -399,9 +399,9 @@ class Family(abc.ABC):
   def refine_mixes(self, problem) -> tuple["Family", ...]:
     """Other families whose :meth:`inputs` give ``problem`` another run-time
     mix (decode: every sequence at the full cache next to the spread
-    lengths), on which first-use refinement also times its candidates: a
-    config replaces the platform config only where it is not slower on any
-    of them. Default: none."""
+    lengths), on which first-use refinement also checks and times its
+    candidates: a config replaces the platform config only if it is
+    ``refine.MARGIN`` faster on each of them too. Default: none."""
     return ()
 
   def speed_references(self, problem) -> dict[str, tuple[Callable, tuple]]:

@@ -79,7 +79,9 @@ LOCK_WAIT_S = 120.0
 #: Decisions kept in a store file, at most (later ones live in the process).
 MAX_STORED = 8192
 _FORMAT = "wavetune-refined"
-_VERSION = 1
+#: 2: decode decided on both length mixes (``Family.refine_mixes``); the
+#: decisions of version 1 are measured again.
+_VERSION = 2
 
 _stats = {"measured": 0, "seconds": 0.0, "reused": 0, "dropped": 0, "phases": {}}
 _warned: set = set()
@@ -378,13 +380,15 @@ def measure_candidates(spec: Family, problem, configs: list, platform) -> Outcom
   failed = [(c, f"{m.status}: {m.error[:160]}") for _, impl, c, m in rows
             if impl == "pallas" and m.status != "ok"]
   # The other mixes: a config that failed there is dropped (it ran wrong or
-  # not at all on inputs a user's call can have).
+  # not at all on inputs a user's call can have), but for the platform
+  # config, the fallback: where it has no time on a mix, :func:`pick` keeps it.
   others: dict = {}
   for _, impl, c, m in rows:
     if impl.startswith("pallas@"):
+      mix = others.setdefault(impl, {})
       if m.status == "ok":
-        others.setdefault(impl, {})[c] = m.median_us
-      elif c in ok:
+        mix[c] = m.median_us
+      elif c in ok and c != platform:
         del ok[c]
         failed.append((c, f"{m.status} on another input mix: {m.error[:140]}"))
   if not ok:
@@ -398,14 +402,15 @@ def pick(times: dict, platform, other_mixes: list | None = None):
   fastest, unless ``platform`` ran and the fastest is not :data:`MARGIN`
   faster than it. ``other_mixes``: the same configs' times on the problem's
   other input mixes (:meth:`Family.refine_mixes`); where the platform config
-  ran on them, only configs :data:`MARGIN` faster than it on each mix (and
-  timed there) can replace it."""
+  ran on the first, only configs :data:`MARGIN` faster than it on each mix
+  (and timed there) can replace it; where the platform config has no time on
+  a mix (it failed there), nothing replaces it."""
   t_plat = times.get(platform)
   if t_plat is not None:
     for mix in other_mixes or ():
-      if platform in mix:
-        times = {c: t for c, t in times.items()
-                 if c == platform or (c in mix and mix[c] * (1 + MARGIN) <= mix[platform])}
+      times = {c: t for c, t in times.items()
+               if c == platform or (platform in mix and c in mix
+                                    and mix[c] * (1 + MARGIN) <= mix[platform])}
   best = min(times, key=times.get)
   if t_plat is not None and best != platform and times[best] * (1 + MARGIN) > t_plat:
     return platform

@@ -394,7 +394,9 @@ class WaveTunePolicy(Policy):
 
   def refined(self, problem, times: dict):
     """The config first-use refinement keeps (the fastest recorded among its
-    candidates), and how many it measures."""
+    candidates), and how many it measures. A sweep holds one input mix: the
+    decode replay does not apply the full-cache check first use makes
+    (:meth:`Family.refine_mixes`), so it can keep configs that a GPU would not."""
     from wavetune_jax.runtime import refine
     cands = refine.candidates(self.spec, problem, self.hw, self.decider,
                               self.select(problem), k=self.top_k)

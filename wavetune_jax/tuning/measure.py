@@ -42,9 +42,9 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
       ``"baseline"`` or ``"baseline_<name>"``).
     repeat_best: time each problem's fastest config a second time
       (repeatability; impl ``"repeat"``, not checked).
-    mixes: also check and time each config on the inputs of each family of
-      ``family.refine_mixes(problem)`` (the same compiled code; impl
-      ``"pallas@<i>"`` for the i-th mix, from 1).
+    mixes: also check and time each config that ran right on the inputs of
+      each family of ``family.refine_mixes(problem)`` (the same compiled
+      code; impl ``"pallas@<i>"`` for the i-th mix, from 1).
     phase_seconds: if given, wall seconds are added under ``"compile"``,
       ``"setup"`` and ``"check_and_time"``.
 
@@ -129,6 +129,7 @@ def _check_and_time(family, prof, work, cands, compiled, kit_of, phases, repeat_
       continue
     tol = family.tolerance(p)
     best = (None, None, math.inf)
+    ran = set()   # configs that ran right here: the ones the other mixes time
     for (impl, c, _, own), (exe, compile_s) in zip(fns, exes):
       t2 = time.perf_counter()
       if own is None:
@@ -136,37 +137,43 @@ def _check_and_time(family, prof, work, cands, compiled, kit_of, phases, repeat_
       else:  # a speed reference: its own random inputs, not checked
         m = _time_reference(prof, exe, compile_s, own, kit.out_bytes, args)
       phases["check_and_time"] = phases.get("check_and_time", 0.0) + time.perf_counter() - t2
-      if impl == "pallas" and m.status == "ok" and m.median_us < best[2]:
-        best = (c, exe, m.median_us)
+      if impl == "pallas" and m.status == "ok":
+        ran.add(c)
+        if m.median_us < best[2]:
+          best = (c, exe, m.median_us)
       yield p, impl, c, m
     if repeat_best and best[0] is not None:
       yield p, "repeat", best[0], prof.check_and_time(best[1], 0.0, args, None, None,
                                                       kit.out_bytes, kit)
     del args, ref, best
     for i, (mix, alt) in enumerate(zip(family.refine_mixes(p), alt_kits), 1):
-      yield from _time_mix(prof, p, fns, exes, mix.tolerance(p), alt, f"pallas@{i}", phases)
+      yield from _time_mix(prof, p, fns, exes, ran, mix.tolerance(p), alt, f"pallas@{i}",
+                           phases)
     del exes
 
 
-def _time_mix(prof, p, fns, exes, tol, kit, impl, phases):
-  """Checks and times the configs of ``fns`` (compiled: ``exes``) on the
-  inputs of another mix's ``kit``; rows ``(p, impl, config, Measurement)``."""
+def _time_mix(prof, p, fns, exes, ran, tol, kit, impl, phases):
+  """Checks and times the configs of ``fns`` (compiled: ``exes``) that ran
+  right on the problem's own inputs (``ran``) on the inputs of another mix's
+  ``kit``; rows ``(p, impl, config, Measurement)``."""
   t1 = time.perf_counter()
   try:
     if isinstance(kit, BaseException):
       raise kit
     args, ref = kit.materialize()
     jax.block_until_ready(ref)
+    failed = None
   except Exception as e:  # noqa: BLE001 - recorded per config
+    failed = e
+  phases["setup"] = phases.get("setup", 0.0) + time.perf_counter() - t1
+  if failed is not None:
     for own_impl, c, _, _ in fns:
-      if own_impl == "pallas":
-        yield p, impl, c, Measurement(status="run_error",
-                                      error=f"inputs or reference of the mix failed: {e}"[:400])
+      if own_impl == "pallas" and c in ran:
+        yield p, impl, c, Measurement(
+            status="run_error", error=f"inputs or reference of the mix failed: {failed}"[:400])
     return
-  finally:
-    phases["setup"] = phases.get("setup", 0.0) + time.perf_counter() - t1
   for (own_impl, c, _, _), (exe, compile_s) in zip(fns, exes):
-    if own_impl == "pallas":
+    if own_impl == "pallas" and c in ran:
       t2 = time.perf_counter()
       yield p, impl, c, prof.check_and_time(exe, compile_s, args, ref, tol, kit.out_bytes, kit)
       phases["check_and_time"] = phases.get("check_and_time", 0.0) + time.perf_counter() - t2

@@ -94,7 +94,8 @@ class DecodeFamily(Family):
     sequence at the full cache: the split count is static and the two mixes
     want different splits (a Triton config chosen on spread lengths ran a
     four-layer decode step of full caches at 0.95x XLA + cuDNN)."""
-    if problem.lengths and self.length_mix != "full":
+    # (Spread over [q_len, kv_len]: with q_len >= kv_len they are all full.)
+    if problem.lengths and self.length_mix != "full" and problem.q_len < problem.kv_len:
       return (self.with_lengths("full"),)
     return ()
 
