@@ -282,6 +282,30 @@ def test_report_of_the_quantized_gemms_under_the_h100_table(capsys):
   assert down.split()[-1] == "mosaic" and "1.110" in down
 
 
+@pytest.mark.parametrize("gpu,line", [
+    ("h100", "decode: wt vs the faster of cuDNN and XLA 1.148x geomean, min 0.987x, 0 of 16"),
+    ("h200", "decode: wt vs the faster of cuDNN and XLA 1.217x geomean, min 0.999x, 0 of 16")])
+def test_report_of_refinement_on_both_length_mixes(capsys, gpu, line):
+  # docs/results.md ("Refinement on full caches too"): the v2 decode runs.
+  rows = ROOT / "data" / "probes" / f"unseen_v2_refine_fullmix_decode_{gpu}.json"
+  assert _mod().main(["--report", str(rows)]) == 0
+  assert line in capsys.readouterr().out
+
+
+def test_decoder_runs_of_refinement_on_both_length_mixes():
+  # The same section's decoder table: XLA's step time over refine's.
+  def speeds(name):
+    rows = json.loads((ROOT / "data" / "e2e" / name).read_text())["rows"]
+    us = {(r["kind"], r["batch"], r["length"], r["setting"]): r["us"] for r in rows}
+    return [round(t / us[k[:-1] + ("refine",)], 3) for k, t in us.items() if k[-1] == "xla"]
+  assert speeds("decoder4_qwen2_5_1_5b_fullmix_h100.json") == [1.052, 0.999, 0.997, 1.046,
+                                                               1.021]
+  assert speeds("decoder4_qwen2_5_1_5b_fullmix_h200.json") == [1.037, 0.992, 0.999, 1.022,
+                                                               1.305]
+  assert speeds("decoder4_gemma_2_2b_fullmix_h100.json") == [1.005, 1.033, 1.135, 1.273, 1.65]
+  assert speeds("decoder4_gemma_2_2b_fullmix_h200.json") == [1.025, 1.061, 1.186, 1.408, 1.889]
+
+
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
   mod = _mod()
   with pytest.raises(SystemExit):

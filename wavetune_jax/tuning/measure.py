@@ -146,9 +146,8 @@ def _check_and_time(family, prof, work, cands, compiled, kit_of, phases, repeat_
       yield p, "repeat", best[0], prof.check_and_time(best[1], 0.0, args, None, None,
                                                       kit.out_bytes, kit)
     del args, ref, best
-    for i, (mix, alt) in enumerate(zip(family.refine_mixes(p), alt_kits), 1):
-      yield from _time_mix(prof, p, fns, exes, ran, mix.tolerance(p), alt, f"pallas@{i}",
-                           phases)
+    for i, alt in enumerate(alt_kits, 1):
+      yield from _time_mix(prof, p, fns, exes, ran, tol, alt, f"pallas@{i}", phases)
     del exes
 
 
