@@ -7,13 +7,29 @@ import pytest
 
 # Tests run on the CPU: Pallas kernels in interpret mode.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# XLA's CPU code generation without LLVM's optimizations: the tests compile
-# hundreds of small programs (Pallas kernels in interpret mode among them)
-# and run each a few times on tiny shapes, so compiling is most of their
-# time (a module of paged-decode tests: 62 s -> 39 s).
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_backend_optimization_level=0").strip()
+# XLA's CPU code generation without LLVM's optimizations, and with its older
+# loop emitters for fusions: the tests compile hundreds of small programs
+# (Pallas kernels in interpret mode among them) and run each a few times on
+# tiny shapes, so compiling is most of their time (a module of paged-decode
+# tests: 62 s -> 39 s without LLVM's optimizations; the decode-options
+# checks 9.3 s -> 6.5 s without the fusion emitters).
+# (XLA stops at a flag it does not know, so the second is given only to the
+# jaxlib it was checked with.)
+
+
+def _jaxlib_minor() -> tuple[int, ...]:
+  from importlib import metadata
+  try:
+    return tuple(int(x) for x in metadata.version("jaxlib").split(".")[:2])
+  except (metadata.PackageNotFoundError, ValueError):
+    return ()
+
+
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0",) + (
+    ("--xla_cpu_use_fusion_emitters=false",) if _jaxlib_minor() == (0, 10) else ())
+for _flag in TEST_XLA_FLAGS:
+  if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 # The parsed-table cache is off unless a test turns it on (tests/test_table_cache.py):
 # tests load tables they edit and check what parsing does.
 os.environ.setdefault("WAVETUNE_TABLE_CACHE", "off")

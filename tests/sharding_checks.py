@@ -7,9 +7,10 @@ import sys
 import traceback
 import warnings
 
-# Four CPU devices; LLVM unoptimized, as in the rest of the suite (tests/conftest.py).
+# Four CPU devices; compiled as in the rest of the suite (the XLA flags of
+# tests/conftest.py, which the test that starts this process passes on).
 os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4"
-                           " --xla_backend_optimization_level=0")
+                           " " + os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 warnings.simplefilter("ignore")
 

@@ -319,7 +319,7 @@ def test_partition_rule_of_pages():
 _SHARDED = textwrap.dedent("""
     import os
     os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4"
-                               " --xla_backend_optimization_level=0")
+                               " " + os.environ.get("XLA_FLAGS", ""))
     os.environ["JAX_PLATFORMS"] = "cpu"
     import warnings; warnings.simplefilter("ignore")
     import sys; sys.path.insert(0, sys.argv[1])
