@@ -7,6 +7,8 @@ several, with NaN in K and Inf in V past each sequence's length; the space,
 (G, L), heuristic and the op's errors are checked on the H100 preset.
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,6 +150,29 @@ def test_space_rules_and_coords():
   assert DECODE.size_quantum(p) == 8 and DECODE.size_quantum(q) == 32
   assert DECODE.space(q, H100) == tuple(c for c in space
                                         if not isinstance(c, wt.MosaicDecodeConfig))
+
+
+@pytest.mark.parametrize("gpu", ["nvidia_h100_80gb_hbm3", "nvidia_h200"])
+def test_few_pairs_rule_on_the_recorded_sweeps(gpu):
+  # On plain problems of at most 16 (sequence, KV head) pairs the family's
+  # rule is never below 0.97x cuDNN on either GPU's sweep: one pair at
+  # 4,096 keys goes to cuDNN (the Triton rule ran it at 0.947x on the
+  # H200), eight pairs there stay Triton (1.02-1.15x).
+  from wavetune_jax.tuning import evaluate
+  ds = evaluate.load_dataset(os.path.join(os.path.dirname(__file__), "..", "data", "sweeps",
+                                          gpu, "decode_bfloat16.jsonl.gz"))
+  checked = 0
+  for p in ds.problems:
+    cudnn = ds.times[p].get(wt.CudnnDecodeConfig())
+    if not p.plain or p.batch * p.kv_heads > 16 or cudnn is None:
+      continue
+    c = DECODE.heuristic(p, ds.hw)
+    assert cudnn / ds.times[p][c] >= 0.97, (p, c)
+    if p.kv_len == 4096:
+      pairs = p.batch * p.kv_heads
+      assert (c == wt.CudnnDecodeConfig()) == (pairs <= 4), (p, c)
+    checked += 1
+  assert checked >= 25
 
 
 def test_heuristic_splits_by_programs_and_expected_keys():

@@ -101,17 +101,19 @@ class DecodeFamily(Family):
 
   def heuristic(self, problem: DecodeProblem, hw):
     """cuDNN for few (sequence, KV head) pairs against a long cache: at most
-    16 pairs and a cache of at least 16,384, or at most 8 and 8,192 (where
-    cuDNN runs the problem), and for plain problems where the Triton kernel
-    cannot run (below); elsewhere the backends' rules in order (Triton,
-    Mosaic, cuDNN, XLA). On the H100 / H200 decode sweeps the Triton rule
-    ran the few-pair problems at up to 1.26x / 1.35x cuDNN's time
-    (Llama-3-70B at TP8, one sequence, 16k-32k cache), at worst 0.978x /
-    0.999x."""
+    16 pairs and a cache of at least 16,384, at most 8 and 8,192, or at
+    most 4 and 4,096 (where cuDNN runs the problem), and for plain problems
+    where the Triton kernel cannot run (below); elsewhere the backends'
+    rules in order (Triton, Mosaic, cuDNN, XLA). On the H100 / H200 decode
+    sweeps the Triton rule ran the few-pair problems at up to 1.26x / 1.35x
+    cuDNN's time (Llama-3-70B at TP8, one sequence, 16k-32k cache), at
+    worst 0.978x / 0.999x; at 4,096 keys it ran one pair at 0.990x / 0.947x
+    cuDNN's speed and eight at 1.04-1.12x / 1.02-1.15x."""
     from wavetune_jax.families.decode.library import CudnnDecode, CudnnDecodeConfig
     from wavetune_jax.families.decode.triton import TritonDecode
     pairs = problem.batch * problem.kv_heads
-    few = (pairs <= 16 and problem.kv_len >= 16384) or (pairs <= 8 and problem.kv_len >= 8192)
+    few = ((pairs <= 16 and problem.kv_len >= 16384) or (pairs <= 8 and problem.kv_len >= 8192)
+           or (pairs <= 4 and problem.kv_len >= 4096))
     available = self.available(hw)
     # Without the Triton kernel (a JAX without the Pallas Triton lowering),
     # cuDNN before the Mosaic kernel's rule on problems cuDNN runs: on the
