@@ -40,9 +40,9 @@ sees keys ``i - left <= j <= i + right``, -1 unbounded): the chunks are cut
 from the window's keys, so a CTA loads no block left of its sequence's
 window, and only the blocks at the window's edges are masked; soft-capping
 (``cap * tanh(s / cap)`` of the fp32 scores); per-head sinks (a logit added
-to each softmax's denominator): with one split each row's running max
-starts at its head's sink and its sum at 1; with several the combine adds
-the sink once.
+to each softmax's denominator): with one split each row's sink is one
+more term of its softmax, added after the keys (its logit loaded while Q is
+in flight); with several the combine adds the sink once.
 
 Requirements (:func:`check_shapes`): compute capability 9.0; bfloat16 or
 float16; ``head_dim`` a multiple of 16 in [64, 256]; the cache's sequence
@@ -332,8 +332,8 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
   splits = splits_of(kv_len, config.num_splits, bk)
   has_sinks = sinks is not None
   split = splits > 1
-  # One split: each row's running max starts at its head's sink logit and its
-  # sum at 1. Several: the combine adds the sink once.
+  # One split: each row's sink joins its softmax after the last key block.
+  # Several: the combine adds the sink once.
   kernel_sinks = has_sinks and not split
   left, right = window
   if causal:
@@ -395,14 +395,9 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
       plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(rb * BLOCK_H, BLOCK_H)], q_smem, q_bar)
       row0 = rb * BLOCK_H
       if kernel_sinks:
-        # Row r holds head kvh * group + r % group: its sink, as a row
-        # maximum of a tile (the layout of m), scaled like m; read while Q
-        # is in flight.
-        head = lax.rem(iota((BLOCK_H, bk), 0) + row0, jnp.int32(group))
-        sk = jnp.full((BLOCK_H, bk), -jnp.inf, jnp.float32)
-        for g in range(group):
-          sk = jnp.where(head == g, sink_ref[kvh * group + g], sk)
-        sink_m = sk.max(axis=1) * _LOG2E
+        # The group's sink logits, loaded while Q is in flight and used
+        # after the keys (their latency hides behind the loop).
+        sink_vals = [sink_ref[kvh * group + g] for g in range(group)]
       plgpu.barrier_wait(q_bar)
 
       def step(j, carry, *, edge: bool, left_edge: bool = False):
@@ -462,15 +457,10 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
 
       acc = plgpu.layout_cast(jnp.full((BLOCK_H, head_dim), 0, jnp.float32),
                               plgpu.Layout.WGMMA)
-      if kernel_sinks:
-        m_i = sink_m
-        l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 1, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
-      else:
-        m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0, jnp.float32),
-                                plgpu.Layout.WGMMA.reduce(1))
+      m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
+      l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1))
       carry = (acc, m_i, l_i)
       start_full = 0
       if left >= 0:
@@ -479,6 +469,21 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
         start_full = lead
       carry = lax.fori_loop(start_full, full, functools.partial(step, edge=False), carry)
       acc, m_i, l_i = lax.fori_loop(full, n_steps, functools.partial(step, edge=True), carry)
+      if kernel_sinks:
+        # Row r holds head kvh * group + r % group: its sink, as a row
+        # maximum of a tile (the layout of m), scaled like m, is one more
+        # term of the softmax's sum with no value.
+        head = lax.rem(iota((BLOCK_H, bk), 0) + row0, jnp.int32(group))
+        sk = jnp.full((BLOCK_H, bk), -jnp.inf, jnp.float32)
+        for g in range(group):
+          sk = jnp.where(head == g, sink_vals[g], sk)
+        sink_m = sk.max(axis=1) * _LOG2E
+        m_new = jnp.maximum(m_i, sink_m)
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_ref)
+        l_i = l_i * alpha + jnp.exp2(sink_m - m_ref)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        m_i = m_new
 
       # A row that saw no key has l = 0 and acc = 0: it gives 0.
       l_safe = jnp.where(l_i == 0, 1.0, l_i)
