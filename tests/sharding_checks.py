@@ -9,8 +9,8 @@ import warnings
 
 # Four CPU devices; compiled as in the rest of the suite (the XLA flags of
 # tests/conftest.py, which the test that starts this process passes on).
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4"
-                           " " + os.environ.get("XLA_FLAGS", ""))
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=4")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 warnings.simplefilter("ignore")
 

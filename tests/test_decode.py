@@ -167,6 +167,7 @@ def test_few_pairs_rule_on_the_recorded_sweeps(gpu):
     if not p.plain or p.batch * p.kv_heads > 16 or cudnn is None:
       continue
     c = DECODE.heuristic(p, ds.hw)
+    assert c in ds.times[p], (p, c)  # the rule's config lies in the swept space
     assert cudnn / ds.times[p][c] >= 0.97, (p, c)
     if p.kv_len == 4096:
       pairs = p.batch * p.kv_heads

@@ -318,8 +318,8 @@ def test_partition_rule_of_pages():
 
 _SHARDED = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=4"
-                               " " + os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4")
     os.environ["JAX_PLATFORMS"] = "cpu"
     import warnings; warnings.simplefilter("ignore")
     import sys; sys.path.insert(0, sys.argv[1])

@@ -483,9 +483,9 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
         alpha = jnp.exp2(m_i - m_ref)
         l_i = l_i * alpha + jnp.exp2(sink_m - m_ref)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        m_i = m_new
 
-      # A row that saw no key has l = 0 and acc = 0: it gives 0.
+      # A row that saw no key has acc = 0 (and l = 0, or 1 with a sink): it
+      # gives 0.
       l_safe = jnp.where(l_i == 0, 1.0, l_i)
       out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
       out = out.astype(out_dtype)
