@@ -247,3 +247,35 @@ def test_a_soft_cap_too_large_for_a_float_is_a_clear_error():
                lambda: wt.decode_attention(q[:, :1], q, q, logit_soft_cap=huge)):
     with pytest.raises(ValueError, match="logit_soft_cap=<an int of .* bits> must be finite"):
       call()
+
+
+@pytest.mark.parametrize("gpu", ["nvidia_h100_80gb_hbm3", "nvidia_h200"])
+def test_mosaic_rule_takes_64_key_blocks_for_narrow_windows(gpu):
+  # A window of 128 keys: 128 x 64 tiles (the best Mosaic config on 39 of
+  # the 40 such problems of the two window sweeps); 512 and above, and the
+  # options without a window: 128 x 128.
+  import os
+
+  from wavetune_jax.families.attention.mosaic import MosaicAttentionConfig
+  from wavetune_jax.tuning import evaluate
+  hw = wt.get_hardware("h100" if "h100" in gpu else "h200")
+  mosaic = wt.ATTENTION.backend("mosaic")
+
+  def rule(**kw):
+    c = mosaic.heuristic(AttentionProblem(batch=1, q_heads=64, kv_heads=8, q_len=4096,
+                                          kv_len=4096, head_dim=64, **kw), hw)
+    return (c.block_q, c.block_k)
+  assert rule(window_left=127, window_right=0, sinks=True) == (128, 64)
+  assert rule(window_left=255, window_right=0, soft_cap=20.0) == (128, 64)
+  assert rule(window_left=256, window_right=0, soft_cap=20.0) == (128, 128)
+  assert rule(window_left=511, window_right=0, sinks=True) == (128, 128)
+  assert rule(sinks=True) == (128, 128)
+  ds = evaluate.load_dataset(os.path.join(os.path.dirname(__file__), "..", "data", "sweeps",
+                                          gpu, "attention_bfloat16.jsonl.gz"))
+  share = []
+  for p in ds.problems:
+    ms = {c: t for c, t in ds.times[p].items() if isinstance(c, MosaicAttentionConfig)}
+    r = mosaic.heuristic(p, ds.hw)
+    if p.window_left == 127 and r in ms:
+      share.append(min(ms.values()) / ms[r])
+  assert len(share) == 20 and math.exp(np.mean(np.log(share))) >= 0.985

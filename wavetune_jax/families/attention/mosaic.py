@@ -33,6 +33,20 @@ STAGES = (2, 3, 4)
 #                fitted on unpadded calls, do not see that cost.
 
 
+#: A window of at most this many keys a row runs 64-key blocks (see
+#: :meth:`MosaicAttention.heuristic`).
+NARROW_WINDOW_KEYS = 256
+
+
+def narrow_window(p: AttentionProblem) -> bool:
+  """Each query row sees at most :data:`NARROW_WINDOW_KEYS` keys: the left
+  side bounded, and the right side bounded or causal."""
+  if p.window_left < 0 or not (p.causal or p.window_right >= 0):
+    return False
+  right = 0 if p.causal else p.window_right
+  return p.window_left + 1 + right <= NARROW_WINDOW_KEYS
+
+
 class MosaicAttention(Backend):
   """The warp-specialized Mosaic GPU flash attention (Hopper: TMA ring,
   wgmma, one producer and two consumer warpgroups). No CPU interpret mode."""
@@ -121,6 +135,8 @@ class MosaicAttention(Backend):
   #: Below half the SMs, where the Triton kernel would recompute much of
   #: its last query block (see :func:`triton_recompute`).
   SHORT = MosaicAttentionConfig(block_q=128, block_k=64, num_stages=2)
+  #: A window of at most :data:`NARROW_WINDOW_KEYS` keys a row.
+  NARROW = MosaicAttentionConfig(block_q=128, block_k=64, num_stages=2)
 
   def heuristic(self, problem: AttentionProblem, hw: Hardware) -> MosaicAttentionConfig | None:
     """128x128 tiles with 2 stages where the kernel runs the shape without
@@ -133,11 +149,19 @@ class MosaicAttention(Backend):
     128x128 config is the oracle of 66 of the 90 problems of the H100
     sweep and 67 of the H200's (``wavetune report`` lists each problem's
     oracle); with the Triton heuristic elsewhere this reaches 0.985 and 0.984
-    of the oracle (geomean) on them."""
+    of the oracle (geomean) on them. A window of at most
+    :data:`NARROW_WINDOW_KEYS` keys a row takes 128x64 tiles (a 128-key
+    window spans two or three 64-key blocks and two 128-key ones, each half
+    masked): on the window sweeps the best Mosaic config at a window of
+    128 was 128x64 on 19 of 20 problems (H100) and 20 of 20 (H200), the
+    128x128 one at 0.980 and 0.965 of it; at 512 and above 128x128 was the
+    best on all 60 problems of each GPU."""
     p = problem
     c = self.HEURISTIC
     if not self._runs_shape(p):
       return None
+    if narrow_window(p):
+      c = self.NARROW
     if p.soft_cap or p.sinks:
       # cuDNN runs neither; the kernel ran 6.5-72x faster than XLA's attention
       # (the other backend that does) on an H100 (benchmarks/attention_options.py).
