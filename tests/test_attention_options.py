@@ -6,6 +6,7 @@ against the reference; which backends the selector offers; bad arguments.
 """
 
 import math
+import os
 import warnings
 
 import jax
@@ -254,8 +255,6 @@ def test_mosaic_rule_takes_64_key_blocks_for_narrow_windows(gpu):
   # A window of 128 keys: 128 x 64 tiles (the best Mosaic config on 39 of
   # the 40 such problems of the two window sweeps); 512 and above, and the
   # options without a window: 128 x 128.
-  import os
-
   from wavetune_jax.families.attention.mosaic import MosaicAttentionConfig
   from wavetune_jax.tuning import evaluate
   hw = wt.get_hardware("h100" if "h100" in gpu else "h200")

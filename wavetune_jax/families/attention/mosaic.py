@@ -135,8 +135,9 @@ class MosaicAttention(Backend):
   #: Below half the SMs, where the Triton kernel would recompute much of
   #: its last query block (see :func:`triton_recompute`).
   SHORT = MosaicAttentionConfig(block_q=128, block_k=64, num_stages=2)
-  #: A window of at most :data:`NARROW_WINDOW_KEYS` keys a row.
-  NARROW = MosaicAttentionConfig(block_q=128, block_k=64, num_stages=2)
+  #: A window of at most :data:`NARROW_WINDOW_KEYS` keys a row: the same
+  #: 128 x 64 tiles.
+  NARROW = SHORT
 
   def heuristic(self, problem: AttentionProblem, hw: Hardware) -> MosaicAttentionConfig | None:
     """128x128 tiles with 2 stages where the kernel runs the shape without
