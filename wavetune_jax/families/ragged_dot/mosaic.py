@@ -170,7 +170,7 @@ class MosaicRaggedDot(Backend):
     rows ran 1.01 / 1.04 / 1.09x faster with the rule's 64 x 256 tiles on the
     H100 and 1.01 / 1.08 / 1.12x on the H200. Elsewhere the Mosaic kernel: it reads only the
     experts that have rows, and XLA's ragged dot slows down with many
-    experts (Arctic's 128: 8.1x). ``r > 64``: 128 x 256 tiles, 3 stages
+    experts (Arctic's 128: 8.1x). ``r > 128``: 128 x 256 tiles, 3 stages
     (4 on the H100, :data:`DEEPER_RING`), walked expert by expert (``grid_minor`` 2: an expert's tasks read each
     weight tile together, their rows stay in L2). On an H100
     (``benchmarks/ragged_dot_efficiency.py``, uniform routing, 7 problems
@@ -182,7 +182,12 @@ class MosaicRaggedDot(Backend):
     column tile, column tiles first an expert's weight once per task.
     Under a skewed router it was 1.14-1.36x faster than those orders on 5
     of 7 and 0.92-0.98x on 3 (order 0 won where the hot experts' rows fit
-    L2). ``56 <= r <= 64``: 64 x 128 tiles, 4
+    L2). ``64 < r <= 128``: the same order on 64 x 256 tiles, 4 stages:
+    the best config within 5% on all 18 problems of 96-128 rows per expert
+    of both sweeps (0.989 / 0.996 of the best, H200 / H100), where 128 x 256
+    ran at 0.955 / 0.969 of it (64 x 256 over it 1.035x / 1.028x, 0.95-1.11x;
+    a 128-row task at 96-128 rows leaves rows empty under balanced routing,
+    and twice the tasks fill the waves). ``56 <= r <= 64``: 64 x 128 tiles, 4
     stages, tasks first where the weight has more than 16 column tiles of
     128 (column tiles first at 16 or fewer, below; where 128-row tiles are
     out of the space, RG3):
@@ -206,10 +211,13 @@ class MosaicRaggedDot(Backend):
     likely_all_busy = p.m > p.g * np.log(p.g)
     if p.g < 16 and likely_all_busy and r < 32 and p.n > p.k:
       return None
-    if r > 64:
+    deeper = False
+    if r > 128:
       deeper = hw.device_key.startswith(DEEPER_RING)
       c = MosaicRaggedDotConfig(block_m=128, block_n=256, num_stages=4 if deeper else 3,
                                 grid_minor=2)
+    elif r > 64:
+      c = MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4, grid_minor=2)
     elif r >= 56:  # measured at 64 (this wins) and 48-50 (64 x 256 wins by 1-6%)
       # Tasks first where the weight has more than 16 column tiles, as above.
       order = 0 if _cdiv(p.n, 128) > 16 else 1
@@ -225,7 +233,7 @@ class MosaicRaggedDot(Backend):
     # and bf16 outputs; a float32 output then takes fewer stages, as it
     # always did), except the H100's 4-stage ring for 16-bit outputs (RG8).
     rg8 = (deeper and c.num_stages == 4 and c.grid_minor == 2
-           and jnp.dtype(p.out_dtype).itemsize == 2) if r > 64 else False
+           and jnp.dtype(p.out_dtype).itemsize == 2)
     while (self.smem_bytes(p, c, -1 if rg8 else 0) > hw.smem_per_block
            and c.num_stages > 2):
       c = dataclasses.replace(c, num_stages=c.num_stages - 1)
