@@ -8,7 +8,7 @@ tiles), and cuDNN's full causal attention without the option (what a model runs 
 Where a problem has soft-capping or sinks, each Mosaic config is also timed
 without them (the window kept): what the options cost the same kernel.
 
-    python3 benchmarks/attention_options.py [--quick] [--json out.json]
+    python3 benchmarks/attention_options.py [--quick] [--only NAME] [--json out.json]
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="the first two problems")
   ap.add_argument("--edges", action="store_true", help="also the edge cases (checked, timed)")
+  ap.add_argument("--only", default=None, metavar="NAME",
+                  help="only the problems whose name contains NAME")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
@@ -63,6 +65,10 @@ def main(argv=None):
   print(dev.device_kind, jax.__version__, flush=True)
   rows = []
   probs = (PROBLEMS[:2] if a.quick else PROBLEMS) + (EDGES if a.edges else [])
+  if a.only is not None:
+    probs = [pr for pr in probs if a.only in pr[0]]
+    if not probs:
+      ap.error(f"--only {a.only!r} matches no problem")
   for name, h, kvh, d, t, opts in probs:
     kq, kk, kv, ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q = jax.random.normal(kq, (1, t, h, d), jnp.float32).astype(jnp.bfloat16)
@@ -103,13 +109,14 @@ def main(argv=None):
     row = {"name": name, "seq": t, "q_heads": h, "kv_heads": kvh, "head_dim": d,
            "options": {k_: (v_ if not hasattr(v_, "shape") else "array")
                        for k_, v_ in kw.items()},
-           "chosen": type(chosen).__name__, "full_causal_cudnn_us": full.median_us,
+           "chosen": type(chosen).__name__, "chosen_config": repr(chosen),
+           "full_causal_cudnn_us": full.median_us,
            "mosaic_without_cap_or_sinks_us": no_option,
            "times": {lab: {"status": m.status, "us": m.median_us if m.status == "ok"
                            else math.nan, "error": (m.error or "")[:200]}
                      for lab, m in zip(cands, res)}}
     rows.append(row)
-    print(f"== {name}, {t} tokens, {h}/{kvh} heads, d {d}: wt chose {row['chosen']}; "
+    print(f"== {name}, {t} tokens, {h}/{kvh} heads, d {d}: wt chose {row['chosen_config']}; "
           f"cuDNN full causal {full.median_us:.1f} us", flush=True)
     for lab, r in row["times"].items():
       extra = (f" ({full.median_us / r['us']:.2f}x the full causal)" if r["us"] == r["us"]
