@@ -38,7 +38,7 @@ Each is checked against the float32 reference first. The summary gives
 
     python3 benchmarks/unseen_models.py [--set v1|v2] [--policy NAME]
         [--families matmul,attention,decode,ragged_dot,qmatmul,qragged_dot] [--models NAMES]
-        [--quick] [--json out.json]
+        [--quick] [--only TEXT] [--json out.json]
     python3 benchmarks/unseen_models.py --dry-run --device-key nvidia_h100_80gb_hbm3
     python3 benchmarks/unseen_models.py --report out.json [more.json ...]
 """
@@ -285,6 +285,8 @@ def main(argv=None) -> int:
                   help=f"comma-separated, of {','.join(ALL_FAMILIES)} (default: "
                        f"{','.join(FAMILIES)})")
   ap.add_argument("--quick", action="store_true", help="every other size")
+  ap.add_argument("--only", default=None, metavar="TEXT",
+                  help="only the problems whose label (as --dry-run prints it) contains TEXT")
   ap.add_argument("--models", default="",
                   help="comma-separated, of the set's models (default: all): "
                        + "; ".join(f"{k}: {','.join(m.names)}" for k, m in SETS.items()))
@@ -323,6 +325,10 @@ def main(argv=None) -> int:
   if bad:
     ap.error(f"--models: unknown {bad} in --set {a.set}; choose from {','.join(ms.names)}")
   plan = problems(fams, a.quick, models, a.set)
+  if a.only is not None:
+    plan = [row for row in plan if a.only in row[1]]
+    if not plan:
+      ap.error(f"--only {a.only!r} matches no problem")
   if a.dry_run:
     with wt.policy(policy):
       for fam, label, p in plan:

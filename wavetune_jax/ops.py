@@ -54,7 +54,11 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, x_scales=
   the bytes of a 16-bit weight, and W8A8 runs on the FP8 tensor cores (twice
   bfloat16's rate). Tolerance against the float32 product of the
   dequantized operands: that of a bfloat16 GEMM (1e-2 relative), 2e-2 for
-  W8A8 (FP8 MMA keeps fewer accumulator bits).
+  W8A8 (FP8 MMA keeps fewer accumulator bits). The W8A8 bound is for inputs
+  whose products cancel, as in a model's layers; where an output sums
+  thousands of products of one sign, Hopper's FP8 accumulation loses more,
+  growing with K per K split, in XLA's FP8 dot as in the kernel (an H200:
+  0.15 at 14,336 K unsplit for both; docs/results.md, "W8A8-FP8 on an H200").
 
   W4A16: an int4 ``w [N, K]`` (``w_layout="nk"``) with ``scales [K //
   group, N]``, a scale per ``group`` values of K of each channel

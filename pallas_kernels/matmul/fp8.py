@@ -29,7 +29,14 @@ accumulation over K rounds like any fp32 GEMM on Hopper's FP8 path (its
 accumulator keeps fewer mantissa bits than IEEE fp32 between K blocks). The
 tolerance against the float32 product of the dequantized operands is 2e-2
 relative to the output's largest value (every config measured on an H100
-since the last-step wait of ``wgmma_wait_delayed`` was within it).
+since the last-step wait of ``wgmma_wait_delayed`` was within it). That holds
+where the products cancel (random signs); where an output sums products of
+one sign (``benchmarks/fp8_gemm.py --x-from-w``: x is the weight's first
+rows), the error grows with the K of a split: on an H200 0.148, 0.076, 0.040
+and 0.016 at 14,336, 7,168, 3,584 and 1,792 K per split, and XLA's FP8 dot
+(cuBLASLt) the same 0.153 at 14,336 K and 2,048 rows (0.016-0.018 at 1 and
+16 rows). Promoting the accumulator to fp32 every few K blocks, as DeepGEMM
+does, is not done.
 
 Requirements (:func:`check_shapes`): compute capability 9.0; ``K`` a multiple
 of 128 with at least two K steps of 128 per split; ``N`` a multiple of 64;
@@ -48,8 +55,9 @@ from pallas_kernels.matmul.mosaic import (EPI_TILE, M_MULTIPLE, MosaicMatmulConf
                                           store_tile, wg_tile, wgmma_wait_delayed, work_tile)
 from pallas_kernels._launch import require_compute_capability
 
-__all__ = ["BLOCK_K", "DTYPES", "RULE_TILES", "check_shapes", "estimate_us", "fp8_matmul",
-           "heuristic_config", "k_steps", "operand_pipeline", "smem_bytes", "wave_split"]
+__all__ = ["BLOCK_K", "DTYPES", "HBM_TBS", "RULE_TILES", "check_shapes", "estimate_us",
+           "fp8_matmul", "heuristic_config", "k_steps", "operand_pipeline", "smem_bytes",
+           "wave_split"]
 
 #: Operand dtypes (both).
 DTYPES = ("float8_e4m3fn",)
@@ -107,6 +115,15 @@ def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulCon
 #: the FP8 GEMM's rate at 128 x 256 tiles, achievable HBM bandwidth, the time a
 #: TMA load spends in flight under load, and the split-K reduction's launch.
 _RATE, _BW, _LATENCY_S, _SPLIT_S = 1.5e15, 2.6e12, 2.4e-6, 2e-6
+#: Peak HBM bandwidth (TB/s) by device key: the rule scales ``_BW``, fitted on
+#: the H100 SXM (3.35 TB/s peak), to the GPU's peak. On an H200 (4.8 TB/s) the
+#: H100's bandwidth made the rule pick 80 CTAs of 64 x 128 tiles (K split 2)
+#: for Mistral-Nemo-12B's down projection at one row, 30.3 us against XLA's
+#: 25.1; scaled, it picks 64 x 256 tiles with a split of 4, 22.0 us
+#: (``benchmarks/fp8_gemm.py --weights mistral_nemo_12b.down --m 1 --full``).
+#: GPUs not listed keep the H100's fit.
+HBM_TBS = {"nvidia_h100_80gb_hbm3": 3.35, "nvidia_h200": 4.8}
+_FIT_TBS = 3.35
 #: Tile rate relative to 128 x 256 (measured at 2k-8k rows).
 _TILE_EFF = {(128, 256): 1.0, (256, 128): 0.98, (128, 192): 0.97, (128, 128): 0.93,
              (64, 256): 0.75, (64, 128): 0.6}
@@ -114,32 +131,38 @@ _TILE_EFF = {(128, 256): 1.0, (256, 128): 0.98, (128, 192): 0.97, (128, 128): 0.
 RULE_TILES = ((128, 256, 3), (128, 128, 5), (64, 256, 4), (64, 128, 4))
 
 
-def estimate_us(m: int, n: int, k: int, config: MosaicMatmulConfig, num_sms: int) -> float:
+def estimate_us(m: int, n: int, k: int, config: MosaicMatmulConfig, num_sms: int,
+                hbm_tbs: float | None = None) -> float:
   """The config rule's cost model, microseconds: the larger of the MMA time
   (waves of CTA tiles, each ``2 bm bn K / split`` flops at its tile's rate
   per SM) and the time to read both operands (each CTA keeps its ring of
   ``num_stages`` blocks in flight, at most the HBM bandwidth), plus the split-K
-  reduction (a launch and the fp32 partials written and read)."""
+  reduction (a launch and the fp32 partials written and read). ``hbm_tbs``:
+  the GPU's peak HBM bandwidth in TB/s, which scales the achievable one
+  (default: the H100's, where the rates were fitted)."""
   bm, bn, sk = config.block_m, config.block_n, config.split_k
+  max_bw = _BW * (hbm_tbs / _FIT_TBS if hbm_tbs else 1.0)
   ctas = -(-m // bm) * -(-n // bn) * sk
   waves = -(-ctas // num_sms)
   eff = _TILE_EFF.get((bm, bn), 0.6)
   mma = waves * 2 * bm * bn * k / sk / (_RATE / num_sms * eff)
   in_flight = config.num_stages * (bm + bn) * BLOCK_K
-  bw = min(_BW, min(ctas, num_sms) * in_flight / _LATENCY_S)
+  bw = min(max_bw, min(ctas, num_sms) * in_flight / _LATENCY_S)
   read = (n * k + m * k + 2 * m * n) / bw
-  split = _SPLIT_S + 2 * sk * m * n * 4 / _BW if sk > 1 else 0.0
+  split = _SPLIT_S + 2 * sk * m * n * 4 / max_bw if sk > 1 else 0.0
   return 1e6 * (max(mma, read) + split)
 
 
-def heuristic_config(m: int, n: int, k: int, num_sms: int) -> MosaicMatmulConfig:
+def heuristic_config(m: int, n: int, k: int, num_sms: int,
+                     hbm_tbs: float | None = None) -> MosaicMatmulConfig:
   """The config of least :func:`estimate_us` among :data:`RULE_TILES`
   (64-row tiles up to 256 rows, 128-row ones from 65), each with no K split or the split that
   fills a wave (:func:`wave_split`); bands of 8 tiles (L2 reuse) where the
   output has more than a wave of tiles. On an H100 its config was the
   fastest of those measured (it and its neighbours) or within 1.1% of it on
   28 of the 29 problems where it ran, 6.8% slower on one
-  (``benchmarks/fp8_gemm.py``)."""
+  (``benchmarks/fp8_gemm.py``). ``hbm_tbs``: as :func:`estimate_us`
+  (:data:`HBM_TBS` by GPU)."""
   best, best_t = None, float("inf")
   for bm, bn, st in RULE_TILES:
     if (bm == 64 and m > 256) or (bm > 64 and m <= 64):
@@ -148,7 +171,7 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int) -> MosaicMatmulConfig
     for sk in sorted({1, wave_split(tiles, k, num_sms)}):
       c = MosaicMatmulConfig(block_m=bm, block_n=bn, num_stages=st, split_k=sk,
                              grid_width=8 if tiles > num_sms else 1)
-      t = estimate_us(m, n, k, c, num_sms)
+      t = estimate_us(m, n, k, c, num_sms, hbm_tbs)
       if t < best_t:
         best, best_t = c, t
   return best

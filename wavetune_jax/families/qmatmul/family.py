@@ -63,8 +63,8 @@ class QMatmulFamily(Family):
   baseline_name = "XLA"
   heuristic_margin = 1.0
   guard_rule = {"weight_radius": 1.0, "size_radius": 0.5, "win": 0.97}
-  # Tables for the H100 only (GPU tunes over part of the suite): no warning
-  # where none ships; the guard and first-use refinement decide there.
+  # Tables for the H100 and H200 only (GPU tunes over part of the suite): no
+  # warning where none ships; the guard and first-use refinement decide there.
   tables_shipped = False
 
   # --- the call ------------------------------------------------------------------------
