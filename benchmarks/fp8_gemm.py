@@ -71,6 +71,12 @@ def configs(m: int, n: int, k: int, full: bool):
               C(block_m=256, block_n=128, num_stages=3, grid_width=1)]
   if full and m <= 64:
     out.append(C(block_m=64, block_n=128, num_stages=5, split_k=r.split_k))
+    # Splits past a wave: shorter K per split (the accumulator's error grows
+    # with it) for more CTAs than SMs.
+    for bn in (128, 256):
+      for sk in (8, 16):
+        if k_steps(k, sk) >= 4:
+          out.append(C(block_m=64, block_n=bn, num_stages=4, split_k=sk))
   seen, res = set(), []
   for c in out:
     if c not in seen:
