@@ -12,7 +12,11 @@ checked first against the float32 product of the dequantized operands):
   (``xla_fp8_nk``, cuBLASLt's layout);
 * the Mosaic kernel (``pallas_kernels.matmul.fp8``) at a few configs.
 
-    PYTHONPATH=. python3 benchmarks/fp8_gemm.py [--quick] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/fp8_gemm.py [--quick] [--full] [--weights NAMES]
+        [--m M ...] [--x-from-w] [--json out.json]
+
+The rule's config (first) is the one ``wt.quantized_matmul`` runs on this GPU
+(its cost model scaled to the GPU's HBM bandwidth).
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.matmul.fp8 import check_shapes, fp8_matmul, heuristic_config, wave_split
+from pallas_kernels.matmul.fp8 import (HBM_TBS, check_shapes, fp8_matmul, heuristic_config,
+                                       k_steps, wave_split)
 from pallas_kernels.matmul.mosaic import MosaicMatmulConfig as C
-from pallas_kernels.matmul.mosaic import k_steps
+from wavetune_jax.core.hardware import device_key
 from wavetune_jax import quantize_rows
 from wavetune_jax.tuning import profiler
 
@@ -43,9 +48,9 @@ EXTRA_WEIGHTS = [("mistral_nemo_12b.down", 14336, 5120), ("gemma_2_9b.down", 143
                  ("qwen2_5_7b.down", 18944, 3584)]
 
 
-def configs(m: int, n: int, k: int, full: bool):
-  """The rule's config and some neighbours."""
-  out = [heuristic_config(m, n, k, 132)]
+def configs(m: int, n: int, k: int, full: bool, hbm_tbs: float | None = None):
+  """The rule's config (for a GPU of ``hbm_tbs`` TB/s) and some neighbours."""
+  out = [heuristic_config(m, n, k, 132, hbm_tbs)]
   r = out[0]
   if r.block_n == 128:  # the 256-column tile the rule passed over
     out.append(C(block_m=r.block_m, block_n=256, num_stages=3 if r.block_m > 64 else 4,
@@ -55,7 +60,7 @@ def configs(m: int, n: int, k: int, full: bool):
     for sk in sorted({1, max(1, r.split_k // 2), r.split_k * 2}):
       out.append(C(block_m=r.block_m, block_n=256, num_stages=3 if r.block_m > 64 else 4,
                    split_k=sk))
-    if r.block_n == 128 and k_steps(k, r.split_k * 2) >= 4:  # the rule's tile, twice the split
+    if full and r.block_n == 128 and k_steps(k, r.split_k * 2) >= 4:  # twice the split
       out.append(dataclasses.replace(r, split_k=r.split_k * 2))
     for bm in ((64, 128) if m > 64 else (64,)):
       tiles = -(-m // bm) * -(-n // 128)
@@ -89,8 +94,11 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true",
                   help="Llama-3-8B w1 and 8192^3 at M 16, 64, 2048, 8192")
-  ap.add_argument("--full", action="store_true", help="more configs above 64 rows")
-  ap.add_argument("--weights", help="comma-separated weight names (default: all)")
+  ap.add_argument("--full", action="store_true",
+                  help="more configs: above 64 rows, and splits past a wave at 64 or fewer")
+  ap.add_argument("--weights", help="comma-separated weight names, of the default set or of "
+                  + ",".join(w[0] for w in EXTRA_WEIGHTS) + " (default: the set; with "
+                  "--quick the names still choose the weights)")
   ap.add_argument("--m", type=int, nargs="+", help="rows (default: 16 64 256 2048 4096 8192)")
   ap.add_argument("--x-from-w", action="store_true",
                   help="x = the weight's first M rows (same-sign sums: an accuracy check)")
@@ -140,7 +148,7 @@ def main(argv=None):
 
       cands = {"xla_fp8_nk": (xla_fp8(((1,), (1,))), w_nk),
                "xla_fp8_kn": (xla_fp8(((1,), (0,))), w_kn)}
-      for c in configs(m, n, k, a.full):
+      for c in configs(m, n, k, a.full, HBM_TBS.get(device_key(dev.device_kind))):
         try:
           check_shapes(m, n, k, x8.dtype, w_nk.dtype, c)
         except ValueError:

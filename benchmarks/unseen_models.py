@@ -314,6 +314,8 @@ def main(argv=None) -> int:
   if a.compile_threads < 1:
     ap.error("--compile-threads must be >= 1")
   if a.report:
+    if a.only is not None:
+      ap.error("--only selects problems to run; --report reads every row of its files")
     return report(a.report, fams, a.models)
   # Checked here, not by argparse: the library's policies are read when run.
   policy = a.policy

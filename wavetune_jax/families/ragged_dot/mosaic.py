@@ -183,8 +183,8 @@ class MosaicRaggedDot(Backend):
     Under a skewed router it was 1.14-1.36x faster than those orders on 5
     of 7 and 0.92-0.98x on 3 (order 0 won where the hot experts' rows fit
     L2). ``64 < r <= 128``: the same order on 64 x 256 tiles, 4 stages:
-    the best config within 5% on all 18 problems of 96-128 rows per expert
-    of both sweeps (0.989 / 0.996 of the best, H200 / H100), where 128 x 256
+    within 5% of the best config on 17 / 18 of the 18 problems of 96-128
+    rows per expert (0.989 / 0.996 of the best, H200 / H100), where 128 x 256
     ran at 0.955 / 0.969 of it (64 x 256 over it 1.035x / 1.028x, 0.95-1.11x;
     a 128-row task at 96-128 rows leaves rows empty under balanced routing,
     and twice the tasks fill the waves). ``56 <= r <= 64``: 64 x 128 tiles, 4
