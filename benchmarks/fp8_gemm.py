@@ -33,8 +33,8 @@ from jax import lax
 from pallas_kernels.matmul.fp8 import (HBM_TBS, check_shapes, fp8_matmul, heuristic_config,
                                        k_steps, wave_split)
 from pallas_kernels.matmul.mosaic import MosaicMatmulConfig as C
-from wavetune_jax.core.hardware import device_key
 from wavetune_jax import quantize_rows
+from wavetune_jax.core.hardware import device_key
 from wavetune_jax.tuning import profiler
 
 # (name, K, N): Llama-3-8B's and Qwen2.5-1.5B's MLP and attention output, and 8192^3.

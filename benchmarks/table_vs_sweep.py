@@ -285,6 +285,33 @@ def _order2_over_before(ds) -> None:
             + ", ".join(f"{k} {_geo(v):.3f}x over {len(v)}" for k, v in sorted(by.items())))
 
 
+def _tile_height_by_expert(ds) -> None:
+  """The Hopper rule's task height in order 2, by rows per expert: 64 x 256
+  (4 stages) against 128 x 256 (the rule's stages on this GPU), each as a
+  share of the best Mosaic config of the problem, and how many problems each
+  is within 5% of that best."""
+  from wavetune_jax import MosaicRaggedDotConfig as C
+  from wavetune_jax.families.ragged_dot.mosaic import DEEPER_RING
+  tall = C(block_m=128, block_n=256, grid_minor=2,
+           num_stages=4 if ds.hw.device_key.startswith(DEEPER_RING) else 3)
+  short = C(block_m=64, block_n=256, num_stages=4, grid_minor=2)
+  for label, lo, hi in (("65-128", 64, 128), ("129-255", 128, 255)):
+    rows = []
+    for p in ds.problems:
+      r, t = p.m / min(p.g, p.m), ds.times[p]
+      if lo < r <= hi and tall in t and short in t:
+        best = min(v for c, v in t.items() if isinstance(c, C))
+        rows.append((best / t[short], best / t[tall], t[tall] / t[short]))
+    if rows:
+      s_, t_, ratio = (list(v) for v in zip(*rows))
+      print(f"64 x 256 over {tall.block_m} x 256 ({tall.num_stages} stages), order 2, at "
+            f"{label} rows per expert, {len(rows)} problems: {_geo(ratio):.3f}x "
+            f"({min(ratio):.3f}-{max(ratio):.3f}), 64 x 256 faster on "
+            f"{sum(x > 1 for x in ratio)}; share of the best Mosaic config "
+            f"{_geo(s_):.3f} (min {min(s_):.3f}) / {_geo(t_):.3f} (min {min(t_):.3f}), "
+            f"within 5% on {sum(x >= 0.95 for x in s_)} / {sum(x >= 0.95 for x in t_)}")
+
+
 def _trusted_regions(ds) -> None:
   """Where the guard trusts a Mosaic config over XLA's dense ragged dot
   without evidence (``RaggedDotFamily.trusted_without_evidence``, the
@@ -360,6 +387,7 @@ def _vs_batched(ds, chosen: dict, chosen_cfg, path: str) -> None:
           f"choice reaches >= 650 on {sum(x[0] >= 650 for x in fast)}; lowest "
           + ", ".join(f"{spec.problem_key(p)} {t:.0f} (batched {b:.0f})" for t, b, p in fast[:3]))
   _order2_over_before(ds)
+  _tile_height_by_expert(ds)
   if low:
     print(f"problems of >= 128 rows per expert below 0.95x the batched GEMM ({len(low)}): "
           f"table / oracle speed, the chosen config")

@@ -264,3 +264,44 @@ def test_rule_scales_its_bandwidth_to_the_gpu():
     assert new <= old
     faster += new < old
   assert len(rows) == 8 and faster == 2  # Mistral-Nemo at 1 and 16 rows
+
+
+def test_the_scaled_bandwidth_changes_no_suite_pick_on_the_h200(monkeypatch):
+  """docs/results.md: on the suite's 216 W8A8 problems the H200's scaled
+  bandwidth changes the rule's config on 25 and the selection on none (the
+  guard keeps XLA's FP8 dot there)."""
+  from wavetune_jax.shapes import load_suite
+  probs = [p for p in QMATMUL.problems_from_suite(load_suite("train")) if p.w8a8]
+  mosaic, h200 = QMATMUL.backend("mosaic"), "nvidia_h200"
+  from wavetune_jax.core.hardware import get_hardware
+  from wavetune_jax.runtime.selector import clear
+  hw = get_hardware("h200")
+
+  def picks():
+    clear()
+    with wt.policy("tables"):
+      return ([mosaic.heuristic(p, hw) for p in probs],
+              [wt.select("qmatmul", p, h200).config for p in probs])
+
+  rules, chosen = picks()
+  monkeypatch.setattr(fp8, "HBM_TBS", {})
+  fit_rules, fit_chosen = picks()
+  clear()
+  assert len(probs) == 216
+  assert sum(a != b for a, b in zip(rules, fit_rules)) == 25
+  assert chosen == fit_chosen
+
+
+@pytest.mark.parametrize("gpu", ["nvidia_h100_80gb_hbm3", "nvidia_h200"])
+def test_table_picks_reproduces_the_docs(gpu):
+  """docs/results.md ("Tables for the quantized GEMMs"): each GPU's tables
+  change 12 qmatmul picks and 1 qragged_dot pick of the suite's 648 each
+  (``benchmarks/table_picks.py``)."""
+  import importlib.util
+  path = Path(__file__).resolve().parents[1] / "benchmarks" / "table_picks.py"
+  spec = importlib.util.spec_from_file_location("table_picks", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  for fam, want in (("qmatmul", 12), ("qragged_dot", 1)):
+    rows, n = mod.changed_picks(fam, gpu)
+    assert (len(rows), n) == (want, 648), fam

@@ -714,6 +714,29 @@ def test_tails_and_vs_batched_on_record_reproduce_the_docs(capsys):
           "faster of the two 0.872x (0.748x); padded 0.907x (0.755x) over 42") in out
   assert ("512- rows: 41 problems; batched 0.900x (0.817x) / 0.906x; >= 0.95x 5, >= 1.0x 0; "
           "faster of the two 0.900x (0.817x); padded 0.940x (0.819x) over 41") in out
+  # The rule's 64-row tasks at 65-128 rows per expert ("64-row tasks up to 128 rows per expert").
+  assert ("64 x 256 over 128 x 256 (4 stages), order 2, at 65-128 rows per expert, 18 problems: "
+          "1.028x (0.985-1.071), 64 x 256 faster on 16; share of the best Mosaic config 0.996 "
+          "(min 0.961) / 0.969 (min 0.934), within 5% on 18 / 13") in out
+  assert ("at 129-255 rows per expert, 10 problems: 0.900x (0.845-0.966), 64 x 256 faster "
+          "on 0") in out
+
+
+def test_tile_height_on_the_h200_sweep_reproduces_the_docs(capsys):
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent
+  mod = _load_benchmark("table_vs_sweep")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    mod.main([str(root / "data/sweeps/nvidia_h200/ragged_dot_bfloat16.jsonl.gz"),
+              str(root / "tables/nvidia_h200/ragged_dot.json"), "--vs-batched"])
+  out = capsys.readouterr().out
+  assert "efficiency vs oracle: geomean 0.989, min 0.864, within 5% 0.90" in out
+  assert ("64 x 256 over 128 x 256 (3 stages), order 2, at 65-128 rows per expert, 18 problems: "
+          "1.035x (0.948-1.114), 64 x 256 faster on 13; share of the best Mosaic config 0.989 "
+          "(min 0.948) / 0.955 (min 0.898), within 5% on 17 / 10") in out
+  assert ("at 129-255 rows per expert, 10 problems: 0.960x (0.897-1.015), 64 x 256 faster "
+          "on 3") in out
 
 
 # One compiled program per trial, not one per op (the trials' shapes differ).

@@ -123,7 +123,7 @@ _RATE, _BW, _LATENCY_S, _SPLIT_S = 1.5e15, 2.6e12, 2.4e-6, 2e-6
 #: (``benchmarks/fp8_gemm.py --weights mistral_nemo_12b.down --m 1 --full``).
 #: GPUs not listed keep the H100's fit.
 HBM_TBS = {"nvidia_h100_80gb_hbm3": 3.35, "nvidia_h200": 4.8}
-_FIT_TBS = 3.35
+_FIT_TBS = HBM_TBS["nvidia_h100_80gb_hbm3"]
 #: Tile rate relative to 128 x 256 (measured at 2k-8k rows).
 _TILE_EFF = {(128, 256): 1.0, (256, 128): 0.98, (128, 192): 0.97, (128, 128): 0.93,
              (64, 256): 0.75, (64, 128): 0.6}
