@@ -22,6 +22,12 @@ of the same shape at its rule (what the 4-bit weight saves against).
 
     PYTHONPATH=. python3 benchmarks/weight_only.py [--quick] [--layout kn|nk] [--json out.json]
     PYTHONPATH=. python3 benchmarks/weight_only.py --weights int4 [--group 128] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/weight_only.py --layout nk --grid [--only NAME ...] [--dtypes int8]
+
+``--grid`` (``--layout nk``) times every channel tile and power-of-two K
+split (up to 8) at the rule's stages instead of the rule and its
+neighbours; ``--only`` keeps the named weights (``WEIGHTS``, with
+``llama3_8b.wqkv``), ``--dtypes`` the named weight dtypes.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ from wavetune_jax.tuning import profiler
 WEIGHTS = [("llama3_8b.w1", 4096, 14336), ("llama3_8b.w2", 14336, 4096),
            ("llama3_8b.wo", 4096, 4096), ("qwen2_5_1_5b.w13", 1536, 17920),
            ("qwen2_5_1_5b.w2", 8960, 1536)]
+#: Weights ``--only`` can name besides :data:`WEIGHTS`.
+EXTRA_WEIGHTS = [("llama3_8b.wqkv", 4096, 6144)]
 #: Rows; 2,048 (prefill: XLA's GEMM is the faster there) on the first weight only.
 MS = (1, 16, 64, 2048)
 
@@ -71,6 +79,17 @@ def nk_configs(m: int, k: int, n: int):
   out += [dataclasses.replace(rule, split_k=sk) for sk in (1, 2, 4, 8, 16) if sk != rule.split_k]
   out.append(dataclasses.replace(rule, block_n=384 - rule.block_n))
   return out
+
+
+def nk_grid(m: int, k: int, n: int):
+  """Every channel tile and power-of-two K split up to 8 (at least two K
+  steps a split) at the rule's stages."""
+  rule = nk_kernel.decode_config(m, k, n, 132)
+  if rule is None:
+    return []
+  return [dataclasses.replace(rule, block_n=bn, split_k=sk)
+          for bn in nk_kernel.BLOCK_N for sk in (1, 2, 4, 8)
+          if n % bn == 0 and k // nk_kernel.STEP_K // sk >= 2]
 
 
 def int4_configs(m: int, k: int, n: int, a_group: int):
@@ -182,9 +201,20 @@ def main(argv=None):
                   help="8-bit weights (int8 and e4m3; default) or int4 ([N, K] only)")
   ap.add_argument("--group", type=int, choices=nk_kernel.INT4_GROUPS, default=128,
                   help="int4: values of K per scale (default 128)")
+  ap.add_argument("--grid", action="store_true",
+                  help="--layout nk: every channel tile and split up to 8")
+  ap.add_argument("--only", nargs="+", default=None, help="these weights only")
+  ap.add_argument("--dtypes", nargs="+", choices=("int8", "float8_e4m3fn"), default=None,
+                  help="these weight dtypes only")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
+  if a.grid and a.layout != "nk":
+    ap.error("--grid takes --layout nk")
+  names = [w[0] for w in WEIGHTS + EXTRA_WEIGHTS]
+  for name in a.only or ():
+    if name not in names:
+      ap.error(f"--only: unknown weight {name!r}; known: {', '.join(names)}")
   prof = profiler.Profiler(iterations=a.iterations)
   dev = jax.devices()[0]
   if a.weights == "int4":
@@ -197,8 +227,11 @@ def main(argv=None):
   nk = a.layout == "nk"
   dot = _dot(a.layout)
   rows = []
-  wdtypes = ("int8",) if a.quick else ("int8", "float8_e4m3fn")
-  for wname, k, n in (WEIGHTS[:1] if a.quick else WEIGHTS):
+  wdtypes = a.dtypes or (("int8",) if a.quick else ("int8", "float8_e4m3fn"))
+  weights = WEIGHTS[:1] if a.quick else WEIGHTS
+  if a.only:
+    weights = [w for w in WEIGHTS + EXTRA_WEIGHTS if w[0] in a.only]
+  for wname, k, n in weights:
     for wd in wdtypes:
       kw, ks = jax.random.split(jax.random.PRNGKey(1))
       shape = (n, k) if nk else (k, n)
@@ -222,7 +255,7 @@ def main(argv=None):
                 x, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
                 * s).astype(jnp.bfloat16),
         }
-        for c in (nk_configs(m, k, n) if nk else configs(m, k, n)):
+        for c in ((nk_grid if a.grid else nk_configs)(m, k, n) if nk else configs(m, k, n)):
           try:
             (nk_kernel.check_shapes if nk else check_shapes)(m, n, k, jnp.bfloat16, w.dtype, c)
           except ValueError:

@@ -426,6 +426,53 @@ def test_nk_rule_against_the_recorded_h100_run():
   assert len(trusted) == 8 and min(trusted) > 1.05
 
 
+NK_GRID_H200 = "data/probes/weight_only_nk_grid_h200.json"
+
+
+def test_nk_wide_step_on_the_h200_against_the_recorded_grid():
+  # docs/results.md: on an H200 every channel tile and split up to 8 timed at
+  # 1, 16 and 64 rows of six int8 weights; with the H200's wide-step cost the
+  # rule picks the fastest at 1 and 16 rows on all 12, where the H100's count
+  # (2) lost up to 13%; 64 rows are unchanged.
+  import json
+  import math
+  import pathlib
+  from pallas_kernels.matmul.weight_only_nk import WIDE_STEP, decode_config
+  run = json.loads((pathlib.Path(__file__).parent.parent / NK_GRID_H200).read_text())
+  assert run["device_kind"] == "NVIDIA H200" and len(run["rows"]) == 18
+  old, new = [], []
+  for r in run["rows"]:
+    assert not r["errors"]
+    mos = {lab: v for lab, v in r["times"].items() if lab.startswith("mosaic")}
+    best = min(mos.values())
+    ratio = []
+    for ws in (None, WIDE_STEP["nvidia_h200"]):
+      c = decode_config(r["m"], r["k"], r["n"], 132, wide_step=ws)
+      ratio.append(best / mos[f"mosaic 64x{c.block_n} st{c.num_stages} sk{c.split_k}"])
+    if r["m"] == 64:
+      assert ratio[0] == ratio[1]
+    else:
+      old.append(ratio[0])
+      new.append(ratio[1])
+  assert len(new) == 12 and min(new) == 1.0
+  assert round(min(old), 3) == 0.871 and sum(x < 0.95 for x in old) == 5
+  gain = math.exp(sum(math.log(n / o) for n, o in zip(new, old)) / len(new))
+  assert round(gain, 3) == 1.056
+
+
+def test_nk_wide_step_is_the_h200s_alone():
+  from pallas_kernels.matmul.weight_only_nk import WIDE_STEP, decode_config
+  assert set(WIDE_STEP) == {"nvidia_h200"}
+  p = QMatmulProblem(m=16, n=14336, k=4096, dtype="bfloat16", w_dtype="int8", w_layout="nk")
+  mosaic = QMATMUL.backend("mosaic")
+  h100, h200 = mosaic.heuristic(p, H100), mosaic.heuristic(p, wt.get_hardware("h200"))
+  assert (h100.block_n, h100.split_k) == (128, 1) and (h200.block_n, h200.split_k) == (256, 2)
+  # 64 rows and int4 weights keep the count of 2 on every GPU.
+  for m, group in ((64, 0), (16, 128)):
+    assert (decode_config(m, 4096, 14336, 132, group, wide_step=1.75)
+            == decode_config(m, 4096, 14336, 132, group))
+
+
 def test_an_nk_weight_without_w_layout_says_so():
   x = jnp.ones((4, 512), jnp.bfloat16)
   w8, s = wt.quantize_weight(jnp.ones((512, 256), jnp.float32), "int8", layout="nk")

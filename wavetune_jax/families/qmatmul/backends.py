@@ -256,7 +256,10 @@ class MosaicQMatmul(Backend):
     (``benchmarks/weight_only.py``). Weight-only ``[N, K]``:
     ``pallas_kernels.matmul.weight_only_nk.decode_config``, within 3.3% of
     the fastest of up to 9 configs on 29 of 30 problems on an H100 and 8% on
-    the last (``benchmarks/weight_only.py --layout nk``); on int4, its
+    the last (``benchmarks/weight_only.py --layout nk``), with a 256-channel
+    step's cost by GPU (``weight_only_nk.WIDE_STEP``: on an H200 the fastest
+    of every channel tile and split up to 8 on all 12 problems at 1 and 16
+    rows, six weights, ``--grid``); on int4, its
     256-steps and the most stages up to 4 that fit shared memory (the
     config of 64 rows above them), within 6% of the fastest of its
     neighbours on all 23 problems measured on an H100
@@ -272,7 +275,8 @@ class MosaicQMatmul(Backend):
     if p.w_layout == "nk":
       c = nk_kernel.decode_config(min(p.m, nk_kernel.MAX_M), p.k, p.n, hw.num_sms,
                                   group=p.group_size,
-                                  smem_limit=hw.smem_per_block)
+                                  smem_limit=hw.smem_per_block,
+                                  wide_step=nk_kernel.WIDE_STEP.get(hw.device_key))
       return None if c is None or self.why_not(p, c) else c
     return kernel.decode_config(p.m, p.k, p.n, hw.num_sms)
 
