@@ -2,16 +2,26 @@
 
 Builds the operands of one named case on the host, runs the call once to
 compile and warm up, then ``--calls`` more times, and exits. Nothing is
-timed here: wrap it, for example
+timed unless ``--time``: wrap it, for example
 
-    ncu --clock-control none --section SpeedOfLight --section WarpStateStats \\
+    ncu --clock-control none -k regex:mosaic --launch-skip 1 --launch-count 1 \\
+        --section SpeedOfLight --section WarpStateStats \\
         python3 benchmarks/kernel_case.py nk_int8 --k 4096 --n 14336 --m 16
-    MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=/tmp/dump \\
-        python3 benchmarks/kernel_case.py nk_int8 --k 4096 --n 14336 --m 16
+    mkdir -p /tmp/dump && MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 \\
+        MOSAIC_GPU_DUMP_TO=/tmp/dump python3 benchmarks/kernel_case.py nk_int8 --m 16
 
-``--time`` instead times each ``--m`` and ``--k-chunks`` given (CUPTI, L2
+(``-k regex:mosaic --launch-skip 1``: the Mosaic kernel's call after the
+warm-up; the Mosaic GPU kernels are named ``kernel_mosaic_gpu_kernel``.)
+
+``--time`` instead times each ``--m`` given (CUPTI, L2
 flushed, median of ``--iterations``) and prints one line each, with the
 weight's bytes over the time.
+
+``--sass-summary CSV`` (no GPU) reads what ``ncu --section SourceCounters
+--page source --print-source sass --csv`` wrote for one kernel and prints,
+per SASS opcode of the consumers' step loop (the instructions executed as
+often as the first wgmma, ``HGMMA``), the instructions and the warp stall
+samples there.
 
 Cases: ``nk_int8`` / ``nk_e4m3`` (the swapped weight-only kernel on an
 ``[N, K]`` 8-bit weight at its rule's config, or ``--config bn,stages,split``),
@@ -32,29 +42,33 @@ CASES = ("nk_int8", "nk_e4m3", "nk_int4", "dot_bf16", "dot_int8")
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  if argv is None:
+    argv = sys.argv[1:]
+  if argv[:1] == ["--sass-summary"]:
+    if len(argv) != 2:
+      print("usage: kernel_case.py --sass-summary NCU_SOURCE.csv", file=sys.stderr)
+      return 2
+    return sass_summary(argv[1])
   ap.add_argument("case", choices=CASES)
   ap.add_argument("--k", type=int, default=4096)
   ap.add_argument("--n", type=int, default=14336)
   ap.add_argument("--m", type=int, nargs="+", default=[16])
-  ap.add_argument("--k-chunks", type=int, nargs="+", default=[1],
-                  help="the nk cases' k_chunks (1 or 2)")
-  ap.add_argument("--time", action="store_true", help="time every --m and --k-chunks")
+  ap.add_argument("--time", action="store_true", help="time every --m")
   ap.add_argument("--iterations", type=int, default=20)
   ap.add_argument("--config", default=None,
                   help="block_n,num_stages,split_k for the nk cases (default: the rule's)")
   ap.add_argument("--calls", type=int, default=1, help="calls after the warm-up (default 1)")
   a = ap.parse_args(argv)
 
-  if not a.time and (len(a.m) > 1 or len(a.k_chunks) > 1):
-    ap.error("one --m and one --k-chunks unless --time")
+  if not a.time and len(a.m) > 1:
+    ap.error("one --m unless --time")
   rc = 0
   for m in a.m:
-    for kc in (a.k_chunks if a.case.startswith("nk_") else [1]):
-      rc |= run(a, m, kc)
+    rc |= run(a, m)
   return rc
 
 
-def run(a, m: int, kc: int) -> int:
+def run(a, m: int) -> int:
   import jax
   import jax.numpy as jnp
   from pallas_kernels.matmul import weight_only_nk as nk
@@ -84,9 +98,8 @@ def run(a, m: int, kc: int) -> int:
       config = MosaicMatmulConfig(block_m=64, block_n=bn, num_stages=st, split_k=sk)
     else:
       config = nk.decode_config(m, a.k, a.n, jax.devices()[0].core_count, group=group)
-    print(f"{a.case}: M={m} K={a.k} N={a.n} {config} k_chunks={kc}", file=sys.stderr)
-    f = jax.jit(lambda x, w, s: nk.weight_only_matmul_nk(x, w, s, config=config,
-                                                                  k_chunks=kc))
+    print(f"{a.case}: M={m} K={a.k} N={a.n} {config}", file=sys.stderr)
+    f = jax.jit(lambda x, w, s: nk.weight_only_matmul_nk(x, w, s, config=config))
     args = (x, w, scales)
   elif a.case == "dot_bf16":
     wb = jnp.asarray(q * s[:, None], jnp.bfloat16)
@@ -109,13 +122,49 @@ def run(a, m: int, kc: int) -> int:
     (t,) = profiler.Profiler(iterations=a.iterations).measure_many([f], args)
     bits = 4 if args[1].dtype == jnp.int4 else 8 * args[1].dtype.itemsize
     wbytes = args[1].size * bits // 8
-    print(f"{a.case:9s} M={m:3d} K={a.k:6d} N={a.n:6d} k_chunks={kc} {t.status:4s} "
+    print(f"{a.case:9s} M={m:3d} K={a.k:6d} N={a.n:6d} {t.status:4s} "
           f"{t.median_us or float('nan'):8.1f} us  {wbytes / (t.median_us or 1) / 1e6:6.2f} TB/s {t.error[:200]}",
           flush=True)
     return 0
   for _ in range(a.calls):
     out = f(*args)
   out.block_until_ready()
+  return 0
+
+
+def sass_summary(path: str) -> int:
+  """Prints the step loop's opcodes, instructions and stall samples (module doc)."""
+  import csv
+  try:
+    lines = open(path).read().splitlines()
+  except OSError as e:
+    print(f"--sass-summary: cannot read {path}: {e.strerror}", file=sys.stderr)
+    return 2
+  start = next((i for i, l in enumerate(lines) if l.startswith('"Address","Source"')), None)
+  if start is None:
+    print(f"--sass-summary: {path} holds no ncu source page (--page source --csv)",
+          file=sys.stderr)
+    return 2
+  rows = list(csv.reader(lines[start:]))
+  hdr, data = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
+  samples = hdr.index("Warp Stall Sampling (All Samples)")
+  executed = hdr.index("Instructions Executed")
+  mma = [int(r[executed]) for r in data if "GMMA" in r[1]]
+  most = mma[0] if mma else max(int(r[executed]) for r in data)
+  loop = [r for r in data if int(r[executed]) == most]
+  ops: dict[str, list[int]] = {}
+  for r in loop:
+    words = r[1].split()
+    op = (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
+    ops.setdefault(op, [0, 0])
+    ops[op][0] += 1
+    ops[op][1] += int(r[samples])
+  total = sum(int(r[samples]) for r in data)
+  print(f"{len(data)} SASS instructions, {total} stall samples; the step loop (executed "
+        f"{most} times each): {len(loop)} instructions, "
+        f"{sum(v[1] for v in ops.values())} samples")
+  for op, (n, smp) in sorted(ops.items(), key=lambda kv: -kv[1][1]):
+    print(f"  {op:14s} {n:4d} instructions {smp:6d} samples")
   return 0
 
 

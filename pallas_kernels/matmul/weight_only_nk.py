@@ -73,14 +73,16 @@ SMEM_LIMIT = 232448
 #: 128-channel tile, by device key, at up to 16 rows (:func:`decode_config`;
 #: GPUs not listed, and more rows, count 2). A consumer's step is one
 #: dependent chain (load the 8-bit block, convert it, the wgmmas, wait), and
-#: converting takes most of its issue slots (about 190 of the 272 SASS
-#: instructions a step on an H200, Llama-3-8B's w1 at 16 rows); a 128-channel
-#: consumer runs two independent 64-channel halves of that chain, so where
+#: converting takes most of it (on an H200, Llama-3-8B's w1 at 16 rows: 162
+#: of a step's 272 SASS instructions and 46% of its warps' stall samples,
+#: ``benchmarks/kernel_case.py --sass-summary``); a consumer of a
+#: 256-channel tile runs two independent 64-channel halves of it, so where
 #: the consumers, not HBM, bound the kernel a step of twice the bytes takes
 #: less than twice the time. On an H200 (4.8 TB/s) at 1 and 16 rows, 256
 #: channels with twice the K split (the same CTAs) ran 1.04-1.15x faster than
-#: 128 channels on Llama-3-8B's w1, w2 and wqkv, equal on wo; fitted, a wide
-#: step cost 1.72-1.87 narrow ones (``benchmarks/weight_only.py --layout nk
+#: 128 channels on Llama-3-8B's w1, w2 and wqkv, equal on wo; fitted on the
+#: w1 and w2 pairs, a wide step cost 1.73-1.91 narrow ones
+#: (``benchmarks/weight_only.py --layout nk
 #: --grid``, ``data/probes/weight_only_nk_grid_h200.json``). At 64 rows (the
 #: MMA four times as wide) they were equal or 128 channels faster. The H100
 #: was not measured with equal CTAs and keeps 2.
@@ -221,7 +223,7 @@ def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
 
 def weight_only_matmul_nk(x: jax.Array, w: jax.Array, scales: jax.Array, *,
                           config: MosaicMatmulConfig, out_dtype=None,
-                          num_sms: int | None = None, k_chunks: int = 1) -> jax.Array:
+                          num_sms: int | None = None) -> jax.Array:
   """``(x @ w.T) * scales`` with 8-bit ``w [N, K]``, or the int4 weight's
   group-wise dequantized product (Hopper only).
 
@@ -236,9 +238,6 @@ def weight_only_matmul_nk(x: jax.Array, w: jax.Array, scales: jax.Array, *,
       ``num_stages`` and ``split_k`` are used), used as given.
     out_dtype: bfloat16, float16 or float32 (default ``x.dtype``).
     num_sms: CTAs of the persistent grid (default: the default device's SMs).
-    k_chunks: 8-bit weights: each consumer converts and multiplies a step's
-      block in this many slices along K (1, 2 or 4), issuing each slice's
-      wgmma before converting the next.
 
   The result matches the float32 product of ``x`` and the dequantized
   weight to a bfloat16 GEMM's error (relative 1e-2): the 8-bit values are
@@ -267,18 +266,14 @@ def weight_only_matmul_nk(x: jax.Array, w: jax.Array, scales: jax.Array, *,
   if num_sms is None:
     num_sms = int(require_compute_capability("9.0", "Mosaic GPU weight-only GEMM",
                                              "use the XLA config").core_count)
-  if k_chunks not in (1, 2, 4) or (group and k_chunks != 1):
-    raise ValueError(f"k_chunks must be 1, 2 or 4 (1 for int4 weights); got {k_chunks}")
-  return _matmul(x, w, scales, config=config, out_dtype=out_dtype, num_sms=int(num_sms),
-                 k_chunks=k_chunks)
+  return _matmul(x, w, scales, config=config, out_dtype=out_dtype, num_sms=int(num_sms))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms", "k_chunks"))
-def _matmul(x, w, scales, *, config: MosaicMatmulConfig, out_dtype, num_sms: int,
-            k_chunks: int = 1):
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
+def _matmul(x, w, scales, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
   int4 = w.dtype == jnp.int4
   acc = _kernel_call(x, w, scales.astype(jnp.float32) if int4 else None, config=config,
-                     num_sms=num_sms, k_chunks=k_chunks)  # [(split,) N, rows]
+                     num_sms=num_sms)  # [(split,) N, rows]
   if config.split_k > 1:
     acc = acc.sum(axis=0)
   acc = acc[:, :x.shape[0]].T
@@ -293,8 +288,7 @@ def _transforms(row_bytes: int, itemsize: int) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int,
-                 k_chunks: int = 1):
+def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int):
   """The fp32 ``[(split,) N, rows]`` product. ``group_scales [K // group, N]``
   with an int4 ``w``: a step of :data:`INT4_STEP_K` is ``INT4_STEP_K //
   group`` sub-blocks ``[block_n, group]`` of ``w`` (each its own TMA copy
@@ -378,21 +372,6 @@ def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int
         def mma_body(_, x_smem, *refs):
           *w_smems, acc_ref = refs
           s_smem = w_smems.pop() if int4 else None
-          if k_chunks > 1:
-            # One load of the 8-bit block, then slices along K: each slice's
-            # wgmma runs while the next one is converted.
-            (w_smem,) = w_smems
-            a8 = w_smem[wg_n]
-            kc = step // k_chunks
-            for c in range(k_chunks):
-              a = a8[:, c * kc:(c + 1) * kc]
-              if convert_f16:
-                a = a.astype(jnp.float16)
-              a = a.astype(dtype)
-              plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem.at[:, pl.ds(c * kc, kc)],
-                                                          (1, 0)))
-            plgpu.wgmma_wait(0)
-            return acc_ref
           for j, w_smem in enumerate(w_smems):
             # Loaded in wgmma's layout. (Loading 32 bits a thread, then a
             # relayout in registers, ran no faster on an H100.)
