@@ -97,7 +97,10 @@ def run(a, m: int) -> int:
       bn, st, sk = (int(v) for v in a.config.split(","))
       config = MosaicMatmulConfig(block_m=64, block_n=bn, num_stages=st, split_k=sk)
     else:
-      config = nk.decode_config(m, a.k, a.n, jax.devices()[0].core_count, group=group)
+      from wavetune_jax.core.hardware import device_key
+      dev = jax.devices()[0]
+      config = nk.decode_config(m, a.k, a.n, dev.core_count, group=group,
+                                wide_step=nk.WIDE_STEP.get(device_key(dev.device_kind)))
     print(f"{a.case}: M={m} K={a.k} N={a.n} {config}", file=sys.stderr)
     f = jax.jit(lambda x, w, s: nk.weight_only_matmul_nk(x, w, s, config=config))
     args = (x, w, scales)

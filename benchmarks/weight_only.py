@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from pallas_kernels.matmul.mosaic import MosaicMatmulConfig
 from pallas_kernels.matmul import weight_only_nk as nk_kernel
 from pallas_kernels.matmul.weight_only import check_shapes, decode_config, weight_only_matmul
+from wavetune_jax.core.hardware import device_key
 from wavetune_jax.tuning import profiler
 
 # (name, K, N): Llama-3-8B's MLP and attention output.
@@ -68,16 +69,27 @@ def configs(m: int, k: int, n: int):
   return out
 
 
+#: The rule's cost of a 256-channel step on this GPU (``weight_only_nk.WIDE_STEP``;
+#: set by :func:`main`; None: the default count of 2).
+WIDE = None
+
+
 def nk_configs(m: int, k: int, n: int):
-  """The swapped kernel's rule (``weight_only_nk.decode_config``), every
-  power-of-two split up to 16 at its stages, 3 and 6 stages, and the other
-  channel tile."""
-  rule = nk_kernel.decode_config(m, k, n, 132)
+  """The swapped kernel's rule (``weight_only_nk.decode_config`` with this
+  GPU's ``WIDE_STEP``), every power-of-two split up to 16 at its stages, 3
+  and 6 stages, and the other channel tile at the rule's split and at the
+  split that gives the same CTAs."""
+  rule = nk_kernel.decode_config(m, k, n, 132, wide_step=WIDE)
   if rule is None:
     return []
   out = [rule] + [dataclasses.replace(rule, num_stages=st) for st in (3, 6)]
   out += [dataclasses.replace(rule, split_k=sk) for sk in (1, 2, 4, 8, 16) if sk != rule.split_k]
-  out.append(dataclasses.replace(rule, block_n=384 - rule.block_n))
+  other = 384 - rule.block_n
+  out.append(dataclasses.replace(rule, block_n=other))
+  # the other tile at the same CTAs: twice the split for 256 channels, half for 128
+  sk = rule.split_k * 2 if other == 256 else rule.split_k // 2
+  if sk >= 1 and k // nk_kernel.STEP_K // sk >= 2:
+    out.append(dataclasses.replace(rule, block_n=other, split_k=sk))
   return out
 
 
@@ -101,7 +113,12 @@ def int4_configs(m: int, k: int, n: int, a_group: int):
   out = [rule] + [dataclasses.replace(rule, num_stages=st) for st in (3, 6)]
   out += [dataclasses.replace(rule, split_k=sk) for sk in (rule.split_k // 2, rule.split_k * 2)
           if sk >= 1]
-  out.append(dataclasses.replace(rule, block_n=384 - rule.block_n))
+  other = 384 - rule.block_n
+  out.append(dataclasses.replace(rule, block_n=other))
+  # the other tile at the same CTAs: twice the split for 256 channels, half for 128
+  sk = rule.split_k * 2 if other == 256 else rule.split_k // 2
+  if sk >= 1 and k // nk_kernel.STEP_K // sk >= 2:
+    out.append(dataclasses.replace(rule, block_n=other, split_k=sk))
   return out
 
 
@@ -167,7 +184,7 @@ def run_int4(a, prof, dev) -> None:
                                               tolerance=2e-2, out_bytes=m * n * 4)))
       (bf,) = prof.measure_many([lambda x, wb: dot(x, wb)], (x, w_bf16))
       int8_t = math.nan
-      rule8 = nk_kernel.decode_config(m, k, n, 132) if m <= chunk else None
+      rule8 = nk_kernel.decode_config(m, k, n, 132, wide_step=WIDE) if m <= chunk else None
       if rule8 is not None:
         (r8,) = prof.measure_many([lambda x, w, s: nk_kernel.weight_only_matmul_nk(
             x, w, s, config=rule8)], (x, w8, s8))
@@ -217,6 +234,8 @@ def main(argv=None):
       ap.error(f"--only: unknown weight {name!r}; known: {', '.join(names)}")
   prof = profiler.Profiler(iterations=a.iterations)
   dev = jax.devices()[0]
+  global WIDE
+  WIDE = nk_kernel.WIDE_STEP.get(device_key(dev.device_kind))
   if a.weights == "int4":
     if a.layout == "kn":
       ap.error("--weights int4 takes the weight as [N, K] (--layout nk)")

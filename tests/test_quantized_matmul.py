@@ -716,3 +716,25 @@ def test_unseen_nk_weights_at_one_row_on_the_h200_before_and_after_the_wide_step
   for runs, want in ((new, (1.134, 0.987)), (old, (1.095, 0.969))):
     r = [x["us"]["base"] / x["us"]["wt"] for x in runs.values()]
     assert (round(gm(r), 3), round(min(r), 3)) == want
+
+
+def test_weight_only_benchmark_configs_and_arguments(capsys):
+  import importlib.util
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent
+  spec = importlib.util.spec_from_file_location("weight_only_bench",
+                                                root / "benchmarks" / "weight_only.py")
+  wo = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(wo)
+  # The rule's neighbours hold the other tile at the same CTAs (w1 at 16 rows:
+  # 128 channels split 1 on the default count, so 256 split 2 too).
+  got = {(c.block_n, c.split_k, c.num_stages) for c in wo.nk_configs(16, 4096, 14336)}
+  assert {(128, 1, 4), (256, 1, 4), (256, 2, 4)} <= got
+  grid = wo.nk_grid(16, 1536, 17920)  # 12 K steps: splits up to 4
+  assert {(c.block_n, c.split_k) for c in grid} == {(bn, sk) for bn in (128, 256)
+                                                    for sk in (1, 2, 4)}
+  for argv, msg in ((["--grid"], "--grid takes --layout nk"),
+                    (["--layout", "nk", "--only", "nope"], "unknown weight 'nope'")):
+    with pytest.raises(SystemExit):
+      wo.main(argv)
+    assert msg in capsys.readouterr().err
