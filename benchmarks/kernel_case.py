@@ -20,8 +20,8 @@ weight's bytes over the time.
 ``--sass-summary CSV`` (no GPU) reads what ``ncu --section SourceCounters
 --page source --print-source sass --csv`` wrote for one kernel and prints,
 per SASS opcode of the consumers' step loop (the instructions executed as
-often as the first wgmma, ``HGMMA``), the instructions and the warp stall
-samples there.
+often as the first wgmma, ``HGMMA``), the instructions and ncu's warp
+samples there: all of them, and those where the warp was not issued.
 
 Cases: ``nk_int8`` / ``nk_e4m3`` (the swapped weight-only kernel on an
 ``[N, K]`` 8-bit weight at its rule's config, or ``--config bn,stages,split``),
@@ -151,6 +151,7 @@ def sass_summary(path: str) -> int:
   rows = list(csv.reader(lines[start:]))
   hdr, data = rows[0], [r for r in rows[1:] if len(r) == len(rows[0])]
   samples = hdr.index("Warp Stall Sampling (All Samples)")
+  not_issued = hdr.index("Warp Stall Sampling (Not-issued Samples)")
   executed = hdr.index("Instructions Executed")
   mma = [int(r[executed]) for r in data if "GMMA" in r[1]]
   most = mma[0] if mma else max(int(r[executed]) for r in data)
@@ -159,15 +160,17 @@ def sass_summary(path: str) -> int:
   for r in loop:
     words = r[1].split()
     op = (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
-    ops.setdefault(op, [0, 0])
+    ops.setdefault(op, [0, 0, 0])
     ops[op][0] += 1
     ops[op][1] += int(r[samples])
+    ops[op][2] += int(r[not_issued])
   total = sum(int(r[samples]) for r in data)
-  print(f"{len(data)} SASS instructions, {total} stall samples; the step loop (executed "
+  print(f"{len(data)} SASS instructions, {total} warp samples; the step loop (executed "
         f"{most} times each): {len(loop)} instructions, "
-        f"{sum(v[1] for v in ops.values())} samples")
-  for op, (n, smp) in sorted(ops.items(), key=lambda kv: -kv[1][1]):
-    print(f"  {op:14s} {n:4d} instructions {smp:6d} samples")
+        f"{sum(v[1] for v in ops.values())} samples, {sum(v[2] for v in ops.values())} "
+        f"of them not issued")
+  for op, (n, smp, ni) in sorted(ops.items(), key=lambda kv: -kv[1][1]):
+    print(f"  {op:14s} {n:4d} instructions {smp:6d} samples {ni:6d} not issued")
   return 0
 
 

@@ -70,22 +70,25 @@ ITEM_OVERHEAD_STEPS = 2
 #: Shared memory per block on an H100 or H200 (the rule's default bound).
 SMEM_LIMIT = 232448
 #: The cost of one pipeline step of a 256-channel tile, in steps of a
-#: 128-channel tile, by device key, at up to 16 rows (:func:`decode_config`;
-#: GPUs not listed, and more rows, count 2). A consumer's step is one
-#: dependent chain (load the 8-bit block, convert it, the wgmmas, wait), and
-#: converting takes most of it (on an H200, Llama-3-8B's w1 at 16 rows: 162
-#: of a step's 272 SASS instructions and 46% of its warps' stall samples,
+#: 128-channel tile, by device key, for 8-bit weights at up to 16 rows
+#: (:func:`decode_config`; GPUs not listed, more rows and int4 weights count
+#: 2). A consumer's step is one dependent chain (load the 8-bit block,
+#: convert it, the wgmmas, wait), and issuing the conversion is its largest
+#: part (on an H200, Llama-3-8B's w1 at 16 rows: LOP3, PRMT and HADD2 are
+#: 162 of a step's 272 SASS instructions with 46% of its warp samples,
 #: ``benchmarks/kernel_case.py --sass-summary``); a consumer of a
 #: 256-channel tile runs two independent 64-channel halves of it, so where
 #: the consumers, not HBM, bound the kernel a step of twice the bytes takes
 #: less than twice the time. On an H200 (4.8 TB/s) at 1 and 16 rows, 256
 #: channels with twice the K split (the same CTAs) ran 1.04-1.15x faster than
-#: 128 channels on Llama-3-8B's w1, w2 and wqkv, equal on wo; fitted on the
-#: w1 and w2 pairs, a wide step cost 1.73-1.91 narrow ones
-#: (``benchmarks/weight_only.py --layout nk
-#: --grid``, ``data/probes/weight_only_nk_grid_h200.json``). At 64 rows (the
-#: MMA four times as wide) they were equal or 128 channels faster. The H100
-#: was not measured with equal CTAs and keeps 2.
+#: 128 channels on Llama-3-8B's w1, w2 and wqkv, equal on wo; the pairs the
+#: rule chooses between fit 1.62-1.88, and any count up to 1.75 picks the
+#: fastest of every tile and split on all 12 problems at 1 and 16 rows
+#: (``benchmarks/weight_only.py --layout nk --grid``,
+#: ``data/probes/weight_only_nk_grid_h200.json``). At 64 rows (the MMA four
+#: times as wide) 256 channels were within 2% or slower. The H100's run
+#: timed 256 channels faster at the same CTAs on 14 of 16 pairs at up to 16
+#: rows, but not the configs a smaller count would pick there; it keeps 2.
 WIDE_STEP = {"nvidia_h200": 1.75}
 #: Group sizes along K of an int4 weight's scales (one scale per ``group``
 #: values of a channel).
@@ -184,8 +187,8 @@ def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
   """The channel tile (:data:`BLOCK_N`) and split of K (a power of two, at
   least two K steps a split, none empty) of least modelled time, counted in
   pipeline steps of a 128-channel tile: the persistent grid's waves times a
-  work item's steps (a 256-channel step counts two, or ``wide_step`` at up
-  to 16 rows: :data:`WIDE_STEP` by GPU) plus
+  work item's steps (a 256-channel step counts two, or ``wide_step`` for
+  8-bit weights at up to 16 rows: :data:`WIDE_STEP` by GPU) plus
   :data:`ITEM_OVERHEAD_STEPS` (the ring's fill), plus the fp32 partials
   written and summed (as steps of the whole grid's weight bytes); 4 stages,
   or the most under 4 that fit ``smem_limit`` bytes. ``group`` > 0: an int4
