@@ -69,9 +69,10 @@ def configs(m: int, k: int, n: int):
   return out
 
 
-#: The rule's cost of a 256-channel step on this GPU (``weight_only_nk.WIDE_STEP``;
-#: set by :func:`main`; None: the default count of 2).
-WIDE = None
+def _wide_step():
+  """The rule's cost of a 256-channel step on this GPU (``weight_only_nk.WIDE_STEP``;
+  None: the default count of 2)."""
+  return nk_kernel.WIDE_STEP.get(device_key(jax.devices()[0].device_kind))
 
 
 def nk_configs(m: int, k: int, n: int):
@@ -79,7 +80,7 @@ def nk_configs(m: int, k: int, n: int):
   GPU's ``WIDE_STEP``), every power-of-two split up to 16 at its stages, 3
   and 6 stages, and the other channel tile at the rule's split and at the
   split that gives the same CTAs."""
-  rule = nk_kernel.decode_config(m, k, n, 132, wide_step=WIDE)
+  rule = nk_kernel.decode_config(m, k, n, 132, wide_step=_wide_step())
   if rule is None:
     return []
   out = [rule] + [dataclasses.replace(rule, num_stages=st) for st in (3, 6)]
@@ -184,7 +185,7 @@ def run_int4(a, prof, dev) -> None:
                                               tolerance=2e-2, out_bytes=m * n * 4)))
       (bf,) = prof.measure_many([lambda x, wb: dot(x, wb)], (x, w_bf16))
       int8_t = math.nan
-      rule8 = nk_kernel.decode_config(m, k, n, 132, wide_step=WIDE) if m <= chunk else None
+      rule8 = nk_kernel.decode_config(m, k, n, 132, wide_step=_wide_step()) if m <= chunk else None
       if rule8 is not None:
         (r8,) = prof.measure_many([lambda x, w, s: nk_kernel.weight_only_matmul_nk(
             x, w, s, config=rule8)], (x, w8, s8))
@@ -234,8 +235,6 @@ def main(argv=None):
       ap.error(f"--only: unknown weight {name!r}; known: {', '.join(names)}")
   prof = profiler.Profiler(iterations=a.iterations)
   dev = jax.devices()[0]
-  global WIDE
-  WIDE = nk_kernel.WIDE_STEP.get(device_key(dev.device_kind))
   if a.weights == "int4":
     if a.layout == "kn":
       ap.error("--weights int4 takes the weight as [N, K] (--layout nk)")

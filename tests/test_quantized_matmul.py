@@ -703,17 +703,24 @@ def test_int4_rule_and_trust_against_the_recorded_h100_runs():
   assert max(ratios) < 1.06 and len(trusted) == 22 and min(trusted) > 1.6
 
 
+def _benchmark(name: str):
+  """``benchmarks/<name>.py`` as a module."""
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def test_kernel_case_summarizes_the_recorded_sass_profile(capsys):
   # docs/results.md: a consumer's K step of the swapped int8 kernel on an
   # H200 is 272 SASS instructions, 162 of them the conversion (LOP3, PRMT,
   # HADD2), drawing 648 of the step's 1,408 stall samples; e4m3 216.
-  import importlib.util
   import pathlib
   root = pathlib.Path(__file__).parent.parent
-  spec = importlib.util.spec_from_file_location("kernel_case",
-                                                root / "benchmarks" / "kernel_case.py")
-  kc = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(kc)
+  kc = _benchmark("kernel_case")
   assert kc.main(["--sass-summary", str(root / "data/probes/weight_only_nk_sass_int8_h200.csv")]) == 0
   out = capsys.readouterr().out
   assert "272 instructions, 1408 samples" in out
@@ -762,13 +769,7 @@ def test_unseen_nk_weights_at_one_row_on_the_h200_before_and_after_the_wide_step
 
 
 def test_weight_only_benchmark_configs_and_arguments(capsys):
-  import importlib.util
-  import pathlib
-  root = pathlib.Path(__file__).parent.parent
-  spec = importlib.util.spec_from_file_location("weight_only_bench",
-                                                root / "benchmarks" / "weight_only.py")
-  wo = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(wo)
+  wo = _benchmark("weight_only")
   # The rule's neighbours hold the other tile at the same CTAs (w1 at 16 rows:
   # 128 channels split 1 on the default count, so 256 split 2 too).
   got = {(c.block_n, c.split_k, c.num_stages) for c in wo.nk_configs(16, 4096, 14336)}
