@@ -26,8 +26,9 @@ of the same shape at its rule (what the 4-bit weight saves against).
 
 ``--grid`` (``--layout nk``) times every channel tile and power-of-two K
 split (up to 8) at the rule's stages instead of the rule and its
-neighbours; ``--only`` keeps the named weights (``WEIGHTS``, with
-``llama3_8b.wqkv``), ``--dtypes`` the named weight dtypes.
+neighbours; ``--only`` keeps the named weights (``WEIGHTS``, and
+``EXTRA_WEIGHTS``: Llama-3-8B's ``wqkv``, fused ``w13`` and LM head),
+``--dtypes`` the named weight dtypes.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ WEIGHTS = [("llama3_8b.w1", 4096, 14336), ("llama3_8b.w2", 14336, 4096),
            ("llama3_8b.wo", 4096, 4096), ("qwen2_5_1_5b.w13", 1536, 17920),
            ("qwen2_5_1_5b.w2", 8960, 1536)]
 #: Weights ``--only`` can name besides :data:`WEIGHTS`.
-EXTRA_WEIGHTS = [("llama3_8b.wqkv", 4096, 6144)]
+EXTRA_WEIGHTS = [("llama3_8b.wqkv", 4096, 6144), ("llama3_8b.w13", 4096, 28672),
+                 ("llama3_8b.lm_head", 4096, 128256)]
 #: Rows; 2,048 (prefill: XLA's GEMM is the faster there) on the first weight only.
 MS = (1, 16, 64, 2048)
 

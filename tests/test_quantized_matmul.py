@@ -561,6 +561,64 @@ def test_decoder_tpot_numbers_in_the_docs_match_the_recorded_runs():
   assert got == ["1.471x", "1.331x"] and all(f"**{t}**" in docs for t in got)
 
 
+def test_nk_rule_on_the_decoders_own_weights_h200():
+  # docs/results.md: the rule against the configs around it on the five GEMMs
+  # of the Llama-3-8B step (w13 and the head never in the rule's data), H200.
+  import json
+  import pathlib
+  from pallas_kernels.matmul.weight_only_nk import WIDE_STEP, decode_config
+  root = pathlib.Path(__file__).parent.parent / "data" / "probes"
+
+  def load(dtype):
+    run = json.loads((root / f"weight_only_nk_decoder_{dtype}_h200.json").read_text())
+    assert run["device_kind"] == "NVIDIA H200"
+    return run["rows"]
+
+  def rule_time(r, ws):
+    c = decode_config(r["m"], r["k"], r["n"], 132, wide_step=ws)
+    return r["times"][f"mosaic 64x{c.block_n} st{c.num_stages} sk{c.split_k}"]
+
+  ws = WIDE_STEP["nvidia_h200"]
+  for dtype, rows, within, speedups in (("int8", 15, 15, ("1.22", "1.72")),
+                                        ("e4m3", 14, 12, ("1.25", "1.76"))):
+    run = load(dtype)
+    assert len(run) == rows
+    ratios, over_bf16 = [], []
+    for r in run:
+      mos = [v for lab, v in r["times"].items() if lab.startswith("mosaic") and v == v]
+      ratios.append(rule_time(r, ws) / min(mos))
+      if r["m"] <= 16:
+        over_bf16.append(r["bf16_dot_us"] / rule_time(r, ws))
+    assert sum(x <= 1.03 for x in ratios) == within and max(ratios) < 1.063
+    assert (f"{min(over_bf16):.2f}", f"{max(over_bf16):.2f}") == speedups
+  # A count of 2 for e4m3: 77.6 us against 77.4 over wqkv, wo and w2 at <= 16 rows.
+  small = [r for r in load("e4m3") if r["m"] <= 16 and r["weight"].split(".")[1] in
+           ("wqkv", "wo", "w2")]
+  assert len(small) == 6
+  assert [f"{sum(rule_time(r, w) for r in small):.1f}" for w in (ws, 2.0)] == ["77.4", "77.6"]
+
+
+def test_decoder_tpot_with_e4m3_weights_h200():
+  # docs/results.md: the e4m3 [N, K] decoder (head quantized) over the bf16 one.
+  import json
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent
+  docs = (root / "docs" / "results.md").read_text()
+
+  def step(name):
+    rows = json.loads((root / "data" / "e2e" / name).read_text())["rows"]
+    return {(r["setting"], r["kind"], r["batch"]): r["us"] for r in rows}
+
+  bf16 = step("llama3_8b_tpot_bf16_fp8run_h200.json")
+  fp8 = step("llama3_8b_tpot_fp8_nk_head_h200.json")
+  got = [f"{bf16['xla', 'decode', 1] / fp8['refine', 'decode', 1]:.3f}x",
+         f"{bf16['xla', 'decode', 1] / fp8['tables', 'decode', 1]:.3f}x",
+         f"{bf16['xla', 'decode', 16] / fp8['tables', 'decode', 16]:.3f}x",
+         f"{749.9 / fp8['tables', 'decode', 1]:.3f}x"]
+  assert got == ["1.510x", "1.503x", "1.373x", "1.486x"]
+  assert all(t in docs for t in got)
+
+
 # --- W4A16: int4 [N, K] weights with a scale per group of K ------------------------------
 
 INT4_RUNS = ("data/probes/weight_only_int4_g128_h100.json",
