@@ -617,6 +617,13 @@ def test_decoder_tpot_with_e4m3_weights_h200():
          f"{749.9 / fp8['tables', 'decode', 1]:.3f}x"]
   assert got == ["1.510x", "1.503x", "1.373x", "1.486x"]
   assert all(t in docs for t in got)
+  # Two more pairs, bf16 then e4m3 tables at batch 1, in one later call.
+  again = []
+  for i in (1, 2):
+    b, q = step(f"llama3_8b_tpot_bf16_repeat{i}_h200.json"), step(
+        f"llama3_8b_tpot_fp8_nk_head_repeat{i}_h200.json")
+    again.append(f"{b['xla', 'decode', 1] / q['tables', 'decode', 1]:.3f}x")
+  assert again == ["1.528x", "1.517x"] and all(t in docs for t in again)
 
 
 # --- W4A16: int4 [N, K] weights with a scale per group of K ------------------------------
