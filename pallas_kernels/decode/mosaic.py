@@ -69,7 +69,7 @@ from pallas_kernels.attention.mosaic import swizzle_bytes
 from pallas_kernels.decode import chunk_len, paging, splits_of
 
 __all__ = ["BLOCK_H", "BLOCK_K", "COMPUTE_CAPABILITY", "MAX_SPLITS", "MosaicDecodeConfig",
-           "NO_INTERPRET", "check_shapes", "chunk_plan", "combine", "decode_attention",
+           "NO_INTERPRET", "SMEM_LIMIT", "check_shapes", "chunk_plan", "combine", "decode_attention",
            "sink_rows", "smem_bytes"]
 
 COMPUTE_CAPABILITY = "9.0"
@@ -83,6 +83,8 @@ MAX_SPLITS = 256
 HEAD_DIM_MULTIPLE, HEAD_DIM_MIN, HEAD_DIM_MAX = 16, 64, 256
 #: TMA tiles the sequence dimension of the cache by 8 rows.
 SEQ_MULTIPLE = 8
+#: Shared memory of one CTA on sm_90 (Mosaic's limit).
+SMEM_LIMIT = 232448
 _LOG2E = math.log2(math.e)
 _BARRIER_BYTES = 2560  # barriers and alignment (Mosaic counted up to 2,152 over the buffers)
 NO_INTERPRET = ("the Mosaic GPU decode kernel has no CPU interpret mode; its correctness "
@@ -571,7 +573,10 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         return g + it["n_steps"]
 
-      lax.fori_loop(0, n_local, run_item, jnp.int32(0))
+      if persistent:
+        lax.fori_loop(0, n_local, run_item, jnp.int32(0))
+      else:
+        run_item(jnp.int32(0), jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -623,7 +628,10 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
           load(it, i, slot, v_ref, v_smem, v_bar)
         return g + it["n_steps"]
 
-      lax.fori_loop(0, n_local, stream_item, jnp.int32(0))
+      if persistent:
+        lax.fori_loop(0, n_local, stream_item, jnp.int32(0))
+      else:
+        stream_item(jnp.int32(0), jnp.int32(0))
 
   num_pages = k.shape[0] if paged else 0
   max_pages = block_tables.shape[1] if paged else 0
