@@ -159,6 +159,10 @@ def main():
                   help="time at most this many Mosaic configs per problem (evenly spaced)")
   ap.add_argument("--problems", help="a slice i:j of the problem list")
   ap.add_argument("--mixes", default="spread,full")
+  ap.add_argument("--problem", action="append", metavar="HQ,HKV,B,S,Q,D",
+                  help="time this problem (repeatable) instead of the list's")
+  ap.add_argument("--persistent", action="store_true",
+                  help="also time every Mosaic config with the persistent grid (label 'p')")
   ap.add_argument("--json")
   ap.add_argument("--summarize", nargs="+", metavar="JSON",
                   help="print the docs' figures from saved --json runs (no GPU) and exit")
@@ -166,6 +170,19 @@ def main():
   if a.summarize:
     print(summarize(a.summarize))
     return 0
+  rows = []
+  problems = EDGES if a.edges_only else EDGES + (QUICK if a.quick else PROBLEMS)
+  ratios = []
+  if a.problems:
+    lo_, hi_ = (int(x) for x in a.problems.split(":"))
+    problems = problems[lo_:hi_]
+  if a.problem:
+    try:
+      problems = EDGES + [tuple(int(x) for x in spec.split(",")) for spec in a.problem]
+    except ValueError:
+      ap.error(f"--problem takes HQ,HKV,B,S,Q,D integers; got {a.problem}")
+    if any(len(p) != 6 for p in problems):
+      ap.error(f"--problem takes six integers HQ,HKV,B,S,Q,D; got {a.problem}")
   dev = jax.devices()[0]
   hw = hardware.detect()
   print(dev.device_kind, jax.__version__, flush=True)
@@ -175,12 +192,6 @@ def main():
   print(f"device copy bandwidth {bw_copy / 1e12:.2f} TB/s; data sheet "
         f"{peak / 1e12 if peak else float('nan'):.2f} TB/s", flush=True)
   pages = [int(x) for x in a.pages.split(",") if x]
-  rows = []
-  problems = EDGES if a.edges_only else EDGES + (QUICK if a.quick else PROBLEMS)
-  ratios = []
-  if a.problems:
-    lo_, hi_ = (int(x) for x in a.problems.split(":"))
-    problems = problems[lo_:hi_]
   for (hq, hkv, b, s, t, d), mix, page in itertools.product(problems, a.mixes.split(","),
                                                             [0] + pages):
     edge = (hq, hkv, b, s, t, d) in EDGES
@@ -204,12 +215,18 @@ def main():
     heur = DECODE.backend("mosaic").heuristic(dataclasses.replace(p, page_size=page), hw)
     if heur is not None and heur not in cands:
       cands.append(heur)
-    names = [f"mosaic {c.block_k}/{c.num_stages}/{c.num_splits}" for c in cands]
+    # (config, persistent grid's CTAs: 0 one per item, None the SMs; on the
+    # edge problems also 3, so that every CTA walks several items)
+    modes = (0, None, 3) if edge else (0, None)
+    runs = [(c, n) for c in cands for n in (modes if a.persistent else (0,))]
+    names = [f"mosaic {c.block_k}/{c.num_stages}/{c.num_splits}"
+             + ("" if n == 0 else " p" if n is None else f" p{n}") for c, n in runs]
     if page:
       kpg, vpg, table = make_pages(k, v, page, kp)
       args = (q, kpg, vpg, lens, table)
-      fns = [lambda q, kp_, vp_, l, bt, c=c: km.decode_attention(
-          q, kp_, vp_, config=c, kv_lengths=l, block_tables=bt) for c in cands]
+      fns = [lambda q, kp_, vp_, l, bt, c=c, n=n: km.decode_attention(
+          q, kp_, vp_, config=c, kv_lengths=l, block_tables=bt, persistent=n != 0, num_sms=n)
+             for c, n in runs]
 
       # The family's platform backends on the pages: XLA on the gathered
       # pages, cuDNN's paged attention (JAX's wrapper; one query).
@@ -219,8 +236,8 @@ def main():
               DECODE.build(pp, CudnnDecodeConfig() if t == 1 else XlaDecodeConfig())]
     else:
       args = (q, k, v, lens)
-      fns = [lambda q, k_, v_, l, c=c: km.decode_attention(q, k_, v_, config=c, kv_lengths=l)
-             for c in cands]
+      fns = [lambda q, k_, v_, l, c=c, n=n: km.decode_attention(
+          q, k_, v_, config=c, kv_lengths=l, persistent=n != 0, num_sms=n) for c, n in runs]
       names += ["xla", "cudnn"]
       fns += [lambda q, k_, v_, l: library_attention(p, "xla", q, k_, v_, l, safe=True),
               lambda q, k_, v_, l: library_attention(p, "cudnn" if t == 1 else "xla",
@@ -258,7 +275,7 @@ def main():
             f"{bw / 1e12:.2f} TB/s = {bw / bw_copy:.0%} of copy"
             + (f", {bw / peak:.0%} of peak" if peak else ""), flush=True)
       if not edge:
-        print("  " + " ".join(f"{n.split()[1]}={x:.1f}" for n, x in sorted(mos.items())))
+        print("  " + " ".join(f"{n[len('mosaic '):]}={x:.1f}" for n, x in sorted(mos.items())))
     rows.append(row)
     if a.json:  # after every row: a run cut short keeps what it measured
       with open(a.json, "w") as f:
@@ -266,15 +283,17 @@ def main():
                    "rows": rows}, f, indent=1)
     if best_n and mix == "spread" and page in (0, pages[0] if pages else 0):
       # NaN in K and Inf in V past every length must not reach the output.
-      c = cands[names.index(best_n)]
+      c, n = runs[names.index(best_n)]
       past = jnp.arange(s)[None, :, None, None] >= lens[:, None, None, None]
       kn = jnp.where(past, jnp.nan, k).astype(k.dtype)
       vn = jnp.where(past, jnp.inf, v).astype(v.dtype)
       if page:
         kn, vn, table = make_pages(kn, vn, page, kp)
-        out = km.decode_attention(q, kn, vn, config=c, kv_lengths=lens, block_tables=table)
+        out = km.decode_attention(q, kn, vn, config=c, kv_lengths=lens, block_tables=table,
+                                  persistent=n != 0, num_sms=n)
       else:
-        out = km.decode_attention(q, kn, vn, config=c, kv_lengths=lens)
+        out = km.decode_attention(q, kn, vn, config=c, kv_lengths=lens, persistent=n != 0,
+                                  num_sms=n)
       err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
       row["nan_check_err"] = err
       print(f"  NaN/Inf past lengths: max |out - ref| = {err:.4f}", flush=True)

@@ -17,12 +17,18 @@ without the option (what a model runs when its library has no window). The
 bytes a step must read (K and V of each sequence's window) over the time,
 against the GPU's nominal HBM bandwidth.
 
-    PYTHONPATH=. python3 benchmarks/decode_options.py [--quick] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/decode_options.py [--quick] [--only NAME ...] \
+        [--one-per-item] [--json out.json]
+
+``--one-per-item`` also times, where the kernel runs its persistent grid
+(``families.decode.mosaic.persistent_grid``), the same config with one CTA
+per work item.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -32,6 +38,8 @@ import numpy as np
 
 import wavetune_jax as wt
 from pallas_kernels.attention.reference import attention_reference
+from pallas_kernels.decode import mosaic as km
+from wavetune_jax.families.decode.mosaic import persistent_grid
 from pallas_kernels.decode import paging
 from wavetune_jax import DECODE
 from wavetune_jax.tuning import profiler
@@ -58,6 +66,12 @@ PROBLEMS = [
     ("w512 b4", 32, 8, 128, 4, 16384, 1, 0, dict(local_window_size=(511, 0))),
     ("w2048 b32 16/2 d64", 16, 2, 64, 32, 16384, 1, 0, dict(local_window_size=(2047, 0))),
     ("w1024 b2 64/8 d128 q2", 64, 8, 128, 2, 32768, 2, 0, dict(local_window_size=(1023, 0))),
+    # Not used to write the persistent grid's rule (families.decode.mosaic.persistent_grid):
+    ("w1024 b128 8k", 32, 8, 128, 128, 8192, 1, 0, dict(local_window_size=(1023, 0))),
+    ("w512 b32 32k", 32, 8, 128, 32, 32768, 1, 0, dict(local_window_size=(511, 0))),
+    ("w256 b256 8/1 MQA", 8, 1, 128, 256, 8192, 1, 0, dict(local_window_size=(255, 0))),
+    ("w128 b64 paged16 sinks cap", 32, 8, 128, 64, 8192, 1, 16,
+     dict(local_window_size=(127, 0), sinks=True, logit_soft_cap=30.0)),
 ]
 
 #: Checked only: (name, q_heads, kv_heads, head_dim, q_len, page_size, options).
@@ -160,7 +174,7 @@ def checks() -> list[dict]:
   return rows
 
 
-def timings(prof, problems, grid: bool = False) -> list[dict]:
+def timings(prof, problems, grid: bool = False, one_per_item: bool = False) -> list[dict]:
   rows = []
   hw = wt.get_hardware()
   peak = PEAK_BW.get(jax.devices()[0].device_kind)
@@ -191,6 +205,11 @@ def timings(prof, problems, grid: bool = False) -> list[dict]:
     cands = {"wt": call(None, kw), "xla": call(wt.XlaDecodeConfig(), kw)}
     if mosaic is not None:
       cands["mosaic"] = call(mosaic, kw)
+      if one_per_item and persistent_grid(problem, mosaic):
+        # The same config with one CTA per work item (the persistent grid's A/B).
+        cands["mosaic_one_per_item"] = (
+            lambda q, k, v, n, bt=None: km.decode_attention(
+                q, k, v, config=mosaic, kv_lengths=n, block_tables=bt, persistent=False, **kw))
     res = dict(zip(cands, prof.measure_many(list(cands.values()), args, reference=ref,
                                             tolerance=2e-2, out_bytes=q.size * 4)))
     if grid and mosaic is not None:
@@ -241,7 +260,8 @@ def timings(prof, problems, grid: bool = False) -> list[dict]:
         print(f"  {lab:<20} {r['status']}: {r['error']}", flush=True)
         continue
       bw = nbytes / (us * 1e-6)
-      frac = f" {100 * bw / peak:5.1f}% of peak" if peak and lab in ("wt", "mosaic") else ""
+      frac = (f" {100 * bw / peak:5.1f}% of peak"
+              if peak and lab.startswith(("wt", "mosaic")) else "")
       print(f"  {lab:<20} {us:10.1f} us  {base / us:7.2f}x xla  {bw / 1e9:7.0f} GB/s{frac}",
             flush=True)
     del q, k, v, ref
@@ -256,6 +276,11 @@ def main(argv=None):
                   help="also time every config of the Mosaic kernel's pruned space")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
+  ap.add_argument("--one-per-item", action="store_true",
+                  help="where the Mosaic kernel runs its persistent grid, also time the "
+                       "same config with one CTA per work item")
+  ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                  help="time these problems only (names of PROBLEMS)")
   a = ap.parse_args(argv)
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__, flush=True)
@@ -267,7 +292,13 @@ def main(argv=None):
     print(f"{len(out['checks']) - len(bad)} of {len(out['checks'])} checks ok"
           + (f"; FAILED: {bad}" if bad else ""), flush=True)
   prof = profiler.Profiler(iterations=a.iterations)
-  out["rows"] = timings(prof, PROBLEMS[:3] if a.quick else PROBLEMS, grid=a.space)
+  probs = PROBLEMS[:3] if a.quick else PROBLEMS
+  if a.only:
+    unknown = sorted(set(a.only) - {p[0] for p in PROBLEMS})
+    if unknown:
+      ap.error(f"--only: unknown problems {unknown}; known: {[p[0] for p in PROBLEMS]}")
+    probs = [p for p in PROBLEMS if p[0] in a.only]
+  out["rows"] = timings(prof, probs, grid=a.space, one_per_item=a.one_per_item)
   if a.json:
     with open(a.json, "w") as f:
       json.dump(out, f, indent=1)

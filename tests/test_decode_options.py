@@ -8,6 +8,7 @@ backends the selector offers; keys, fields and bad arguments. The kernel's
 numerics on a Hopper GPU: ``benchmarks/decode_options.py``.
 """
 
+import dataclasses
 import itertools
 import warnings
 
@@ -26,6 +27,7 @@ from wavetune_jax.families.decode.mosaic import bounded_window
 
 warnings.filterwarnings("ignore", message=".*no GPU.*")
 H100 = wt.get_hardware("h100")
+MOSAIC = DECODE.backend("mosaic")
 
 
 def _qkv(b=3, t=2, s=96, h=8, kvh=2, d=32, seed=0):
@@ -175,7 +177,7 @@ def test_sink_rows_follow_the_kernels_row_order():
   np.testing.assert_allclose(np.asarray(rows[2]), np.asarray(rows[0]))
 
 
-def _lower(p: DecodeProblem, c, page: int = 0):
+def _lower(p: DecodeProblem, c, page: int = 0, persistent: bool = False):
   q = jax.ShapeDtypeStruct((p.batch, p.q_len, p.q_heads, p.head_dim), jnp.bfloat16)
   if page:
     max_pages = p.kv_len // page
@@ -191,7 +193,8 @@ def _lower(p: DecodeProblem, c, page: int = 0):
   def f(q, k, v, ln, bt, sk):
     return kernel.decode_attention(q, k, v, config=c, causal=p.causal, kv_lengths=ln,
                                    block_tables=bt, local_window_size=bounded_window(p),
-                                   logit_soft_cap=p.soft_cap or None, sinks=sk)
+                                   logit_soft_cap=p.soft_cap or None, sinks=sk,
+                                   persistent=persistent, num_sms=132 if persistent else None)
   return jax.jit(f).trace(q, k, k, ln, bt, sk).lower(lowering_platforms=("cuda",))
 
 
@@ -214,6 +217,64 @@ def test_mosaic_kernel_with_options_lowers_for_cuda(kw, page):
     bk = 64 if p.head_dim > 128 else 128
     _lower(p, kernel.MosaicDecodeConfig(block_k=bk, num_stages=2, num_splits=splits),
            page=page)
+
+
+@pytest.mark.parametrize("kw,splits,page", [
+    (dict(), 8, 0), (dict(batch=32), 1, 64), (dict(window_left=1024, window_right=0), 4, 16),
+    (dict(q_len=16), 2, 0), (dict(window_left=511, sinks=True, soft_cap=30.0, batch=32), 1, 0),
+    (dict(sinks=True, head_dim=256), 4, 0)])
+def test_persistent_kernel_lowers_for_cuda(kw, splits, page):
+  # One CTA per SM walking several work items (KV heads x splits x row
+  # tiles > 132), the next item's queries double-buffered.
+  kw = dict(kw)
+  p = DecodeProblem(batch=kw.pop("batch", 8), q_heads=32, kv_heads=8, kv_len=4096,
+                    q_len=kw.pop("q_len", 1), head_dim=kw.pop("head_dim", 128), **kw)
+  bk = 64 if p.head_dim > 128 else 128
+  c = kernel.MosaicDecodeConfig(block_k=bk, num_stages=2, num_splits=splits)
+  assert p.batch * p.kv_heads * splits * (2 if p.q_len == 16 else 1) > 132
+  _lower(p, c, page=page, persistent=True)
+
+
+def test_persistent_grid_rule_takes_windows_of_at_most_half_the_cache():
+  from wavetune_jax.families.decode.mosaic import persistent_grid
+  c = kernel.MosaicDecodeConfig(block_k=64, num_stages=2, num_splits=1)
+  p = DecodeProblem(batch=64, q_heads=32, kv_heads=8, kv_len=8192, window_left=127,
+                    window_right=0)
+  assert persistent_grid(p, c)
+  assert not persistent_grid(dataclasses.replace(p, window_left=-1, window_right=-1), c)
+  assert not persistent_grid(dataclasses.replace(p, window_left=4096), c)  # > half
+  # The second query tile must fit: 3 stages of 256 keys at head_dim 64 fit
+  # with one tile, not with two (Mosaic refused that config on an H200).
+  small = dataclasses.replace(p, head_dim=64)
+  c3 = kernel.MosaicDecodeConfig(block_k=256, num_stages=3, num_splits=1)
+  one = kernel.smem_bytes(block_k=256, num_stages=3, head_dim=64, itemsize=2, split=False)
+  two = kernel.smem_bytes(block_k=256, num_stages=3, head_dim=64, itemsize=2, split=False,
+                          persistent=True)
+  assert one <= kernel.SMEM_LIMIT < two and not persistent_grid(small, c3)
+
+
+def test_the_backend_runs_the_persistent_grid_where_the_rule_says(monkeypatch):
+  from wavetune_jax.families.decode import mosaic as fam
+  seen = []
+  monkeypatch.setattr(fam.kernel, "decode_attention",
+                      lambda *a, **kw: seen.append(kw["persistent"]) or a[0])
+  q = jnp.zeros((2, 1, 8, 64), jnp.bfloat16)
+  k = jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
+  n = jnp.array([256, 100], jnp.int32)
+  for left, want in ((31, True), (-1, False)):
+    p = DecodeProblem(batch=2, q_heads=8, kv_heads=2, kv_len=256, head_dim=64,
+                      window_left=left, window_right=0 if left >= 0 else -1)
+    MOSAIC.run(p, kernel.MosaicDecodeConfig(block_k=64), q, k, k, n)
+    assert seen[-1] is want
+
+
+def test_persistent_kernel_checks_num_sms():
+  q = jnp.zeros((1, 1, 8, 64), jnp.bfloat16)
+  k = jnp.zeros((1, 64, 8, 64), jnp.bfloat16)
+  for bad in (0, -2, 1.5, True, "132"):
+    with pytest.raises(ValueError, match="num_sms must be a positive int"):
+      kernel.decode_attention(q, k, k, config=kernel.MosaicDecodeConfig(), persistent=True,
+                              num_sms=bad)
 
 
 def _problem(**kw):

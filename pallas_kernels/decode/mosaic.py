@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +69,7 @@ from pallas_kernels.attention.mosaic import swizzle_bytes
 from pallas_kernels.decode import chunk_len, paging, splits_of
 
 __all__ = ["BLOCK_H", "BLOCK_K", "COMPUTE_CAPABILITY", "MAX_SPLITS", "MosaicDecodeConfig",
-           "NO_INTERPRET", "check_shapes", "chunk_plan", "combine", "decode_attention",
+           "NO_INTERPRET", "SMEM_LIMIT", "check_shapes", "chunk_plan", "combine", "decode_attention",
            "sink_rows", "smem_bytes"]
 
 COMPUTE_CAPABILITY = "9.0"
@@ -82,6 +83,8 @@ MAX_SPLITS = 256
 HEAD_DIM_MULTIPLE, HEAD_DIM_MIN, HEAD_DIM_MAX = 16, 64, 256
 #: TMA tiles the sequence dimension of the cache by 8 rows.
 SEQ_MULTIPLE = 8
+#: Shared memory of one CTA on sm_90 (Mosaic's limit).
+SMEM_LIMIT = 232448
 _LOG2E = math.log2(math.e)
 _BARRIER_BYTES = 2560  # barriers and alignment (Mosaic counted up to 2,152 over the buffers)
 NO_INTERPRET = ("the Mosaic GPU decode kernel has no CPU interpret mode; its correctness "
@@ -127,14 +130,15 @@ def _out_chunk(head_dim: int, itemsize: int) -> int:
 
 
 def smem_bytes(*, block_k: int, num_stages: int, head_dim: int, itemsize: int,
-               split: bool) -> int:
+               split: bool, persistent: bool = False) -> int:
   """Shared memory of one CTA, as Mosaic counts it (each buffer aligned to
-  1 KiB): the K/V ring, the query tile, two epilogue buffers of one swizzle
-  width, the log-sum-exp row and the barriers."""
+  1 KiB): the K/V ring, the query tile (two with ``persistent``: the next
+  work item's is loaded while this one runs), two epilogue buffers of one
+  swizzle width, the log-sum-exp row and the barriers."""
   out_item = 4 if split else itemsize
   kib = lambda n: -(-n // 1024) * 1024  # noqa: E731
   return (2 * kib(num_stages * block_k * head_dim * itemsize)
-          + kib(BLOCK_H * head_dim * itemsize)
+          + (2 if persistent else 1) * kib(BLOCK_H * head_dim * itemsize)
           + kib(2 * BLOCK_H * _out_chunk(head_dim, out_item) * out_item)
           + kib(BLOCK_H * 4) + _BARRIER_BYTES)
 
@@ -169,7 +173,8 @@ def check_device() -> None:
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicDecodeConfig,
                      causal: bool = True, scale: float | None = None, kv_lengths=None,
                      block_tables=None, local_window_size=None, logit_soft_cap=None,
-                     sinks=None) -> jax.Array:
+                     sinks=None, persistent: bool = False,
+                     num_sms: int | None = None) -> jax.Array:
   """Flash-decoding with the Mosaic GPU kernel (Hopper only).
 
   Args:
@@ -194,6 +199,13 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mosaic
       / cap)``.
     sinks: ``[q_heads]`` float32 logits, each added to its head's softmax
       denominator as ``exp(sink)``.
+    persistent: one CTA per SM (at most one per work item), each walking
+      its share of the work items (a KV head's 64-row tile of one split)
+      in turn: the producer streams the next item's blocks while the
+      consumer finishes this one, and the next item's queries load during
+      this one. False: one CTA per work item.
+    num_sms: the persistent grid's CTAs at most (default: the default
+      device's SMs).
 
   Raises:
     ValueError: bad arguments, shapes the kernel does not run
@@ -215,12 +227,23 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mosaic
   kv_lengths = check_lengths(kv_lengths, q.shape[0], kv_len)
   soft_cap = check_soft_cap(logit_soft_cap)
   sinks = check_sinks(sinks, q.shape[2])
+  ctas = 0
+  if persistent and num_sms is not None:
+    try:
+      ctas = operator.index(num_sms)
+    except TypeError:
+      ctas = 0
+    if isinstance(num_sms, bool) or ctas < 1:
+      raise ValueError(f"num_sms must be a positive int; got {num_sms!r}")
   if not isinstance(q, jax.core.Tracer):
     # A call on concrete arrays runs now: say so here if no Hopper GPU can
     # (traced calls are checked where they compile; the tests lower them).
     check_device()
+  if persistent and not ctas:
+    ctas = require_compute_capability(COMPUTE_CAPABILITY, "Mosaic GPU decode kernel",
+                                      "use a Triton or XLA config").core_count
   return _decode(q, k, v, kv_lengths, block_tables, sinks, config=config, causal=bool(causal),
-                 scale=scale, window=window, soft_cap=soft_cap)
+                 scale=scale, window=window, soft_cap=soft_cap, ctas=ctas)
 
 
 def group_rows(q: jax.Array, kv_heads: int, rows_p: int) -> jax.Array:
@@ -314,10 +337,10 @@ def sink_rows(sinks: jax.Array, batch: int, kv_heads: int, rows_p: int) -> jax.A
 
 
 @functools.partial(jax.jit, static_argnames=("config", "causal", "scale", "window",
-                                             "soft_cap"))
+                                             "soft_cap", "ctas"))
 def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDecodeConfig,
             causal: bool, scale: float, window: tuple[int, int] = (-1, -1),
-            soft_cap: float = 0.0):
+            soft_cap: float = 0.0, ctas: int = 0):
   batch, q_len, q_heads, head_dim = q.shape
   kv_heads = k.shape[2]
   paged = block_tables is not None
@@ -366,6 +389,20 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
   o_cols = o_swz // o_item
   o_tiled = (plgpu.TilingTransform((8, o_cols)), plgpu.SwizzleTransform(o_swz))
 
+  bh_count = batch * kv_heads
+  items = row_blocks * splits * bh_count
+  # One CTA per work item, or (persistent) at most ``ctas``, each taking the
+  # items c, c + C, c + 2C, ... in the order the one-per-item grid launches
+  # them (rows fastest, then splits, then KV heads).
+  grid_ctas = min(items, ctas) if ctas else items
+  persistent = grid_ctas < items
+  q_bufs = 2 if persistent else 1
+
+  def item_coords(i):
+    rb = lax.rem(i, jnp.int32(row_blocks))
+    rest = lax.div(i, jnp.int32(row_blocks))
+    return rb, lax.rem(rest, jnp.int32(splits)), lax.div(rest, jnp.int32(splits))
+
   def kernel(*refs):
     q_ref, k_ref, v_ref, *rest = refs
     len_ref = rest.pop(0) if has_lengths else None
@@ -377,140 +414,178 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
       (o_ref, scoped), lse_ref = rest, None
     (q_smem, k_smem, v_smem, o_smem, lse_smem), (k_bar, v_bar, q_bar), consumed = scoped
     k_done, v_done = consumed
-    rb = lax.axis_index("rows")
-    s = lax.axis_index("split")
-    bh = lax.axis_index("bh")
-    b = lax.div(bh, jnp.int32(kv_heads))
-    kvh = lax.rem(bh, jnp.int32(kv_heads))
+    cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
-    valid = jnp.clip(len_ref[b], 0, kv_len) if has_lengths else jnp.int32(kv_len)
-    shift = valid - q_len  # row r (position t = r // group) sees keys <= t + shift
-    first, lo, n_steps, lead, full = chunk_plan(
-        valid, s, q_len=q_len, kv_len=kv_len, splits=splits, block_k=bk, window=(left, right),
-        causal=causal, dynamic=has_lengths or windowed)
+    # This CTA's items: cta, cta + grid_ctas, ... below items.
+    n_local = lax.div(jnp.int32(items - 1) - cta, jnp.int32(grid_ctas)) + 1
+
+    def plan(n):
+      """The ``n``-th item of this CTA: its coordinates and chunk plan."""
+      rb, s, bh = item_coords(cta + n * grid_ctas)
+      b = lax.div(bh, jnp.int32(kv_heads))
+      kvh = lax.rem(bh, jnp.int32(kv_heads))
+      valid = jnp.clip(len_ref[b], 0, kv_len) if has_lengths else jnp.int32(kv_len)
+      first, lo, n_steps, lead, full = chunk_plan(
+          valid, s, q_len=q_len, kv_len=kv_len, splits=splits, block_k=bk,
+          window=(left, right), causal=causal, dynamic=has_lengths or windowed)
+      return dict(rb=rb, s=s, bh=bh, b=b, kvh=kvh, valid=valid, first=first, lo=lo,
+                  n_steps=n_steps, lead=lead, full=full)
+
+    def load_q(n):
+      it = plan(n)
+      buf = lax.rem(n, jnp.int32(q_bufs))
+      plgpu.copy_gmem_to_smem(q_ref.at[it["bh"], pl.ds(it["rb"] * BLOCK_H, BLOCK_H)],
+                              q_smem.at[buf], q_bar.at[buf])
 
     @pl.when(wg == 0)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
-      plgpu.copy_gmem_to_smem(q_ref.at[bh, pl.ds(rb * BLOCK_H, BLOCK_H)], q_smem, q_bar)
-      row0 = rb * BLOCK_H
-      if kernel_sinks:
-        # The group's sink logits, loaded while Q is in flight and used
-        # after the keys (their latency hides behind the loop).
-        sink_vals = [sink_ref[kvh * group + g] for g in range(group)]
-      plgpu.barrier_wait(q_bar)
+      load_q(jnp.int32(0))
 
-      def step(j, carry, *, edge: bool, left_edge: bool = False):
-        acc, m_i, l_i = carry
-        slot = lax.rem(j, jnp.int32(stages))
-        start = lo + j * bk
-        plgpu.barrier_wait(k_bar.at[slot])
+      def run_item(n, g):
+        """Item ``n`` of this CTA; ``g``: ring steps taken before it."""
+        it = plan(n)
+        s, bh, valid, first, lo = it["s"], it["bh"], it["valid"], it["first"], it["lo"]
+        row0 = it["rb"] * BLOCK_H
+        shift = valid - q_len  # row r (position t = r // group) sees keys <= t + shift
+        if kernel_sinks:
+          # The group's sink logits, loaded while Q is in flight and used
+          # after the keys (their latency hides behind the loop).
+          sink_vals = [sink_ref[it["kvh"] * group + g_] for g_ in range(group)]
+        qb = lax.rem(n, jnp.int32(q_bufs))
+        plgpu.barrier_wait(q_bar.at[qb])
+        q_tile = q_smem.at[qb]
+        if persistent:
+          # The next item's queries load while this one runs (the other
+          # buffer's last reader, item n - 1's wgmmas, has completed).
+          @pl.when(n + 1 < n_local)
+          def _():
+            load_q(n + 1)
 
-        def compute_qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-          return acc_ref[...]
-        qk = pl.run_scoped(compute_qk, plgpu.ACC((BLOCK_H, bk), jnp.float32))
-        plgpu.barrier_arrive(k_done.at[slot])
-        if pre is not None:
-          qk = qk * pre
-        if soft_cap:
-          qk = soft_cap * jnp.tanh(qk * (scale / soft_cap))
-        if edge:
-          col = iota((BLOCK_H, bk), 1) + start
-          r = iota((BLOCK_H, bk), 0) + row0
-          ok = col < valid
-          if causal:
-            # r // group >= col - shift  <=>  r >= (col - shift) * group
-            ok = ok & (r >= (col - shift) * group)
-          elif right >= 0:
-            ok = ok & (r >= (col - shift - right) * group)
-          if left_edge:
-            # r // group <= col - shift + left  <=>  r < (col - shift + left + 1) * group
-            ok = ok & (r < (col - shift + left + 1) * group)
-          qk = jnp.where(ok, qk, -jnp.inf)
-        m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
-        # A row with every score masked so far keeps m = -inf: its p and
-        # alpha are taken against 0 (exp2(-inf) = 0), never -inf - -inf.
-        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_ref)
-        p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ref, qk.shape, [0]))
-        l_i = l_i * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        p16 = p.astype(dtype)
-        plgpu.barrier_wait(v_bar.at[slot])
-        if edge:
-          # Values at or past the length may be NaN or Inf (0 * NaN is NaN
-          # in P V): zero those rows of the buffer.
-          vb = v_smem.at[slot]
-          rows_k = iota((bk, head_dim), 0) + start
-          keep = rows_k < valid
-          if left_edge:  # and left of the window (pages there may be anyone's)
-            keep = keep & (rows_k >= first)
-          vb[...] = jnp.where(keep, vb[...], jnp.zeros((), dtype))
-          plgpu.commit_smem()
+        def step(j, carry, *, edge: bool, left_edge: bool = False):
+          acc, m_i, l_i = carry
+          slot = lax.rem(g + j, jnp.int32(stages))
+          start = lo + j * bk
+          plgpu.barrier_wait(k_bar.at[slot])
 
-        def compute_pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_done.at[slot])
-        return acc, m_new, l_i
+          def compute_qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
+            return acc_ref[...]
+          qk = pl.run_scoped(compute_qk, plgpu.ACC((BLOCK_H, bk), jnp.float32))
+          plgpu.barrier_arrive(k_done.at[slot])
+          if pre is not None:
+            qk = qk * pre
+          if soft_cap:
+            qk = soft_cap * jnp.tanh(qk * (scale / soft_cap))
+          if edge:
+            col = iota((BLOCK_H, bk), 1) + start
+            r = iota((BLOCK_H, bk), 0) + row0
+            ok = col < valid
+            if causal:
+              # r // group >= col - shift  <=>  r >= (col - shift) * group
+              ok = ok & (r >= (col - shift) * group)
+            elif right >= 0:
+              ok = ok & (r >= (col - shift - right) * group)
+            if left_edge:
+              # r // group <= col - shift + left  <=>  r < (col - shift + left + 1) * group
+              ok = ok & (r < (col - shift + left + 1) * group)
+            qk = jnp.where(ok, qk, -jnp.inf)
+          m_new = jnp.maximum(m_i, qk.max(axis=1) * c)
+          # A row with every score masked so far keeps m = -inf: its p and
+          # alpha are taken against 0 (exp2(-inf) = 0), never -inf - -inf.
+          m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+          alpha = jnp.exp2(m_i - m_ref)
+          p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ref, qk.shape, [0]))
+          l_i = l_i * alpha + p.sum(axis=1)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          p16 = p.astype(dtype)
+          plgpu.barrier_wait(v_bar.at[slot])
+          if edge:
+            # Values at or past the length may be NaN or Inf (0 * NaN is NaN
+            # in P V): zero those rows of the buffer.
+            vb = v_smem.at[slot]
+            rows_k = iota((bk, head_dim), 0) + start
+            keep = rows_k < valid
+            if left_edge:  # and left of the window (pages there may be anyone's)
+              keep = keep & (rows_k >= first)
+            vb[...] = jnp.where(keep, vb[...], jnp.zeros((), dtype))
+            plgpu.commit_smem()
 
-      acc = plgpu.layout_cast(jnp.full((BLOCK_H, head_dim), 0, jnp.float32),
-                              plgpu.Layout.WGMMA)
-      m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
-      l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0, jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1))
-      carry = (acc, m_i, l_i)
-      start_full = 0
-      if left >= 0:
-        carry = lax.fori_loop(0, lead, functools.partial(step, edge=True, left_edge=True),
+          def compute_pv(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+          plgpu.barrier_arrive(v_done.at[slot])
+          return acc, m_new, l_i
+
+        acc = plgpu.layout_cast(jnp.full((BLOCK_H, head_dim), 0, jnp.float32),
+                                plgpu.Layout.WGMMA)
+        m_i = plgpu.layout_cast(jnp.full((BLOCK_H,), -jnp.inf, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(jnp.full((BLOCK_H,), 0, jnp.float32),
+                                plgpu.Layout.WGMMA.reduce(1))
+        carry = (acc, m_i, l_i)
+        start_full = 0
+        if left >= 0:
+          carry = lax.fori_loop(0, it["lead"],
+                                functools.partial(step, edge=True, left_edge=True), carry)
+          start_full = it["lead"]
+        carry = lax.fori_loop(start_full, it["full"], functools.partial(step, edge=False),
                               carry)
-        start_full = lead
-      carry = lax.fori_loop(start_full, full, functools.partial(step, edge=False), carry)
-      acc, m_i, l_i = lax.fori_loop(full, n_steps, functools.partial(step, edge=True), carry)
-      if kernel_sinks:
-        # Row r holds head kvh * group + r % group: its sink, as a row
-        # maximum of a tile (the layout of m), scaled like m, is one more
-        # term of the softmax's sum with no value.
-        head = lax.rem(iota((BLOCK_H, bk), 0) + row0, jnp.int32(group))
-        sk = jnp.full((BLOCK_H, bk), -jnp.inf, jnp.float32)
-        for g in range(group):
-          sk = jnp.where(head == g, sink_vals[g], sk)
-        sink_m = sk.max(axis=1) * _LOG2E
-        m_new = jnp.maximum(m_i, sink_m)
-        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp2(m_i - m_ref)
-        l_i = l_i * alpha + jnp.exp2(sink_m - m_ref)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        acc, m_i, l_i = lax.fori_loop(it["full"], it["n_steps"],
+                                      functools.partial(step, edge=True), carry)
+        if kernel_sinks:
+          # Row r holds head kvh * group + r % group: its sink, as a row
+          # maximum of a tile (the layout of m), scaled like m, is one more
+          # term of the softmax's sum with no value.
+          head = lax.rem(iota((BLOCK_H, bk), 0) + row0, jnp.int32(group))
+          sk = jnp.full((BLOCK_H, bk), -jnp.inf, jnp.float32)
+          for g_ in range(group):
+            sk = jnp.where(head == g_, sink_vals[g_], sk)
+          sink_m = sk.max(axis=1) * _LOG2E
+          m_new = jnp.maximum(m_i, sink_m)
+          m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+          alpha = jnp.exp2(m_i - m_ref)
+          l_i = l_i * alpha + jnp.exp2(sink_m - m_ref)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
-      # A row that saw no key has acc = 0 (and l = 0, or 1 with a sink): it
-      # gives 0.
-      l_safe = jnp.where(l_i == 0, 1.0, l_i)
-      out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-      out = out.astype(out_dtype)
-      dst = o_ref.at[s] if split else o_ref
-      for j in range(head_dim // o_cols):
-        buf = j % 2
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        o_smem[buf] = out[:, j * o_cols:(j + 1) * o_cols]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            o_smem.at[buf, pl.ds(0, rows_store)],
-            dst.at[bh, pl.ds(row0, rows_store), pl.ds(j * o_cols, o_cols)])
-      if split:
-        lse_smem[...] = m_i + jnp.log(l_i) * (1 / math.log(2))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows_store)],
-                                lse_ref.at[s, bh, pl.ds(row0, rows_store)])
+        # A row that saw no key has acc = 0 (and l = 0, or 1 with a sink): it
+        # gives 0.
+        l_safe = jnp.where(l_i == 0, 1.0, l_i)
+        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        out = out.astype(out_dtype)
+        dst = o_ref.at[s] if split else o_ref
+        for j in range(head_dim // o_cols):
+          buf = j % 2
+          plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+          o_smem[buf] = out[:, j * o_cols:(j + 1) * o_cols]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              o_smem.at[buf, pl.ds(0, rows_store)],
+              dst.at[bh, pl.ds(row0, rows_store), pl.ds(j * o_cols, o_cols)])
+        if split:
+          lse_smem[...] = m_i + jnp.log(l_i) * (1 / math.log(2))
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, rows_store)],
+                                  lse_ref.at[s, bh, pl.ds(row0, rows_store)])
+        if persistent:
+          # The next item writes these buffers again: their stores must have
+          # read them (the stores themselves complete in the background).
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return g + it["n_steps"]
+
+      if persistent:
+        lax.fori_loop(0, n_local, run_item, jnp.int32(0))
+      else:
+        run_item(jnp.int32(0), jnp.int32(0))
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
-      def load(step, slot, src_ref, dst, bar):
-        start = lo + step * bk
+      def load(it, step, slot, src_ref, dst, bar):
+        b, kvh = it["b"], it["kvh"]
+        start = it["lo"] + step * bk
         if not paged:
           plgpu.copy_gmem_to_smem(src_ref.at[b, pl.ds(start, bk), kvh], dst.at[slot],
                                   bar.at[slot])
@@ -531,26 +606,39 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
                                   dst.at[slot, pl.ds(i * page_size, page_size)],
                                   bar.at[slot])
 
-      @pl.loop(0, jnp.minimum(n_steps, stages))
-      def _prologue(i):
-        load(i, i, k_ref, k_smem, k_bar)
-        load(i, i, v_ref, v_smem, v_bar)
+      def stream_item(n, g):
+        """Streams item ``n``'s K and V blocks into the ring from step ``g``
+        on: a slot is refilled once the consumer released it (the first
+        ``stages`` steps of the CTA fill an empty ring)."""
+        it = plan(n)
 
-      @pl.loop(0, n_steps - stages)
-      def _ring(i):
-        step = i + stages
-        slot = lax.rem(i, jnp.int32(stages))
-        plgpu.barrier_wait(k_done.at[slot])
-        load(step, slot, k_ref, k_smem, k_bar)
-        plgpu.barrier_wait(v_done.at[slot])
-        load(step, slot, v_ref, v_smem, v_bar)
+        @pl.loop(0, it["n_steps"])
+        def _step(i):
+          slot = lax.rem(g + i, jnp.int32(stages))
+          refill = g + i >= stages
+
+          @pl.when(refill)
+          def _():
+            plgpu.barrier_wait(k_done.at[slot])
+          load(it, i, slot, k_ref, k_smem, k_bar)
+
+          @pl.when(refill)
+          def _():
+            plgpu.barrier_wait(v_done.at[slot])
+          load(it, i, slot, v_ref, v_smem, v_bar)
+        return g + it["n_steps"]
+
+      if persistent:
+        lax.fori_loop(0, n_local, stream_item, jnp.int32(0))
+      else:
+        stream_item(jnp.int32(0), jnp.int32(0))
 
   num_pages = k.shape[0] if paged else 0
   max_pages = block_tables.shape[1] if paged else 0
 
   def entry(*refs):
     scratch = (
-        plgpu.SMEM((BLOCK_H, head_dim), dtype, transforms=tiled),
+        plgpu.SMEM((q_bufs, BLOCK_H, head_dim), dtype, transforms=tiled),
         plgpu.SMEM((stages, bk, head_dim), dtype, transforms=tiled),
         plgpu.SMEM((stages, bk, head_dim), dtype, transforms=tiled),
         plgpu.SMEM((2, BLOCK_H, o_cols), out_dtype, transforms=o_tiled),
@@ -561,7 +649,7 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
         scratch,
         (plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
          plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
-         plgpu.Barrier()),
+         plgpu.Barrier(num_barriers=q_bufs)),
         (plgpu.Barrier(num_barriers=stages),) * 2,
         collective_axes="wg",
     )
@@ -574,7 +662,6 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
   if kernel_sinks:
     args.append(sinks.astype(jnp.float32))
   args, axes = match_varying(*args)
-  bh_count = batch * kv_heads
   if split:
     out_type = (out_struct((splits, bh_count, rows_p, head_dim), jnp.float32, axes),
                 out_struct((splits, bh_count, rows_p), jnp.float32, axes))
@@ -583,8 +670,8 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
   out = plgpu.kernel(
       entry,
       out_type=out_type,
-      grid=(row_blocks, splits, bh_count),
-      grid_names=("rows", "split", "bh"),
+      grid=(grid_ctas,),
+      grid_names=("cta",),
       num_threads=2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
