@@ -282,6 +282,9 @@ def main(argv=None):
   ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
                   help="time these problems only (names of PROBLEMS)")
   a = ap.parse_args(argv)
+  unknown = sorted(set(a.only or ()) - {p[0] for p in PROBLEMS})
+  if unknown:
+    ap.error(f"--only: unknown problems {unknown}; known: {[p[0] for p in PROBLEMS]}")
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__, flush=True)
   out = {"device_kind": dev.device_kind, "jax": jax.__version__}
@@ -294,9 +297,6 @@ def main(argv=None):
   prof = profiler.Profiler(iterations=a.iterations)
   probs = PROBLEMS[:3] if a.quick else PROBLEMS
   if a.only:
-    unknown = sorted(set(a.only) - {p[0] for p in PROBLEMS})
-    if unknown:
-      ap.error(f"--only: unknown problems {unknown}; known: {[p[0] for p in PROBLEMS]}")
     probs = [p for p in PROBLEMS if p[0] in a.only]
   out["rows"] = timings(prof, probs, grid=a.space, one_per_item=a.one_per_item)
   if a.json:

@@ -579,6 +579,8 @@ def test_nk_rule_on_the_decoders_own_weights_h200():
     return r["times"][f"mosaic 64x{c.block_n} st{c.num_stages} sk{c.split_k}"]
 
   ws = WIDE_STEP["nvidia_h200"]
+  docs = (pathlib.Path(__file__).parent.parent / "docs" / "results.md").read_text()
+  reach, reach_best = [], []
   for dtype, rows, within, speedups in (("int8", 15, 15, ("1.22", "1.72")),
                                         ("e4m3", 14, 12, ("1.25", "1.76"))):
     run = load(dtype)
@@ -587,10 +589,19 @@ def test_nk_rule_on_the_decoders_own_weights_h200():
     for r in run:
       mos = [v for lab, v in r["times"].items() if lab.startswith("mosaic") and v == v]
       ratios.append(rule_time(r, ws) / min(mos))
+      reach += [r["weight"]] * (r["bf16_dot_us"] / rule_time(r, ws) >= 1.7)
+      reach_best += [r["weight"]] * (r["bf16_dot_us"] / min(mos) >= 1.7)
       if r["m"] <= 16:
         over_bf16.append(r["bf16_dot_us"] / rule_time(r, ws))
     assert sum(x <= 1.03 for x in ratios) == within and max(ratios) < 1.063
     assert (f"{min(over_bf16):.2f}", f"{max(over_bf16):.2f}") == speedups
+  # The >= 1.7x target: 3 of the 29 rows at the rule's config (the head), 4 at the best.
+  assert reach == ["llama3_8b.lm_head"] * 3 and len(reach_best) == 4
+  assert "3 of these 29 rows" in docs
+  wo = next(r for r in load("int8") if r["weight"] == "llama3_8b.wo" and r["m"] == 1)
+  t = rule_time(wo, ws)
+  assert f"{t:.2f} us" == "8.94 us" and f"{wo['k'] * wo['n'] / t / 1e6:.2f} TB/s" == "1.88 TB/s"
+  assert "8.94 us at one row, 1.88 TB/s" in docs
   # A count of 2 for e4m3: 77.6 us against 77.4 over wqkv, wo and w2 at <= 16 rows.
   small = [r for r in load("e4m3") if r["m"] <= 16 and r["weight"].split(".")[1] in
            ("wqkv", "wo", "w2")]
@@ -611,10 +622,15 @@ def test_decoder_tpot_with_e4m3_weights_h200():
 
   bf16 = step("llama3_8b_tpot_bf16_fp8run_h200.json")
   fp8 = step("llama3_8b_tpot_fp8_nk_head_h200.json")
+  # The fastest bf16 step of the H200 runs: the int8 run's (749.9 us).
+  runs = [step(f"llama3_8b_tpot_bf16_{x}_h200.json")["xla", "decode", 1]
+          for x in ("wide", "fp8run", "repeat1", "repeat2")]
+  bf16_fastest = min(runs)
+  assert bf16_fastest == runs[0] and f"{bf16_fastest:.1f}" == "749.9"
   got = [f"{bf16['xla', 'decode', 1] / fp8['refine', 'decode', 1]:.3f}x",
          f"{bf16['xla', 'decode', 1] / fp8['tables', 'decode', 1]:.3f}x",
          f"{bf16['xla', 'decode', 16] / fp8['tables', 'decode', 16]:.3f}x",
-         f"{749.9 / fp8['tables', 'decode', 1]:.3f}x"]
+         f"{bf16_fastest / fp8['tables', 'decode', 1]:.3f}x"]
   assert got == ["1.510x", "1.503x", "1.373x", "1.486x"]
   assert all(t in docs for t in got)
   # Two more pairs, bf16 then e4m3 tables at batch 1, in one later call.

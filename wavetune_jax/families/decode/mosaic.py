@@ -216,10 +216,10 @@ def persistent_grid(p: DecodeProblem, c: MosaicDecodeConfig) -> bool:
   where every sequence reads about the window's keys, so a static share of
   the items stays balanced, and where the second query tile fits. Measured
   on an H200 (docs/results.md, "A persistent grid for windowed decode"):
-  1.19x and 1.26x on the window problems with several waves of short items,
-  the others unchanged; without a window, under mixed lengths, the static
-  share ran up to 10% slower than the hardware's scheduling, so the grid
-  stays one CTA per item there."""
+  1.03-1.30x on the five window problems with more items than SMs;
+  without a window, under mixed lengths, the static share ran up to 11%
+  slower than the hardware's scheduling, so the grid stays one CTA per
+  item there."""
   if p.window_left < 0 or 2 * p.span > p.kv_len:
     return False
   split = kernel.splits_of(p.kv_len, c.num_splits, c.block_k) > 1
