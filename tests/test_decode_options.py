@@ -302,6 +302,15 @@ def test_persistent_grid_numbers_in_the_docs_match_the_recorded_runs():
   assert "0.90-1.02x" in docs and "0.89x" in docs
 
 
+def test_persistent_kernel_refuses_a_config_whose_second_query_tile_does_not_fit():
+  p = DecodeProblem(batch=32, q_heads=32, kv_heads=8, kv_len=4096, head_dim=64,
+                    window_left=511, window_right=0)
+  c = kernel.MosaicDecodeConfig(block_k=256, num_stages=3, num_splits=1)
+  _lower(p, c)  # one CTA per item: one query tile fits
+  with pytest.raises(ValueError, match="persistent grid's two query tiles need 232960 bytes"):
+    _lower(p, c, persistent=True)
+
+
 def test_persistent_kernel_checks_num_sms():
   q = jnp.zeros((1, 1, 8, 64), jnp.bfloat16)
   k = jnp.zeros((1, 64, 8, 64), jnp.bfloat16)

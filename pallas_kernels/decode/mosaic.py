@@ -203,7 +203,10 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mosaic
       its share of the work items (a KV head's 64-row tile of one split)
       in turn: the producer streams the next item's blocks while the
       consumer finishes this one, and the next item's queries load during
-      this one. False: one CTA per work item.
+      this one (a second query tile in shared memory). One CTA per SM
+      loses no occupancy: the warpgroups' registers (232 and 40 a thread,
+      34,816 of an SM's 65,536) leave room for one CTA either way. False:
+      one CTA per work item.
     num_sms: the persistent grid's CTAs at most (default: the default
       device's SMs).
 
@@ -397,6 +400,13 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
   grid_ctas = min(items, ctas) if ctas else items
   persistent = grid_ctas < items
   q_bufs = 2 if persistent else 1
+  if persistent:
+    need = smem_bytes(block_k=bk, num_stages=stages, head_dim=head_dim,
+                      itemsize=jnp.dtype(q.dtype).itemsize, split=split, persistent=True)
+    if need > SMEM_LIMIT:
+      raise ValueError(f"config {config}: the persistent grid's two query tiles need "
+                       f"{need} bytes of shared memory, over {SMEM_LIMIT} (use fewer "
+                       f"stages or persistent=False)")
 
   def item_coords(i):
     rb = lax.rem(i, jnp.int32(row_blocks))
