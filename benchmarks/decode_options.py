@@ -205,7 +205,7 @@ def timings(prof, problems, grid: bool = False, one_per_item: bool = False) -> l
     cands = {"wt": call(None, kw), "xla": call(wt.XlaDecodeConfig(), kw)}
     if mosaic is not None:
       cands["mosaic"] = call(mosaic, kw)
-      if one_per_item and persistent_grid(problem, mosaic):
+      if one_per_item and persistent_grid(problem, mosaic, hw.device_key):
         # The same config with one CTA per work item (the persistent grid's A/B).
         cands["mosaic_one_per_item"] = (
             lambda q, k, v, n, bt=None: km.decode_attention(

@@ -240,9 +240,11 @@ def test_persistent_grid_rule_takes_windows_of_at_most_half_the_cache():
   c = kernel.MosaicDecodeConfig(block_k=64, num_stages=2, num_splits=1)
   p = DecodeProblem(batch=64, q_heads=32, kv_heads=8, kv_len=8192, window_left=127,
                     window_right=0)
-  assert persistent_grid(p, c)
-  assert not persistent_grid(dataclasses.replace(p, window_left=-1, window_right=-1), c)
-  assert not persistent_grid(dataclasses.replace(p, window_left=4096), c)  # > half
+  h200 = "nvidia_h200"
+  assert persistent_grid(p, c, h200)
+  assert not persistent_grid(p, c, "nvidia_h100_80gb_hbm3")  # not measured there
+  assert not persistent_grid(dataclasses.replace(p, window_left=-1, window_right=-1), c, h200)
+  assert not persistent_grid(dataclasses.replace(p, window_left=4096), c, h200)  # > half
   # The second query tile must fit: 3 stages of 256 keys at head_dim 64 fit
   # with one tile, not with two (Mosaic refused that config on an H200).
   small = dataclasses.replace(p, head_dim=64)
@@ -250,7 +252,7 @@ def test_persistent_grid_rule_takes_windows_of_at_most_half_the_cache():
   one = kernel.smem_bytes(block_k=256, num_stages=3, head_dim=64, itemsize=2, split=False)
   two = kernel.smem_bytes(block_k=256, num_stages=3, head_dim=64, itemsize=2, split=False,
                           persistent=True)
-  assert one <= kernel.SMEM_LIMIT < two and not persistent_grid(small, c3)
+  assert one <= kernel.SMEM_LIMIT < two and not persistent_grid(small, c3, h200)
 
 
 def test_the_backend_runs_the_persistent_grid_where_the_rule_says(monkeypatch):
@@ -258,6 +260,7 @@ def test_the_backend_runs_the_persistent_grid_where_the_rule_says(monkeypatch):
   seen = []
   monkeypatch.setattr(fam.kernel, "decode_attention",
                       lambda *a, **kw: seen.append(kw["persistent"]) or a[0])
+  monkeypatch.setattr(fam.hardware, "current", lambda: wt.get_hardware("h200"))
   q = jnp.zeros((2, 1, 8, 64), jnp.bfloat16)
   k = jnp.zeros((2, 256, 2, 64), jnp.bfloat16)
   n = jnp.array([256, 100], jnp.int32)

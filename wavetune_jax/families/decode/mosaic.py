@@ -10,6 +10,7 @@ from pallas_kernels.attention import common
 from pallas_kernels.decode import mosaic as kernel
 from pallas_kernels.decode.mosaic import MosaicDecodeConfig
 from wavetune_jax.core.family import Backend
+from wavetune_jax.core import hardware
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.decode.problem import DecodeProblem
 
@@ -206,13 +207,21 @@ class MosaicDecode(Backend):
                                    kv_lengths=kv_lengths, block_tables=block_tables,
                                    local_window_size=bounded_window(problem),
                                    logit_soft_cap=problem.soft_cap or None, sinks=sinks,
-                                   persistent=persistent_grid(problem, config))
+                                   persistent=persistent_grid(problem, config,
+                                                              hardware.current().device_key))
 
 
-def persistent_grid(p: DecodeProblem, c: MosaicDecodeConfig) -> bool:
+#: GPUs (device keys) whose windowed decode runs the persistent grid: where
+#: it was measured. Elsewhere (the H100 among them) one CTA per item, as
+#: measured there.
+PERSISTENT_WINDOW_GPUS = frozenset({"nvidia_h200"})
+
+
+def persistent_grid(p: DecodeProblem, c: MosaicDecodeConfig, device_key: str) -> bool:
   """Whether the kernel runs its persistent grid (one CTA per SM walking its
   share of the work items; the kernel keeps one CTA per item where there
-  are no more items than SMs): with a window of at most half the cache,
+  are no more items than SMs): on the GPUs of
+  :data:`PERSISTENT_WINDOW_GPUS`, with a window of at most half the cache,
   where every sequence reads about the window's keys, so a static share of
   the items stays balanced, and where the second query tile fits. Measured
   on an H200 (docs/results.md, "A persistent grid for windowed decode"):
@@ -220,7 +229,7 @@ def persistent_grid(p: DecodeProblem, c: MosaicDecodeConfig) -> bool:
   without a window, under mixed lengths, the static share ran up to 11%
   slower than the hardware's scheduling, so the grid stays one CTA per
   item there."""
-  if p.window_left < 0 or 2 * p.span > p.kv_len:
+  if device_key not in PERSISTENT_WINDOW_GPUS or p.window_left < 0 or 2 * p.span > p.kv_len:
     return False
   split = kernel.splits_of(p.kv_len, c.num_splits, c.block_k) > 1
   return kernel.smem_bytes(block_k=c.block_k, num_stages=c.num_stages, head_dim=p.head_dim,
