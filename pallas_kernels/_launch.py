@@ -13,6 +13,9 @@ MIN_BLOCK = 16
 MAX_BLOCK = 2**20
 #: Config fields are int32 in the kernels (grid sizes, offsets, loop bounds).
 INT32_MIN, INT32_MAX = -2**31, 2**31 - 1
+#: Shared memory of one CTA on Hopper (227 KiB, Mosaic GPU's limit on an
+#: H100 or H200): the bound of the Mosaic kernels' shared-memory rules.
+SMEM_LIMIT = 232448
 
 
 def is_pow2(v: int) -> bool:

@@ -497,6 +497,20 @@ def _load_benchmark(name):
   return mod
 
 
+def _table_vs_sweep(capsys, gpu: str, *flags: str) -> str:
+  """``table_vs_sweep.py`` on ``gpu``'s grouped-GEMM sweep and table on
+  record; what it printed."""
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent
+  capsys.readouterr()
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    _load_benchmark("table_vs_sweep").main([
+        str(root / f"data/sweeps/{gpu}/ragged_dot_bfloat16.jsonl.gz"),
+        str(root / f"tables/{gpu}/ragged_dot.json"), *flags])
+  return capsys.readouterr().out
+
+
 def test_tokamax_benchmark_without_tokamax_and_kernel_renames(monkeypatch, capsys):
   import sys
   mod = _load_benchmark("ragged_dot_tokamax")
@@ -574,14 +588,7 @@ def test_blocked_reference_with_a_size_near_int32s_limit():
 def test_table_vs_sweep_per_model_reproduces_the_docs(capsys, gpu, lines):
   """docs/results.md's grouped-GEMM speeds per model and GPU come from this
   command on the sweeps and tables on record (both with order-2 rows)."""
-  import pathlib
-  root = pathlib.Path(__file__).parent.parent
-  mod = _load_benchmark("table_vs_sweep")
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)
-    mod.main([str(root / f"data/sweeps/{gpu}/ragged_dot_bfloat16.jsonl.gz"),
-              str(root / f"tables/{gpu}/ragged_dot.json"), "--min-tokens", "1024"])
-  out = capsys.readouterr().out
+  out = _table_vs_sweep(capsys, gpu, "--min-tokens", "1024")
   for line in lines:
     assert line in out
 
@@ -649,14 +656,7 @@ def test_work_list_runs_on_record_reproduce_the_docs(capsys):
 def test_deeper_ring_and_trusted_regions_on_the_sweeps(capsys, gpu, lines):
   """docs/results.md's 4-over-3-stage gains and the guard's regions come
   from ``table_vs_sweep.py --vs-batched --trusted`` on the sweeps on record."""
-  import pathlib
-  root = pathlib.Path(__file__).parent.parent
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)
-    _load_benchmark("table_vs_sweep").main([
-        str(root / f"data/sweeps/{gpu}/ragged_dot_bfloat16.jsonl.gz"),
-        str(root / f"tables/{gpu}/ragged_dot.json"), "--vs-batched", "--trusted"])
-  out = capsys.readouterr().out
+  out = _table_vs_sweep(capsys, gpu, "--vs-batched", "--trusted")
   for line in lines:
     assert line in out
 
@@ -697,13 +697,7 @@ def test_tails_and_vs_batched_on_record_reproduce_the_docs(capsys):
   assert len(rule) == 7  # Arctic's 17 GB of weights left no room for the reference
   assert min(p for _, p in rule) == pytest.approx(0.744, abs=5e-4)
   assert max(p for _, p in rule) == pytest.approx(0.972, abs=5e-4)
-  capsys.readouterr()
-  mod = _load_benchmark("table_vs_sweep")
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)
-    mod.main([str(root / "data/sweeps/nvidia_h100_80gb_hbm3/ragged_dot_bfloat16.jsonl.gz"),
-              str(root / "tables/nvidia_h100_80gb_hbm3/ragged_dot.json"), "--vs-batched"])
-  out = capsys.readouterr().out
+  out = _table_vs_sweep(capsys, "nvidia_h100_80gb_hbm3", "--vs-batched")
   assert "efficiency vs oracle: geomean 0.995, min 0.932" in out
   assert ("order 2 over the earlier orders (128 x 256, 3 stages), 91 problems: 1.136x "
           "(0.993-2.118); by rows per expert 128-511 1.125x over 42, 65-127 1.014x over 8, "
@@ -723,14 +717,7 @@ def test_tails_and_vs_batched_on_record_reproduce_the_docs(capsys):
 
 
 def test_tile_height_on_the_h200_sweep_reproduces_the_docs(capsys):
-  import pathlib
-  root = pathlib.Path(__file__).parent.parent
-  mod = _load_benchmark("table_vs_sweep")
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", UserWarning)
-    mod.main([str(root / "data/sweeps/nvidia_h200/ragged_dot_bfloat16.jsonl.gz"),
-              str(root / "tables/nvidia_h200/ragged_dot.json"), "--vs-batched"])
-  out = capsys.readouterr().out
+  out = _table_vs_sweep(capsys, "nvidia_h200", "--vs-batched")
   assert "efficiency vs oracle: geomean 0.989, min 0.864, within 5% 0.90" in out
   assert ("64 x 256 over 128 x 256 (3 stages), order 2, at 65-128 rows per expert, 18 problems: "
           "1.035x (0.948-1.114), 64 x 256 faster on 13; share of the best Mosaic config 0.989 "

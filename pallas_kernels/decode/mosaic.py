@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import check_ints, match_varying, out_struct, \
+from pallas_kernels._launch import SMEM_LIMIT, check_ints, match_varying, out_struct, \
     require_compute_capability
 from pallas_kernels.attention.common import (check_call, check_lengths, check_sinks,
                                              check_soft_cap, check_window)
@@ -69,8 +69,8 @@ from pallas_kernels.attention.mosaic import swizzle_bytes
 from pallas_kernels.decode import chunk_len, paging, splits_of
 
 __all__ = ["BLOCK_H", "BLOCK_K", "COMPUTE_CAPABILITY", "MAX_SPLITS", "MosaicDecodeConfig",
-           "NO_INTERPRET", "SMEM_LIMIT", "check_shapes", "chunk_plan", "combine", "decode_attention",
-           "sink_rows", "smem_bytes"]
+           "NO_INTERPRET", "SMEM_LIMIT", "check_shapes", "chunk_plan", "combine",
+           "decode_attention", "sink_rows", "smem_bytes"]
 
 COMPUTE_CAPABILITY = "9.0"
 #: Query rows per CTA: one wgmma tile of the consumer warpgroup.
@@ -83,8 +83,6 @@ MAX_SPLITS = 256
 HEAD_DIM_MULTIPLE, HEAD_DIM_MIN, HEAD_DIM_MAX = 16, 64, 256
 #: TMA tiles the sequence dimension of the cache by 8 rows.
 SEQ_MULTIPLE = 8
-#: Shared memory of one CTA on sm_90 (Mosaic's limit).
-SMEM_LIMIT = 232448
 _LOG2E = math.log2(math.e)
 _BARRIER_BYTES = 2560  # barriers and alignment (Mosaic counted up to 2,152 over the buffers)
 NO_INTERPRET = ("the Mosaic GPU decode kernel has no CPU interpret mode; its correctness "

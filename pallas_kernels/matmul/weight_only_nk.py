@@ -51,7 +51,7 @@ from jax import lax
 
 from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, launch,
                                           store_tile)
-from pallas_kernels._launch import require_compute_capability
+from pallas_kernels._launch import SMEM_LIMIT, require_compute_capability
 from pallas_kernels.matmul.weight_only import check_dtypes
 
 __all__ = ["MAX_M", "BLOCK_N", "INT4_GROUPS", "WIDE_STEP", "check_shapes", "decode_config", "row_tile",
@@ -67,8 +67,6 @@ _MEMORY_REGISTERS = 40
 STEP_K = 128
 #: The ring's fill at each work item, in pipeline steps (:func:`decode_config`).
 ITEM_OVERHEAD_STEPS = 2
-#: Shared memory per block on an H100 or H200 (the rule's default bound).
-SMEM_LIMIT = 232448
 #: The cost of one pipeline step of a 256-channel tile, in steps of a
 #: 128-channel tile, by device key, for 8-bit weights at up to 16 rows
 #: (:func:`decode_config`; GPUs not listed, more rows and int4 weights count

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import check_ints, match_varying, out_struct
+from pallas_kernels._launch import SMEM_LIMIT, check_ints, match_varying, out_struct
 from pallas_kernels.matmul import mosaic as gemm
 from pallas_kernels.ragged_dot import worklist
 
@@ -75,8 +75,6 @@ ORDERS = (0, 1, 2)
 #: most this many bytes (a third to a half of a Hopper GPU's L2), so they
 #: stay in L2 while the band walks the expert's column tiles.
 BAND_BYTES = 24 << 20
-#: Shared memory of one CTA on Hopper (227 KiB).
-SMEM_LIMIT = 232448
 NO_INTERPRET = ("the Mosaic GPU grouped GEMM has no CPU interpret mode; its correctness "
                 "is checked on a Hopper GPU (the sweep and benchmarks/ragged_dot_mosaic.py "
                 "compare every config with the float32 reference)")

@@ -12,6 +12,7 @@ import itertools
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels._launch import SMEM_LIMIT
 from pallas_kernels.matmul import fp8 as dense_fp8
 from pallas_kernels.matmul.mosaic import k_steps as bf16_k_steps
 from pallas_kernels.ragged_dot import fp8 as kernel
@@ -85,7 +86,7 @@ def dequantized_ragged_product(x, w, scales, group_sizes, x_scales=None,
   return ragged_dot_reference(x32, w32, group_sizes, jnp.float32)
 
 
-def fp8_rule(m: int, g: int, n: int, k: int, num_sms: int, smem_per_block: int = 232448,
+def fp8_rule(m: int, g: int, n: int, k: int, num_sms: int, smem_per_block: int = SMEM_LIMIT,
              out_dtype: str = "bfloat16") -> MosaicRaggedDotConfig | None:
   """The FP8 kernel's launch rule. ``r`` = rows per expert under balanced
   routing. From 64: 128 x 256 tiles, 3 stages (the most that fit), walked
