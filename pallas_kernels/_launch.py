@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 
 import jax
 
@@ -75,6 +76,23 @@ def require_compute_capability(cc: str, kernel: str, instead: str):
                      f"default device is {dev.device_kind} (compute capability {got}); "
                      f"{instead}")
   return dev
+
+
+def persistent_ctas(persistent: bool, num_sms, cc: str, kernel: str, instead: str) -> int:
+  """The CTAs of a persistent grid: ``num_sms`` (checked: a positive int),
+  else the default device's SM count (which must be a GPU of compute
+  capability ``cc``); 0 without ``persistent`` (one CTA per work item)."""
+  if not persistent:
+    return 0
+  if num_sms is None:
+    return require_compute_capability(cc, kernel, instead).core_count
+  try:
+    ctas = operator.index(num_sms)
+  except TypeError:
+    ctas = 0
+  if isinstance(num_sms, bool) or ctas < 1:
+    raise ValueError(f"num_sms must be a positive int; got {num_sms!r}")
+  return ctas
 
 
 # --- inside jax.shard_map ---------------------------------------------------------

@@ -63,8 +63,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import (check_ints, match_varying, out_struct,
-                                     require_compute_capability)
+from pallas_kernels._launch import (SMEM_LIMIT, check_ints, match_varying, out_struct,
+                                     persistent_ctas, require_compute_capability)
 from pallas_kernels.attention.common import check_call
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "COMPUTE_CAPABILITY", "HEAD_DIM_MAX", "HEAD_DIM_MIN",
@@ -123,10 +123,11 @@ class MosaicAttentionConfig:
 
 
 def smem_bytes(*, block_q: int, block_k: int, num_stages: int, head_dim: int,
-               itemsize: int) -> int:
+               itemsize: int, persistent: bool = False) -> int:
   """Shared memory of one program: the Q/O tile of both consumer warpgroups
-  and ``num_stages`` K and V buffers."""
-  return (block_q + 2 * num_stages * block_k) * head_dim * itemsize + _BARRIER_BYTES
+  (two with ``persistent``) and ``num_stages`` K and V buffers."""
+  q_tiles = 2 if persistent else 1
+  return (q_tiles * block_q + 2 * num_stages * block_k) * head_dim * itemsize + _BARRIER_BYTES
 
 
 def swizzle_bytes(head_dim: int, itemsize: int) -> int:
@@ -161,7 +162,8 @@ def check_device() -> None:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttentionConfig,
               causal: bool = True, scale: float | None = None, soft_cap: float = 0.0,
-              window_left: int = -1, sinks: jax.Array | None = None) -> jax.Array:
+              window_left: int = -1, sinks: jax.Array | None = None,
+              persistent: bool = False, num_sms: int | None = None) -> jax.Array:
   """Flash attention forward with the Mosaic GPU kernel (Hopper only).
 
   Args:
@@ -176,6 +178,15 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttenti
       window_left`` only; a program skips the KV blocks left of its first
       row's window. -1: no window.
     sinks: ``[q_heads]`` float32 logits added to each softmax's denominator.
+    persistent: at most one CTA per SM, each walking its share of the
+      programs (a query head's ``block_q`` rows of one sequence) in launch
+      order: the producer streams the next program's K/V blocks into the
+      ring while the consumers finish this one, and the next program's
+      queries load into a second Q/O tile during this one. A static share,
+      so it pays where programs are of equal length (under a window, not
+      under a plain causal mask). False: one CTA per program.
+    num_sms: the persistent grid's CTAs at most (default: the default
+      device's SMs).
 
   Raises:
     ValueError: invalid arguments (as the Triton kernel), shapes this kernel
@@ -192,6 +203,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttenti
   if soft_cap and scale <= 0:
     raise ValueError(f"the Mosaic GPU attention kernel soft-caps only with scale > 0; "
                      f"got scale={scale}")
+  ctas = persistent_ctas(persistent, num_sms, COMPUTE_CAPABILITY,
+                         "Mosaic GPU attention kernel", "use a Triton config")
   check_device()
   has_sinks = sinks is not None
   sinks = (jnp.zeros((q.shape[2],), jnp.float32) if sinks is None
@@ -199,7 +212,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttenti
   return _attention(q, k, v, sinks, block_q=config.block_q, block_k=config.block_k,
                     num_stages=config.num_stages, causal=bool(causal), scale=scale,
                     soft_cap=float(soft_cap), window_left=int(window_left),
-                    has_sinks=has_sinks)
+                    has_sinks=has_sinks, ctas=ctas)
 
 
 def _pad_seq(x, multiple: int):
@@ -209,10 +222,11 @@ def _pad_seq(x, multiple: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_k", "num_stages", "causal",
-                                             "scale", "soft_cap", "window_left", "has_sinks"))
+                                             "scale", "soft_cap", "window_left", "has_sinks",
+                                             "ctas"))
 def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: int,
                causal: bool, scale: float, soft_cap: float = 0.0, window_left: int = -1,
-               has_sinks: bool = False):
+               has_sinks: bool = False, ctas: int = 0):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -248,20 +262,55 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
   else:
     c, pre = _LOG2E, scale
   windowed = window_left >= 0
+  # Programs (work items) in launch order: query heads fastest (the heads of
+  # a GQA group, which share K/V, run together), then query tiles, then
+  # sequences. One CTA per item, or (persistent) at most ``ctas`` CTAs, CTA
+  # ``c`` taking items c, c + C, c + 2C, ...
+  items = num_q_heads * num_q_tiles * batch_size
+  grid_ctas = min(items, ctas) if ctas else items
+  persistent = grid_ctas < items
+  q_bufs = 2 if persistent else 1
+  if persistent:
+    need = smem_bytes(block_q=block_q, block_k=block_kv, num_stages=max_concurrent_steps,
+                      head_dim=head_dim, itemsize=jnp.dtype(dtype).itemsize, persistent=True)
+    if need > SMEM_LIMIT:
+      raise ValueError(f"block_q={block_q}, block_k={block_k}, num_stages={num_stages}: the "
+                       f"persistent grid's two Q/O tiles need {need} bytes of shared memory, "
+                       f"over {SMEM_LIMIT} (use fewer stages or persistent=False)")
 
   iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
 
   def kernel(q_ref, k_ref, v_ref, sinks_ref, out_ref, scoped):
-    batch = lax.axis_index("batch")
-    q_head = lax.axis_index("heads")
-    q_tile = lax.axis_index("q_seq")
-    if causal:
-      q_tile = num_q_tiles - 1 - q_tile  # the longest programs first
+    cta = lax.axis_index("cta")
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
     wg_idx = lax.axis_index("wg")
     qo_smem2, k_smem, v_smem = smem_buffers
     k_barriers, v_barriers, q_barriers = buffer_barriers
     k_consumed_barriers, v_consumed_barriers = consumed_barriers
+    # This CTA's items: cta, cta + grid_ctas, ... below items.
+    n_local = lax.div(jnp.int32(items - 1) - cta, jnp.int32(grid_ctas)) + 1
+
+    def plan(n):
+      """The ``n``-th item of this CTA: its sequence, query head, query tile,
+      first KV step and KV steps to read."""
+      i = cta + n * grid_ctas
+      q_head = lax.rem(i, jnp.int32(num_q_heads))
+      rest = lax.div(i, jnp.int32(num_q_heads))
+      q_tile = lax.rem(rest, jnp.int32(num_q_tiles))
+      batch = lax.div(rest, jnp.int32(num_q_tiles))
+      if causal:
+        q_tile = num_q_tiles - 1 - q_tile  # the longest programs first
+        block_max_kv_steps = kv_steps_to((q_tile + 1) * block_q)
+      else:
+        block_max_kv_steps = num_kv_steps
+      # The first KV step: under a window, the block of the tile's first
+      # row's first key (every step before it is out of every row's window).
+      if windowed:
+        kv_start = lax.div(jnp.maximum(q_tile * block_q - window_left, 0),
+                           jnp.array(block_kv, jnp.int32))
+      else:
+        kv_start = 0  # (a Python int: the plain kernel's loops are as before)
+      return batch, q_head, q_tile, kv_start, block_max_kv_steps
 
     def perform_schedule_barrier():
       plgpu.barrier_arrive(schedule_barrier)
@@ -272,193 +321,229 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
       # under a causal mask, so keys past kv_len are only seen by padding rows).
       return jnp.minimum(pl.cdiv(q_end, jnp.array(block_kv, jnp.int32)), num_kv_steps)
 
-    if causal:
-      block_max_kv_steps = kv_steps_to((q_tile + 1) * block_q)
-    else:
-      block_max_kv_steps = num_kv_steps
-    # The first KV step of this program: under a window, the block of its
-    # first row's first key (every step before it is out of every row's window).
-    if windowed:
-      kv_start = lax.div(jnp.maximum(q_tile * block_q - window_left, 0),
-                         jnp.array(block_kv, jnp.int32))
-    else:
-      kv_start = 0  # (a Python int: the plain kernel's loops are as before)
-
-    def slot_of(kv_step):
-      return lax.rem(kv_step - kv_start if windowed else kv_step,
-                     jnp.array(max_concurrent_steps, kv_step.dtype))
+    def ring_slot(g, kv_step, kv_start):
+      # g: ring steps this CTA took before the item (0 without persistence).
+      return lax.rem(g + kv_step - kv_start if (windowed or persistent) else kv_step,
+                     jnp.array(max_concurrent_steps, jnp.int32))
 
     @pl.when(wg_idx < 2)
     def _compute_wg():
       plgpu.set_max_registers(232, action="increase")
-      qo_smem = qo_smem2.at[wg_idx]
-      q_seq_base = q_tile * block_q + wg_idx * wg_rows
 
-      if causal:
-        kv_steps = kv_steps_to(q_seq_base + wg_rows)
-      else:
-        kv_steps = block_max_kv_steps
+      def load_q(n):
+        batch, q_head, q_tile, _, _ = plan(n)
+        buf = lax.rem(n, jnp.int32(q_bufs)) * 2 + wg_idx
+        plgpu.copy_gmem_to_smem(
+            q_ref.at[batch, pl.ds(q_tile * block_q + wg_idx * wg_rows, wg_rows), q_head],
+            qo_smem2.at[buf],
+            q_barriers.at[buf],
+        )
 
-      plgpu.copy_gmem_to_smem(
-          q_ref.at[batch, pl.ds(q_seq_base, wg_rows), q_head],
-          qo_smem,
-          q_barriers.at[wg_idx],
-      )
-      plgpu.barrier_wait(q_barriers.at[wg_idx])
+      load_q(jnp.int32(0))
 
-      if has_sinks:
-        # The sink's exp(sink - m) starts the denominator (m kept scaled by c).
-        m0 = jnp.broadcast_to(sinks_ref[q_head] * _LOG2E, (wg_rows,))
-        l0 = jnp.full((wg_rows,), 1, dtype=jnp.float32)
-      else:
-        # Finite under a window: a row whose first blocks are all out of its
-        # window keeps alpha = 1 and p = 0 there (-inf - -inf would be NaN).
-        m0 = jnp.full((wg_rows,), -1e30 if windowed else -jnp.inf, dtype=jnp.float32)
-        l0 = jnp.full((wg_rows,), 0, dtype=jnp.float32)
-      m_i = plgpu.layout_cast(m0, plgpu.Layout.WGMMA.reduce(1))
-      l_i = plgpu.layout_cast(l0, plgpu.Layout.WGMMA.reduce(1))
-      acc = plgpu.layout_cast(jnp.full((wg_rows, head_dim), 0, dtype=jnp.float32),
-                              plgpu.Layout.WGMMA)
-
-      @pl.when(kv_steps > kv_start)
-      def _():
-        plgpu.barrier_wait(k_barriers.at[0])
-
-      pl.when(wg_idx == 1)(perform_schedule_barrier)
-
-      def kv_loop(kv_step, carry, causal: bool = False, kv_tail: bool = False):
-        acc, m_i, l_i = carry
-        slot = slot_of(kv_step)
-
-        def compute_qk(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
-          perform_schedule_barrier()
-          return acc_ref[...]
-        qk = pl.run_scoped(compute_qk, plgpu.ACC((wg_rows, block_kv), jnp.float32))
-        plgpu.barrier_arrive(k_consumed_barriers.at[slot])
-        if pre is not None:
-          qk = qk * pre
-        if soft_cap:
-          qk = soft_cap * jnp.tanh(qk * (scale / soft_cap))
+      def run_item(n, g):
+        batch, q_head, q_tile, kv_start, block_max_kv_steps = plan(n)
+        slot_of = functools.partial(ring_slot, g, kv_start=kv_start)
+        buf = lax.rem(n, jnp.int32(q_bufs)) * 2 + wg_idx
+        qo_smem = qo_smem2.at[buf]
+        q_seq_base = q_tile * block_q + wg_idx * wg_rows
 
         if causal:
-          q_ids = iota((wg_rows, block_kv), 0)
-          kv_ids = iota((wg_rows, block_kv), 1)
-          mask = (q_ids + q_seq_base) >= (kv_ids + kv_step * block_kv)
-          if windowed:
-            mask = mask & ((kv_ids + kv_step * block_kv) >= (q_ids + q_seq_base - window_left))
-          qk = jnp.where(mask, qk, -jnp.inf)
-        if kv_tail:
-          kv_ids = iota((wg_rows, block_kv), 1)
-          qk = jnp.where(kv_ids + kv_step * block_kv < kv_seq_len, qk, -jnp.inf)
-
-        # m is kept scaled by c, so p takes one FMA per score.
-        m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
-        alpha = jnp.exp2(m_i - m_ij)
-        m_i = m_ij
-        p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
-        acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i *= alpha
-        p16 = p.astype(dtype)
-
-        def end_softmax_barriers():
-          plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
-          plgpu.barrier_wait(v_barriers.at[slot])
-          plgpu.barrier_wait(schedule_barrier)  # the tensor cores are free
-        # Upstream found this order to matter for speed.
-        if head_dim <= 128:
-          l_i += p.sum(axis=1)
-          acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
-          end_softmax_barriers()
+          kv_steps = kv_steps_to(q_seq_base + wg_rows)
         else:
-          end_softmax_barriers()
-          l_i += p.sum(axis=1)
+          kv_steps = block_max_kv_steps
 
-        def compute_pv(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-          wait_step = kv_step + 1
-          wait_slot = slot_of(wait_step)
+        def load_next_q():
+          if persistent:
+            # The other tile's last reader was item n - 1's output store,
+            # issued a whole item ago.
+            @pl.when(n + 1 < n_local)
+            def _():
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              load_q(n + 1)
 
-          @pl.when(wait_step < kv_steps)
-          def _wait():
-            plgpu.barrier_wait(k_barriers.at[wait_slot])
-        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
-        plgpu.barrier_arrive(v_consumed_barriers.at[slot])
-        return acc, m_i, l_i
+        plgpu.barrier_wait(q_barriers.at[buf])
 
-      if not causal:
-        full_steps = num_kv_steps - kv_ragged
-        acc, m_i, l_i = lax.fori_loop(0, full_steps, kv_loop, (acc, m_i, l_i))
-        # The last KV block, masked past kv_len (a loop of one step: its index
-        # must be a traced value for the lowering).
-        acc, m_i, l_i = lax.fori_loop(full_steps, num_kv_steps,
-                                      functools.partial(kv_loop, kv_tail=True),
-                                      (acc, m_i, l_i))
-      else:
-        def epilogue_kv_loop(kv_step, _):
-          # Drains the pipeline when this warpgroup finishes before the other.
+        if has_sinks:
+          # The sink's exp(sink - m) starts the denominator (m kept scaled by c).
+          m0 = jnp.broadcast_to(sinks_ref[q_head] * _LOG2E, (wg_rows,))
+          l0 = jnp.full((wg_rows,), 1, dtype=jnp.float32)
+        else:
+          # Finite under a window: a row whose first blocks are all out of its
+          # window keeps alpha = 1 and p = 0 there (-inf - -inf would be NaN).
+          m0 = jnp.full((wg_rows,), -1e30 if windowed else -jnp.inf, dtype=jnp.float32)
+          l0 = jnp.full((wg_rows,), 0, dtype=jnp.float32)
+        m_i = plgpu.layout_cast(m0, plgpu.Layout.WGMMA.reduce(1))
+        l_i = plgpu.layout_cast(l0, plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.full((wg_rows, head_dim), 0, dtype=jnp.float32),
+                                plgpu.Layout.WGMMA)
+
+        @pl.when(kv_steps > kv_start)
+        def _():
+          plgpu.barrier_wait(k_barriers.at[slot_of(jnp.asarray(kv_start, jnp.int32))])
+
+        pl.when(wg_idx == 1)(perform_schedule_barrier)
+
+        def kv_loop(kv_step, carry, causal: bool = False, kv_tail: bool = False):
+          acc, m_i, l_i = carry
           slot = slot_of(kv_step)
+
+          def compute_qk(acc_ref):
+            plgpu.wgmma(acc_ref, qo_smem, k_smem.at[slot].transpose((1, 0)))
+            perform_schedule_barrier()
+            return acc_ref[...]
+          qk = pl.run_scoped(compute_qk, plgpu.ACC((wg_rows, block_kv), jnp.float32))
           plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+          if pre is not None:
+            qk = qk * pre
+          if soft_cap:
+            qk = soft_cap * jnp.tanh(qk * (scale / soft_cap))
+
+          if causal:
+            q_ids = iota((wg_rows, block_kv), 0)
+            kv_ids = iota((wg_rows, block_kv), 1)
+            mask = (q_ids + q_seq_base) >= (kv_ids + kv_step * block_kv)
+            if windowed:
+              mask = mask & ((kv_ids + kv_step * block_kv) >= (q_ids + q_seq_base - window_left))
+            qk = jnp.where(mask, qk, -jnp.inf)
+          if kv_tail:
+            kv_ids = iota((wg_rows, block_kv), 1)
+            qk = jnp.where(kv_ids + kv_step * block_kv < kv_seq_len, qk, -jnp.inf)
+
+          # m is kept scaled by c, so p takes one FMA per score.
+          m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
+          alpha = jnp.exp2(m_i - m_ij)
+          m_i = m_ij
+          p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_ij, qk.shape, [0]))
+          acc *= lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l_i *= alpha
+          p16 = p.astype(dtype)
+
+          def end_softmax_barriers():
+            plgpu.barrier_arrive(schedule_barrier)  # done with the softmax
+            plgpu.barrier_wait(v_barriers.at[slot])
+            plgpu.barrier_wait(schedule_barrier)  # the tensor cores are free
+          # Upstream found this order to matter for speed.
+          if head_dim <= 128:
+            l_i += p.sum(axis=1)
+            acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+            end_softmax_barriers()
+          else:
+            end_softmax_barriers()
+            l_i += p.sum(axis=1)
+
+          def compute_pv(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+            wait_step = kv_step + 1
+            wait_slot = slot_of(wait_step)
+
+            @pl.when(wait_step < kv_steps)
+            def _wait():
+              plgpu.barrier_wait(k_barriers.at[wait_slot])
+          acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
           plgpu.barrier_arrive(v_consumed_barriers.at[slot])
-          perform_schedule_barrier()
-          perform_schedule_barrier()
+          return acc, m_i, l_i
 
-        causal_kv_loop = functools.partial(kv_loop, causal=True)
-        full_kv_steps = jnp.minimum(lax.div(q_seq_base, jnp.array(block_kv, jnp.int32)),
-                                    kv_steps)
-        if windowed:
-          # The blocks at the window's left edge (masked), those inside every
-          # row's window and left of the diagonal (unmasked), the diagonal.
-          bk = jnp.array(block_kv, jnp.int32)
-          inside = lax.div(jnp.maximum(q_seq_base + wg_rows - 1 - window_left, 0) + bk - 1,
-                           bk)
-          edge_end = jnp.minimum(jnp.maximum(inside, kv_start), kv_steps)
-          acc, m_i, l_i = lax.fori_loop(kv_start, edge_end, causal_kv_loop, (acc, m_i, l_i))
-          full_kv_steps = jnp.maximum(edge_end, full_kv_steps)
-          acc, m_i, l_i = lax.fori_loop(edge_end, full_kv_steps, kv_loop, (acc, m_i, l_i))
+        if not causal:
+          full_steps = num_kv_steps - kv_ragged
+          acc, m_i, l_i = lax.fori_loop(0, full_steps, kv_loop, (acc, m_i, l_i))
+          load_next_q()
+          # The last KV block, masked past kv_len (a loop of one step: its index
+          # must be a traced value for the lowering).
+          acc, m_i, l_i = lax.fori_loop(full_steps, num_kv_steps,
+                                        functools.partial(kv_loop, kv_tail=True),
+                                        (acc, m_i, l_i))
         else:
-          # Unmasked blocks, then the diagonal blocks.
-          acc, m_i, l_i = lax.fori_loop(0, full_kv_steps, kv_loop, (acc, m_i, l_i))
-        acc, m_i, l_i = lax.fori_loop(full_kv_steps, kv_steps, causal_kv_loop,
-                                      (acc, m_i, l_i))
-        lax.fori_loop(kv_steps, block_max_kv_steps, epilogue_kv_loop, None)
-      pl.when(wg_idx == 0)(perform_schedule_barrier)
+          def epilogue_kv_loop(kv_step, _):
+            # Drains the pipeline when this warpgroup finishes before the other.
+            slot = slot_of(kv_step)
+            if persistent:
+              # Every load's barrier is waited once by each warpgroup, so
+              # that their phases stay in step for the next items.
+              plgpu.barrier_wait(k_barriers.at[slot])
+            plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+            if persistent:
+              plgpu.barrier_wait(v_barriers.at[slot])
+            plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+            perform_schedule_barrier()
+            perform_schedule_barrier()
 
-      acc /= lax.broadcast_in_dim(l_i, (wg_rows, head_dim), [0])
-      qo_smem[...] = acc.astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[batch, pl.ds(q_seq_base, wg_rows), q_head])
+          causal_kv_loop = functools.partial(kv_loop, causal=True)
+          full_kv_steps = jnp.minimum(lax.div(q_seq_base, jnp.array(block_kv, jnp.int32)),
+                                      kv_steps)
+          if windowed:
+            # The blocks at the window's left edge (masked), those inside every
+            # row's window and left of the diagonal (unmasked), the diagonal.
+            bk = jnp.array(block_kv, jnp.int32)
+            inside = lax.div(jnp.maximum(q_seq_base + wg_rows - 1 - window_left, 0) + bk - 1,
+                             bk)
+            edge_end = jnp.minimum(jnp.maximum(inside, kv_start), kv_steps)
+            acc, m_i, l_i = lax.fori_loop(kv_start, edge_end, causal_kv_loop, (acc, m_i, l_i))
+            full_kv_steps = jnp.maximum(edge_end, full_kv_steps)
+            acc, m_i, l_i = lax.fori_loop(edge_end, full_kv_steps, kv_loop, (acc, m_i, l_i))
+          else:
+            # Unmasked blocks, then the diagonal blocks.
+            acc, m_i, l_i = lax.fori_loop(0, full_kv_steps, kv_loop, (acc, m_i, l_i))
+          load_next_q()
+          acc, m_i, l_i = lax.fori_loop(full_kv_steps, kv_steps, causal_kv_loop,
+                                        (acc, m_i, l_i))
+          lax.fori_loop(kv_steps, block_max_kv_steps, epilogue_kv_loop, None)
+        pl.when(wg_idx == 0)(perform_schedule_barrier)
+
+        acc /= lax.broadcast_in_dim(l_i, (wg_rows, head_dim), [0])
+        qo_smem[...] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem,
+                                out_ref.at[batch, pl.ds(q_seq_base, wg_rows), q_head])
+        return g + block_max_kv_steps - kv_start
+
+      if persistent:
+        lax.fori_loop(0, n_local, run_item, jnp.int32(0))
+      else:
+        run_item(jnp.int32(0), 0)
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg_idx == 2)
     def _memory_wg():
       plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(q_head, jnp.array(q_heads_per_kv_head, q_head.dtype))
 
-      # A loop, not a Python for: its starts are traced, so a last block that
-      # runs past kv_len is a TMA copy (zero-filled), not a static slice error.
-      @pl.loop(0, max_concurrent_steps)
-      def _prologue(i):
-        s = (batch, pl.ds((kv_start + i) * block_kv, block_kv), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[i], k_barriers.at[i])
-        plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[i], v_barriers.at[i])
+      def stream_item(n, g):
+        """Streams item ``n``'s K and V blocks into the ring from ring step
+        ``g`` on: a slot is refilled once both consumers released it (the
+        first ``max_concurrent_steps`` steps of the CTA fill an empty ring)."""
+        batch, q_head, _, kv_start, block_max_kv_steps = plan(n)
+        kv_head = lax.div(q_head, jnp.array(q_heads_per_kv_head, q_head.dtype))
 
-      @pl.loop(kv_start, block_max_kv_steps - max_concurrent_steps)
-      def _kv_loop(kv_step):
-        tma_step = kv_step + max_concurrent_steps
-        tma_slot = slot_of(kv_step)
-        s = (batch, pl.ds(tma_step * block_kv, block_kv), kv_head)
-        plgpu.barrier_wait(k_consumed_barriers.at[tma_slot])
-        plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[tma_slot], k_barriers.at[tma_slot])
-        plgpu.barrier_wait(v_consumed_barriers.at[tma_slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[tma_slot], v_barriers.at[tma_slot])
+        # A loop, not a Python for: its starts are traced, so a last block that
+        # runs past kv_len is a TMA copy (zero-filled), not a static slice error.
+        @pl.loop(kv_start, block_max_kv_steps)
+        def _kv_loop(kv_step):
+          slot = ring_slot(g, kv_step, kv_start)
+          refill = g + kv_step - kv_start >= max_concurrent_steps
+          s = (batch, pl.ds(kv_step * block_kv, block_kv), kv_head)
+
+          @pl.when(refill)
+          def _():
+            plgpu.barrier_wait(k_consumed_barriers.at[slot])
+          plgpu.copy_gmem_to_smem(k_ref.at[s], k_smem.at[slot], k_barriers.at[slot])
+
+          @pl.when(refill)
+          def _():
+            plgpu.barrier_wait(v_consumed_barriers.at[slot])
+          plgpu.copy_gmem_to_smem(v_ref.at[s], v_smem.at[slot], v_barriers.at[slot])
+        return g + block_max_kv_steps - kv_start
+
+      if persistent:
+        lax.fori_loop(0, n_local, stream_item, jnp.int32(0))
+      else:
+        stream_item(jnp.int32(0), 0)
 
   def entry(q_ref, k_ref, v_ref, sinks_ref, out_ref):
     compute_wgs = 2
     swizzle_b = swizzle_bytes(head_dim, jnp.dtype(dtype).itemsize)
     tiling = plgpu.TilingTransform((8, swizzle_b // jnp.dtype(dtype).itemsize))
     swizzle = plgpu.SwizzleTransform(swizzle_b)
-    qo_scratch = plgpu.SMEM((compute_wgs, wg_rows, head_dim), dtype,
+    qo_scratch = plgpu.SMEM((q_bufs * compute_wgs, wg_rows, head_dim), dtype,
                             transforms=(tiling, swizzle))
     k_scratch = plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), dtype,
                            transforms=(tiling, swizzle))
@@ -470,7 +555,7 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
         (
             plgpu.Barrier(num_barriers=max_concurrent_steps),
             plgpu.Barrier(num_barriers=max_concurrent_steps),
-            plgpu.Barrier(num_barriers=compute_wgs),
+            plgpu.Barrier(num_barriers=q_bufs * compute_wgs),
         ),
         (plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=max_concurrent_steps),) * 2,
         plgpu.Barrier(num_arrivals=compute_wgs),
@@ -481,11 +566,10 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
   out = plgpu.kernel(
       entry,
       out_type=out_struct(q.shape, dtype, axes),
-      grid=(num_q_heads, num_q_tiles, batch_size),
-      grid_names=("heads", "q_seq", "batch"),
+      grid=(grid_ctas,),
+      grid_names=("cta",),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
   )(q, k, v, sinks)
   return out if out.shape[1] == q_len else out[:, :q_len]
-

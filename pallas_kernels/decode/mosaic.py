@@ -55,14 +55,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import operator
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._launch import SMEM_LIMIT, check_ints, match_varying, out_struct, \
-    require_compute_capability
+    persistent_ctas, require_compute_capability
 from pallas_kernels.attention.common import (check_call, check_lengths, check_sinks,
                                              check_soft_cap, check_window)
 from pallas_kernels.attention.mosaic import swizzle_bytes
@@ -228,21 +227,12 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mosaic
   kv_lengths = check_lengths(kv_lengths, q.shape[0], kv_len)
   soft_cap = check_soft_cap(logit_soft_cap)
   sinks = check_sinks(sinks, q.shape[2])
-  ctas = 0
-  if persistent and num_sms is not None:
-    try:
-      ctas = operator.index(num_sms)
-    except TypeError:
-      ctas = 0
-    if isinstance(num_sms, bool) or ctas < 1:
-      raise ValueError(f"num_sms must be a positive int; got {num_sms!r}")
+  ctas = persistent_ctas(persistent, num_sms, COMPUTE_CAPABILITY, "Mosaic GPU decode kernel",
+                         "use a Triton or XLA config")
   if not isinstance(q, jax.core.Tracer):
     # A call on concrete arrays runs now: say so here if no Hopper GPU can
     # (traced calls are checked where they compile; the tests lower them).
     check_device()
-  if persistent and not ctas:
-    ctas = require_compute_capability(COMPUTE_CAPABILITY, "Mosaic GPU decode kernel",
-                                      "use a Triton or XLA config").core_count
   return _decode(q, k, v, kv_lengths, block_tables, sinks, config=config, causal=bool(causal),
                  scale=scale, window=window, soft_cap=soft_cap, ctas=ctas)
 

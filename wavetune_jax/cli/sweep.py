@@ -64,8 +64,10 @@ def problems(spec, args):
   if args.m_range:
     lo, hi = args.m_range
     probs = [p for p in probs if lo <= spec.size_of(p) <= hi]
-  if getattr(args, "windows", False):
-    probs = probs + spec.window_variants(probs, suite)
+  windows = getattr(args, "windows", None)
+  if windows:
+    variants = spec.window_variants(probs, suite)
+    probs = variants if windows == "only" else probs + variants
   if not probs:
     raise ValueError(f"no {spec.name} problem in suite {args.shapes!r} matches the options")
   return probs
@@ -113,6 +115,11 @@ def _sweep(args) -> int:
   probs = problems(spec, args)
   print(f"{hw.name}: {len(probs)} problems -> {out} ({f.n_rows} rows already there)",
         flush=True)
+  if args.remeasure:
+    dropped = f.forget({spec.problem_key(p) for p in probs}, {b.name for b in spec.backends})
+    names = ", ".join(b.name for b in spec.backends)
+    print(f"--remeasure: {dropped} rows of these problems ({names} and the baseline) to "
+          f"measure again", flush=True)
   if f.n_rows and sweep.plan_sweep(spec, probs, hw, f, prune=not args.wide)[0]:
     f.record_run(header)  # this run adds rows to a file on record: its header says so
   t0 = time.perf_counter()
@@ -255,9 +262,10 @@ def add_problem_args(ap: argparse.ArgumentParser) -> None:
                   choices=("bfloat16", "float16", "float32", "float8_e4m3fn"),
                   help="input dtype (default: bfloat16; float8_e4m3fn: the W8A8-FP8 problems of "
                   "qmatmul and qragged_dot only)")
-  ap.add_argument("--windows", action="store_true",
+  ap.add_argument("--windows", nargs="?", const="also", choices=("also", "only"),
                   help="also each problem with each of the suite's sliding windows shorter "
-                  "than its sequence (attention and decode; train: 128, 512, 1024, 4096)")
+                  "than its sequence (attention and decode; train: 128, 512, 1024, 4096); "
+                  "'--windows only': the windowed problems alone")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -293,6 +301,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                   help="measure the problems of this sweep file instead of the suite's "
                   "(e.g. the new configs of a grown space, or a new baseline, for the "
                   "problems on file; with --out the same file, only what is missing)")
+  sw.add_argument("--remeasure", action="store_true",
+                  help="measure the selected problems again after a kernel change: their "
+                  "rows of the swept backends (--backends) and of the baseline are "
+                  "replaced, other rows (extra baselines, other backends) stay; the "
+                  "file's header records the command")
   sw.add_argument("--worker-measure", help=argparse.SUPPRESS)  # tests: module:factory
   sw.set_defaults(func=_sweep)
   rp = sub.add_parser("report", help="tables and a wave plot of a sweep file",

@@ -216,6 +216,7 @@ class SweepFile:
 
   def __init__(self, path: str, header: dict, family=None):
     self.path = path
+    self.family = family
     self.done: set[str] = set()
     self.n_rows = 0
     if os.path.exists(path):
@@ -253,6 +254,35 @@ class SweepFile:
              if k in header}
     self.header = dict(self.header, resumed=list(self.header.get("resumed", [])) + [entry])
     self._rewrite([self.header] + lines[1:])
+
+  def forget(self, problem_keys: set, backends: set) -> int:
+    """Drops the rows of ``problem_keys`` measured by ``backends`` (configs
+    and their repeats) and their platform baseline, so that a rerun
+    measures them again; returns how many. Timing rows and other rows stay."""
+    lines, intact = _read_lines(self.path)
+    if not intact:  # (the constructor repaired the file: never here)
+      raise SweepError(f"{self.path} is truncated; rerun the command to repair it")
+
+    def drop(r: dict) -> bool:
+      if r.get("type") != "row" or r["key"].split("|", 1)[0] not in problem_keys:
+        return False
+      if r["impl"] == "baseline":
+        return True
+      return (r["impl"] in ("pallas", "repeat") and r.get("config") is not None
+              and self._backend(r["config"]) in backends)
+    keep = [r for r in lines if not drop(r)]
+    dropped = len(lines) - len(keep)
+    if dropped:
+      self._rewrite(keep)
+      self.done = {r["key"] if self.family is None else normalized_key(self.family, r)
+                   for r in keep[1:] if r.get("type") == "row"}
+      self.n_rows -= dropped
+    return dropped
+
+  def _backend(self, config: dict) -> str | None:
+    if self.family is None:
+      return config.get("backend")
+    return self.family.backend_of(self.family.config_from_dict(config)).name
 
   def _rewrite(self, lines: Sequence[dict]) -> None:
     tmp = self.path + ".tmp"

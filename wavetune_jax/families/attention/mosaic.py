@@ -8,11 +8,13 @@ import itertools
 from pallas_kernels.attention import mosaic as kernel
 from pallas_kernels.attention.mosaic import MosaicAttentionConfig
 from wavetune_jax.core.family import Backend
+from wavetune_jax.core import hardware
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.attention.problem import AttentionProblem, coords, next_pow2
 from wavetune_jax.families.attention.triton import TritonAttention
 
-__all__ = ["MosaicAttention", "MosaicAttentionConfig", "pads", "triton_recompute",
+__all__ = ["PERSISTENT_WINDOW_GPUS", "MosaicAttention", "MosaicAttentionConfig", "pads",
+           "persistent_grid", "triton_recompute",
            "wins_above_one_wave", "would_pad"]
 
 STAGES = (2, 3, 4)
@@ -45,6 +47,32 @@ def narrow_window(p: AttentionProblem) -> bool:
     return False
   right = 0 if p.causal else p.window_right
   return p.window_left + 1 + right <= NARROW_WINDOW_KEYS
+
+
+#: GPUs (device keys) whose windowed prefill runs the kernel's persistent
+#: grid: where it was measured. Elsewhere (the H100 among them) one CTA per
+#: program, as measured there.
+PERSISTENT_WINDOW_GPUS = frozenset({"nvidia_h200"})
+
+
+def persistent_grid(p: AttentionProblem, c: MosaicAttentionConfig, device_key: str) -> bool:
+  """Whether the kernel runs its persistent grid (one CTA per SM walking its
+  share of the programs; the kernel keeps one CTA per program where there
+  are no more programs than SMs): on the GPUs of
+  :data:`PERSISTENT_WINDOW_GPUS`, under a causal window of at most half the
+  keys, where nearly every program reads the window's blocks, so a static
+  share of them stays balanced, and where the second Q/O tile fits in
+  shared memory (not at head_dim 256). Measured on an H200
+  (``benchmarks/attention_persistent.py``, docs/results.md "A persistent
+  grid for windowed prefill"). Under a plain causal mask the programs'
+  lengths run from one block to all of them, which the hardware's
+  scheduling of CTAs balances and a static share would not."""
+  if (device_key not in PERSISTENT_WINDOW_GPUS or not p.causal or p.window_left < 0
+      or 2 * (p.window_left + 1) > p.kv_len):
+    return False
+  return kernel.smem_bytes(block_q=c.block_q, block_k=c.block_k, num_stages=c.num_stages,
+                           head_dim=p.head_dim, itemsize=p.itemsize,
+                           persistent=True) <= kernel.SMEM_LIMIT
 
 
 class MosaicAttention(Backend):
@@ -194,7 +222,9 @@ class MosaicAttention(Backend):
     _, sinks = split_extra(problem, extra)  # (no KV lengths: validate refuses them)
     return kernel.attention(q, k, v, config=config, causal=problem.causal, scale=scale,
                             soft_cap=problem.soft_cap, window_left=problem.window_left,
-                            sinks=sinks)
+                            sinks=sinks,
+                            persistent=persistent_grid(problem, config,
+                                                       hardware.current().device_key))
 
 
 def pads(p: AttentionProblem) -> bool:
