@@ -128,11 +128,11 @@ def main(argv=None):
     for lab, e in errors.items():
       print(f"   {lab}: {e}", flush=True)
     del q, k, v, ref
+    if a.json:  # after every problem: a run cut short keeps what it measured
+      with open(a.json, "w") as f:
+        json.dump({"device_kind": dev.device_kind, "jax": jax.__version__,
+                   "sms": dev.core_count, "rows": rows}, f, indent=1)
   summarize(rows)
-  if a.json:
-    with open(a.json, "w") as f:
-      json.dump({"device_kind": dev.device_kind, "jax": jax.__version__,
-                 "sms": dev.core_count, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -102,10 +102,11 @@ class CudnnAttention(LibraryAttention):
     if self._why_not(problem, hw):
       return None
     if not problem.plain:
-      # A window it runs: the platform op (the H100 and H200 window sweeps'
-      # oracle at every window of 128-1,024; the Mosaic kernel's best config
-      # ran at 0.95-1.08x of it at 4,096, docs/results.md).
-      return CudnnAttentionConfig()
+      # A window it runs: the platform op (the H100 window sweep's oracle at
+      # every window of 128-1,024; the Mosaic kernel's best config ran at
+      # 0.95-1.08x of it at 4,096, docs/results.md), but where the Mosaic
+      # kernel's persistent grid runs it (the H200: 0.99-1.16x cuDNN).
+      return None if mosaic.persistent_wins(problem, hw) else CudnnAttentionConfig()
     g, _ = coords(problem, NOMINAL_BLOCK, NOMINAL_BLOCK)
     if g > hw.num_sms:
       return None if mosaic.wins_above_one_wave(problem, hw) else CudnnAttentionConfig()

@@ -133,12 +133,20 @@ class AttentionFamily(Family):
     has sinks (cuDNN runs neither, so XLA's attention is the platform op): no
     table holds such problems, and XLA writes the whole score matrix. On an
     H100 the kernel ran 6.5-72x faster than it on every such problem measured
-    (``benchmarks/attention_options.py``, docs/results.md)."""
-    from wavetune_jax.families.attention.mosaic import MosaicAttentionConfig
+    (``benchmarks/attention_options.py``, docs/results.md). And the kernel's
+    rule config over cuDNN's sliding window where its persistent grid takes
+    the window (:func:`~wavetune_jax.families.attention.mosaic.persistent_wins`:
+    measured on GQA groups and windows the table's sweep does not hold)."""
+    from wavetune_jax.families.attention import mosaic
+    from wavetune_jax.families.attention.cudnn import CudnnAttentionConfig
     from wavetune_jax.families.attention.xla import XlaAttentionConfig
-    return ((problem.soft_cap > 0 or problem.sinks)
-            and isinstance(config, MosaicAttentionConfig)
-            and isinstance(platform, XlaAttentionConfig))
+    if not isinstance(config, mosaic.MosaicAttentionConfig):
+      return False
+    if isinstance(platform, XlaAttentionConfig):
+      return problem.soft_cap > 0 or problem.sinks
+    return (isinstance(platform, CudnnAttentionConfig) and hw is not None
+            and problem.windowed and config == mosaic.MosaicAttention.HEURISTIC
+            and mosaic.persistent_wins(problem, hw))
 
   def partition_rule(self, problem):
     """Batch and heads split (a query head with its KV head: the KV heads

@@ -14,7 +14,7 @@ from wavetune_jax.families.attention.problem import AttentionProblem, coords, ne
 from wavetune_jax.families.attention.triton import TritonAttention
 
 __all__ = ["PERSISTENT_WINDOW_GPUS", "MosaicAttention", "MosaicAttentionConfig", "pads",
-           "persistent_grid", "triton_recompute",
+           "persistent_grid", "persistent_wins", "triton_recompute",
            "wins_above_one_wave", "would_pad"]
 
 STAGES = (2, 3, 4)
@@ -73,6 +73,24 @@ def persistent_grid(p: AttentionProblem, c: MosaicAttentionConfig, device_key: s
   return kernel.smem_bytes(block_q=c.block_q, block_k=c.block_k, num_stages=c.num_stages,
                            head_dim=p.head_dim, itemsize=p.itemsize,
                            persistent=True) <= kernel.SMEM_LIMIT
+
+
+def persistent_wins(p: AttentionProblem, hw: Hardware) -> bool:
+  """Where the kernel, with its persistent grid, takes a causal window from
+  cuDNN's sliding window: :func:`persistent_grid` holds for
+  :attr:`MosaicAttention.HEURISTIC` on ``hw``, ``head_dim`` is 128, the
+  lengths need no padding and the 128-row programs outnumber the SMs. On
+  the H200 window sweep (80 problems of head_dim 128, GQA groups of 4 and
+  8, windows of 128-4,096 keys) its 128 x 128 config ran at 0.99-1.16x
+  cuDNN, geomean 1.03x at a window of 128 and 1.05-1.06x at 512-4,096 (the
+  same kernel with one CTA per program: 0.69-1.04x); on five held-out
+  problems of head_dim 128 (groups 2, 4, 5 and 8) at 1.04-1.06x. At
+  head_dim 64 the one problem measured (a window of 128) ran at 0.96x, so
+  other head_dims keep cuDNN."""
+  c = MosaicAttention.HEURISTIC
+  return (p.head_dim == 128 and persistent_grid(p, c, hw.device_key)
+          and p.q_len >= c.block_q and not pads(p)
+          and p.batch * p.q_heads * -(-p.q_len // c.block_q) > hw.num_sms)
 
 
 class MosaicAttention(Backend):
@@ -184,12 +202,15 @@ class MosaicAttention(Backend):
     masked): on the window sweeps the best Mosaic config at a window of
     128 was 128x64 on 19 of 20 problems (H100) and 20 of 20 (H200), the
     128x128 one at 0.980 and 0.965 of it; at 512 and above 128x128 was the
-    best on all 60 problems of each GPU."""
+    best on all 60 problems of each GPU. Where the persistent grid runs the
+    window (:func:`persistent_grid`, the H200), 128x128 at every window: on
+    the H200 window sweep redone with it, the best config at a window of
+    128 on all 20 problems (128x64 ran at 0.93 of it, geomean)."""
     p = problem
     c = self.HEURISTIC
     if not self._runs_shape(p):
       return None
-    if narrow_window(p):
+    if narrow_window(p) and not persistent_grid(p, c, hw.device_key):
       c = self.NARROW
     if p.soft_cap or p.sinks:
       # cuDNN runs neither; the kernel ran 6.5-72x faster than XLA's attention
