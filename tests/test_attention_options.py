@@ -264,8 +264,12 @@ def test_mosaic_rule_takes_64_key_blocks_for_narrow_windows(gpu):
     c = mosaic.heuristic(AttentionProblem(batch=1, q_heads=64, kv_heads=8, q_len=4096,
                                           kv_len=4096, head_dim=64, **kw), hw)
     return (c.block_q, c.block_k)
-  assert rule(window_left=127, window_right=0, sinks=True) == (128, 64)
-  assert rule(window_left=255, window_right=0, soft_cap=20.0) == (128, 64)
+  # On the H200 the persistent grid runs these windows, with 128 x 128 tiles
+  # (the best config at a window of 128 on all 20 problems of its sweep
+  # measured again with it).
+  narrow = (128, 128) if gpu == "nvidia_h200" else (128, 64)
+  assert rule(window_left=127, window_right=0, sinks=True) == narrow
+  assert rule(window_left=255, window_right=0, soft_cap=20.0) == narrow
   assert rule(window_left=256, window_right=0, soft_cap=20.0) == (128, 128)
   assert rule(window_left=511, window_right=0, sinks=True) == (128, 128)
   assert rule(sinks=True) == (128, 128)

@@ -43,11 +43,12 @@ def test_sweeps_do_not_time_recorded_backends_twice():
                              for c in configs)
 
 
-@pytest.mark.parametrize("batch,q_len,cudnn", [(1, 128, False), (1, 512, False),
+@pytest.mark.parametrize("batch,q_len,cudnn", [(1, 128, False), (1, 512, True),
                                                (8, 512, True), (1, 16384, True)])
 def test_cudnn_where_its_tiles_make_more_than_one_wave(batch, q_len, cudnn):
   p = AttentionProblem(batch=batch, q_heads=32, kv_heads=8, q_len=q_len, head_dim=128)
-  # 32 heads x ceil(q_len / 128) x batch query tiles against 132 SMs.
+  # 32 heads x ceil(q_len / 128) x batch query tiles against 132 SMs: cuDNN
+  # from half of them (512 tokens: 128 tiles).
   assert isinstance(ATTENTION.heuristic(p, H200), CudnnAttentionConfig) == cudnn
 
 
@@ -59,7 +60,7 @@ def test_cudnn_where_its_tiles_make_more_than_one_wave(batch, q_len, cudnn):
     ((1, 16, 16, 2000, 192), "cudnn"),   # a multiple of 64: cuDNN above one wave
     ((4, 32, 32, 777, 96), "cudnn"),     # the Mosaic kernel would pad 777
     ((1, 16, 8, 777, 256), "cudnn"),     # 112 programs, in Mosaic's band, but padded
-    ((1, 16, 8, 776, 128), "mosaic"),    # the same band, no padding
+    ((1, 16, 8, 776, 128), "cudnn"),     # the same band, no padding (H200 sweep: cuDNN)
     ((1, 16, 8, 256, 128), "triton"),    # fewer programs than half the SMs
     ((1, 8, 1, 1000, 128), "triton"),    # ... recomputing 24 of 1,000 rows
     ((1, 28, 4, 200, 128), "mosaic"),    # ... recomputing 56 of 200 rows in Triton
@@ -104,11 +105,13 @@ def test_selection_of_a_length_does_not_depend_on_the_lengths_before():
     d = selector.Decider(table, hw)
     return {q: ATTENTION.backend_of(d.decide(ATTENTION.with_size(p, q)).config).name
             for q in order}
-  alone = backends((776,))[776]
-  after = backends((777, 778, 776))
-  assert alone == after[776] == "mosaic"
-  assert after[777] == after[778] == "cudnn"
-  assert selector.select("attention", ATTENTION.with_size(p, 776), hw).source == "guard"
+  # 512 tokens: 64 programs of 128 rows, under half the H100's SMs (a Pallas
+  # kernel's rule); 513 and 520: more (cuDNN's).
+  alone = backends((512,))[512]
+  after = backends((513, 520, 512))
+  assert alone == after[512] == "triton"
+  assert after[513] == after[520] == "cudnn"
+  assert selector.select("attention", ATTENTION.with_size(p, 512), hw).source == "guard"
 
 
 def test_cudnn_refuses_what_it_does_not_run():

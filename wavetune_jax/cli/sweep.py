@@ -116,6 +116,7 @@ def _sweep(args) -> int:
   print(f"{hw.name}: {len(probs)} problems -> {out} ({f.n_rows} rows already there)",
         flush=True)
   if args.remeasure:
+    sweep.plan_sweep(spec, probs, hw, f, prune=not args.wide)  # (its errors before any row goes)
     dropped = f.forget({spec.problem_key(p) for p in probs}, {b.name for b in spec.backends})
     names = ", ".join(b.name for b in spec.backends)
     print(f"--remeasure: {dropped} rows of these problems ({names} and the baseline) to "

@@ -98,7 +98,12 @@ class CudnnAttention(LibraryAttention):
     (:func:`~wavetune_jax.families.attention.mosaic.wins_above_one_wave`); and where the programs
     fill half the SMs or more but the Mosaic kernel would pad the lengths
     (not multiples of 8), cuDNN takes the shape (Mosaic there 0.53-0.63x
-    cuDNN at 777 tokens, Triton 0.66-0.82x)."""
+    cuDNN at 777 tokens, Triton 0.66-0.82x). From half the SMs to one wave
+    cuDNN too: on the H200 sweep measured again with the kernel as it is now
+    (head_dim 128, 128-row programs = the SMs) cuDNN was the oracle on 7 of 8
+    such problems, the Mosaic kernel's best config at 0.91-0.97x of it
+    (1.02x on the eighth); where that kernel wins above one wave (other
+    head_dims) it keeps these too."""
     if self._why_not(problem, hw):
       return None
     if not problem.plain:
@@ -111,7 +116,9 @@ class CudnnAttention(LibraryAttention):
     if g > hw.num_sms:
       return None if mosaic.wins_above_one_wave(problem, hw) else CudnnAttentionConfig()
     if (g >= hw.num_sms // 2 and problem.q_len >= NOMINAL_BLOCK
-        and mosaic.would_pad(problem, hw)):
+        and (mosaic.would_pad(problem, hw)
+             or (mosaic.MosaicAttention._runs_shape(problem)
+                 and not mosaic.wins_above_one_wave(problem, hw)))):
       return CudnnAttentionConfig()
     return None
 
