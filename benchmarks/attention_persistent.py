@@ -7,7 +7,7 @@ config of ``--configs`` with one CTA per program and with the persistent
 grid (``persistent=True``: one CTA per SM walking its share of the
 programs). Prints a table and the best persistent config over cuDNN.
 
-    python3 benchmarks/attention_persistent.py [--only NAME ...] [--json out.json]
+    python3 benchmarks/attention_persistent.py [--only NAME ...] [--edges] [--json out.json]
     python3 benchmarks/attention_persistent.py --summarize out.json   # CPU
 """
 
@@ -32,6 +32,19 @@ PROBLEMS = [
     ("w2048 8k 40/8", 1, 40, 8, 128, 8192, 2048),
     ("w256 4k 24/8 d128", 1, 24, 8, 128, 4096, 256),
     ("w768 6k b2 28/4", 2, 28, 4, 128, 6144, 768),
+]
+#: Edge cases, checked (and timed) with ``--edges``: lengths that are not a
+#: multiple of the blocks or of 8, soft-capping and sinks, a window of one
+#: key, 64-key blocks (the warpgroups' step counts differ, so each item
+#: ends with a drain step), more programs than one CTA's share divides
+#: evenly; (name, batch, q_heads, kv_heads, head_dim, tokens, window, options).
+EDGES = [
+    ("edge ragged 3000", 2, 32, 8, 128, 3000, 1024, {}),
+    ("edge 777 w100 cap sinks", 4, 32, 8, 128, 777, 100,
+     dict(logit_soft_cap=20.0, sinks=True)),
+    ("edge w1 2000", 1, 32, 8, 128, 2000, 1, {}),
+    ("edge d64 cap sinks 4000", 1, 64, 8, 64, 4000, 128, dict(logit_soft_cap=30.0, sinks=True)),
+    ("edge d96 w300 1536", 2, 24, 8, 96, 1536, 300, {}),
 ]
 #: block_q x block_k x stages, as "128x128x2".
 CONFIGS = ("128x128x2", "128x64x2", "128x64x3")
@@ -68,6 +81,8 @@ def main(argv=None):
                   help="only these problems (names of PROBLEMS)")
   ap.add_argument("--configs", nargs="+", type=_config, default=None,
                   help=f"Mosaic configs BQxBKxSTAGES (default {' '.join(CONFIGS)})")
+  ap.add_argument("--edges", action="store_true",
+                  help="the edge cases of EDGES instead of PROBLEMS")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   ap.add_argument("--summarize", default=None, metavar="JSON",
@@ -77,7 +92,8 @@ def main(argv=None):
     with open(a.summarize) as f:
       summarize(json.load(f)["rows"])
     return
-  names = [p[0] for p in PROBLEMS]
+  table = [(*p, {}) for p in PROBLEMS] if not a.edges else EDGES
+  names = [p[0] for p in table]
   if a.only:
     bad = [n for n in a.only if n not in names]
     if bad:
@@ -95,16 +111,21 @@ def main(argv=None):
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__, f"{dev.core_count} SMs", flush=True)
   rows = []
-  for name, b, h, kvh, d, t, w in PROBLEMS:
+  for name, b, h, kvh, d, t, w, opts in table:
     if a.only and name not in a.only:
       continue
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(0), 3)
+    kq, kk, kv, ks = jax.random.split(jax.random.PRNGKey(0), 4)
     q = jax.random.normal(kq, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
     k = jax.random.normal(kk, (b, t, kvh, d), jnp.float32).astype(jnp.bfloat16)
     v = jax.random.normal(kv, (b, t, kvh, d), jnp.float32).astype(jnp.bfloat16)
-    ref = attention_reference(q, k, v, out_dtype=jnp.float32, local_window_size=(w - 1, 0))
-    cands = {"cudnn": lambda q, k, v: jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, local_window_size=(w - 1, 0), implementation="cudnn")}
+    cap = opts.get("logit_soft_cap", 0.0)
+    sinks = jax.random.normal(ks, (h,), jnp.float32) if opts.get("sinks") else None
+    ref = attention_reference(q, k, v, out_dtype=jnp.float32, local_window_size=(w - 1, 0),
+                              logit_soft_cap=cap or None, sinks=sinks)
+    cands = {}
+    if not opts:
+      cands["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=True, local_window_size=(w - 1, 0), implementation="cudnn")
     for cfg in configs:
       label = f"{cfg.block_q}x{cfg.block_k}x{cfg.num_stages}"
       for pers in (False, True):
@@ -115,7 +136,8 @@ def main(argv=None):
           continue
         cands[("persistent " if pers else "plain ") + label] = (
             lambda cfg, pers: lambda q, k, v: mosaic.attention(
-                q, k, v, config=cfg, causal=True, window_left=w - 1, persistent=pers))(cfg, pers)
+                q, k, v, config=cfg, causal=True, window_left=w - 1, persistent=pers,
+                soft_cap=cap, sinks=sinks))(cfg, pers)
     res = prof.measure_many(list(cands.values()), (q, k, v), reference=ref, tolerance=2e-2,
                             out_bytes=q.size * 4)
     times = {lab: (m.median_us if m.status == "ok" else math.nan) for lab, m in zip(cands, res)}

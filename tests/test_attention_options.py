@@ -5,6 +5,7 @@ and against a direct NumPy computation; the op (XLA's backend on a CPU)
 against the reference; which backends the selector offers; bad arguments.
 """
 
+import json
 import math
 import os
 import warnings
@@ -282,3 +283,167 @@ def test_mosaic_rule_takes_64_key_blocks_for_narrow_windows(gpu):
     if p.window_left == 127 and r in ms:
       share.append(min(ms.values()) / ms[r])
   assert len(share) == 20 and math.exp(np.mean(np.log(share))) >= 0.985
+
+
+# --- the persistent grid for windowed prefill (H200) ---------------------------------
+
+def _lower_prefill(b, t, h, kvh, d, cfg, ctas, **kw):
+  from pallas_kernels.attention import mosaic as kmod
+  q = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((b, t, kvh, d), jnp.bfloat16)
+  s = jax.ShapeDtypeStruct((h,), jnp.float32)
+
+  def f(q, k, v, s):
+    return kmod._attention(q, k, v, s, block_q=cfg.block_q, block_k=cfg.block_k,
+                           num_stages=cfg.num_stages, causal=True, scale=d ** -0.5,
+                           ctas=ctas, **kw)
+  return jax.jit(f).trace(q, k, k, s).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("bk,kw", [(128, dict(window_left=1023)),
+                                   (64, dict(window_left=127, soft_cap=20.0, has_sinks=True)),
+                                   (128, dict())])
+def test_persistent_prefill_kernel_lowers_for_hopper(bk, kw):
+  # One CTA per SM walking the programs (more programs than CTAs): the
+  # kernel lowers with its item loop, and with no more programs than CTAs it
+  # is the one-CTA-per-program kernel.
+  from pallas_kernels.attention.mosaic import MosaicAttentionConfig
+  cfg = MosaicAttentionConfig(block_q=128, block_k=bk, num_stages=2)
+  persistent = _lower_prefill(1, 2048, 16, 4, 128, cfg, 132, **kw)
+  plain = _lower_prefill(1, 2048, 16, 4, 128, cfg, 0, **kw)
+  assert "132" in persistent and persistent != plain
+  assert _lower_prefill(1, 1024, 16, 4, 128, cfg, 132, **kw) == \
+      _lower_prefill(1, 1024, 16, 4, 128, cfg, 0, **kw)
+
+
+def test_persistent_prefill_refuses_a_second_tile_that_does_not_fit():
+  from pallas_kernels.attention import mosaic as kmod
+  cfg = kmod.MosaicAttentionConfig(block_q=128, block_k=64, num_stages=2)
+  _lower_prefill(1, 4096, 8, 4, 256, cfg, 0, window_left=1023)  # one tile fits
+  with pytest.raises(ValueError, match="two Q/O tiles need 263168 bytes"):
+    _lower_prefill(1, 4096, 8, 4, 256, cfg, 132, window_left=1023)
+  q = jnp.zeros((1, 128, 8, 64), jnp.bfloat16)
+  for bad in (0, -1, 2.5, True):
+    with pytest.raises(ValueError, match="num_sms must be a positive int"):
+      kmod.attention(q, q, q, config=kmod.MosaicAttentionConfig(), persistent=True,
+                     num_sms=bad)
+
+
+def test_persistent_grid_rule_and_where_it_takes_windows_from_cudnn():
+  from wavetune_jax.families.attention import mosaic as fm
+  h100, h200 = wt.get_hardware("h100"), wt.get_hardware("h200")
+  c = fm.MosaicAttention.HEURISTIC
+
+  def p(**kw):
+    d = dict(batch=1, q_heads=40, kv_heads=8, q_len=8192, kv_len=8192, head_dim=128,
+             window_left=2047, window_right=0)
+    d.update(kw)
+    return AttentionProblem(**d)
+  assert fm.persistent_grid(p(), c, h200.device_key)
+  assert not fm.persistent_grid(p(), c, h100.device_key)  # not measured there
+  assert not fm.persistent_grid(p(window_left=-1, window_right=-1), c, h200.device_key)
+  assert not fm.persistent_grid(p(window_left=4096), c, h200.device_key)  # over half
+  assert not fm.persistent_grid(p(head_dim=256), fm.MosaicAttention.OPTIONS_NARROW,
+                                h200.device_key)  # two Q/O tiles do not fit
+  assert fm.persistent_grid(p(head_dim=64), c, h200.device_key)
+  assert fm.persistent_wins(p(), h200) and not fm.persistent_wins(p(), h100)
+  assert not fm.persistent_wins(p(head_dim=64), h200)  # 0.95x cuDNN measured there
+  assert not fm.persistent_wins(p(q_heads=8, kv_heads=8, q_len=1024, kv_len=1024,
+                                  window_left=255), h200)  # 64 programs: under the SMs
+  assert wt.ATTENTION.heuristic(p(), h200) == c
+  assert isinstance(wt.ATTENTION.heuristic(p(), h100), wt.CudnnAttentionConfig)
+  # The guard trusts it on a GQA group (5) no sweep holds.
+  with wt.policy("tables"):
+    assert wt.select("attention", p(), h200).config == c
+    assert isinstance(wt.select("attention", p(), h100).config, wt.CudnnAttentionConfig)
+    assert isinstance(wt.select("attention", p(head_dim=64), h200).config,
+                      wt.CudnnAttentionConfig)
+
+
+def _persistent_rows():
+  with open(os.path.join(os.path.dirname(__file__), "..", "data", "probes",
+                         "attention_persistent_h200.json")) as f:
+    return json.load(f)["rows"]
+
+
+def test_persistent_prefill_numbers_in_the_docs_are_the_runs():
+  rows = _persistent_rows()
+  assert len(rows) == 10
+  over_cudnn, over_plain = {}, {}
+  for r in rows:
+    t = r["times"]
+    over_cudnn[r["name"]] = t["cudnn"] / t["persistent 128x128x2"]
+    over_plain[r["name"]] = t["plain 128x128x2"] / t["persistent 128x128x2"]
+  d128 = [v for n, v in over_cudnn.items() if "d64" not in n]
+  assert len(d128) == 9
+  assert f"{min(d128):.3f}" == "1.039" and f"{max(d128):.3f}" == "1.069"
+  assert f"{over_cudnn['w128 8k 64/8 d64']:.3f}" == "0.946"
+  assert f"{min(over_plain.values()):.3f}" == "1.057"
+  assert f"{max(over_plain.values()):.3f}" == "1.404"
+  assert sum(v >= 1.05 for v in d128) == 7
+  docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "results.md")).read()
+  for s in ("1.039-1.069x", "0.946x", "1.057-1.404x", "7 of the 9"):
+    assert s in docs, s
+
+
+def test_windowed_prefill_sweep_and_decoder_numbers_in_the_docs():
+  # The H200 window sweep measured again with the persistent grid: per
+  # window the best Mosaic config and the rule's 128 x 128 over cuDNN.
+  import gzip
+  root = os.path.join(os.path.dirname(__file__), "..")
+  by = {}
+  with gzip.open(os.path.join(root, "data", "sweeps", "nvidia_h200",
+                              "attention_bfloat16.jsonl.gz"), "rt") as f:
+    for line in f:
+      r = json.loads(line)
+      if (r.get("type") != "row" or r["problem"].get("window_left", -1) < 0
+              or r["status"] != "ok" or "median_us" not in r):
+        continue
+      p, c = r["problem"], r["config"] or {}
+      key = (p["window_left"] + 1, p["batch"], p["q_heads"], p["q_len"])
+      if r["impl"] == "pallas" and c.get("backend") == "mosaic":
+        by.setdefault(key, {})[(c["block_q"], c["block_k"], c["num_stages"])] = r["median_us"]
+      elif r["impl"] == "baseline":
+        by.setdefault(key, {})["cudnn"] = r["median_us"]
+  cells = []
+  for w in (128, 512, 1024, 4096):
+    ks = [k for k in by if k[0] == w]
+    best = [by[k]["cudnn"] / min(v for c, v in by[k].items() if c != "cudnn") for k in ks]
+    rule = [by[k]["cudnn"] / by[k][(128, 128, 2)] for k in ks]
+    assert len(ks) == 20
+    cells.append(f"{min(best):.2f}-{max(best):.2f}x ({sum(b > 1 for b in best)})")
+    cells.append(f"{math.exp(np.mean(np.log(rule))):.3f}x; {sum(x >= 1.05 for x in rule)}")
+  docs = open(os.path.join(root, "docs", "results.md")).read()
+  assert ("| now | " + " | ".join(cells[0::2]) + " |") in docs
+  assert ("| now, 128 x 128 (the rule's config), geomean; >= 1.05x | "
+          + " | ".join(cells[1::2]) + " |") in docs
+  # The decoder with local layers.
+  rows = json.load(open(os.path.join(root, "data", "e2e",
+                                     "llama3_8b_local_w1024_h200.json")))["rows"]
+  us = {(r["setting"], r["kind"]): r["us"] for r in rows}
+  ttft = us[("xla", "prefill")] / us[("tables", "prefill")]
+  tpot = us[("xla", "decode")] / us[("tables", "decode")]
+  assert f"**{ttft:.3f}x**" in docs and f"({tpot:.3f}x)" in docs
+  # The table against the sweep (the recorded output of table_vs_sweep.py).
+  tvs = open(os.path.join(root, "data", "probes", "attention_table_vs_sweep_h200.txt")).read()
+  assert "geomean 0.989, min 0.763" in tvs and "speed vs cuDNN 1.038x (min 0.990x)" in tvs
+  assert "geomean 0.982, min 0.731" in tvs and "speed vs cuDNN 1.031x (min 0.941x)" in tvs
+  assert "| retuned | 0.989 (0.763) | 1.038x (0.990x) | 0 |" in docs
+
+
+def test_h200_attention_table_against_its_sweep_reproduces_the_docs(capsys):
+  import importlib.util
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location(
+      "table_vs_sweep", os.path.join(root, "benchmarks", "table_vs_sweep.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    mod.main([os.path.join(root, "data", "sweeps", "nvidia_h200", "attention_bfloat16.jsonl.gz"),
+              os.path.join(root, "tables", "nvidia_h200", "attention.json"), "--guarded",
+              "--below", "0.97"])
+  out = capsys.readouterr().out
+  assert "efficiency vs oracle: geomean 0.989, min 0.763" in out
+  assert "speed vs cuDNN 1.038x (min 0.990x)" in out
+  assert "problems below 0.97x cuDNN (0)" in out

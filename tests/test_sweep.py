@@ -263,3 +263,41 @@ def test_a_baseline_the_family_does_not_time_leaves_no_config_missing():
   assert "xla" in {ATTENTION.backend_of(c).name for c in ATTENTION.space(big, h100)}
   assert names(big) - {"xla"} == {ATTENTION.backend_of(c).name
                                   for c in ATTENTION.space(big, h100)} - {"xla"}
+
+
+def test_forget_drops_the_swept_backends_and_baseline_of_the_given_problems(tmp_path):
+  # `wavetune sweep --remeasure`: a kernel changed, so its rows (and the
+  # platform baseline, to compare in the same run) of the selected problems
+  # go; other problems, other backends and the extra baselines stay, and a
+  # rerun measures exactly what went.
+  import jax
+  from wavetune_jax import RAGGED_DOT
+  fam = RAGGED_DOT.with_backends(["mosaic", "xla"])
+  probs = _rd_problems()
+  path = str(tmp_path / "rd.jsonl.gz")
+  hdr = sweep.make_header(fam, HW, jax_version=jax.__version__, command="test")
+
+  def measure(problem, configs, with_baseline):
+    for c in configs:
+      yield "pallas", c, _ok(1.0)
+    for impl in with_baseline:
+      yield impl, None, _ok(2.0)
+  sweep.run_sweep(fam, probs, HW, sweep.SweepFile(path, hdr, fam), measure)
+  _, before = sweep.read_sweep(path)
+  f = sweep.SweepFile(path, hdr, fam)
+  key = fam.problem_key(probs[0])
+  n = sum(fam.backend_of(c).name == "mosaic" for c in sweep.sweep_configs(fam, probs[0], HW))
+  assert n and f.forget({key}, {"mosaic"}) == n + 1  # its configs and the baseline
+  _, after = sweep.read_sweep(path)
+  gone = {r["key"] for r in before} - {r["key"] for r in after}
+  assert all(k.startswith(key + "|") for k in gone)
+  assert {k.split("|")[1] for k in gone} == {"pallas", "baseline"}
+  assert f.n_rows == len(after)
+  calls = []
+
+  def again(problem, configs, with_baseline):
+    calls.append((problem, len(configs), tuple(with_baseline)))
+    yield from measure(problem, configs, with_baseline)
+  sweep.run_sweep(fam, probs, HW, sweep.SweepFile(path, hdr, fam), again)
+  assert calls == [(probs[0], n, ("baseline",))]
+  assert sweep.SweepFile(path, hdr, fam).forget(set(), {"mosaic"}) == 0
