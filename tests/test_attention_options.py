@@ -447,3 +447,19 @@ def test_h200_attention_table_against_its_sweep_reproduces_the_docs(capsys):
   assert "efficiency vs oracle: geomean 0.989, min 0.763" in out
   assert "speed vs cuDNN 1.038x (min 0.990x)" in out
   assert "problems below 0.97x cuDNN (0)" in out
+
+
+def test_sinks_with_the_persistent_grid_numbers_in_the_docs():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "data", "probes",
+                         "attention_options_sinks_w128_persistent_h200.json")) as f:
+    (row,) = json.load(f)["rows"]
+  t = {k: v["us"] for k, v in row["times"].items()}
+  assert all(v["status"] == "ok" for v in row["times"].values())
+  assert row["chosen_config"].startswith("MosaicAttentionConfig(block_q=128, block_k=128")
+  cost = {k: t[k] / v - 1 for k, v in row["mosaic_without_cap_or_sinks_us"].items()}
+  docs = open(os.path.join(root, "docs", "results.md")).read()
+  for s in (f"ran in {t['wt']:.1f} us", f"{t['xla']:,.1f} us for XLA's",
+            f"cost the persistent kernel {cost['mosaic']:+.1%} (128 x 128) and "
+            f"{cost['mosaic64']:+.1%}"):
+    assert s.replace("+-", "-") in docs, s
