@@ -463,3 +463,16 @@ def test_sinks_with_the_persistent_grid_numbers_in_the_docs():
             f"cost the persistent kernel {cost['mosaic']:+.1%} (128 x 128) and "
             f"{cost['mosaic64']:+.1%}"):
     assert s.replace("+-", "-") in docs, s
+
+
+def test_narrow_windows_keep_64_key_blocks_where_the_persistent_grid_does_not_run():
+  # On the H200 with no more programs than SMs the kernel keeps one CTA per
+  # program, where 128 x 64 tiles were the best at a window of 128.
+  h200 = wt.get_hardware("h200")
+  mosaic = wt.ATTENTION.backend("mosaic")
+  few = AttentionProblem(batch=1, q_heads=8, kv_heads=8, q_len=2048, kv_len=2048,
+                         head_dim=64, window_left=127, window_right=0, sinks=True)
+  many = AttentionProblem(batch=1, q_heads=64, kv_heads=8, q_len=4096, kv_len=4096,
+                          head_dim=64, window_left=127, window_right=0, sinks=True)
+  assert mosaic.heuristic(few, h200).block_k == 64    # 128 programs
+  assert mosaic.heuristic(many, h200).block_k == 128  # 2,048 programs

@@ -133,3 +133,18 @@ def test_grouped_gemm_splits_k_only_where_tiles_leave_most_sms_idle():
   assert RAGGED_DOT.heuristic(w13, H200).split_k == 1
   for p in (w2, w13):
     assert RAGGED_DOT.heuristic(p, H200) in RAGGED_DOT.space(p, H200)
+
+
+def test_cudnn_takes_the_half_to_one_wave_band_only_from_the_mosaic_rule():
+  # 128 programs of 128 rows on 132 SMs: cuDNN where the Mosaic rule would
+  # have answered (Hopper, head_dim 128); on an A100 (no Mosaic kernel) the
+  # band stays with Triton's rule, and head_dims the Mosaic kernel wins at
+  # above half the SMs (not multiples of 64) stay with it.
+  a100 = get_hardware("a100")
+  p = AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=512, head_dim=128)
+  assert isinstance(ATTENTION.heuristic(p, H200), CudnnAttentionConfig)
+  p_a100 = AttentionProblem(batch=1, q_heads=24, kv_heads=8, q_len=512, head_dim=128)
+  assert a100.num_sms // 2 <= 24 * 4 <= a100.num_sms  # the A100's band (108 SMs)
+  assert ATTENTION.backend_of(ATTENTION.heuristic(p_a100, a100)).name == "triton"
+  p96 = AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=1024, head_dim=96)
+  assert ATTENTION.backend_of(ATTENTION.heuristic(p96, H200)).name == "mosaic"

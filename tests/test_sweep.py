@@ -266,10 +266,11 @@ def test_a_baseline_the_family_does_not_time_leaves_no_config_missing():
 
 
 def test_forget_drops_the_swept_backends_and_baseline_of_the_given_problems(tmp_path):
-  # `wavetune sweep --remeasure`: a kernel changed, so its rows (and the
-  # platform baseline, to compare in the same run) of the selected problems
-  # go; other problems, other backends and the extra baselines stay, and a
-  # rerun measures exactly what went.
+  # `wavetune sweep --remeasure`: a kernel changed, so its configs' rows (and
+  # the platform baseline, to compare in the same run) of the selected
+  # problems go; other problems, other backends and the extra baselines
+  # stay, a rerun measures exactly what went, and the header lists the
+  # problems until they are whole again.
   import jax
   from wavetune_jax import RAGGED_DOT
   fam = RAGGED_DOT.with_backends(["mosaic", "xla"])
@@ -286,9 +287,11 @@ def test_forget_drops_the_swept_backends_and_baseline_of_the_given_problems(tmp_
   _, before = sweep.read_sweep(path)
   f = sweep.SweepFile(path, hdr, fam)
   key = fam.problem_key(probs[0])
-  n = sum(fam.backend_of(c).name == "mosaic" for c in sweep.sweep_configs(fam, probs[0], HW))
-  assert n and f.forget({key}, {"mosaic"}) == n + 1  # its configs and the baseline
-  _, after = sweep.read_sweep(path)
+  mosaic = RAGGED_DOT.with_backends(["mosaic"])
+  n = len(sweep.sweep_configs(mosaic, probs[0], HW))
+  assert n and f.forget(sweep.remeasure_keys(mosaic, probs[:1], HW), {key}) == n + 1
+  header, after = sweep.read_sweep(path)
+  assert header["remeasuring"] == [key]
   gone = {r["key"] for r in before} - {r["key"] for r in after}
   assert all(k.startswith(key + "|") for k in gone)
   assert {k.split("|")[1] for k in gone} == {"pallas", "baseline"}
@@ -298,6 +301,12 @@ def test_forget_drops_the_swept_backends_and_baseline_of_the_given_problems(tmp_
   def again(problem, configs, with_baseline):
     calls.append((problem, len(configs), tuple(with_baseline)))
     yield from measure(problem, configs, with_baseline)
-  sweep.run_sweep(fam, probs, HW, sweep.SweepFile(path, hdr, fam), again)
+  f = sweep.SweepFile(path, hdr, fam)
+  sweep.run_sweep(fam, probs, HW, f, again)
   assert calls == [(probs[0], n, ("baseline",))]
-  assert sweep.SweepFile(path, hdr, fam).forget(set(), {"mosaic"}) == 0
+  f.finish_remeasure({key})
+  header, rows = sweep.read_sweep(path)
+  assert "remeasuring" not in header and len(rows) == len(after) + n + 2  # + a timing row
+  # Timing rows stay unique after rows went (their key is not a row count).
+  timing = [r["key"] for r in rows if r["impl"] == "timing"]
+  assert len(timing) == len(set(timing)) == 3

@@ -117,10 +117,14 @@ def _sweep(args) -> int:
         flush=True)
   if args.remeasure:
     sweep.plan_sweep(spec, probs, hw, f, prune=not args.wide)  # (its errors before any row goes)
-    dropped = f.forget({spec.problem_key(p) for p in probs}, {b.name for b in spec.backends})
+    pending = set(f.header.get("remeasuring", ()))
+    fresh = [p for p in probs if spec.problem_key(p) not in pending]
+    dropped = f.forget(sweep.remeasure_keys(spec, fresh, hw, prune=not args.wide),
+                       {spec.problem_key(p) for p in fresh})
     names = ", ".join(b.name for b in spec.backends)
-    print(f"--remeasure: {dropped} rows of these problems ({names} and the baseline) to "
-          f"measure again", flush=True)
+    print(f"--remeasure: {dropped} rows of {len(fresh)} problems ({names} and the baseline) "
+          f"to measure again; {len(probs) - len(fresh)} problems resume an earlier "
+          f"--remeasure", flush=True)
   if f.n_rows and sweep.plan_sweep(spec, probs, hw, f, prune=not args.wide)[0]:
     f.record_run(header)  # this run adds rows to a file on record: its header says so
   t0 = time.perf_counter()
@@ -147,6 +151,10 @@ def _sweep(args) -> int:
     counts = sweep.run_sweep(spec, probs, hw, f, sweep.gpu_measure(spec, prof),
                              prune=not args.wide, progress=Progress(f"sweep {spec.name}"))
     deaths = ""
+  if f.header.get("remeasuring"):
+    left = {spec.problem_key(p) for p, _, _ in
+            sweep.plan_sweep(spec, probs, hw, f, prune=not args.wide)[0]}
+    f.finish_remeasure({spec.problem_key(p) for p in probs} - left)
   print(f"measured {counts['measured']} ({counts['failed']} failed), skipped "
         f"{counts['skipped']} already on file{deaths}, {time.perf_counter() - t0:.0f} s")
   return 0
@@ -304,9 +312,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                   "problems on file; with --out the same file, only what is missing)")
   sw.add_argument("--remeasure", action="store_true",
                   help="measure the selected problems again after a kernel change: their "
-                  "rows of the swept backends (--backends) and of the baseline are "
-                  "replaced, other rows (extra baselines, other backends) stay; the "
-                  "file's header records the command")
+                  "rows of the swept backends' configs (--backends) and of the baseline "
+                  "are replaced, other rows (extra baselines, other backends, configs "
+                  "outside the space) stay; the file's header records the command, and "
+                  "lists the problems until they are measured in full, so a run cut "
+                  "short and run again resumes")
   sw.add_argument("--worker-measure", help=argparse.SUPPRESS)  # tests: module:factory
   sw.set_defaults(func=_sweep)
   rp = sub.add_parser("report", help="tables and a wave plot of a sweep file",

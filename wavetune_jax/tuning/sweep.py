@@ -38,7 +38,7 @@ import zlib
 from typing import Callable, Iterable, Iterator, Sequence
 
 __all__ = ["SCHEMA", "SweepError", "SweepFile", "read_sweep", "check_sweep", "run_sweep",
-           "plan_sweep", "row_key",
+           "plan_sweep", "remeasure_keys", "row_key",
            "read_clocks", "sweep_configs", "make_row", "recorded_family", "gpu_measure",
            "with_recorded_backends",
            "planned_measurements"]
@@ -255,34 +255,41 @@ class SweepFile:
     self.header = dict(self.header, resumed=list(self.header.get("resumed", [])) + [entry])
     self._rewrite([self.header] + lines[1:])
 
-  def forget(self, problem_keys: set, backends: set) -> int:
-    """Drops the rows of ``problem_keys`` measured by ``backends`` (configs
-    and their repeats) and their platform baseline, so that a rerun
-    measures them again; returns how many. Timing rows and other rows stay."""
+  def forget(self, row_keys: set, problem_keys: set) -> int:
+    """Drops the rows whose identity is in ``row_keys`` (see
+    :func:`remeasure_keys`), so that a rerun measures them again, and lists
+    ``problem_keys`` in the header's ``"remeasuring"`` until
+    :meth:`finish_remeasure`: a run cut short and run again resumes the
+    measuring instead of dropping what it had measured. One atomic rewrite;
+    returns how many rows went."""
     lines, intact = _read_lines(self.path)
     if not intact:  # (the constructor repaired the file: never here)
       raise SweepError(f"{self.path} is truncated; rerun the command to repair it")
 
-    def drop(r: dict) -> bool:
-      if r.get("type") != "row" or r["key"].split("|", 1)[0] not in problem_keys:
-        return False
-      if r["impl"] == "baseline":
-        return True
-      return (r["impl"] in ("pallas", "repeat") and r.get("config") is not None
-              and self._backend(r["config"]) in backends)
-    keep = [r for r in lines if not drop(r)]
-    dropped = len(lines) - len(keep)
-    if dropped:
-      self._rewrite(keep)
-      self.done = {r["key"] if self.family is None else normalized_key(self.family, r)
-                   for r in keep[1:] if r.get("type") == "row"}
-      self.n_rows -= dropped
+    def key(r: dict) -> str:
+      return r["key"] if self.family is None else normalized_key(self.family, r)
+    keep = [r for r in lines[1:] if r.get("type") != "row" or key(r) not in row_keys]
+    dropped = len(lines) - 1 - len(keep)
+    pending = sorted(set(self.header.get("remeasuring", ())) | set(problem_keys))
+    self.header = dict(self.header, remeasuring=pending)
+    self._rewrite([self.header] + keep)
+    self.done = {key(r) for r in keep if r.get("type") == "row"}
+    self.n_rows -= dropped
     return dropped
 
-  def _backend(self, config: dict) -> str | None:
-    if self.family is None:
-      return config.get("backend")
-    return self.family.backend_of(self.family.config_from_dict(config)).name
+  def finish_remeasure(self, problem_keys: set) -> None:
+    """Takes ``problem_keys`` (measured again in full) off the header's
+    ``"remeasuring"`` list."""
+    pending = [k for k in self.header.get("remeasuring", ()) if k not in problem_keys]
+    if pending == list(self.header.get("remeasuring", ())):
+      return
+    lines, intact = _read_lines(self.path)
+    if not intact:
+      raise SweepError(f"{self.path} is truncated; rerun the command to repair it")
+    self.header = {k: v for k, v in self.header.items() if k != "remeasuring"}
+    if pending:
+      self.header["remeasuring"] = pending
+    self._rewrite([self.header] + lines[1:])
 
   def _rewrite(self, lines: Sequence[dict]) -> None:
     tmp = self.path + ".tmp"
@@ -472,6 +479,20 @@ def with_recorded_backends(family, hw, rows: Sequence[dict]) -> list[dict]:
   return list(rows) + extra
 
 
+def remeasure_keys(spec, problems: Iterable, hw, *, prune: bool = True) -> set:
+  """The row identities a sweep of ``spec`` (its backends) measures for
+  ``problems``: each config of :func:`sweep_configs` and its repeat, and the
+  platform baseline (kept in the same run as the configs it is compared with)."""
+  keys = set()
+  for p in problems:
+    pk = spec.problem_key(p)
+    keys.add(row_key(pk, "baseline", None))
+    for c in sweep_configs(spec, p, hw, prune=prune):
+      d = spec.config_to_dict(c)
+      keys |= {row_key(pk, "pallas", d), row_key(pk, "repeat", d)}
+  return keys
+
+
 def plan_sweep(spec, problems: Iterable, hw, out: SweepFile, *, prune: bool = True):
   """``([(problem, configs not on file, baseline impls not on file)], rows
   skipped)``; the impls are ``"baseline"`` and ``"baseline_<name>"``."""
@@ -537,7 +558,7 @@ def run_sweep(spec, problems: Iterable, hw, out: SweepFile, measure: MeasureFn, 
       finally:
         # What was measured is kept, also on an interrupt; a timing row records
         # the wall seconds this part of the problem took.
-        batch.append({"type": "row", "key": f"{pk}|timing|{len(out.done)}",
+        batch.append({"type": "row", "key": f"{pk}|timing|{len(out.done)}|{time.time_ns()}",
                       "problem": spec.problem_to_dict(p), "impl": "timing",
                       "config": None, "status": "ok",
                       "wall_s": time.perf_counter() - t0})

@@ -88,22 +88,26 @@ class CudnnAttention(LibraryAttention):
       raise ValueError(why)
 
   def heuristic(self, problem: AttentionProblem, hw: Hardware) -> CudnnAttentionConfig | None:
-    """cuDNN wherever it runs the shape and its 128-row query tiles make
-    more than one wave; None (a Pallas kernel with smaller tiles) where they
-    do not fill the SMs. On the H100 and H200 sweeps every problem of one
-    wave or less ran 1.0-1.27x faster with a Pallas kernel, and cuDNN won at
-    most sizes above. Two exceptions, from the H100's
-    ``benchmarks/attention_mosaic.py --coverage``: above one wave the Mosaic
-    kernel keeps head_dims that are not multiples of 64
-    (:func:`~wavetune_jax.families.attention.mosaic.wins_above_one_wave`); and where the programs
-    fill half the SMs or more but the Mosaic kernel would pad the lengths
-    (not multiples of 8), cuDNN takes the shape (Mosaic there 0.53-0.63x
-    cuDNN at 777 tokens, Triton 0.66-0.82x). From half the SMs to one wave
-    cuDNN too: on the H200 sweep measured again with the kernel as it is now
-    (head_dim 128, 128-row programs = the SMs) cuDNN was the oracle on 7 of 8
-    such problems, the Mosaic kernel's best config at 0.91-0.97x of it
-    (1.02x on the eighth); where that kernel wins above one wave (other
-    head_dims) it keeps these too."""
+    """cuDNN wherever it runs the shape and its 128-row query tiles fill at
+    least half the SMs; None (a Pallas kernel with smaller tiles) below. On
+    the first H100 and H200 sweeps every problem of one wave or less ran
+    1.0-1.27x faster with a Pallas kernel, and cuDNN won at most sizes
+    above. From half the SMs to one wave the Mosaic kernel's 128x128 rule
+    answered until the H200 sweep was measured again with the kernel as it
+    is now: cuDNN was the oracle on 7 of its 8 such problems (head_dim 128;
+    the Mosaic kernel's best config at 0.91-0.97x of it, 1.02x on the
+    eighth), where the first sweep's rows, 0.6-1.0 us faster at 128-512
+    tokens than the kernel runs now, had it ahead; the H100's rows are the
+    first sweep's, so it takes cuDNN there too. Only the Mosaic rule's
+    answers move (where its config is in the kernel's space); Triton's, below
+    half the SMs or where the Mosaic kernel does not run, stay. Exceptions:
+    the Mosaic kernel keeps head_dims that are not multiples of 64 at any
+    size above half the SMs
+    (:func:`~wavetune_jax.families.attention.mosaic.wins_above_one_wave`:
+    1.09-1.15x cuDNN on the H100's ``benchmarks/attention_mosaic.py
+    --coverage``), and where the Mosaic kernel would pad the lengths (not
+    multiples of 8) cuDNN takes the shape (Mosaic there 0.53-0.63x cuDNN at
+    777 tokens, Triton 0.66-0.82x). Windows: see the comment below."""
     if self._why_not(problem, hw):
       return None
     if not problem.plain:
@@ -117,7 +121,7 @@ class CudnnAttention(LibraryAttention):
       return None if mosaic.wins_above_one_wave(problem, hw) else CudnnAttentionConfig()
     if (g >= hw.num_sms // 2 and problem.q_len >= NOMINAL_BLOCK
         and (mosaic.would_pad(problem, hw)
-             or (mosaic.MosaicAttention._runs_shape(problem)
+             or (mosaic.runs_rule_config(problem, hw)
                  and not mosaic.wins_above_one_wave(problem, hw)))):
       return CudnnAttentionConfig()
     return None

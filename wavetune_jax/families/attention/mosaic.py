@@ -14,7 +14,8 @@ from wavetune_jax.families.attention.problem import AttentionProblem, coords, ne
 from wavetune_jax.families.attention.triton import TritonAttention
 
 __all__ = ["PERSISTENT_WINDOW_GPUS", "MosaicAttention", "MosaicAttentionConfig", "pads",
-           "persistent_grid", "persistent_wins", "triton_recompute",
+           "persistent_grid", "persistent_runs", "persistent_wins", "runs_rule_config",
+           "triton_recompute",
            "wins_above_one_wave", "would_pad"]
 
 STAGES = (2, 3, 4)
@@ -75,22 +76,36 @@ def persistent_grid(p: AttentionProblem, c: MosaicAttentionConfig, device_key: s
                            persistent=True) <= kernel.SMEM_LIMIT
 
 
+def persistent_runs(p: AttentionProblem, c: MosaicAttentionConfig, hw: Hardware) -> bool:
+  """Whether ``c`` runs ``p`` with the persistent grid on ``hw``:
+  :func:`persistent_grid` holds and its programs outnumber the SMs (with no
+  more programs than SMs the kernel keeps one CTA per program)."""
+  return (persistent_grid(p, c, hw.device_key)
+          and p.batch * p.q_heads * -(-p.q_len // c.block_q) > hw.num_sms)
+
+
 def persistent_wins(p: AttentionProblem, hw: Hardware) -> bool:
   """Where the kernel, with its persistent grid, takes a causal window from
-  cuDNN's sliding window: :func:`persistent_grid` holds for
-  :attr:`MosaicAttention.HEURISTIC` on ``hw``, ``head_dim`` is 128, the
-  lengths need no padding and the 128-row programs outnumber the SMs. On
-  the H200 window sweep (80 problems of head_dim 128, GQA groups of 4 and
-  8, windows of 128-4,096 keys) its 128 x 128 config ran at 0.99-1.16x
-  cuDNN, geomean 1.03x at a window of 128 and 1.05-1.06x at 512-4,096 (the
-  same kernel with one CTA per program: 0.69-1.04x); on five held-out
-  problems of head_dim 128 (groups 2, 4, 5 and 8) at 1.04-1.06x. At
-  head_dim 64 the one problem measured (a window of 128) ran at 0.96x, so
-  other head_dims keep cuDNN."""
+  cuDNN's sliding window: :attr:`MosaicAttention.HEURISTIC` is in its space
+  on ``hw`` (the kernel runs the shape there; lengths that need padding are
+  pruned), runs the persistent grid (:func:`persistent_runs`) and
+  ``head_dim`` is 128. On the H200 window sweep (80 problems of head_dim
+  128, GQA groups of 4 and 8, windows of 128-4,096 keys) its 128 x 128
+  config ran at 0.99-1.16x cuDNN, geomean 1.03x at a window of 128 and
+  1.05-1.06x at 512-4,096 (the same kernel with one CTA per program:
+  0.69-1.04x); on nine held-out problems of head_dim 128 (groups 2, 3, 4, 5,
+  7 and 8) at 1.04-1.07x. At head_dim 64 the one problem measured (a window
+  of 128) ran at 0.95x, so other head_dims keep cuDNN."""
   c = MosaicAttention.HEURISTIC
-  return (p.head_dim == 128 and persistent_grid(p, c, hw.device_key)
-          and p.q_len >= c.block_q and not pads(p)
-          and p.batch * p.q_heads * -(-p.q_len // c.block_q) > hw.num_sms)
+  return (p.head_dim == 128 and persistent_runs(p, c, hw) and p.q_len >= c.block_q
+          and not pads(p) and c in _MOSAIC.space(p, hw))
+
+
+def runs_rule_config(p: AttentionProblem, hw: Hardware) -> bool:
+  """Whether :attr:`MosaicAttention.HEURISTIC` is in the kernel's space for
+  ``p`` on ``hw`` (a Hopper GPU, a shape it runs, lengths it need not pad)."""
+  return (hw.compute_capability == kernel.COMPUTE_CAPABILITY
+          and MosaicAttention.HEURISTIC in _MOSAIC.space(p, hw))
 
 
 class MosaicAttention(Backend):
@@ -203,14 +218,14 @@ class MosaicAttention(Backend):
     128 was 128x64 on 19 of 20 problems (H100) and 20 of 20 (H200), the
     128x128 one at 0.980 and 0.965 of it; at 512 and above 128x128 was the
     best on all 60 problems of each GPU. Where the persistent grid runs the
-    window (:func:`persistent_grid`, the H200), 128x128 at every window: on
+    window (:func:`persistent_runs`, the H200), 128x128 at every window: on
     the H200 window sweep redone with it, the best config at a window of
     128 on all 20 problems (128x64 ran at 0.93 of it, geomean)."""
     p = problem
     c = self.HEURISTIC
     if not self._runs_shape(p):
       return None
-    if narrow_window(p) and not persistent_grid(p, c, hw.device_key):
+    if narrow_window(p) and not persistent_runs(p, c, hw):
       c = self.NARROW
     if p.soft_cap or p.sinks:
       # cuDNN runs neither; the kernel ran 6.5-72x faster than XLA's attention
