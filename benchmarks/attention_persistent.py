@@ -46,6 +46,15 @@ EDGES = [
     ("edge d64 cap sinks 4000", 1, 64, 8, 64, 4000, 128, dict(logit_soft_cap=30.0, sinks=True)),
     ("edge d96 w300 1536", 2, 24, 8, 96, 1536, 300, {}),
 ]
+#: ``--modes``: (name, batch, q_heads, kv_heads, head_dim, tokens, causal,
+#: window (-1: none), "BQxBKxSTAGES", CTAs of the persistent grid).
+MODES = [
+    ("causal 7 CTAs", 2, 8, 2, 128, 1000, True, -1, "128x128x2", 7),
+    ("causal 64-key blocks 132 CTAs", 1, 32, 8, 128, 4096, True, -1, "128x64x2", 132),
+    ("non-causal ragged 5 CTAs", 2, 8, 4, 64, 777, False, -1, "128x128x3", 5),
+    ("256-row programs window 7 CTAs", 1, 16, 4, 128, 3000, True, 512, "256x64x2", 7),
+    ("window 1 CTA", 1, 4, 1, 128, 1536, True, 255, "128x128x2", 1),
+]
 #: block_q x block_k x stages, as "128x128x2".
 CONFIGS = ("128x128x2", "128x64x2", "128x64x3")
 
@@ -75,6 +84,35 @@ def summarize(rows: list) -> None:
           f"{cud / bpv:10.3f}  {bc}")
 
 
+def check_modes() -> int:
+  """Each case of MODES with the persistent grid against the float32
+  reference; returns the number of wrong ones (also the exit status)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pallas_kernels.attention import mosaic
+  from pallas_kernels.attention.reference import attention_reference
+  print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+  wrong = 0
+  for name, b, h, kvh, d, t, causal, w, cfg, ctas in MODES:
+    kq, kk, kv = jax.random.split(jax.random.PRNGKey(1), 3)
+    q = jax.random.normal(kq, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (b, t, kvh, d), jnp.float32).astype(jnp.bfloat16)
+    v = jax.random.normal(kv, (b, t, kvh, d), jnp.float32).astype(jnp.bfloat16)
+    window = (w, 0) if w >= 0 else None
+    ref = attention_reference(q, k, v, causal=causal, out_dtype=jnp.float32,
+                              local_window_size=window)
+    out = mosaic.attention(q, k, v, config=_config(cfg), causal=causal, window_left=w,
+                           persistent=True, num_sms=ctas)
+    err = float(jnp.linalg.norm(out.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+    ok = bool(np.isfinite(err)) and err < 2e-2
+    wrong += not ok
+    print(f"{name:<34} {cfg:<10} {ctas:4d} CTAs  rel. error {err:.2e}  "
+          f"{'ok' if ok else 'WRONG'}", flush=True)
+  return wrong
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
@@ -83,6 +121,10 @@ def main(argv=None):
                   help=f"Mosaic configs BQxBKxSTAGES (default {' '.join(CONFIGS)})")
   ap.add_argument("--edges", action="store_true",
                   help="the edge cases of EDGES instead of PROBLEMS")
+  ap.add_argument("--modes", action="store_true",
+                  help="only check (no timing) the persistent grid where no rule runs it: "
+                  "plain causal, non-causal, 256-row programs, a few CTAs each walking "
+                  "many programs (MODES)")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   ap.add_argument("--summarize", default=None, metavar="JSON",
@@ -92,6 +134,8 @@ def main(argv=None):
     with open(a.summarize) as f:
       summarize(json.load(f)["rows"])
     return
+  if a.modes:
+    return check_modes()
   table = [(*p, {}) for p in PROBLEMS] if not a.edges else EDGES
   names = [p[0] for p in table]
   if a.only:
@@ -158,4 +202,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  raise SystemExit(main())

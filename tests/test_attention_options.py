@@ -476,3 +476,17 @@ def test_narrow_windows_keep_64_key_blocks_where_the_persistent_grid_does_not_ru
                           head_dim=64, window_left=127, window_right=0, sinks=True)
   assert mosaic.heuristic(few, h200).block_k == 64    # 128 programs
   assert mosaic.heuristic(many, h200).block_k == 128  # 2,048 programs
+
+
+def test_persistent_modes_check_has_cases_the_kernel_runs():
+  # benchmarks/attention_persistent.py --modes (a GPU check): every case's
+  # config fits two Q/O tiles, and has more programs than its CTAs.
+  import sys
+  from pallas_kernels.attention import mosaic as kmod
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+  import attention_persistent
+  for name, b, h, kvh, d, t, causal, w, cfg, ctas in attention_persistent.MODES:
+    c = attention_persistent._config(cfg)
+    assert kmod.smem_bytes(block_q=c.block_q, block_k=c.block_k, num_stages=c.num_stages,
+                           head_dim=d, itemsize=2, persistent=True) <= kmod.SMEM_LIMIT, name
+    assert b * h * -(-t // c.block_q) > ctas, name
