@@ -95,8 +95,8 @@ class CudnnAttention(LibraryAttention):
     above. From half the SMs to one wave the Mosaic kernel's 128x128 rule
     answered until the H200 sweep was measured again with the kernel as it
     is now: cuDNN was the oracle on 7 of its 8 such problems (head_dim 128;
-    the Mosaic kernel's best config at 0.91-0.97x of it, 1.02x on the
-    eighth), where the first sweep's rows, 0.6-1.0 us faster at 128-512
+    the Mosaic kernel's best config at 0.91-0.97x of it, 1.01x on the
+    eighth), where the first sweep's rows, 0.8-1.2 us faster at 128-512
     tokens than the kernel runs now, had it ahead; the H100's rows are the
     first sweep's, so it takes cuDNN there too. Only the Mosaic rule's
     answers move (where its config is in the kernel's space); Triton's, below

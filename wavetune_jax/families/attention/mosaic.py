@@ -91,11 +91,12 @@ def persistent_wins(p: AttentionProblem, hw: Hardware) -> bool:
   pruned), runs the persistent grid (:func:`persistent_runs`) and
   ``head_dim`` is 128. On the H200 window sweep (80 problems of head_dim
   128, GQA groups of 4 and 8, windows of 128-4,096 keys) its 128 x 128
-  config ran at 0.99-1.16x cuDNN, geomean 1.03x at a window of 128 and
-  1.05-1.06x at 512-4,096 (the same kernel with one CTA per program:
-  0.69-1.04x); on nine held-out problems of head_dim 128 (groups 2, 3, 4, 5,
-  7 and 8) at 1.04-1.07x. At head_dim 64 the one problem measured (a window
-  of 128) ran at 0.95x, so other head_dims keep cuDNN."""
+  config ran at 0.99-1.16x cuDNN (best config), its geomean 1.029x at a
+  window of 128 and 1.047-1.051x at 512-4,096 (the same kernel with one CTA
+  per program: 0.69-1.04x); on six held-out problems of head_dim 128 at
+  1.039-1.069x, four of them of GQA groups the sweep lacks (2, 3, 5 and 7).
+  At head_dim 64 the one problem measured (a window of 128) ran at 0.95x,
+  so other head_dims keep cuDNN."""
   c = MosaicAttention.HEURISTIC
   return (p.head_dim == 128 and persistent_runs(p, c, hw) and p.q_len >= c.block_q
           and not pads(p) and c in _MOSAIC.space(p, hw))
