@@ -95,6 +95,20 @@ def persistent_ctas(persistent: bool, num_sms, cc: str, kernel: str, instead: st
   return ctas
 
 
+def item_grid(items: int, ctas: int) -> int:
+  """CTAs of a grid over ``items`` work items: one per item, or at most
+  ``ctas`` (a persistent grid, CTA ``c`` taking items c, c + C, ...)."""
+  return min(items, ctas) if ctas else items
+
+
+def local_items(cta, items: int, grid_ctas: int):
+  """How many of the ``items`` CTA ``cta`` (traced) of ``grid_ctas`` takes
+  (items cta, cta + grid_ctas, ... below ``items``)."""
+  import jax.numpy as jnp
+  from jax import lax
+  return lax.div(jnp.int32(items - 1) - cta, jnp.int32(grid_ctas)) + 1
+
+
 # --- inside jax.shard_map ---------------------------------------------------------
 # With check_vma (shard_map's default) every array carries the mesh axes it
 # varies over, and a kernel's output types must say theirs. A kernel's output

@@ -63,8 +63,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import (SMEM_LIMIT, check_ints, match_varying, out_struct,
-                                     persistent_ctas, require_compute_capability)
+from pallas_kernels._launch import (SMEM_LIMIT, check_ints, item_grid, local_items,
+                                     match_varying, out_struct, persistent_ctas,
+                                     require_compute_capability)
 from pallas_kernels.attention.common import check_call
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "COMPUTE_CAPABILITY", "HEAD_DIM_MAX", "HEAD_DIM_MIN",
@@ -267,7 +268,7 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
   # sequences. One CTA per item, or (persistent) at most ``ctas`` CTAs, CTA
   # ``c`` taking items c, c + C, c + 2C, ...
   items = num_q_heads * num_q_tiles * batch_size
-  grid_ctas = min(items, ctas) if ctas else items
+  grid_ctas = item_grid(items, ctas)
   persistent = grid_ctas < items
   q_bufs = 2 if persistent else 1
   if persistent:
@@ -288,7 +289,7 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
     k_barriers, v_barriers, q_barriers = buffer_barriers
     k_consumed_barriers, v_consumed_barriers = consumed_barriers
     # This CTA's items: cta, cta + grid_ctas, ... below items.
-    n_local = lax.div(jnp.int32(items - 1) - cta, jnp.int32(grid_ctas)) + 1
+    n_local = local_items(cta, items, grid_ctas)
 
     def plan(n):
       """The ``n``-th item of this CTA: its sequence, query head, query tile,

@@ -60,8 +60,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import SMEM_LIMIT, check_ints, match_varying, out_struct, \
-    persistent_ctas, require_compute_capability
+from pallas_kernels._launch import SMEM_LIMIT, check_ints, item_grid, local_items, \
+    match_varying, out_struct, persistent_ctas, require_compute_capability
 from pallas_kernels.attention.common import (check_call, check_lengths, check_sinks,
                                              check_soft_cap, check_window)
 from pallas_kernels.attention.mosaic import swizzle_bytes
@@ -385,7 +385,7 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
   # One CTA per work item, or (persistent) at most ``ctas``, each taking the
   # items c, c + C, c + 2C, ... in the order the one-per-item grid launches
   # them (rows fastest, then splits, then KV heads).
-  grid_ctas = min(items, ctas) if ctas else items
+  grid_ctas = item_grid(items, ctas)
   persistent = grid_ctas < items
   q_bufs = 2 if persistent else 1
   if persistent:
@@ -415,7 +415,7 @@ def _decode(q, k, v, kv_lengths, block_tables, sinks=None, *, config: MosaicDeco
     cta = lax.axis_index("cta")
     wg = lax.axis_index("wg")
     # This CTA's items: cta, cta + grid_ctas, ... below items.
-    n_local = lax.div(jnp.int32(items - 1) - cta, jnp.int32(grid_ctas)) + 1
+    n_local = local_items(cta, items, grid_ctas)
 
     def plan(n):
       """The ``n``-th item of this CTA: its coordinates and chunk plan."""
