@@ -26,8 +26,12 @@ samples there: all of them, and those where the warp was not issued.
 Cases: ``nk_int8`` / ``nk_e4m3`` (the swapped weight-only kernel on an
 ``[N, K]`` 8-bit weight at its rule's config, or ``--config bn,stages,split``),
 ``nk_int4`` (the same on int4 with groups of 128), ``dot_bf16`` (``x @ w.T``
-in bfloat16, XLA), ``dot_int8`` (XLA's dot on the converted int8 weight).
-The result is checked against the float32 product (relative 2e-2).
+in bfloat16, XLA), ``dot_int8`` (XLA's dot on the converted int8 weight);
+``rd_mosaic`` (the Mosaic grouped GEMM on ``--groups`` experts of ``--rows``
+rows each, uniform routing, at ``--config block_m,block_n,stages,order``, or
+the family rule's config) and ``rd_batched`` (cuBLAS's batched GEMM on the
+same rows, ``jnp.einsum("gmk,gkn->gmn")``). The result is checked against
+the float32 product (relative 2e-2).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import sys
 
 import numpy as np
 
-CASES = ("nk_int8", "nk_e4m3", "nk_int4", "dot_bf16", "dot_int8")
+CASES = ("nk_int8", "nk_e4m3", "nk_int4", "dot_bf16", "dot_int8", "rd_mosaic", "rd_batched")
 
 
 def main(argv=None) -> int:
@@ -58,6 +62,8 @@ def main(argv=None) -> int:
   ap.add_argument("--config", default=None,
                   help="block_n,num_stages,split_k for the nk cases (default: the rule's)")
   ap.add_argument("--calls", type=int, default=1, help="calls after the warm-up (default 1)")
+  ap.add_argument("--groups", type=int, default=64, help="experts of the rd_ cases")
+  ap.add_argument("--rows", type=int, default=512, help="rows per expert of the rd_ cases")
   a = ap.parse_args(argv)
 
   if not a.time and len(a.m) > 1:
@@ -81,7 +87,9 @@ def run(a, m: int) -> int:
   x = jnp.asarray(x32, jnp.bfloat16)
   ref = np.asarray(x, np.float32) @ (q * s[:, None]).T
 
-  if a.case.startswith("nk_"):
+  if a.case.startswith("rd_"):
+    f, args, ref = grouped_case(a)
+  elif a.case.startswith("nk_"):
     if a.case == "nk_int4":
       q = np.clip(np.round(q / 16), -8, 7)
       group = 128
@@ -133,6 +141,36 @@ def run(a, m: int) -> int:
     out = f(*args)
   out.block_until_ready()
   return 0
+
+
+def grouped_case(a):
+  """``(function, args, float32 reference)`` of an ``rd_`` case."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.ragged_dot import mosaic as rd
+
+  g, r, k, n = a.groups, a.rows, a.k, a.n
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((g * r, k), dtype=np.float32), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((g, k, n), dtype=np.float32) / np.sqrt(k), jnp.bfloat16)
+  sizes = jnp.full((g,), r, jnp.int32)
+  # On the host: a profiler wrapping the case sees only the case's kernels.
+  ref = np.matmul(np.asarray(x, np.float32).reshape(g, r, k),
+                  np.asarray(w, np.float32)).reshape(g * r, n)
+  if a.case == "rd_batched":
+    f = jax.jit(lambda x, w, s: jnp.einsum("gmk,gkn->gmn", x.reshape(g, r, k), w)
+                .reshape(g * r, n))
+  else:
+    if a.config:
+      bm, bn, st, order = (int(v) for v in a.config.split(","))
+      config = rd.MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=st, grid_minor=order)
+    else:
+      import wavetune_jax as wt
+      config = wt.RAGGED_DOT.backend("mosaic").heuristic(
+          wt.RaggedDotProblem(m=g * r, g=g, k=k, n=n), wt.detect())
+    print(f"{a.case}: G={g} r={r} K={k} N={n} {config}", file=sys.stderr)
+    f = jax.jit(lambda x, w, s: rd.ragged_dot(x, w, s, config=config))
+  return f, (x, w, sizes), ref
 
 
 def sass_summary(path: str) -> int:

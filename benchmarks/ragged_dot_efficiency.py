@@ -20,18 +20,24 @@ candidate checked against the float32 reference first:
 * ``--mode epilogue``: order 2 with the output tile staged whole, then a
   column slice at a time through 2 or 1 slots with the shared memory freed
   given to deeper rings;
+* ``--mode ring``: order 2 on 128 x 256 (3 and 4 stages), 256 x 128 and
+  64 x 256 tiles with the chained pipeline, 128 x 256 (3 stages) also with
+  one TMA ring through all of a CTA's work items (``item_ring``), and the
+  192-row tiles (192 x 192, 192 x 128: three consumer warpgroups, on that
+  ring);
 * ``--skew``: under a skewed router, the kernel against the batched GEMM
   padded to the largest group.
 
     python3 benchmarks/ragged_dot_efficiency.py [--set issue|suite|all|quick]
-        [--mode rule|orders|options|epilogue] [--skew] [--json out.json]
+        [--mode rule|orders|options|epilogue|ring] [--skew] [--json out.json]
     python3 benchmarks/ragged_dot_efficiency.py --summarize out.json   # CPU
 
 ``--summarize`` reads a run's rows (no GPU) and prints, per problem, the
 batched GEMM's TFLOP/s, the speed over it of the rule's config before and
 after order 2 (``rule`` runs) or of the best config of each order
 (``orders`` runs) or with and without each option (``options`` runs) or
-the best sliced staging over the best whole one (``epilogue`` runs), the
+the best sliced staging over the best whole one (``epilogue`` runs) or
+each config with ``item_ring`` over the same without (``ring`` runs), the
 work list's share of the op's time, and under ``--skew`` each config
 against the padded batched GEMM.
 """
@@ -99,13 +105,15 @@ def problem_stats(g, r, k, n, c: Config, cm: int, hbm: float):
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--set", choices=tuple(SETS), default="issue")
-  ap.add_argument("--mode", choices=("rule", "orders", "options", "epilogue"), default="rule",
+  ap.add_argument("--mode", choices=("rule", "orders", "options", "epilogue", "ring"),
+                  default="rule",
                   help="rule: the Hopper rule's config before and after order 2, and "
                        "the three orders on its tile; orders: tiles x work orders (0, 1, "
                        "2) and tile pipelining; options: orders 0 and 1, then clusters, "
                        "wgmma delay and fixed task bands on the best two; epilogue: "
                        "order 2 with the output staged whole or a slice at a time "
-                       "(out_slots), the freed shared memory given to deeper rings")
+                       "(out_slots), the freed shared memory given to deeper rings; "
+                       "ring: order-2 configs with and without item_ring")
   ap.add_argument("--skew", action="store_true")
   ap.add_argument("--iterations", type=int, default=20)
   ap.add_argument("--only", default=None, help="comma-separated problem indices")
@@ -171,6 +179,7 @@ def main():
     fns = [batched, lax_op, wt_op]
     cands = (_rule_candidates(g, r, k, n, hw) if a.mode == "rule"
              else _epilogue_candidates(g, r, k, n, hw) if a.mode == "epilogue"
+             else _ring_candidates(g, r, k, n, hw) if a.mode == "ring"
              else _candidates(g, r, k, n, hw, a.mode))
     names += [_name(c, o) for c, o in cands]
     fns += [_mosaic(c, o) for c, o in cands]
@@ -308,6 +317,18 @@ def summarize(path: str) -> dict:
       res["best_e0"] = tb / min(whole) if whole else math.nan
       res["best_sliced"] = tb / min(sliced) if sliced else math.nan
       res["sliced_over_e0"] = res["best_sliced"] / res["best_e0"]
+    elif mode == "ring":
+      # The best config on the chained pipeline; the ring through the items
+      # over the same config without it (pairs); the best 192-row tile (on
+      # the ring) over the best of the others.
+      mos = {nm: us for nm, us in t.items() if nm.startswith("mosaic")}
+      tall = [us for nm, us in mos.items() if nm.startswith("mosaic 192x")]
+      other = [us for nm, us in mos.items() if not nm.startswith("mosaic 192x")]
+      res["best_chained"] = tb / min(us for nm, us in mos.items() if not nm.endswith(" r1"))
+      res["best_192"] = tb / min(tall) if tall else math.nan
+      res["192_over_rest"] = res["best_192"] / (tb / min(other))
+      res["pairs"] = [mos[nm[:-3]] / us for nm, us in mos.items()
+                      if nm.endswith(" r1") and nm[:-3] in mos]
     elif mode == "rule":
       old = old_rule(g, r, k, n)
       res["old_rule"] = tb / t[_name(old, Options())] if old else res["wt"]
@@ -340,6 +361,11 @@ def summarize(path: str) -> dict:
         res["skew_new_vs_old"] = (sk[_name(old, Options())]["us"] / sk["wt"]["us"] if old
                                   else 1.0)
     out[(g, r, k, n)] = res
+  if mode == "ring":
+    pairs = [x for res in out.values() for x in res.pop("pairs")]
+    print(f"item_ring over the same config without: {len(pairs)} pairs, {min(pairs):.3f}-"
+          f"{max(pairs):.3f}x, geomean {_geo(pairs):.3f}x")
+    out["ring_pairs"] = pairs
   if mode == "orders":
     pairs = [x for res in out.values() for x in res.pop("p1_over_p0")]
     print(f"order 2, pipelines chained over not: {len(pairs)} pairs, {min(pairs):.3f}-"
@@ -429,6 +455,23 @@ def _rule_candidates(g, r, k, n, hw):
   return [(c, Options()) for c in out]
 
 
+def _ring_candidates(g, r, k, n, hw):
+  """Order 2 on the tiles of 64 to 256 rows, with the chained pipeline and
+  (128 x 256, 3 stages) with one ring through the items (``item_ring``);
+  and the 192-row tiles of three consumer warpgroups (which run on that
+  ring)."""
+  tiles = [(128, 256, 3, 0), (128, 256, 3, 1), (128, 256, 4, 0), (64, 256, 4, 0),
+           (256, 128, 3, 0), (192, 192, 3, 1), (192, 128, 4, 1)]
+  out = []
+  for bm, bn, ns, ring in tiles:
+    if bm > max(64, 2 ** math.ceil(math.log2(r))):
+      continue
+    c = Config(block_m=bm, block_n=bn, num_stages=ns, grid_minor=2)
+    if _fits(c, hw):
+      out.append((c, Options(item_ring=ring)))
+  return out
+
+
 def _options_on(top):
   """Clusters, wgmma delay and fixed task bands on the configs named in ``top``."""
   opt = []
@@ -452,16 +495,21 @@ def _options_on(top):
 def _name(c: Config, o: Options) -> str:
   return (f"mosaic {c.block_m}x{c.block_n} s{c.num_stages} k{c.split_k} o{c.grid_minor} "
           f"cl{o.cluster_m} d{o.delay_release} b{o.task_band} p{o.pipeline_tiles}"
-          + (f" e{o.out_slots}" if o.out_slots > 0 else ""))
+          + (f" e{o.out_slots}" if o.out_slots > 0 else "")
+          + (" r1" if o.item_ring else ""))
 
 
 def _parse(name: str):
   p = name.split()
+  ring = p[-1] == "r1"
+  if ring:
+    p = p[:-1]
   bm, bn = (int(v) for v in p[1].split("x"))
   c = Config(block_m=bm, block_n=bn, num_stages=int(p[2][1:]), split_k=int(p[3][1:]),
              grid_minor=int(p[4][1:]))
   o = Options(cluster_m=int(p[5][2:]), delay_release=int(p[6][1:]), task_band=int(p[7][1:]),
-              pipeline_tiles=int(p[8][1:]), out_slots=int(p[9][1:]) if len(p) > 9 else -1)
+              pipeline_tiles=int(p[8][1:]), out_slots=int(p[9][1:]) if len(p) > 9 else -1,
+              item_ring=int(ring))
   # (A name without an "e" runs the kernel's default staging: the whole tile
   # where it fits, as every config of the runs recorded before slices did.)
   return c, o

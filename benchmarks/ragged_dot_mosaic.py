@@ -59,10 +59,13 @@ def problem(weights: dict, name: str, tokens: int) -> RaggedDotProblem:
   return RaggedDotProblem(m=tokens * w["top_k"], g=w["E"], k=w["K"], n=w["N"])
 
 
-def check_edges(only: str | None = None, stages_from: int = 0) -> int:
+def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool = False) -> int:
   """Mosaic configs on ragged edge cases (those whose name holds ``only``,
   if given; the configs of at least ``stages_from`` stages), row by row;
-  returns the failures."""
+  returns the failures. ``item_ring``: the 192-row tiles and the order-2
+  configs (of at least ``stages_from`` stages) with one ring through a
+  CTA's work items instead, on the full grid and on a grid of 7 CTAs (many
+  items each)."""
   fam = RAGGED_DOT
   configs = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
                                    grid_minor=gm)
@@ -80,8 +83,24 @@ def check_edges(only: str | None = None, stages_from: int = 0) -> int:
              if ns >= stages_from]
   names = [f"{c.block_m}x{c.block_n}/s{c.num_stages}/k{c.split_k}/o{c.grid_minor}"
            for c in configs]
-  return check_cases({nm: functools.partial(_build, c) for nm, c in zip(names, configs)},
-                     only, "Mosaic configs")
+  runs = {nm: functools.partial(_build, c) for nm, c in zip(names, configs)}
+  if item_ring:
+    # The 192-row tiles (always on the ring), order 2 and 1, and split-K.
+    ring = [MosaicRaggedDotConfig(block_m=192, block_n=bn, num_stages=ns, split_k=sk,
+                                  grid_minor=gm)
+            for bn, ns, sk, gm in [(192, 3, 1, 2), (128, 4, 1, 1), (192, 3, 2, 1)]]
+    ring += [c for c in configs if c.grid_minor == 2 and c.num_stages >= stages_from]
+    runs = {f"{c.block_m}x{c.block_n}/s{c.num_stages}/k{c.split_k}/o{c.grid_minor}/ring/"
+            f"{sms or 'all'}": functools.partial(_build_ring, c, sms)
+            for c in ring for sms in (None, 7)}
+  return check_cases(runs, only, "Mosaic configs")
+
+
+def _build_ring(c, num_sms, p, lhs, rhs, gs):
+  from pallas_kernels.ragged_dot import mosaic as kernel
+  o = kernel.MosaicRaggedDotOptions(item_ring=1)
+  return jax.jit(lambda a, b, s: kernel.ragged_dot(a, b, s, config=c, options=o,
+                                                   num_sms=num_sms))(lhs, rhs, gs)
 
 
 def _build(c, p, lhs, rhs, gs):
@@ -212,6 +231,9 @@ def main():
                   help="with --check: only the cases whose name holds TEXT")
   ap.add_argument("--check-stages-from", type=int, default=0, metavar="S",
                   help="check only the configs of at least S stages")
+  ap.add_argument("--check-item-ring", action="store_true",
+                  help="--check runs the 192-row tiles and the order-2 configs with "
+                       "item_ring=1 instead (all SMs, and 7 CTAs)")
   ap.add_argument("--set", choices=("quick", "none"), default="quick")
   ap.add_argument("--skew", action="store_true", help="also a skewed router (see doc)")
   ap.add_argument("--iterations", type=int, default=10)
@@ -227,7 +249,7 @@ def main():
   fam = RAGGED_DOT
   out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": [], "skew": []}
   if a.check:
-    out["edge_failures"] = check_edges(a.check_only, a.check_stages_from)
+    out["edge_failures"] = check_edges(a.check_only, a.check_stages_from, a.check_item_ring)
   prof = profiler.Profiler(iterations=a.iterations)
   mosaic, triton, xla = (fam.backend(n) for n in ("mosaic", "triton", "xla"))
 

@@ -357,7 +357,9 @@ def test_mosaic_space_and_heuristic_rules():
       assert (c.block_m, c.block_n, c.num_stages, c.grid_minor) == (64, 256, 4, 2), (hw.name, c)
       assert c in MOSAIC.space(p, hw)
     c = RAGGED_DOT.heuristic(RaggedDotProblem(m=1040, g=8, k=14336, n=4096), hw)  # 130 rows
-    assert (c.block_m, c.block_n, c.grid_minor) == (128, 256, 2)
+    # (On the H200 one 192-row task an expert, where 128-row tiles take two.)
+    want = (192, 128, 2) if hw.device_key == "nvidia_h200" else (128, 256, 2)
+    assert (c.block_m, c.block_n, c.grid_minor) == want
   arctic = RaggedDotProblem(m=128, g=128, k=4864, n=7168)
   assert isinstance(RAGGED_DOT.heuristic(arctic, H100), wt.MosaicRaggedDotConfig)
   # Off Hopper, and for shapes the kernel does not run: XLA.
@@ -591,6 +593,105 @@ def test_table_vs_sweep_per_model_reproduces_the_docs(capsys, gpu, lines):
   out = _table_vs_sweep(capsys, gpu, "--min-tokens", "1024")
   for line in lines:
     assert line in out
+
+
+def test_triple_tiles_rule():
+  """192-row tiles (three consumer warpgroups): on the H200 where a balanced
+  router's experts fit one task of them and 128-row tiles need two; never
+  at a mean of exactly 192 rows (half the experts spill), off the H200, or
+  with a float32 output (the whole tile does not fit next to the ring)."""
+  h200 = get_hardware("h200")
+  shape = dict(g=128, k=2048, n=1536)  # 128 experts, K 2,048, N 1,536
+  c = RAGGED_DOT.heuristic(RaggedDotProblem(m=128 * 160, **shape), h200)
+  assert (c.block_m, c.block_n, c.num_stages, c.grid_minor) == (192, 192, 3, 2)
+  assert MOSAIC.smem_bytes(RaggedDotProblem(m=128 * 160, **shape), c) <= h200.smem_per_block
+  for m, hw in ((128 * 192, h200), (128 * 160, H100)):
+    c = RAGGED_DOT.heuristic(RaggedDotProblem(m=m, **shape), hw)
+    assert (c.block_m, c.block_n) == (128, 256), (m, hw.name)
+  c = RAGGED_DOT.heuristic(RaggedDotProblem(m=128 * 160, out_dtype="float32", **shape), h200)
+  assert c.block_m == 128
+  # N not a multiple of 192: 192 x 128 where it leaves fewer waves.
+  c = RAGGED_DOT.heuristic(RaggedDotProblem(m=8 * 160, g=8, k=4096, n=28672), h200)
+  assert (c.block_m, c.block_n, c.num_stages) == (192, 128, 4)
+  # The sweeps' problems never fall in the band, so their tables' scores
+  # do not move.
+  for m in (16, 64, 256, 1024, 4096):
+    c = RAGGED_DOT.heuristic(RaggedDotProblem(m=m * 2, g=8, k=4096, n=28672), h200)
+    assert getattr(c, "block_m", 0) != 192
+  # The family takes the tiles as explicit configs too, and rejects others.
+  p = RaggedDotProblem(m=4096, **shape)
+  MOSAIC.validate(p, wt.MosaicRaggedDotConfig(block_m=192, block_n=192, num_stages=3), h200)
+  with pytest.raises(ValueError, match="needs block_n in"):
+    wt.MosaicRaggedDotConfig(block_m=192, block_n=256)
+
+
+def test_expected_tasks_spread_matches_a_simulated_router():
+  """The balanced router's expected tasks with its spread, against the
+  mean of ``ceil((s + 4) / block_m)`` over simulated multinomial sizes."""
+  rng = np.random.default_rng(0)
+  for m, g, bm in ((24576, 128, 192), (20480, 128, 192), (20480, 128, 128), (1040, 8, 128),
+                   (4096, 64, 64)):
+    sizes = rng.multinomial(m, np.full(g, 1 / g), size=400)
+    sim = np.ceil((sizes + 4) / bm).sum(axis=1).mean()
+    est = routing.expected_tasks_spread(m, g, bm)
+    assert est == pytest.approx(sim, rel=0.02), (m, g, bm, est, sim)
+  # At a mean of exactly 192 rows, half the experts spill into a second task.
+  assert routing.expected_tasks_spread(128 * 192, 128, 192) == pytest.approx(128 * 1.6, rel=0.1)
+
+
+@pytest.mark.parametrize("m,g,k,n,config,options", [
+    (24576, 128, 2048, 1536, dict(block_m=192, block_n=192, num_stages=3, grid_minor=2), {}),
+    (1554, 8, 256, 512, dict(block_m=192, block_n=128, num_stages=4, split_k=2), {}),
+    (5, 8, 256, 512, dict(block_m=192, block_n=192, num_stages=3, grid_minor=1), {}),
+    (8192, 64, 1024, 2048, dict(block_m=128, block_n=256, num_stages=3, grid_minor=2),
+     dict(item_ring=1)),
+])
+def test_ring_and_triple_tiles_lower_for_cuda(m, g, k, n, config, options):
+  """The kernel's own ring (``item_ring``) and the 192-row tiles lower to
+  Mosaic GPU on a CPU (their results are checked on a GPU:
+  benchmarks/ragged_dot_mosaic.py --check --check-item-ring)."""
+  c = mosaic_kernel.MosaicRaggedDotConfig(**config)
+  o = mosaic_kernel.MosaicRaggedDotOptions(**options)
+  f = lambda a, b, s: mosaic_kernel.ragged_dot(a, b, s, config=c, options=o,  # noqa: E731
+                                               num_sms=132)
+  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
+          jax.ShapeDtypeStruct((g,), jnp.int32))
+  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_ring_options_are_checked():
+  with pytest.raises(ValueError, match="item_ring=1 needs cluster_m=1"):
+    mosaic_kernel.MosaicRaggedDotOptions(item_ring=1, delay_release=1)
+  with pytest.raises(ValueError, match="item_ring=.* must be 0 or 1"):
+    mosaic_kernel.MosaicRaggedDotOptions(item_ring=2)
+  c = mosaic_kernel.MosaicRaggedDotConfig(block_m=192, block_n=192, num_stages=3, grid_minor=2)
+  x, w, gs = jnp.zeros((64, 64), jnp.bfloat16), jnp.zeros((2, 64, 64), jnp.bfloat16), \
+      jnp.ones((2,), jnp.int32)
+  with pytest.raises(ValueError, match="block_m=192 runs on the kernel's own ring"):
+    mosaic_kernel.ragged_dot(x, w, gs, config=c, num_sms=132,
+                             options=mosaic_kernel.MosaicRaggedDotOptions(cluster_m=2))
+
+
+def test_ring_and_triple_runs_on_record_reproduce_the_docs(capsys):
+  """docs/results.md's numbers of the ring through the items and the 192-row
+  tiles: ``ragged_dot_efficiency.py --mode ring --summarize`` on the H200 runs."""
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent / "data" / "probes"
+  mod = _load_benchmark("ragged_dot_efficiency")
+  ring = mod.summarize(str(root / "ragged_dot_item_ring_h200.json"))
+  pairs = ring.pop("ring_pairs")
+  assert len(ring) == 11 and len(pairs) == 40
+  assert mod._geo(pairs) == pytest.approx(1.006, abs=5e-4)
+  assert min(pairs) == pytest.approx(0.978, abs=5e-4) and max(pairs) == pytest.approx(1.056,
+                                                                                      abs=5e-4)
+  triple = mod.summarize(str(root / "ragged_dot_triple_h200.json"))
+  triple.pop("ring_pairs")
+  first = triple[(128, 192, 2048, 1536)]
+  assert first["best_192"] == pytest.approx(0.940, abs=5e-4)
+  assert first["wt"] == pytest.approx(0.743, abs=5e-4)
+  assert triple[(64, 375, 3584, 5120)]["best_192"] == pytest.approx(0.961, abs=5e-4)
+  assert triple[(16, 375, 6400, 4096)]["192_over_rest"] == pytest.approx(0.978, abs=5e-4)
+  assert "ring run, 3 problems" in capsys.readouterr().out
 
 
 def test_efficiency_runs_on_record_reproduce_the_docs(capsys):

@@ -395,10 +395,10 @@ def operand_pipeline(body, compute_context, *, block_m: int, block_n: int, steps
   )
 
 
-def persistent_kernel(kernel, out_type, ctas: int, cluster: int = 1):
-  """``kernel`` on a persistent grid of ``ctas`` CTAs (axis ``"sm"``) of three
-  warpgroups (axis ``"wg"``); with ``cluster > 1``, ``ctas`` clusters of
-  that many CTAs (axis ``"cluster"``)."""
+def persistent_kernel(kernel, out_type, ctas: int, cluster: int = 1, num_threads: int = 3):
+  """``kernel`` on a persistent grid of ``ctas`` CTAs (axis ``"sm"``) of
+  ``num_threads`` warpgroups (axis ``"wg"``); with ``cluster > 1``, ``ctas``
+  clusters of that many CTAs (axis ``"cluster"``)."""
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   clusters = dict(cluster=(cluster,), cluster_names=("cluster",)) if cluster > 1 else {}
@@ -408,7 +408,7 @@ def persistent_kernel(kernel, out_type, ctas: int, cluster: int = 1):
       grid=(ctas,),
       grid_names=("sm",),
       **clusters,
-      num_threads=3,
+      num_threads=num_threads,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),

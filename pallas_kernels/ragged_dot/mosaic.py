@@ -35,6 +35,10 @@ ring, two consumer warpgroups running wgmma). What makes it grouped:
   even where ``lhs`` holds NaN;
 * **split-K** as in the GEMM (fp32 partials and one XLA reduction), for
   decode-size groups whose tiles leave SMs idle.
+* **its own ring** (``MosaicRaggedDotOptions.item_ring``): one TMA ring and
+  its barriers through all of a CTA's work items, slots counted across
+  them; it also runs **192-row tiles** of three 64-row consumer warpgroups
+  (``block_m=192``), which hold an expert of up to 192 rows in one task.
 
 Inputs bfloat16 or float16, fp32 accumulation, output bfloat16, float16 or
 float32. ``K`` and ``N`` multiples of 64 (TMA tiling of global memory). TMA
@@ -69,12 +73,16 @@ BLOCK_K = gemm.BLOCK_K
 NK_MULTIPLE = gemm.NK_MULTIPLE
 M_MULTIPLE = gemm.M_MULTIPLE
 _BARRIER_BYTES = 1024
+_PRODUCER_REGISTERS = 40
 #: Work orders (``MosaicRaggedDotConfig.grid_minor``).
 ORDERS = (0, 1, 2)
 #: ``grid_minor`` 2: the rows of one band of an expert's tasks take at
 #: most this many bytes (a third to a half of a Hopper GPU's L2), so they
 #: stay in L2 while the band walks the expert's column tiles.
 BAND_BYTES = 24 << 20
+#: Tiles of three 64-row consumer warpgroups: ``block_m`` and its ``block_n``.
+TRIPLE_M = 192
+TRIPLE_N = (128, 192)
 NO_INTERPRET = ("the Mosaic GPU grouped GEMM has no CPU interpret mode; its correctness "
                 "is checked on a Hopper GPU (the sweep and benchmarks/ragged_dot_mosaic.py "
                 "compare every config with the float32 reference)")
@@ -85,7 +93,9 @@ class MosaicRaggedDotConfig:
   """Launch parameters of the Mosaic GPU grouped GEMM.
 
   Attributes:
-    block_m: rows per task: 64, 128 or 256.
+    block_m: rows per task: 64, 128, 192 or 256. 192 runs three consumer
+      warpgroups of 64 rows each on the kernel's own ring
+      (``MosaicRaggedDotOptions.item_ring``), with ``block_n`` 128 or 192.
     block_n: weight columns per task: 64, 128, 192 or 256 (with
       ``block_m = 64``, 128 or 256).
     num_stages: blocks in flight (TMA ring), in [2, 8].
@@ -113,9 +123,14 @@ class MosaicRaggedDotConfig:
     if self.grid_minor not in ORDERS:
       raise ValueError(f"MosaicRaggedDotConfig.grid_minor={self.grid_minor} must be one of "
                        f"{ORDERS} (0: tasks first, 1: column tiles first, 2: by expert)")
-    # The GEMM's config carries the tile rules.
+    if self.block_m == TRIPLE_M and self.block_n not in TRIPLE_N:
+      raise ValueError(f"MosaicRaggedDotConfig: block_m={TRIPLE_M} needs block_n in "
+                       f"{TRIPLE_N}; got {self.block_n}")
+    # The GEMM's config carries the tile rules (a 192-row tile: those of a
+    # 128-row one with the same columns).
     try:
-      gemm.MosaicMatmulConfig(block_m=self.block_m, block_n=self.block_n,
+      gemm.MosaicMatmulConfig(block_m=128 if self.block_m == TRIPLE_M else self.block_m,
+                              block_n=self.block_n,
                               num_stages=self.num_stages, split_k=self.split_k)
     except ValueError as e:
       raise ValueError(str(e).replace("MosaicMatmulConfig", "MosaicRaggedDotConfig")) from None
@@ -163,6 +178,15 @@ class MosaicRaggedDotOptions:
     traced_steps: 1 runs every work item's pipeline with a traced step
       count, as stream-K's pieces run (a diagnostic of that pipeline's
       cost; no chaining across items).
+    item_ring: 1 runs one TMA ring through all of a CTA's work items with
+      the kernel's own barriers, its slots counted across items: the
+      producer loads the next item's first blocks as soon as the consumers
+      free slots of the last one, whatever the K steps and ``num_stages``
+      (the chained pipeline of ``grid_minor`` 2 needs the steps to be a
+      multiple of the stages, and without it the producer waits for the
+      ring to drain between items). Needs ``cluster_m`` 1,
+      ``delay_release`` 0, ``pipeline_tiles`` 0, ``skip_idle`` 0,
+      ``stream_k`` 0 and ``traced_steps`` 0.
   """
 
   cluster_m: int = 1
@@ -173,6 +197,7 @@ class MosaicRaggedDotOptions:
   out_slots: int = -1
   stream_k: int = 0
   traced_steps: int = 0
+  item_ring: int = 0
 
   def __post_init__(self):
     check_ints(self)
@@ -200,6 +225,13 @@ class MosaicRaggedDotOptions:
     if self.traced_steps not in (0, 1):
       raise ValueError(f"MosaicRaggedDotOptions.traced_steps={self.traced_steps} must be 0 "
                        f"or 1")
+    if self.item_ring not in (0, 1):
+      raise ValueError(f"MosaicRaggedDotOptions.item_ring={self.item_ring} must be 0 or 1")
+    if self.item_ring and (self.cluster_m > 1 or self.delay_release or self.pipeline_tiles
+                           or self.skip_idle or self.stream_k or self.traced_steps):
+      raise ValueError("MosaicRaggedDotOptions: item_ring=1 needs cluster_m=1, "
+                       "delay_release=0, pipeline_tiles=0, skip_idle=0, stream_k=0 and "
+                       "traced_steps=0")
     if self.out_slots < -1:
       raise ValueError(f"MosaicRaggedDotOptions.out_slots={self.out_slots} must be >= -1 "
                        f"(-1: by the shared memory left, 0: the whole tile, s: s slots)")
@@ -242,9 +274,21 @@ def out_staging(block_m: int, block_n: int, out_itemsize: int, out_slots: int = 
   if out_slots < 0:
     raise ValueError(f"out_staging needs out_slots >= 0 (resolve -1 with staging_slots); "
                      f"got {out_slots}")
-  wm, wn = gemm.wg_tile(block_m, block_n)
+  wm, wn = wg_tile(block_m, block_n)
   slices = _out_slices(wn, out_itemsize)
-  return 2 * min(slices, out_slots or slices) * wm * (wn // slices) * out_itemsize
+  return (consumers(block_m) * min(slices, out_slots or slices) * wm * (wn // slices)
+          * out_itemsize)
+
+
+def consumers(block_m: int) -> int:
+  """Consumer warpgroups of a ``block_m``-row tile: 3 for 192 rows, else 2."""
+  return 3 if block_m == TRIPLE_M else 2
+
+
+def wg_tile(block_m: int, block_n: int) -> tuple[int, int]:
+  """One consumer warpgroup's tile: 64 rows of a 192-row tile, else the
+  GEMM's split (:func:`pallas_kernels.matmul.mosaic.wg_tile`)."""
+  return (64, block_n) if block_m == TRIPLE_M else gemm.wg_tile(block_m, block_n)
 
 
 def _out_slices(wn: int, out_itemsize: int) -> int:
@@ -256,7 +300,7 @@ def check_shapes(m: int, n: int, k: int, dtype, out_dtype, config) -> None:
   """Raises ``ValueError`` unless the kernel runs ``[m, k] x [G, k, n]``
   (any ``m``: rows are padded to a multiple of 8 for the loads)."""
   gemm.check_shapes(_round8(m), n, k, dtype, out_dtype, gemm.MosaicMatmulConfig(
-      block_m=config.block_m, block_n=config.block_n, num_stages=config.num_stages,
+      block_m=128 if config.block_m == TRIPLE_M else config.block_m, block_n=config.block_n, num_stages=config.num_stages,
       split_k=config.split_k))
 
 
@@ -292,6 +336,12 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     raise ValueError(f"options.task_band={options.task_band} needs config.grid_minor=0")
   if options.delay_release and config.num_stages < 3:
     raise ValueError("options.delay_release=1 needs config.num_stages >= 3")
+  if config.block_m == TRIPLE_M and not options.item_ring:
+    # Three consumer warpgroups run on the kernel's own ring only.
+    try:
+      options = dataclasses.replace(options, item_ring=1)
+    except ValueError as e:
+      raise ValueError(f"block_m={TRIPLE_M} runs on the kernel's own ring: {e}") from None
   if options.stream_k and config.split_k > 1:
     raise ValueError(f"options.stream_k=1 needs config.split_k=1; got {config.split_k}")
   worklist.check_operands(lhs, rhs, group_sizes)
@@ -353,7 +403,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
   dtype = x.dtype
   sk = config.split_k
   bm, bn = config.block_m, config.block_n
-  wm, wn = gemm.wg_tile(bm, bn)
+  wm, wn = wg_tile(bm, bn)
   split_m = bm >= 128
   tiles_n = pl.cdiv(n, bn)
   steps = gemm.k_steps(k, sk)
@@ -377,6 +427,33 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
   slots = min(slices, slots or slices)
   # One row per tile: a store may start at any row of the tile.
   out_transforms = (plgpu.TilingTransform((1, out_elems)), plgpu.SwizzleTransform(out_swizzle))
+
+  def make_emit(out_smem, wg):
+    """Consumer ``wg``'s store of its output tile through ``out_smem``."""
+
+    def emit(acc_ref, value, dst, row0, base, lo, rows, col0):
+      """Stores rows [lo, lo + rows) of this warpgroup's tile ``value(acc
+      slice)`` to ``dst`` (module doc: row-exact TMA stores, the whole
+      tile or a column slice at a time through the slots)."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      # Column slices one swizzle wide (64 bf16, 32 fp32), one row per
+      # tile: a store may start at any row.
+      def stage(j, slot):
+        out_smem[wg, slot] = value(acc_ref[:, j * out_elems:(j + 1) * out_elems])
+      if slots == slices:  # the whole tile, then its stores
+        for j in range(slices):
+          stage(j, j)
+        plgpu.commit_smem()
+        store_rows(out_smem, wg, dst, row0, base, lo, rows, col0)
+      else:  # a slice at a time through the slots
+        for j in range(slices):
+          if j >= slots:
+            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+          stage(j, j % slots)
+          plgpu.commit_smem()
+          store_rows(out_smem, wg, dst, row0, base, lo, rows, col0,
+                     parts=((j % slots, j),))
+    return emit
 
   def get_pipeline(body, compute_context, state=None, grid_steps=None):
     return gemm.operand_pipeline(body, compute_context, block_m=bm, block_n=bn,
@@ -402,28 +479,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
       count = count_gmem[0]
       per_split = count * tiles_n
 
-      def emit(acc_ref, value, dst, row0, base, lo, rows, col0):
-        """Stores rows [lo, lo + rows) of this warpgroup's tile ``value(acc
-        slice)`` to ``dst`` (module doc: row-exact TMA stores, the whole
-        tile or a column slice at a time through the slots)."""
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        # Column slices one swizzle wide (64 bf16, 32 fp32), one row per
-        # tile: a store may start at any row.
-        def stage(j, slot):
-          out_smem[wg, slot] = value(acc_ref[:, j * out_elems:(j + 1) * out_elems])
-        if slots == slices:  # the whole tile, then its stores
-          for j in range(slices):
-            stage(j, j)
-          plgpu.commit_smem()
-          store_rows(out_smem, wg, dst, row0, base, lo, rows, col0)
-        else:  # a slice at a time through the slots
-          for j in range(slices):
-            if j >= slots:
-              plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-            stage(j, j % slots)
-            plgpu.commit_smem()
-            store_rows(out_smem, wg, dst, row0, base, lo, rows, col0,
-                       parts=((j % slots, j),))
+      emit = make_emit(out_smem, wg)
 
       def run_item(lin, *, kb0=0, grid_steps=None, state=None, piece=None):
         """Work item ``lin`` (split-major), K blocks ``[kb0, kb0 +
@@ -536,11 +592,111 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+  def ring_kernel(tasks_gmem, count_gmem, x_gmem, w_gmem, out_gmem):
+    """``options.item_ring``: one TMA ring through all of this CTA's work
+    items (items ``cta``, ``cta + ctas``, ...), its slots counted across
+    them, with the kernel's own ready and consumed barriers."""
+    stages = config.num_stages
+    n_cons = consumers(bm)
+    elems = 128 // dtype.itemsize
+    in_transforms = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(128))
+
+    @functools.partial(
+        pl.run_scoped,
+        x_smem=plgpu.SMEM((stages, bm, BLOCK_K), dtype, transforms=in_transforms),
+        w_smem=plgpu.SMEM((stages, BLOCK_K, bn), dtype, transforms=in_transforms),
+        out_smem=plgpu.SMEM((n_cons, slots, wm, out_elems), out_dtype,
+                            transforms=out_transforms),
+        x_ready=plgpu.Barrier(num_barriers=stages),
+        w_ready=plgpu.Barrier(num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=n_cons, num_barriers=stages),
+        collective_axes="wg",
+    )
+    def _scope(x_smem, w_smem, out_smem, x_ready, w_ready, consumed):
+      wg = lax.axis_index("wg")
+      cta = lax.axis_index("sm")
+      count = count_gmem[0]
+      per_split = count * tiles_n
+      # Items cta, cta + ctas, ... below the count (none where the count is
+      # below the CTAs).
+      n_local = lax.div(jnp.maximum(per_split * sk - cta, 0) + (ctas - 1), jnp.int32(ctas))
+      stages_ = jnp.int32(stages)
+
+      def item(i):
+        it = decode_item(cta + i * ctas, per_split, count, tasks_gmem, tiles_n=tiles_n,
+                         grid_minor=config.grid_minor, groups=groups, past_k=past_k,
+                         split_len=split_len, band=band)
+        windows = item_windows(it.row0, it.ni, it.k0, it.split, out_gmem, block_m=bm,
+                               block_n=bn, split_len=split_len, split_k=sk)
+        return it, windows
+
+      @pl.when(wg < n_cons)
+      def _consumers():
+        # The registers the producer leaves, shared (as the GEMM's pipeline).
+        plgpu.set_max_registers(min(256, (512 - _PRODUCER_REGISTERS) // n_cons) // 8 * 8,
+                                action="increase")
+        emit = make_emit(out_smem, wg)
+
+        def run_item(i, g):
+          it, (_, _, _, out_ref) = item(i)
+          wg_m, wg_n, base, lo, rows, col0 = consumer_part(wg, it.ni, it.start, it.size,
+                                                           block_n=bn, wg_tile=(wm, wn))
+
+          def tile(acc_ref):
+            def step(kk, carry):
+              slot = lax.rem(g + kk, stages_)
+              plgpu.barrier_wait(x_ready.at[slot])
+              plgpu.barrier_wait(w_ready.at[slot])
+              plgpu.wgmma(acc_ref, x_smem.at[slot, wg_m], w_smem.at[slot, :, wg_n])
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(consumed.at[slot])
+              return carry
+
+            lax.fori_loop(0, steps, step, None)
+            emit(acc_ref, lambda a: a.astype(out_dtype), out_ref, it.row0, base, lo, rows,
+                 col0)
+
+          pl.run_scoped(tile, plgpu.ACC((wm, wn), jnp.float32))
+          return g + steps
+
+        lax.fori_loop(0, n_local, run_item, jnp.int32(0))
+
+      @pl.when(wg == n_cons)
+      def _producer():
+        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+        def stream_item(i, g):
+          it, (m_slice, n_slice, _, _) = item(i)
+
+          def step(kk, carry):
+            slot = lax.rem(g + kk, stages_)
+
+            @pl.when(g + kk >= stages)
+            def _wait():
+              plgpu.barrier_wait(consumed.at[slot])
+
+            k_slice = pl.ds(it.k0 + kk * BLOCK_K, BLOCK_K)
+            plgpu.copy_gmem_to_smem(x_gmem.at[m_slice, k_slice], x_smem.at[slot],
+                                    x_ready.at[slot])
+            plgpu.copy_gmem_to_smem(w_gmem.at[it.expert, k_slice, n_slice], w_smem.at[slot],
+                                    w_ready.at[slot])
+            return carry
+
+          lax.fori_loop(0, steps, step, None)
+          return g + steps
+
+        lax.fori_loop(0, n_local, stream_item, jnp.int32(0))
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
   out_shape = (sk, m, n) if sk > 1 else (m, n)
   (tasks, count, x, w), axes = match_varying(tasks, count, x, w)
   out_type = out_struct(out_shape, out_dtype, axes)
   if stream:
     out_type = (out_type, out_struct((ctas, 2, halves, bm, bn), out_dtype, axes))
+  if options.item_ring:
+    return gemm.persistent_kernel(ring_kernel, out_type, ctas,
+                                  num_threads=consumers(bm) + 1)(tasks, count, x, w)
   return gemm.persistent_kernel(kernel, out_type, ctas, cluster=cm)(tasks, count, x, w)
 
 

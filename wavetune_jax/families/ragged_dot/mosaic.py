@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,10 +18,20 @@ from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.matmul.triton import _aux, _cdiv, _next_pow2
 from wavetune_jax.families.ragged_dot.problem import RaggedDotProblem
-from wavetune_jax.families.ragged_dot.routing import expected_tasks
+from wavetune_jax.families.ragged_dot.routing import expected_tasks, expected_tasks_spread
 
 __all__ = ["MosaicRaggedDot", "MosaicRaggedDotConfig"]
 
+#: Tiles of three 64-row consumer warpgroups (the kernel's own ring): the
+#: rule's, outside the swept space (TRIPLE_GPUS).
+TRIPLE_TILES = ((192, 192), (192, 128))
+#: GPUs (``device_key`` prefixes) whose rule takes a 192-row tile where a
+#: balanced router's experts fit one task of it and the 128-row tiles need
+#: two (measured on an H200 only, docs/results.md).
+TRIPLE_GPUS = ("nvidia_h200",)
+#: The gain in wave-quantized tile work (the waves of the work items times
+#: the tile's area) a 192-row tile needs over the 128 x 256 rule.
+TRIPLE_MARGIN = 1.15
 #: Task tiles (block_m, block_n).
 TILES = ((64, 128), (64, 256), (128, 64), (128, 128), (128, 192), (128, 256), (256, 64),
          (256, 128))
@@ -150,9 +161,9 @@ class MosaicRaggedDot(Backend):
   def validate(self, p: RaggedDotProblem, config, hw: Hardware | None = None) -> None:
     if not isinstance(config, MosaicRaggedDotConfig):
       raise ValueError(f"config must be a MosaicRaggedDotConfig; got {config!r}")
-    if (config.block_m, config.block_n) not in TILES:
-      raise ValueError(f"the Mosaic GPU grouped GEMM runs the tiles {TILES}; got "
-                       f"{config.block_m}x{config.block_n}")
+    if (config.block_m, config.block_n) not in TILES + TRIPLE_TILES:
+      raise ValueError(f"the Mosaic GPU grouped GEMM runs the tiles {TILES + TRIPLE_TILES}; "
+                       f"got {config.block_m}x{config.block_n}")
     kernel.check_shapes(p.m, p.n, p.k, p.dtype, p.out_dtype, config)
     if hw is not None and self.smem_bytes(p, config) > hw.smem_per_block:
       raise ValueError(f"config {config} needs {self.smem_bytes(p, config)} bytes of shared "
@@ -216,6 +227,9 @@ class MosaicRaggedDot(Backend):
       deeper = hw.device_key.startswith(DEEPER_RING)
       c = MosaicRaggedDotConfig(block_m=128, block_n=256, num_stages=4 if deeper else 3,
                                 grid_minor=2)
+      triple = self._triple(p, hw)
+      if triple is not None:
+        return triple
     elif r > 64:
       c = MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4, grid_minor=2)
     elif r >= 56:  # measured at 64 (this wins) and 48-50 (64 x 256 wins by 1-6%)
@@ -238,6 +252,37 @@ class MosaicRaggedDot(Backend):
            and c.num_stages > 2):
       c = dataclasses.replace(c, num_stages=c.num_stages - 1)
     return c
+
+  def _triple(self, p: RaggedDotProblem, hw: Hardware) -> MosaicRaggedDotConfig | None:
+    """A 192-row tile (three 64-row consumer warpgroups, walked by expert)
+    where it beats the 128 x 256 rule by :data:`TRIPLE_MARGIN` in
+    wave-quantized tile work under a balanced router with its spread
+    (:func:`~wavetune_jax.families.ragged_dot.routing.expected_tasks_spread`):
+    the experts' rows fit one 192-row task where 128-row tiles need two.
+    On an H200 at 128 experts x 192 rows (K 2,048, N 1,536; uniform
+    routing) 192 x 192 ran 1.24x the 128 x 256 rule (0.940 of cuBLAS's
+    batched GEMM, against 0.756); where the two tilings take the same rows
+    (375 per expert) it ran 0.93-1.02x. Uniform routing at exactly 192
+    rows does not take it: a balanced router spills half the experts into
+    a second task. None elsewhere, off :data:`TRIPLE_GPUS`, and where the
+    whole output tile does not fit next to the ring."""
+    if not hw.device_key.startswith(TRIPLE_GPUS):
+      return None
+
+    def work(bm, bn):
+      items = expected_tasks_spread(p.m, p.g, bm) * _cdiv(p.n, bn)
+      return math.ceil(items / hw.num_sms) * bm * bn
+
+    base = work(128, 256)
+    best, best_work = None, math.inf
+    for (bm, bn), ns in zip(TRIPLE_TILES, (3, 4)):
+      c = MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, grid_minor=2)
+      if self.smem_bytes(p, c, 0) > hw.smem_per_block:
+        continue
+      w = work(bm, bn)
+      if w < best_work:
+        best, best_work = c, w
+    return best if best is not None and best_work * TRIPLE_MARGIN <= base else None
 
   def occupancy_bound(self, problem, config, hw: Hardware) -> int:
     return 1  # one persistent CTA per SM

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BALANCED", "SKEWED", "group_sizes", "expected_tasks"]
+__all__ = ["BALANCED", "SKEWED", "group_sizes", "expected_tasks", "expected_tasks_spread"]
 
 BALANCED = 0.0
 SKEWED = 2.0
@@ -36,3 +36,22 @@ def expected_tasks(m, g, block_m, align: int = 8):
   active = np.minimum(g, m)
   per = m / active
   return (active * np.ceil((per + align / 2) / block_m)).astype(np.int64)
+
+
+def expected_tasks_spread(m: int, g: int, block_m: int, align: int = 8) -> float:
+  """Row tasks of a balanced router with its spread: each of the ``min(g, m)``
+  active groups gets ``s ~ Binomial(m, 1 / g)`` rows (normal approximation),
+  starts ``align / 2`` rows past an aligned row, and takes ``ceil((s + align
+  / 2) / block_m)`` tasks. :func:`expected_tasks` counts every group at the
+  mean, which misses the groups that spill into one more task: half of them
+  where the mean fills a whole number of tasks."""
+  import math
+  active = min(g, m)
+  mean = m / active
+  sd = math.sqrt(max(m * (1 / g) * (1 - 1 / g), 1e-9))
+  # E[ceil(x / b)] = sum over j >= 0 of P(x > j b), for x = s + align / 2 > 0.
+  tasks, j = 1.0, 1
+  while j * block_m < mean + align / 2 + 8 * sd:
+    tasks += 0.5 * math.erfc((j * block_m - align / 2 - mean) / (sd * math.sqrt(2)))
+    j += 1
+  return active * tasks
