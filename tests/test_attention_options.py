@@ -490,3 +490,15 @@ def test_persistent_modes_check_has_cases_the_kernel_runs():
     assert kmod.smem_bytes(block_q=c.block_q, block_k=c.block_k, num_stages=c.num_stages,
                            head_dim=d, itemsize=2, persistent=True) <= kmod.SMEM_LIMIT, name
     assert b * h * -(-t // c.block_q) > ctas, name
+
+
+def test_persistent_modes_check_on_record_passed():
+  """docs/results.md: ``attention_persistent.py --modes`` on an H200, every
+  case right (relative error 2.0-2.2e-3)."""
+  path = os.path.join(os.path.dirname(__file__), "..", "data", "probes",
+                      "attention_persistent_modes_h200.txt")
+  with open(path) as f:
+    lines = [ln for ln in f if "CTAs" in ln]
+  assert len(lines) == 5 and all(ln.rstrip().endswith(" ok") for ln in lines)
+  errs = [float(ln.split("rel. error")[1].split()[0]) for ln in lines]
+  assert 2.0e-3 <= min(errs) and max(errs) < 2.25e-3

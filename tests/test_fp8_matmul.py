@@ -305,3 +305,20 @@ def test_table_picks_reproduces_the_docs(gpu):
   for fam, want in (("qmatmul", 12), ("qragged_dot", 1)):
     rows, n = mod.changed_picks(fam, gpu)
     assert (len(rows), n) == (want, 648), fam
+
+
+def test_qwen_weights_on_the_h200_match_the_docs():
+  """docs/results.md ("W8A8-FP8 on an H200"): the recorded run of
+  ``fp8_gemm.py --weights qwen2_5_1_5b.w13,qwen2_5_1_5b.w2 --m 2048 4096``
+  (three rows: the call's limit stopped it before w2 at 4,096)."""
+  rows = json.loads((DATA / "fp8_gemm_qwen_h200.json").read_text())["rows"]
+  got = {(r["weight"], r["m"]): (r["bf16_dot_us"], r["times"]["xla_fp8_nk"],
+                                 r["times"][r["best_mosaic"]]) for r in rows}
+  assert len(got) == 3
+  for key, (bf16, xla, mos, speed) in {
+      ("qwen2_5_1_5b.w13", 2048): (137.8, 136.2, 93.2, 1.48),
+      ("qwen2_5_1_5b.w13", 4096): (272.2, 268.0, 172.7, 1.58),
+      ("qwen2_5_1_5b.w2", 2048): (70.1, 44.6, 45.7, 1.53)}.items():
+    b, x, m = got[key]
+    assert (round(b, 1), round(x, 1), round(m, 1)) == (bf16, xla, mos)
+    assert round(b / m, 2) == speed

@@ -694,6 +694,24 @@ def test_ring_and_triple_runs_on_record_reproduce_the_docs(capsys):
   assert "ring run, 3 problems" in capsys.readouterr().out
 
 
+def test_ncu_profile_on_record_matches_the_docs():
+  """docs/results.md's ncu table ("The kernel's own ring ..."): duration and
+  tensor-pipe share of each recorded kernel."""
+  import pathlib
+  import re
+  text = (pathlib.Path(__file__).parent.parent / "data" / "probes" /
+          "ragged_dot_ncu_h200.txt").read_text()
+  got = {}
+  for block in text.split("=== ")[1:]:
+    name = block.split()[0]
+    dur = float(re.search(r"Duration\s+us\s+([\d.]+)", block).group(1))
+    tensor = float(re.search(r"sm__pipe_tensor_cycles_active\S*\s+%\s+([\d.]+)", block).group(1))
+    got[name] = (round(dur, 1), round(tensor, 1))
+  assert got == {"a_mos": (385.4, 84.4), "a_bat": (351.8, 92.0), "b_mos128": (310.9, 83.2),
+                 "b_mos64": (285.1, 66.2), "b_bat": (247.6, 73.6)}
+  assert "nvjet_sm90_tst_192x192_64x3_2x1" in text and "nvjet_sm90_tst_256x128_64x4_1x2" in text
+
+
 def test_efficiency_runs_on_record_reproduce_the_docs(capsys):
   """docs/results.md's grouped-GEMM-against-batched-GEMM numbers come from
   ``ragged_dot_efficiency.py --summarize`` on the committed H100 runs."""
