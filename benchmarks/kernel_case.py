@@ -60,7 +60,9 @@ def main(argv=None) -> int:
   ap.add_argument("--time", action="store_true", help="time every --m")
   ap.add_argument("--iterations", type=int, default=20)
   ap.add_argument("--config", default=None,
-                  help="block_n,num_stages,split_k for the nk cases (default: the rule's)")
+                  help="block_n,num_stages,split_k for the nk cases, "
+                       "block_m,block_n,num_stages,order for the rd cases (default: the "
+                       "rule's)")
   ap.add_argument("--calls", type=int, default=1, help="calls after the warm-up (default 1)")
   ap.add_argument("--groups", type=int, default=64, help="experts of the rd_ cases")
   ap.add_argument("--rows", type=int, default=512, help="rows per expert of the rd_ cases")
@@ -168,6 +170,9 @@ def grouped_case(a):
       import wavetune_jax as wt
       config = wt.RAGGED_DOT.backend("mosaic").heuristic(
           wt.RaggedDotProblem(m=g * r, g=g, k=k, n=n), wt.detect())
+      if config is None:
+        raise SystemExit(f"rd_mosaic: the rule runs no Mosaic config at G={g} r={r} K={k} "
+                         f"N={n} on this GPU (give --config)")
     print(f"{a.case}: G={g} r={r} K={k} N={n} {config}", file=sys.stderr)
     f = jax.jit(lambda x, w, s: rd.ragged_dot(x, w, s, config=config))
   return f, (x, w, sizes), ref

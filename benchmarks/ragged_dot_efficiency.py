@@ -21,15 +21,17 @@ candidate checked against the float32 reference first:
   column slice at a time through 2 or 1 slots with the shared memory freed
   given to deeper rings;
 * ``--mode ring``: order 2 on 128 x 256 (3 and 4 stages), 256 x 128 and
-  64 x 256 tiles with the chained pipeline, 128 x 256 (3 stages) also with
-  one TMA ring through all of a CTA's work items (``item_ring``), and the
+  64 x 256 tiles on Pallas's pipeline, 128 x 256 (3 stages) also with one
+  TMA ring through all of a CTA's work items (``item_ring``), and the
   192-row tiles (192 x 192, 192 x 128: three consumer warpgroups, on that
-  ring);
+  ring); with ``--ring-set pairs``, each of the four order-2 configs on
+  both;
 * ``--skew``: under a skewed router, the kernel against the batched GEMM
   padded to the largest group.
 
     python3 benchmarks/ragged_dot_efficiency.py [--set issue|suite|all|quick]
-        [--mode rule|orders|options|epilogue|ring] [--skew] [--json out.json]
+        [--mode rule|orders|options|epilogue|ring] [--ring-set tall|pairs] [--skew]
+        [--json out.json]
     python3 benchmarks/ragged_dot_efficiency.py --summarize out.json   # CPU
 
 ``--summarize`` reads a run's rows (no GPU) and prints, per problem, the
@@ -114,6 +116,9 @@ def main():
                        "order 2 with the output staged whole or a slice at a time "
                        "(out_slots), the freed shared memory given to deeper rings; "
                        "ring: order-2 configs with and without item_ring")
+  ap.add_argument("--ring-set", choices=("tall", "pairs"), default="tall",
+                  help="--mode ring's configs: tall (with the 192-row tiles) or pairs (every "
+                       "order-2 config with and without the ring)")
   ap.add_argument("--skew", action="store_true")
   ap.add_argument("--iterations", type=int, default=20)
   ap.add_argument("--only", default=None, help="comma-separated problem indices")
@@ -179,7 +184,7 @@ def main():
     fns = [batched, lax_op, wt_op]
     cands = (_rule_candidates(g, r, k, n, hw) if a.mode == "rule"
              else _epilogue_candidates(g, r, k, n, hw) if a.mode == "epilogue"
-             else _ring_candidates(g, r, k, n, hw) if a.mode == "ring"
+             else _ring_candidates(g, r, k, n, hw, a.ring_set) if a.mode == "ring"
              else _candidates(g, r, k, n, hw, a.mode))
     names += [_name(c, o) for c, o in cands]
     fns += [_mosaic(c, o) for c, o in cands]
@@ -318,17 +323,18 @@ def summarize(path: str) -> dict:
       res["best_sliced"] = tb / min(sliced) if sliced else math.nan
       res["sliced_over_e0"] = res["best_sliced"] / res["best_e0"]
     elif mode == "ring":
-      # The best config on the chained pipeline; the ring through the items
-      # over the same config without it (pairs); the best 192-row tile (on
-      # the ring) over the best of the others.
+      # The best config on Pallas's pipeline; the ring through the items
+      # over the same config on that pipeline (pairs, by whether that
+      # pipeline chains the items: K steps a multiple of the stages); the
+      # best 192-row tile (on the ring) over the best of the others.
       mos = {nm: us for nm, us in t.items() if nm.startswith("mosaic")}
       tall = [us for nm, us in mos.items() if nm.startswith("mosaic 192x")]
       other = [us for nm, us in mos.items() if not nm.startswith("mosaic 192x")]
-      res["best_chained"] = tb / min(us for nm, us in mos.items() if not nm.endswith(" r1"))
+      res["best_pipeline"] = tb / min(us for nm, us in mos.items() if not nm.endswith(" r1"))
       res["best_192"] = tb / min(tall) if tall else math.nan
       res["192_over_rest"] = res["best_192"] / (tb / min(other))
-      res["pairs"] = [mos[nm[:-3]] / us for nm, us in mos.items()
-                      if nm.endswith(" r1") and nm[:-3] in mos]
+      res["pairs"] = [(mos[nm[:-3]] / us, (k // 64) % _parse(nm)[0].num_stages == 0)
+                      for nm, us in mos.items() if nm.endswith(" r1") and nm[:-3] in mos]
     elif mode == "rule":
       old = old_rule(g, r, k, n)
       res["old_rule"] = tb / t[_name(old, Options())] if old else res["wt"]
@@ -362,10 +368,15 @@ def summarize(path: str) -> dict:
                                   else 1.0)
     out[(g, r, k, n)] = res
   if mode == "ring":
-    pairs = [x for res in out.values() for x in res.pop("pairs")]
-    print(f"item_ring over the same config without: {len(pairs)} pairs, {min(pairs):.3f}-"
-          f"{max(pairs):.3f}x, geomean {_geo(pairs):.3f}x")
-    out["ring_pairs"] = pairs
+    both = [x for res in out.values() for x in res.pop("pairs")]
+    for label, keep in (("", lambda c: True), (" (Pallas's pipeline chains)", lambda c: c),
+                        (" (it does not chain)", lambda c: not c)):
+      pairs = [x for x, c in both if keep(c)]
+      if pairs:
+        print(f"item_ring over the same config on Pallas's pipeline{label}: {len(pairs)} "
+              f"pairs, {min(pairs):.3f}-{max(pairs):.3f}x, geomean {_geo(pairs):.3f}x")
+    out["ring_pairs"] = [x for x, _ in both]
+    out["ring_pairs_chained"] = [x for x, c in both if c]
   if mode == "orders":
     pairs = [x for res in out.values() for x in res.pop("p1_over_p0")]
     print(f"order 2, pipelines chained over not: {len(pairs)} pairs, {min(pairs):.3f}-"
@@ -455,13 +466,18 @@ def _rule_candidates(g, r, k, n, hw):
   return [(c, Options()) for c in out]
 
 
-def _ring_candidates(g, r, k, n, hw):
-  """Order 2 on the tiles of 64 to 256 rows, with the chained pipeline and
-  (128 x 256, 3 stages) with one ring through the items (``item_ring``);
-  and the 192-row tiles of three consumer warpgroups (which run on that
-  ring)."""
-  tiles = [(128, 256, 3, 0), (128, 256, 3, 1), (128, 256, 4, 0), (64, 256, 4, 0),
-           (256, 128, 3, 0), (192, 192, 3, 1), (192, 128, 4, 1)]
+def _ring_candidates(g, r, k, n, hw, ring_set="tall"):
+  """``ring_set`` "pairs": order 2 on 128 x 256 (3 and 4 stages), 256 x 128
+  and 64 x 256 tiles, each on Pallas's pipeline and with one ring through
+  the items (``item_ring``); "tall": those on Pallas's pipeline, 128 x 256
+  (3 stages) also on the ring, and the 192-row tiles of three consumer
+  warpgroups (which run on that ring)."""
+  if ring_set == "pairs":
+    tiles = [(bm, bn, ns, ring) for bm, bn, ns in ((128, 256, 3), (128, 256, 4), (256, 128, 3),
+                                                  (64, 256, 4)) for ring in (0, 1)]
+  else:
+    tiles = [(128, 256, 3, 0), (128, 256, 3, 1), (128, 256, 4, 0), (64, 256, 4, 0),
+             (256, 128, 3, 0), (192, 192, 3, 1), (192, 128, 4, 1)]
   out = []
   for bm, bn, ns, ring in tiles:
     if bm > max(64, 2 ** math.ceil(math.log2(r))):

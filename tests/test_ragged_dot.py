@@ -620,6 +620,17 @@ def test_triple_tiles_rule():
                          (5600, 40, 512, 1536, 128)):
     c = RAGGED_DOT.heuristic(RaggedDotProblem(m=m, g=g, k=k, n=n), h200)
     assert (c.block_m, c.block_n) == (192, bn), (m, g, k, n)
+  # Not where 192-row tiles take two tasks an expert too (Mixtral's w2 at
+  # 360 rows, 16 experts at 240), nor at a mean of exactly 192 rows (above);
+  # one expert of 190 rows fits one task exactly.
+  for m, g, k, n in ((8 * 360, 8, 14336, 4096), (16 * 240, 16, 4096, 1024)):
+    assert RAGGED_DOT.heuristic(RaggedDotProblem(m=m, g=g, k=k, n=n), h200).block_m != 192
+  assert RAGGED_DOT.heuristic(RaggedDotProblem(m=190, g=1, k=4096, n=4096), h200).block_m == 192
+  assert routing.expected_tasks_spread(190, 1, 192) == 1
+  assert routing.expected_tasks_spread(256, 1, 128) == 2
+  # The exact device key: an H200 NVL, never measured, keeps 128 x 256.
+  nvl = dataclasses.replace(h200, name="NVIDIA H200 NVL", device_key="nvidia_h200_nvl")
+  assert RAGGED_DOT.heuristic(RaggedDotProblem(m=128 * 160, **shape), nvl).block_m == 128
   # The sweeps' problems never fall in the band, so their tables' scores
   # do not move.
   for m in (16, 64, 256, 1024, 4096):
@@ -686,13 +697,17 @@ def test_ring_and_triple_runs_on_record_reproduce_the_docs(capsys):
   root = pathlib.Path(__file__).parent.parent / "data" / "probes"
   mod = _load_benchmark("ragged_dot_efficiency")
   ring = mod.summarize(str(root / "ragged_dot_item_ring_h200.json"))
-  pairs = ring.pop("ring_pairs")
+  pairs, chained = ring.pop("ring_pairs"), ring.pop("ring_pairs_chained")
   assert len(ring) == 11 and len(pairs) == 40
   assert mod._geo(pairs) == pytest.approx(1.006, abs=5e-4)
   assert min(pairs) == pytest.approx(0.978, abs=5e-4) and max(pairs) == pytest.approx(1.056,
                                                                                       abs=5e-4)
+  assert len(chained) == 23 and mod._geo(chained) == pytest.approx(0.998, abs=5e-4)
+  out = capsys.readouterr().out
+  assert "it does not chain): 17 pairs, 0.981-1.056x, geomean 1.018x" in out
   triple = mod.summarize(str(root / "ragged_dot_triple_h200.json"))
   triple.pop("ring_pairs")
+  triple.pop("ring_pairs_chained")
   first = triple[(128, 192, 2048, 1536)]
   assert first["best_192"] == pytest.approx(0.940, abs=5e-4)
   assert first["wt"] == pytest.approx(0.743, abs=5e-4)

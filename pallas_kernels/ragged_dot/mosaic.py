@@ -38,7 +38,8 @@ ring, two consumer warpgroups running wgmma). What makes it grouped:
 * **its own ring** (``MosaicRaggedDotOptions.item_ring``): one TMA ring and
   its barriers through all of a CTA's work items, slots counted across
   them; it also runs **192-row tiles** of three 64-row consumer warpgroups
-  (``block_m=192``), which hold an expert of up to 192 rows in one task.
+  (``block_m=192``), which hold an expert's rows in one task where they fit
+  (192 rows from an aligned start, 185 from any).
 
 Inputs bfloat16 or float16, fp32 accumulation, output bfloat16, float16 or
 float32. ``K`` and ``N`` multiples of 64 (TMA tiling of global memory). TMA
@@ -300,8 +301,8 @@ def check_shapes(m: int, n: int, k: int, dtype, out_dtype, config) -> None:
   """Raises ``ValueError`` unless the kernel runs ``[m, k] x [G, k, n]``
   (any ``m``: rows are padded to a multiple of 8 for the loads)."""
   gemm.check_shapes(_round8(m), n, k, dtype, out_dtype, gemm.MosaicMatmulConfig(
-      block_m=128 if config.block_m == TRIPLE_M else config.block_m, block_n=config.block_n, num_stages=config.num_stages,
-      split_k=config.split_k))
+      block_m=128 if config.block_m == TRIPLE_M else config.block_m, block_n=config.block_n,
+      num_stages=config.num_stages, split_k=config.split_k))
 
 
 def _round8(m: int) -> int:

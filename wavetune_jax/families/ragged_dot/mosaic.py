@@ -25,13 +25,17 @@ __all__ = ["MosaicRaggedDot", "MosaicRaggedDotConfig"]
 #: Tiles of three 64-row consumer warpgroups (the kernel's own ring): the
 #: rule's, outside the swept space (TRIPLE_GPUS).
 TRIPLE_TILES = ((192, 192), (192, 128))
-#: GPUs (``device_key`` prefixes) whose rule takes a 192-row tile where a
+#: GPUs (exact ``device_key``) whose rule takes a 192-row tile where a
 #: balanced router's experts fit one task of it and the 128-row tiles need
 #: two (measured on an H200 only, docs/results.md).
-TRIPLE_GPUS = ("nvidia_h200",)
+TRIPLE_GPUS = frozenset({"nvidia_h200"})
 #: The gain in wave-quantized tile work (the waves of the work items times
 #: the tile's area) a 192-row tile needs over the 128 x 256 rule.
 TRIPLE_MARGIN = 1.15
+#: At most this share of the experts may spill into a second 192-row task ...
+TRIPLE_SPILL = 0.1
+#: ... and 128-row tiles must take at least this many tasks an expert.
+TRIPLE_SPLIT = 1.5
 #: Task tiles (block_m, block_n).
 TILES = ((64, 128), (64, 256), (128, 64), (128, 128), (128, 192), (128, 256), (256, 64),
          (256, 128))
@@ -255,18 +259,25 @@ class MosaicRaggedDot(Backend):
 
   def _triple(self, p: RaggedDotProblem, hw: Hardware) -> MosaicRaggedDotConfig | None:
     """A 192-row tile (three 64-row consumer warpgroups, walked by expert)
-    where it beats the 128 x 256 rule by :data:`TRIPLE_MARGIN` in
-    wave-quantized tile work under a balanced router with its spread
-    (:func:`~wavetune_jax.families.ragged_dot.routing.expected_tasks_spread`):
-    the experts' rows fit one 192-row task where 128-row tiles need two.
+    where, under a balanced router with its spread
+    (:func:`~wavetune_jax.families.ragged_dot.routing.expected_tasks_spread`),
+    an expert's rows fit one 192-row task (at most
+    :data:`TRIPLE_SPILL` of the experts take a second) while 128-row tiles
+    take two (at least :data:`TRIPLE_SPLIT` tasks an expert), and the
+    wave-quantized tile work (the waves of the work items times the tile's
+    area) is :data:`TRIPLE_MARGIN` times smaller than the 128 x 256 rule's.
     On an H200 at 128 experts x 192 rows (K 2,048, N 1,536; uniform
-    routing) 192 x 192 ran 1.24x the 128 x 256 rule (0.940 of cuBLAS's
-    batched GEMM, against 0.756); where the two tilings take the same rows
-    (375 per expert) it ran 0.93-1.02x. Uniform routing at exactly 192
-    rows does not take it: a balanced router spills half the experts into
-    a second task. None elsewhere, off :data:`TRIPLE_GPUS`, and where the
-    whole output tile does not fit next to the ring."""
-    if not hw.device_key.startswith(TRIPLE_GPUS):
+    routing) 192 x 192 ran 1.24x the 128 x 256 rule's config (0.940 of
+    cuBLAS's batched GEMM, against 0.756); where the two tilings take the
+    same rows (375 per expert) it ran 0.93-1.02x. At a mean of exactly 192
+    rows most experts of a balanced router spill into a second task, so
+    the rule keeps 128 x 256 there. None off :data:`TRIPLE_GPUS` and where
+    the whole output tile does not fit next to the ring."""
+    if hw.device_key not in TRIPLE_GPUS:
+      return None
+    active = min(p.g, p.m)
+    if (expected_tasks_spread(p.m, p.g, 192) > (1 + TRIPLE_SPILL) * active
+            or expected_tasks_spread(p.m, p.g, 128) < TRIPLE_SPLIT * active):
       return None
 
     def work(bm, bn):

@@ -40,18 +40,21 @@ def expected_tasks(m, g, block_m, align: int = 8):
 
 def expected_tasks_spread(m: int, g: int, block_m: int, align: int = 8) -> float:
   """Row tasks of a balanced router with its spread: each of the ``min(g, m)``
-  active groups gets ``s ~ Binomial(m, 1 / g)`` rows (normal approximation),
-  starts ``align / 2`` rows past an aligned row, and takes ``ceil((s + align
-  / 2) / block_m)`` tasks. :func:`expected_tasks` counts every group at the
-  mean, which misses the groups that spill into one more task: half of them
-  where the mean fills a whole number of tasks."""
+  active groups gets ``s ~ Binomial(m, 1 / g)`` rows (normal approximation)
+  and takes ``ceil((s + o) / block_m)`` tasks, ``o`` its first row's offset
+  past an aligned row (0 for the first group, ``align / 2`` on average for
+  the others). :func:`expected_tasks` counts every group at the mean, which
+  misses the groups that spill into one more task."""
   import math
   active = min(g, m)
   mean = m / active
-  sd = math.sqrt(max(m * (1 / g) * (1 - 1 / g), 1e-9))
-  # E[ceil(x / b)] = sum over j >= 0 of P(x > j b), for x = s + align / 2 > 0.
+  offset = align / 2 * (active - 1) / active
+  sd = math.sqrt(m * (1 / g) * (1 - 1 / g))
+  if sd < 1e-6:  # one group: its size is m
+    return active * math.ceil((mean + offset) / block_m)
+  # E[ceil(x / b)] = sum over j >= 0 of P(x > j b), for x = s + o > 0.
   tasks, j = 1.0, 1
-  while j * block_m < mean + align / 2 + 8 * sd:
-    tasks += 0.5 * math.erfc((j * block_m - align / 2 - mean) / (sd * math.sqrt(2)))
+  while j * block_m < mean + offset + 8 * sd:
+    tasks += 0.5 * math.erfc((j * block_m - offset - mean) / (sd * math.sqrt(2)))
     j += 1
   return active * tasks
