@@ -101,12 +101,14 @@ def item_grid(items: int, ctas: int) -> int:
   return min(items, ctas) if ctas else items
 
 
-def local_items(cta, items: int, grid_ctas: int):
-  """How many of the ``items`` CTA ``cta`` (traced) of ``grid_ctas`` takes
-  (items cta, cta + grid_ctas, ... below ``items``)."""
+def local_items(cta, items, grid_ctas: int):
+  """How many of the ``items`` (an int or a traced int32) CTA ``cta``
+  (traced) of ``grid_ctas`` takes (items cta, cta + grid_ctas, ... below
+  ``items``; none where ``items <= cta``)."""
   import jax.numpy as jnp
   from jax import lax
-  return lax.div(jnp.int32(items - 1) - cta, jnp.int32(grid_ctas)) + 1
+  return lax.div(jnp.maximum(jnp.int32(items) - cta, 0) + (grid_ctas - 1),
+                 jnp.int32(grid_ctas))
 
 
 # --- inside jax.shard_map ---------------------------------------------------------

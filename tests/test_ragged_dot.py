@@ -1007,3 +1007,13 @@ def test_stream_k_run_on_record_reproduces_the_docs():
   assert len(gains) == 6
   assert min(gains) == pytest.approx(0.494, abs=5e-4) and max(gains) == pytest.approx(0.953, abs=5e-4)
   assert mosaic_kernel.stream_k_plan(336, 132, 224)[0] == 132  # Mixtral w2: 2.55 waves
+
+
+def test_local_items_splits_items_over_ctas():
+  """``pallas_kernels._launch.local_items``: CTA c takes items c, c + C, ...;
+  none where the (traced) item count is at most c, as the grouped GEMM's
+  ring has when its run-time tasks are fewer than its CTAs."""
+  from pallas_kernels._launch import local_items
+  for items, ctas in ((10, 3), (132, 132), (1000, 132), (5, 7), (0, 4)):
+    got = [int(local_items(jnp.int32(c), jnp.int32(items), ctas)) for c in range(ctas)]
+    assert got == [len(range(c, items, ctas)) for c in range(ctas)], (items, ctas)

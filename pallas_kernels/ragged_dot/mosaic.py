@@ -58,7 +58,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import SMEM_LIMIT, check_ints, match_varying, out_struct
+from pallas_kernels._launch import (SMEM_LIMIT, check_ints, local_items, match_varying,
+                                    out_struct)
 from pallas_kernels.matmul import mosaic as gemm
 from pallas_kernels.ragged_dot import worklist
 
@@ -620,7 +621,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
       per_split = count * tiles_n
       # Items cta, cta + ctas, ... below the count (none where the count is
       # below the CTAs).
-      n_local = lax.div(jnp.maximum(per_split * sk - cta, 0) + (ctas - 1), jnp.int32(ctas))
+      n_local = local_items(cta, per_split * sk, ctas)
       stages_ = jnp.int32(stages)
 
       def item(i):
