@@ -26,11 +26,14 @@ candidate checked against the float32 reference first:
   192-row tiles (192 x 192, 192 x 128: three consumer warpgroups, on that
   ring); with ``--ring-set pairs``, each of the four order-2 configs on
   both;
+* ``--mode pingpong``: the two consumer warpgroups taking alternate work
+  items, a whole 128 x 128 or 64 x 256 tile each (``pingpong``), against
+  the same tiles split between them and the 128 x 256 tiles of the tables;
 * ``--skew``: under a skewed router, the kernel against the batched GEMM
   padded to the largest group.
 
     python3 benchmarks/ragged_dot_efficiency.py [--set issue|suite|all|quick]
-        [--mode rule|orders|options|epilogue|ring] [--ring-set tall|pairs] [--skew]
+        [--mode rule|orders|options|epilogue|ring|pingpong] [--ring-set tall|pairs] [--skew]
         [--json out.json]
     python3 benchmarks/ragged_dot_efficiency.py --summarize out.json   # CPU
 
@@ -39,7 +42,9 @@ batched GEMM's TFLOP/s, the speed over it of the rule's config before and
 after order 2 (``rule`` runs) or of the best config of each order
 (``orders`` runs) or with and without each option (``options`` runs) or
 the best sliced staging over the best whole one (``epilogue`` runs) or
-each config with ``item_ring`` over the same without (``ring`` runs), the
+each config with ``item_ring`` over the same without (``ring`` runs) or
+the best ping-pong config over the best other and each over the same
+tile split between the warpgroups (``pingpong`` runs), the
 work list's share of the op's time, and under ``--skew`` each config
 against the padded batched GEMM.
 """
@@ -107,7 +112,8 @@ def problem_stats(g, r, k, n, c: Config, cm: int, hbm: float):
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--set", choices=tuple(SETS), default="issue")
-  ap.add_argument("--mode", choices=("rule", "orders", "options", "epilogue", "ring"),
+  ap.add_argument("--mode", choices=("rule", "orders", "options", "epilogue", "ring",
+                                     "pingpong"),
                   default="rule",
                   help="rule: the Hopper rule's config before and after order 2, and "
                        "the three orders on its tile; orders: tiles x work orders (0, 1, "
@@ -115,7 +121,8 @@ def main():
                        "wgmma delay and fixed task bands on the best two; epilogue: "
                        "order 2 with the output staged whole or a slice at a time "
                        "(out_slots), the freed shared memory given to deeper rings; "
-                       "ring: order-2 configs with and without item_ring")
+                       "ring: order-2 configs with and without item_ring; pingpong: "
+                       "whole tiles per consumer warpgroup, alternate items")
   ap.add_argument("--ring-set", choices=("tall", "pairs"), default="tall",
                   help="--mode ring's configs: tall (with the 192-row tiles) or pairs (every "
                        "order-2 config with and without the ring)")
@@ -185,6 +192,7 @@ def main():
     cands = (_rule_candidates(g, r, k, n, hw) if a.mode == "rule"
              else _epilogue_candidates(g, r, k, n, hw) if a.mode == "epilogue"
              else _ring_candidates(g, r, k, n, hw, a.ring_set) if a.mode == "ring"
+             else _pingpong_candidates(r, hw) if a.mode == "pingpong"
              else _candidates(g, r, k, n, hw, a.mode))
     names += [_name(c, o) for c, o in cands]
     fns += [_mosaic(c, o) for c, o in cands]
@@ -335,6 +343,17 @@ def summarize(path: str) -> dict:
       res["192_over_rest"] = res["best_192"] / (tb / min(other))
       res["pairs"] = [(mos[nm[:-3]] / us, (k // 64) % _parse(nm)[0].num_stages == 0)
                       for nm, us in mos.items() if nm.endswith(" r1") and nm[:-3] in mos]
+    elif mode == "pingpong":
+      # The best ping-pong config, the best other, and each ping-pong
+      # config over the same tile split between the warpgroups.
+      mos = {nm: us for nm, us in t.items() if nm.startswith("mosaic")}
+      pp = [us for nm, us in mos.items() if nm.endswith(" pp")]
+      other = [us for nm, us in mos.items() if not nm.endswith(" pp")]
+      res["best_other"] = tb / min(other) if other else math.nan
+      res["best_pingpong"] = tb / min(pp) if pp else math.nan
+      res["pp_over_rest"] = res["best_pingpong"] / res["best_other"]
+      res["pairs"] = [(mos[nm[:-3]] / us, True) for nm, us in mos.items()
+                      if nm.endswith(" pp") and nm[:-3] in mos]
     elif mode == "rule":
       old = old_rule(g, r, k, n)
       res["old_rule"] = tb / t[_name(old, Options())] if old else res["wt"]
@@ -367,6 +386,12 @@ def summarize(path: str) -> dict:
         res["skew_new_vs_old"] = (sk[_name(old, Options())]["us"] / sk["wt"]["us"] if old
                                   else 1.0)
     out[(g, r, k, n)] = res
+  if mode == "pingpong":
+    pairs = [x for res in out.values() for x, _ in res.pop("pairs")]
+    if pairs:
+      print(f"ping-pong over the same tile split between the warpgroups: {len(pairs)} pairs, "
+            f"{min(pairs):.3f}-{max(pairs):.3f}x, geomean {_geo(pairs):.3f}x")
+    out["pingpong_pairs"] = pairs
   if mode == "ring":
     both = [x for res in out.values() for x in res.pop("pairs")]
     for label, keep in (("", lambda c: True), (" (Pallas's pipeline chains)", lambda c: c),
@@ -397,10 +422,10 @@ def summarize(path: str) -> dict:
   return out
 
 
-def _fits(c: Config, hw, out_slots: int = -1) -> bool:
+def _fits(c: Config, hw, out_slots: int = -1, pingpong: bool = False) -> bool:
   return kernel.smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
-                           itemsize=2, out_itemsize=2,
-                           out_slots=out_slots) <= hw.smem_per_block
+                           itemsize=2, out_itemsize=2, out_slots=out_slots,
+                           pingpong=pingpong) <= hw.smem_per_block
 
 
 def _epilogue_candidates(g, r, k, n, hw):
@@ -488,6 +513,26 @@ def _ring_candidates(g, r, k, n, hw, ring_set="tall"):
   return out
 
 
+def _pingpong_candidates(r, hw):
+  """Order 2 on 128 x 256 (the tables' tile, Pallas's pipeline); 128 x 128
+  (4 stages, orders 1 and 2) and 64 x 256 (4 stages, order 2), each split
+  between the consumer warpgroups (Pallas's pipeline) and ping-pong (a
+  whole tile a warpgroup, on the kernel's ring); 128 x 128 ping-pong with 5
+  stages."""
+  out = []
+  for bm, bn, ns, gm, pp in ((128, 256, 3, 2, 0),
+                             (128, 128, 4, 2, 0), (128, 128, 4, 2, 1),
+                             (128, 128, 4, 1, 0), (128, 128, 4, 1, 1),
+                             (64, 256, 4, 2, 0), (64, 256, 4, 2, 1),
+                             (128, 128, 5, 2, 1)):
+    if bm > max(64, 2 ** math.ceil(math.log2(r))):
+      continue
+    c = Config(block_m=bm, block_n=bn, num_stages=ns, grid_minor=gm)
+    if _fits(c, hw, pingpong=bool(pp)):
+      out.append((c, Options(pingpong=pp)))
+  return out
+
+
 def _options_on(top):
   """Clusters, wgmma delay and fixed task bands on the configs named in ``top``."""
   opt = []
@@ -512,12 +557,13 @@ def _name(c: Config, o: Options) -> str:
   return (f"mosaic {c.block_m}x{c.block_n} s{c.num_stages} k{c.split_k} o{c.grid_minor} "
           f"cl{o.cluster_m} d{o.delay_release} b{o.task_band} p{o.pipeline_tiles}"
           + (f" e{o.out_slots}" if o.out_slots > 0 else "")
-          + (" r1" if o.item_ring else ""))
+          + (" pp" if o.pingpong else " r1" if o.item_ring else ""))
 
 
 def _parse(name: str):
   p = name.split()
-  ring = p[-1] == "r1"
+  pp = p[-1] == "pp"
+  ring = p[-1] in ("r1", "pp")
   if ring:
     p = p[:-1]
   bm, bn = (int(v) for v in p[1].split("x"))
@@ -525,7 +571,7 @@ def _parse(name: str):
              grid_minor=int(p[4][1:]))
   o = Options(cluster_m=int(p[5][2:]), delay_release=int(p[6][1:]), task_band=int(p[7][1:]),
               pipeline_tiles=int(p[8][1:]), out_slots=int(p[9][1:]) if len(p) > 9 else -1,
-              item_ring=int(ring))
+              item_ring=int(ring), pingpong=int(pp))
   # (A name without an "e" runs the kernel's default staging: the whole tile
   # where it fits, as every config of the runs recorded before slices did.)
   return c, o

@@ -59,13 +59,15 @@ def problem(weights: dict, name: str, tokens: int) -> RaggedDotProblem:
   return RaggedDotProblem(m=tokens * w["top_k"], g=w["E"], k=w["K"], n=w["N"])
 
 
-def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool = False) -> int:
+def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool = False,
+                pingpong: bool = False) -> int:
   """Mosaic configs on ragged edge cases (those whose name holds ``only``,
   if given; the configs of at least ``stages_from`` stages), row by row;
   returns the failures. ``item_ring``: the 192-row tiles and the order-2
   configs (of at least ``stages_from`` stages) with one ring through a
   CTA's work items instead, on the full grid and on a grid of 7 CTAs (many
-  items each)."""
+  items each); ``pingpong``: the ping-pong schedule (a whole tile per
+  consumer warpgroup, alternate items) likewise."""
   fam = RAGGED_DOT
   configs = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
                                    grid_minor=gm)
@@ -93,12 +95,22 @@ def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool =
     runs = {f"{c.block_m}x{c.block_n}/s{c.num_stages}/k{c.split_k}/o{c.grid_minor}/ring/"
             f"{sms or 'all'}": functools.partial(_build_ring, c, sms)
             for c in ring for sms in (None, 7)}
+  if pingpong:
+    # Whole tiles of 128 x 128 and 64 x 256 a warpgroup, orders 1, 2 and 0,
+    # split-K, and a ring deeper than the K steps.
+    pp = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
+                                grid_minor=gm)
+          for bm, bn, ns, sk, gm in [(128, 128, 4, 1, 1), (64, 256, 4, 1, 2),
+                                     (128, 128, 3, 2, 0), (64, 128, 5, 1, 1)]]
+    runs = {f"{c.block_m}x{c.block_n}/s{c.num_stages}/k{c.split_k}/o{c.grid_minor}/pp/"
+            f"{sms or 'all'}": functools.partial(_build_ring, c, sms, pingpong=1)
+            for c in pp for sms in (None, 7)}
   return check_cases(runs, only, "Mosaic configs")
 
 
-def _build_ring(c, num_sms, p, lhs, rhs, gs):
+def _build_ring(c, num_sms, p, lhs, rhs, gs, pingpong=0):
   from pallas_kernels.ragged_dot import mosaic as kernel
-  o = kernel.MosaicRaggedDotOptions(item_ring=1)
+  o = kernel.MosaicRaggedDotOptions(item_ring=1, pingpong=pingpong)
   return jax.jit(lambda a, b, s: kernel.ragged_dot(a, b, s, config=c, options=o,
                                                    num_sms=num_sms))(lhs, rhs, gs)
 
@@ -234,6 +246,9 @@ def main():
   ap.add_argument("--check-item-ring", action="store_true",
                   help="--check runs the 192-row tiles and the order-2 configs with "
                        "item_ring=1 instead (all SMs, and 7 CTAs)")
+  ap.add_argument("--check-pingpong", action="store_true",
+                  help="--check runs ping-pong configs (pingpong=1: a whole tile per "
+                       "consumer warpgroup) instead (all SMs, and 7 CTAs)")
   ap.add_argument("--set", choices=("quick", "none"), default="quick")
   ap.add_argument("--skew", action="store_true", help="also a skewed router (see doc)")
   ap.add_argument("--iterations", type=int, default=10)
@@ -249,7 +264,8 @@ def main():
   fam = RAGGED_DOT
   out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": [], "skew": []}
   if a.check:
-    out["edge_failures"] = check_edges(a.check_only, a.check_stages_from, a.check_item_ring)
+    out["edge_failures"] = check_edges(a.check_only, a.check_stages_from, a.check_item_ring,
+                                       a.check_pingpong)
   prof = profiler.Profiler(iterations=a.iterations)
   mosaic, triton, xla = (fam.backend(n) for n in ("mosaic", "triton", "xla"))
 

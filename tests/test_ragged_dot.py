@@ -663,6 +663,12 @@ def test_expected_tasks_spread_matches_a_simulated_router():
     (5, 8, 256, 512, dict(block_m=192, block_n=192, num_stages=3, grid_minor=1), {}),
     (8192, 64, 1024, 2048, dict(block_m=128, block_n=256, num_stages=3, grid_minor=2),
      dict(item_ring=1)),
+    (8192, 64, 1024, 2048, dict(block_m=128, block_n=128, num_stages=5, grid_minor=2),
+     dict(pingpong=1)),
+    (1554, 8, 256, 512, dict(block_m=64, block_n=256, num_stages=4, split_k=2, grid_minor=0),
+     dict(pingpong=1)),
+    (5, 8, 256, 512, dict(block_m=64, block_n=128, num_stages=3, grid_minor=1),
+     dict(pingpong=1)),
 ])
 def test_ring_and_triple_tiles_lower_for_cuda(m, g, k, n, config, options):
   """The kernel's own ring (``item_ring``) and the 192-row tiles lower to
@@ -680,6 +686,21 @@ def test_ring_and_triple_tiles_lower_for_cuda(m, g, k, n, config, options):
 def test_ring_options_are_checked():
   with pytest.raises(ValueError, match="item_ring=1 needs cluster_m=1"):
     mosaic_kernel.MosaicRaggedDotOptions(item_ring=1, delay_release=1)
+  with pytest.raises(ValueError, match="pingpong=1 .on item_ring. needs cluster_m=1"):
+    mosaic_kernel.MosaicRaggedDotOptions(pingpong=1, cluster_m=2)
+  with pytest.raises(ValueError, match="pingpong=.* must be 0 or 1"):
+    mosaic_kernel.MosaicRaggedDotOptions(pingpong=3)
+  assert mosaic_kernel.MosaicRaggedDotOptions(pingpong=1).item_ring == 1
+  x0, w0, g0 = jnp.zeros((64, 64), jnp.bfloat16), jnp.zeros((2, 64, 256), jnp.bfloat16), \
+      jnp.ones((2,), jnp.int32)
+  for bm, bn in ((128, 256), (192, 128)):
+    with pytest.raises(ValueError, match="pingpong=1 runs a whole tile per consumer"):
+      mosaic_kernel.ragged_dot(
+          x0, w0, g0, num_sms=132, options=mosaic_kernel.MosaicRaggedDotOptions(pingpong=1),
+          config=mosaic_kernel.MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=3))
+  # Each warpgroup stages its whole tile.
+  assert mosaic_kernel.out_staging(128, 128, 2, 0, pingpong=True) == \
+      2 * mosaic_kernel.out_staging(128, 128, 2, 0)
   with pytest.raises(ValueError, match="item_ring=.* must be 0 or 1"):
     mosaic_kernel.MosaicRaggedDotOptions(item_ring=2)
   c = mosaic_kernel.MosaicRaggedDotConfig(block_m=192, block_n=192, num_stages=3, grid_minor=2)

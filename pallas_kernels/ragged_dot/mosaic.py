@@ -189,6 +189,12 @@ class MosaicRaggedDotOptions:
       ring to drain between items). Needs ``cluster_m`` 1,
       ``delay_release`` 0, ``pipeline_tiles`` 0, ``skip_idle`` 0,
       ``stream_k`` 0 and ``traced_steps`` 0.
+    pingpong: 1 runs that ring with the two consumer warpgroups taking
+      alternate work items, each a whole ``block_m x block_n`` tile (at
+      most 128 x 128 or 64 x 256: one warpgroup's accumulator), keeping
+      one wgmma in flight: one warpgroup stores its tile while the other
+      runs its MMAs, so the tensor cores do not idle through the
+      epilogue. Sets ``item_ring`` (with its conditions).
   """
 
   cluster_m: int = 1
@@ -200,6 +206,7 @@ class MosaicRaggedDotOptions:
   stream_k: int = 0
   traced_steps: int = 0
   item_ring: int = 0
+  pingpong: int = 0
 
   def __post_init__(self):
     check_ints(self)
@@ -234,6 +241,15 @@ class MosaicRaggedDotOptions:
       raise ValueError("MosaicRaggedDotOptions: item_ring=1 needs cluster_m=1, "
                        "delay_release=0, pipeline_tiles=0, skip_idle=0, stream_k=0 and "
                        "traced_steps=0")
+    if self.pingpong not in (0, 1):
+      raise ValueError(f"MosaicRaggedDotOptions.pingpong={self.pingpong} must be 0 or 1")
+    if self.pingpong and not self.item_ring:
+      # The ping-pong schedule runs on the kernel's own ring.
+      object.__setattr__(self, "item_ring", 1)
+      try:
+        self.__post_init__()
+      except ValueError as e:
+        raise ValueError(str(e).replace("item_ring=1", "pingpong=1 (on item_ring)")) from None
     if self.out_slots < -1:
       raise ValueError(f"MosaicRaggedDotOptions.out_slots={self.out_slots} must be >= -1 "
                        f"(-1: by the shared memory left, 0: the whole tile, s: s slots)")
@@ -243,19 +259,22 @@ DEFAULT_OPTIONS = MosaicRaggedDotOptions()
 
 
 def smem_bytes(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
-               out_itemsize: int, out_slots: int = -1) -> int:
+               out_itemsize: int, out_slots: int = -1, pingpong: bool = False) -> int:
   """Shared memory of one CTA: the operand ring and the output staging (the
   whole tile, or ``out_slots`` column slices per consumer warpgroup; -1:
-  :func:`staging_slots`)."""
+  :func:`staging_slots`). ``pingpong``: each consumer warpgroup stages a
+  whole ``block_m x block_n`` tile (``MosaicRaggedDotOptions.pingpong``)."""
   ring = num_stages * (block_m + block_n) * BLOCK_K * itemsize
   if out_slots == -1:
     out_slots = staging_slots(block_m=block_m, block_n=block_n, num_stages=num_stages,
-                              itemsize=itemsize, out_itemsize=out_itemsize)
-  return ring + out_staging(block_m, block_n, out_itemsize, out_slots) + _BARRIER_BYTES
+                              itemsize=itemsize, out_itemsize=out_itemsize,
+                              pingpong=pingpong)
+  return (ring + out_staging(block_m, block_n, out_itemsize, out_slots, pingpong=pingpong)
+          + _BARRIER_BYTES)
 
 
 def staging_slots(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
-                  out_itemsize: int) -> int:
+                  out_itemsize: int, pingpong: bool = False) -> int:
   """The output staging a config runs with by default: 0 (the whole tile)
   where it fits next to the operand ring in :data:`SMEM_LIMIT`, else 2
   slots, else 1. Staged a slice at a time, 128 x 256 tiles take a ring of 4
@@ -264,19 +283,21 @@ def staging_slots(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
   whole tile."""
   ring = num_stages * (block_m + block_n) * BLOCK_K * itemsize + _BARRIER_BYTES
   for slots in (0, 2, 1):
-    if ring + out_staging(block_m, block_n, out_itemsize, slots) <= SMEM_LIMIT:
+    if ring + out_staging(block_m, block_n, out_itemsize, slots,
+                          pingpong=pingpong) <= SMEM_LIMIT:
       return slots
   return 1
 
 
-def out_staging(block_m: int, block_n: int, out_itemsize: int, out_slots: int = 0) -> int:
+def out_staging(block_m: int, block_n: int, out_itemsize: int, out_slots: int = 0, *,
+                pingpong: bool = False) -> int:
   """Bytes of shared memory that stage the output tile for its stores
   (``out_slots`` 0: the whole tile; ``s >= 1``: ``s`` column slices per
   consumer warpgroup; -1 is resolved by :func:`smem_bytes`)."""
   if out_slots < 0:
     raise ValueError(f"out_staging needs out_slots >= 0 (resolve -1 with staging_slots); "
                      f"got {out_slots}")
-  wm, wn = wg_tile(block_m, block_n)
+  wm, wn = wg_tile(block_m, block_n, pingpong)
   slices = _out_slices(wn, out_itemsize)
   return (consumers(block_m) * min(slices, out_slots or slices) * wm * (wn // slices)
           * out_itemsize)
@@ -287,9 +308,17 @@ def consumers(block_m: int) -> int:
   return 3 if block_m == TRIPLE_M else 2
 
 
-def wg_tile(block_m: int, block_n: int) -> tuple[int, int]:
-  """One consumer warpgroup's tile: 64 rows of a 192-row tile, else the
-  GEMM's split (:func:`pallas_kernels.matmul.mosaic.wg_tile`)."""
+#: ``MosaicRaggedDotOptions.pingpong``: one warpgroup's accumulator holds at
+#: most this many fp32 values (128 registers a thread).
+PINGPONG_ELEMS = 128 * 128
+
+
+def wg_tile(block_m: int, block_n: int, pingpong: bool = False) -> tuple[int, int]:
+  """One consumer warpgroup's tile: the whole tile under ``pingpong``, 64
+  rows of a 192-row tile, else the GEMM's split
+  (:func:`pallas_kernels.matmul.mosaic.wg_tile`)."""
+  if pingpong:
+    return block_m, block_n
   return (64, block_n) if block_m == TRIPLE_M else gemm.wg_tile(block_m, block_n)
 
 
@@ -344,6 +373,11 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       options = dataclasses.replace(options, item_ring=1)
     except ValueError as e:
       raise ValueError(f"block_m={TRIPLE_M} runs on the kernel's own ring: {e}") from None
+  if options.pingpong and (config.block_m == TRIPLE_M
+                          or config.block_m * config.block_n > PINGPONG_ELEMS):
+    raise ValueError(f"options.pingpong=1 runs a whole tile per consumer warpgroup: it needs "
+                     f"block_m * block_n <= {PINGPONG_ELEMS} (128 x 128, 64 x 256 or less) "
+                     f"and block_m != {TRIPLE_M}; got {config.block_m} x {config.block_n}")
   if options.stream_k and config.split_k > 1:
     raise ValueError(f"options.stream_k=1 needs config.split_k=1; got {config.split_k}")
   worklist.check_operands(lhs, rhs, group_sizes)
@@ -405,7 +439,8 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
   dtype = x.dtype
   sk = config.split_k
   bm, bn = config.block_m, config.block_n
-  wm, wn = wg_tile(bm, bn)
+  pp = bool(options.pingpong)
+  wm, wn = wg_tile(bm, bn, pp)
   split_m = bm >= 128
   tiles_n = pl.cdiv(n, bn)
   steps = gemm.k_steps(k, sk)
@@ -425,7 +460,8 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
   slots = options.out_slots
   if slots == -1:
     slots = staging_slots(block_m=bm, block_n=bn, num_stages=config.num_stages,
-                          itemsize=dtype.itemsize, out_itemsize=out_dtype.itemsize)
+                          itemsize=dtype.itemsize, out_itemsize=out_dtype.itemsize,
+                          pingpong=pp)
   slots = min(slices, slots or slices)
   # One row per tile: a store may start at any row of the tile.
   out_transforms = (plgpu.TilingTransform((1, out_elems)), plgpu.SwizzleTransform(out_swizzle))
@@ -597,9 +633,13 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
   def ring_kernel(tasks_gmem, count_gmem, x_gmem, w_gmem, out_gmem):
     """``options.item_ring``: one TMA ring through all of this CTA's work
     items (items ``cta``, ``cta + ctas``, ...), its slots counted across
-    them, with the kernel's own ready and consumed barriers."""
+    them, with the kernel's own ready and consumed barriers. Under
+    ``options.pingpong`` the consumer warpgroups take alternate items, each
+    with its own ready barriers (a warpgroup waits on every phase of its
+    own, none of the other's)."""
     stages = config.num_stages
     n_cons = consumers(bm)
+    owners = 2 if pp else 1
     elems = 128 // dtype.itemsize
     in_transforms = (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(128))
 
@@ -609,9 +649,9 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
         w_smem=plgpu.SMEM((stages, BLOCK_K, bn), dtype, transforms=in_transforms),
         out_smem=plgpu.SMEM((n_cons, slots, wm, out_elems), out_dtype,
                             transforms=out_transforms),
-        x_ready=plgpu.Barrier(num_barriers=stages),
-        w_ready=plgpu.Barrier(num_barriers=stages),
-        consumed=plgpu.Barrier(num_arrivals=n_cons, num_barriers=stages),
+        x_ready=plgpu.Barrier(num_barriers=owners * stages),
+        w_ready=plgpu.Barrier(num_barriers=owners * stages),
+        consumed=plgpu.Barrier(num_arrivals=1 if pp else n_cons, num_barriers=stages),
         collective_axes="wg",
     )
     def _scope(x_smem, w_smem, out_smem, x_ready, w_ready, consumed):
@@ -632,6 +672,10 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
                                block_n=bn, split_len=split_len, split_k=sk)
         return it, windows
 
+      def wait_ready(ready, slot):
+        plgpu.barrier_wait(x_ready.at[ready + slot])
+        plgpu.barrier_wait(w_ready.at[ready + slot])
+
       @pl.when(wg < n_cons)
       def _consumers():
         # The registers the producer leaves, shared (as the GEMM's pipeline).
@@ -647,8 +691,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
           def tile(acc_ref):
             def step(kk, carry):
               slot = lax.rem(g + kk, stages_)
-              plgpu.barrier_wait(x_ready.at[slot])
-              plgpu.barrier_wait(w_ready.at[slot])
+              wait_ready(0, slot)
               plgpu.wgmma(acc_ref, x_smem.at[slot, wg_m], w_smem.at[slot, :, wg_n])
               plgpu.wgmma_wait(0)
               plgpu.barrier_arrive(consumed.at[slot])
@@ -661,7 +704,40 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
           pl.run_scoped(tile, plgpu.ACC((wm, wn), jnp.float32))
           return g + steps
 
-        lax.fori_loop(0, n_local, run_item, jnp.int32(0))
+        def run_own_item(j, carry):
+          # This warpgroup's j-th item: the CTA's item 2 j + wg, the whole
+          # tile, one wgmma kept in flight (a slot is released a step
+          # late). Its ring slots start at the items before it.
+          i = 2 * j + wg
+          g = i * steps
+          it, (_, _, _, out_ref) = item(i)
+
+          def tile(acc_ref):
+            def step(kk, carry):
+              slot = lax.rem(g + kk, stages_)
+              wait_ready(wg * stages, slot)
+              plgpu.wgmma(acc_ref, x_smem.at[slot], w_smem.at[slot])
+              plgpu.wgmma_wait(1)
+
+              @pl.when(kk > 0)
+              def _release():
+                plgpu.barrier_arrive(consumed.at[lax.rem(g + kk - 1, stages_)])
+              return carry
+
+            lax.fori_loop(0, steps, step, None)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(consumed.at[lax.rem(g + steps - 1, stages_)])
+            emit(acc_ref, lambda a: a.astype(out_dtype), out_ref, it.row0, jnp.int32(0),
+                 it.start, it.size, it.ni * bn)
+
+          pl.run_scoped(tile, plgpu.ACC((wm, wn), jnp.float32))
+          return carry
+
+        if pp:
+          # Items wg, wg + 2, ... below n_local.
+          lax.fori_loop(0, lax.div(n_local - wg + 1, 2), run_own_item, None)
+        else:
+          lax.fori_loop(0, n_local, run_item, jnp.int32(0))
 
       @pl.when(wg == n_cons)
       def _producer():
@@ -669,6 +745,8 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
 
         def stream_item(i, g):
           it, (m_slice, n_slice, _, _) = item(i)
+          # The ready barriers of the warpgroup that runs the item.
+          ready = lax.rem(i, 2) * stages if pp else 0
 
           def step(kk, carry):
             slot = lax.rem(g + kk, stages_)
@@ -679,9 +757,9 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
 
             k_slice = pl.ds(it.k0 + kk * BLOCK_K, BLOCK_K)
             plgpu.copy_gmem_to_smem(x_gmem.at[m_slice, k_slice], x_smem.at[slot],
-                                    x_ready.at[slot])
+                                    x_ready.at[ready + slot])
             plgpu.copy_gmem_to_smem(w_gmem.at[it.expert, k_slice, n_slice], w_smem.at[slot],
-                                    w_ready.at[slot])
+                                    w_ready.at[ready + slot])
             return carry
 
           lax.fori_loop(0, steps, step, None)
