@@ -737,6 +737,36 @@ def test_ring_and_triple_runs_on_record_reproduce_the_docs(capsys):
   assert "ring run, 3 problems" in capsys.readouterr().out
 
 
+def test_pingpong_run_on_record_reproduces_the_docs(capsys):
+  """docs/results.md's ping-pong table and pairs (``--mode pingpong
+  --summarize`` on the H200 run) and its edge-case check."""
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent / "data" / "probes"
+  mod = _load_benchmark("ragged_dot_efficiency")
+  run = mod.summarize(str(root / "ragged_dot_pingpong_h200.json"))
+  pairs = run.pop("pingpong_pairs")
+  assert len(run) == 8 and len(pairs) == 22
+  assert mod._geo(pairs) == pytest.approx(0.995, abs=5e-4)
+  assert (round(min(pairs), 3), round(max(pairs), 3)) == (0.972, 1.030)
+  table = {(64, 375, 3584, 5120): (724, 0.966, 0.971, 0.956, 0.985),
+           (32, 375, 2880, 5760): (740, 0.929, 0.944, 0.941, 0.997),
+           (8, 512, 4096, 28672): (779, 0.970, 0.972, 0.947, 0.974),
+           (8, 2048, 4096, 28672): (814, 0.978, 0.976, 0.920, 0.943),
+           (128, 192, 2048, 1536): (632, 0.756, 0.832, 0.818, 0.983),
+           (64, 48, 3584, 5120): (211, 0.953, 0.958, 0.962, 1.004),
+           (8, 1024, 14336, 4096): (811, 0.984, 0.987, 0.913, 0.925),
+           (16, 256, 6144, 21504): (731, 0.966, 0.965, 0.926, 0.960)}
+  for key, (tf, wt_, other, pp, over) in table.items():
+    res = run[key]
+    assert round(res["batched_tflops"]) == tf, key
+    got = tuple(round(res[c], 3) for c in ("wt", "best_other", "best_pingpong",
+                                            "pp_over_rest"))
+    assert got == (wt_, other, pp, over), key
+  assert mod._geo([r["pp_over_rest"] for r in run.values()]) == pytest.approx(0.971, abs=5e-4)
+  check = (root / "ragged_dot_pingpong_check_h200.txt").read_text()
+  assert check.count("8/8 right") == 6 and "wrong" not in check
+
+
 def test_ncu_profile_on_record_matches_the_docs():
   """docs/results.md's ncu table ("The kernel's own ring ..."): duration and
   tensor-pipe share of each recorded kernel."""
