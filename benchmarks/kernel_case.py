@@ -21,7 +21,8 @@ weight's bytes over the time.
 --page source --print-source sass --csv`` wrote for one kernel and prints,
 per SASS opcode of the consumers' step loop (the instructions executed as
 often as the first wgmma, ``HGMMA``), the instructions and ncu's warp
-samples there: all of them, and those where the warp was not issued.
+samples there: all of them, and those where the warp was not issued; then
+the most sampled instructions outside that loop.
 
 Cases: ``nk_int8`` / ``nk_e4m3`` (the swapped weight-only kernel on an
 ``[N, K]`` 8-bit weight at its rule's config, or ``--config bn,stages,split``),
@@ -214,6 +215,14 @@ def sass_summary(path: str) -> int:
         f"of them not issued")
   for op, (n, smp, ni) in sorted(ops.items(), key=lambda kv: -kv[1][1]):
     print(f"  {op:14s} {n:4d} instructions {smp:6d} samples {ni:6d} not issued")
+  # Where the rest of the samples fell: the instructions outside the step
+  # loop with the most samples (the epilogue, the producer, the prologue).
+  rest = sorted((r for r in data if int(r[executed]) != most), key=lambda r: -int(r[samples]))
+  print(f"outside the step loop: {total - sum(v[1] for v in ops.values())} samples; the "
+        f"most sampled instructions:")
+  for r in rest[:12]:
+    print(f"  {r[1][:60]:60s} executed {int(r[executed]):9d} samples {int(r[samples]):6d} "
+          f"not issued {int(r[not_issued]):6d}")
   return 0
 
 

@@ -123,9 +123,10 @@ def main():
                        "(out_slots), the freed shared memory given to deeper rings; "
                        "ring: order-2 configs with and without item_ring; pingpong: "
                        "whole tiles per consumer warpgroup, alternate items")
-  ap.add_argument("--ring-set", choices=("tall", "pairs"), default="tall",
-                  help="--mode ring's configs: tall (with the 192-row tiles) or pairs (every "
-                       "order-2 config with and without the ring)")
+  ap.add_argument("--ring-set", choices=("tall", "pairs", "delay"), default="tall",
+                  help="--mode ring's configs: tall (with the 192-row tiles), pairs (every "
+                       "order-2 config with and without the ring) or delay (the ring's "
+                       "128 x 256 and 192 x 192 tiles with and without a wgmma in flight)")
   ap.add_argument("--skew", action="store_true")
   ap.add_argument("--iterations", type=int, default=20)
   ap.add_argument("--only", default=None, help="comma-separated problem indices")
@@ -338,11 +339,16 @@ def summarize(path: str) -> dict:
       mos = {nm: us for nm, us in t.items() if nm.startswith("mosaic")}
       tall = [us for nm, us in mos.items() if nm.startswith("mosaic 192x")]
       other = [us for nm, us in mos.items() if not nm.startswith("mosaic 192x")]
-      res["best_pipeline"] = tb / min(us for nm, us in mos.items() if not nm.endswith(" r1"))
+      res["best_pipeline"] = tb / min((us for nm, us in mos.items() if not nm.endswith(" r1")),
+                                   default=math.nan)
       res["best_192"] = tb / min(tall) if tall else math.nan
       res["192_over_rest"] = res["best_192"] / (tb / min(other))
       res["pairs"] = [(mos[nm[:-3]] / us, (k // 64) % _parse(nm)[0].num_stages == 0)
                       for nm, us in mos.items() if nm.endswith(" r1") and nm[:-3] in mos]
+      # On the ring, one wgmma in flight over none (the same config).
+      res["delay_pairs"] = [mos[nm.replace(" d1 ", " d0 ")] / us for nm, us in mos.items()
+                            if nm.endswith(" r1") and " d1 " in nm
+                            and nm.replace(" d1 ", " d0 ") in mos]
     elif mode == "pingpong":
       # The best ping-pong config, the best other, and each ping-pong
       # config over the same tile split between the warpgroups.
@@ -401,6 +407,12 @@ def summarize(path: str) -> dict:
         print(f"item_ring over the same config on Pallas's pipeline{label}: {len(pairs)} "
               f"pairs, {min(pairs):.3f}-{max(pairs):.3f}x, geomean {_geo(pairs):.3f}x")
     out["ring_pairs"] = [x for x, _ in both]
+    delays = [x for res in out.values() if isinstance(res, dict)
+              for x in res.pop("delay_pairs", [])]
+    if delays:
+      print(f"on the ring, one wgmma in flight over none: {len(delays)} pairs, "
+            f"{min(delays):.3f}-{max(delays):.3f}x, geomean {_geo(delays):.3f}x")
+      out["delay_pairs"] = delays
     out["ring_pairs_chained"] = [x for x, c in both if c]
   if mode == "orders":
     pairs = [x for res in out.values() for x in res.pop("p1_over_p0")]
@@ -497,6 +509,15 @@ def _ring_candidates(g, r, k, n, hw, ring_set="tall"):
   the items (``item_ring``); "tall": those on Pallas's pipeline, 128 x 256
   (3 stages) also on the ring, and the 192-row tiles of three consumer
   warpgroups (which run on that ring)."""
+  if ring_set == "delay":
+    # On the ring, each with one wgmma in flight (delay_release) and without.
+    out = []
+    for (bm, bn, ns), dl in itertools.product(((128, 256, 3), (128, 256, 4), (192, 192, 3),
+                                               (64, 256, 4)), (0, 1)):
+      c = Config(block_m=bm, block_n=bn, num_stages=ns, grid_minor=2)
+      if bm <= max(64, 2 ** math.ceil(math.log2(r))) and _fits(c, hw):
+        out.append((c, Options(item_ring=1, delay_release=dl)))
+    return out
   if ring_set == "pairs":
     tiles = [(bm, bn, ns, ring) for bm, bn, ns in ((128, 256, 3), (128, 256, 4), (256, 128, 3),
                                                   (64, 256, 4)) for ring in (0, 1)]

@@ -60,14 +60,15 @@ def problem(weights: dict, name: str, tokens: int) -> RaggedDotProblem:
 
 
 def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool = False,
-                pingpong: bool = False) -> int:
+                pingpong: bool = False, delay: bool = False) -> int:
   """Mosaic configs on ragged edge cases (those whose name holds ``only``,
   if given; the configs of at least ``stages_from`` stages), row by row;
   returns the failures. ``item_ring``: the 192-row tiles and the order-2
   configs (of at least ``stages_from`` stages) with one ring through a
   CTA's work items instead, on the full grid and on a grid of 7 CTAs (many
   items each); ``pingpong``: the ping-pong schedule (a whole tile per
-  consumer warpgroup, alternate items) likewise."""
+  consumer warpgroup, alternate items) likewise; ``delay``: the ring's
+  configs keep one wgmma in flight (``delay_release=1``)."""
   fam = RAGGED_DOT
   configs = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
                                    grid_minor=gm)
@@ -93,7 +94,8 @@ def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool =
             for bn, ns, sk, gm in [(192, 3, 1, 2), (128, 4, 1, 1), (192, 3, 2, 1)]]
     ring += [c for c in configs if c.grid_minor == 2 and c.num_stages >= stages_from]
     runs = {f"{c.block_m}x{c.block_n}/s{c.num_stages}/k{c.split_k}/o{c.grid_minor}/ring/"
-            f"{sms or 'all'}": functools.partial(_build_ring, c, sms)
+            f"{'d1/' if delay else ''}{sms or 'all'}":
+            functools.partial(_build_ring, c, sms, delay=int(delay))
             for c in ring for sms in (None, 7)}
   if pingpong:
     # Whole tiles of 128 x 128 and 64 x 256 a warpgroup, orders 1, 2 and 0,
@@ -108,9 +110,9 @@ def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool =
   return check_cases(runs, only, "Mosaic configs")
 
 
-def _build_ring(c, num_sms, p, lhs, rhs, gs, pingpong=0):
+def _build_ring(c, num_sms, p, lhs, rhs, gs, pingpong=0, delay=0):
   from pallas_kernels.ragged_dot import mosaic as kernel
-  o = kernel.MosaicRaggedDotOptions(item_ring=1, pingpong=pingpong)
+  o = kernel.MosaicRaggedDotOptions(item_ring=1, pingpong=pingpong, delay_release=delay)
   return jax.jit(lambda a, b, s: kernel.ragged_dot(a, b, s, config=c, options=o,
                                                    num_sms=num_sms))(lhs, rhs, gs)
 
@@ -246,6 +248,9 @@ def main():
   ap.add_argument("--check-item-ring", action="store_true",
                   help="--check runs the 192-row tiles and the order-2 configs with "
                        "item_ring=1 instead (all SMs, and 7 CTAs)")
+  ap.add_argument("--check-ring-delay", action="store_true",
+                  help="with --check-item-ring: the ring keeps one wgmma in flight "
+                       "(delay_release=1)")
   ap.add_argument("--check-pingpong", action="store_true",
                   help="--check runs ping-pong configs (pingpong=1: a whole tile per "
                        "consumer warpgroup) instead (all SMs, and 7 CTAs)")
@@ -265,7 +270,7 @@ def main():
   out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": [], "skew": []}
   if a.check:
     out["edge_failures"] = check_edges(a.check_only, a.check_stages_from, a.check_item_ring,
-                                       a.check_pingpong)
+                                       a.check_pingpong, a.check_ring_delay)
   prof = profiler.Profiler(iterations=a.iterations)
   mosaic, triton, xla = (fam.backend(n) for n in ("mosaic", "triton", "xla"))
 

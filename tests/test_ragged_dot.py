@@ -669,6 +669,10 @@ def test_expected_tasks_spread_matches_a_simulated_router():
      dict(pingpong=1)),
     (5, 8, 256, 512, dict(block_m=64, block_n=128, num_stages=3, grid_minor=1),
      dict(pingpong=1)),
+    (8192, 64, 1024, 2048, dict(block_m=128, block_n=256, num_stages=4, grid_minor=2),
+     dict(item_ring=1, delay_release=1)),
+    (1000, 8, 256, 512, dict(block_m=64, block_n=256, num_stages=4, grid_minor=2),
+     dict(item_ring=1, delay_release=1)),
 ])
 def test_ring_and_triple_tiles_lower_for_cuda(m, g, k, n, config, options):
   """The kernel's own ring (``item_ring``) and the 192-row tiles lower to
@@ -685,7 +689,9 @@ def test_ring_and_triple_tiles_lower_for_cuda(m, g, k, n, config, options):
 
 def test_ring_options_are_checked():
   with pytest.raises(ValueError, match="item_ring=1 needs cluster_m=1"):
-    mosaic_kernel.MosaicRaggedDotOptions(item_ring=1, delay_release=1)
+    mosaic_kernel.MosaicRaggedDotOptions(item_ring=1, skip_idle=1)
+  # The ring keeps one wgmma in flight under delay_release.
+  assert mosaic_kernel.MosaicRaggedDotOptions(item_ring=1, delay_release=1).delay_release == 1
   with pytest.raises(ValueError, match="pingpong=1 .on item_ring. needs cluster_m=1"):
     mosaic_kernel.MosaicRaggedDotOptions(pingpong=1, cluster_m=2)
   with pytest.raises(ValueError, match="pingpong=.* must be 0 or 1"):

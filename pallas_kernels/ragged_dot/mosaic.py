@@ -187,8 +187,9 @@ class MosaicRaggedDotOptions:
       (the chained pipeline of ``grid_minor`` 2 needs the steps to be a
       multiple of the stages, and without it the producer waits for the
       ring to drain between items). Needs ``cluster_m`` 1,
-      ``delay_release`` 0, ``pipeline_tiles`` 0, ``skip_idle`` 0,
-      ``stream_k`` 0 and ``traced_steps`` 0.
+      ``pipeline_tiles`` 0, ``skip_idle`` 0, ``stream_k`` 0 and
+      ``traced_steps`` 0 (``delay_release`` 1 keeps one wgmma in flight
+      there too).
     pingpong: 1 runs that ring with the two consumer warpgroups taking
       alternate work items, each a whole ``block_m x block_n`` tile (at
       most 128 x 128 or 64 x 256: one warpgroup's accumulator), keeping
@@ -236,11 +237,10 @@ class MosaicRaggedDotOptions:
                        f"or 1")
     if self.item_ring not in (0, 1):
       raise ValueError(f"MosaicRaggedDotOptions.item_ring={self.item_ring} must be 0 or 1")
-    if self.item_ring and (self.cluster_m > 1 or self.delay_release or self.pipeline_tiles
+    if self.item_ring and (self.cluster_m > 1 or self.pipeline_tiles
                            or self.skip_idle or self.stream_k or self.traced_steps):
       raise ValueError("MosaicRaggedDotOptions: item_ring=1 needs cluster_m=1, "
-                       "delay_release=0, pipeline_tiles=0, skip_idle=0, stream_k=0 and "
-                       "traced_steps=0")
+                       "pipeline_tiles=0, skip_idle=0, stream_k=0 and traced_steps=0")
     if self.pingpong not in (0, 1):
       raise ValueError(f"MosaicRaggedDotOptions.pingpong={self.pingpong} must be 0 or 1")
     if self.pingpong and not self.item_ring:
@@ -676,6 +676,31 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
         plgpu.barrier_wait(x_ready.at[ready + slot])
         plgpu.barrier_wait(w_ready.at[ready + slot])
 
+      def mma_steps(acc_ref, g, ready, x_ring, w_ring, *, hold: bool):
+        """One item's K steps from ring step ``g`` (ready barriers from
+        ``ready``): a wgmma a step into ``acc_ref``; ``hold`` keeps one in
+        flight (a slot is released one step late), else each is waited
+        for and its slot released."""
+        def step(kk, carry):
+          slot = lax.rem(g + kk, stages_)
+          wait_ready(ready, slot)
+          plgpu.wgmma(acc_ref, x_ring.at[slot], w_ring.at[slot])
+          if not hold:
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return carry
+          plgpu.wgmma_wait(1)
+
+          @pl.when(kk > 0)
+          def _release():
+            plgpu.barrier_arrive(consumed.at[lax.rem(g + kk - 1, stages_)])
+          return carry
+
+        lax.fori_loop(0, steps, step, None)
+        if hold:
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(consumed.at[lax.rem(g + steps - 1, stages_)])
+
       @pl.when(wg < n_cons)
       def _consumers():
         # The registers the producer leaves, shared (as the GEMM's pipeline).
@@ -689,15 +714,8 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
                                                            block_n=bn, wg_tile=(wm, wn))
 
           def tile(acc_ref):
-            def step(kk, carry):
-              slot = lax.rem(g + kk, stages_)
-              wait_ready(0, slot)
-              plgpu.wgmma(acc_ref, x_smem.at[slot, wg_m], w_smem.at[slot, :, wg_n])
-              plgpu.wgmma_wait(0)
-              plgpu.barrier_arrive(consumed.at[slot])
-              return carry
-
-            lax.fori_loop(0, steps, step, None)
+            mma_steps(acc_ref, g, 0, x_smem.at[:, wg_m], w_smem.at[:, :, wg_n],
+                      hold=bool(delay))
             emit(acc_ref, lambda a: a.astype(out_dtype), out_ref, it.row0, base, lo, rows,
                  col0)
 
@@ -713,20 +731,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
           it, (_, _, _, out_ref) = item(i)
 
           def tile(acc_ref):
-            def step(kk, carry):
-              slot = lax.rem(g + kk, stages_)
-              wait_ready(wg * stages, slot)
-              plgpu.wgmma(acc_ref, x_smem.at[slot], w_smem.at[slot])
-              plgpu.wgmma_wait(1)
-
-              @pl.when(kk > 0)
-              def _release():
-                plgpu.barrier_arrive(consumed.at[lax.rem(g + kk - 1, stages_)])
-              return carry
-
-            lax.fori_loop(0, steps, step, None)
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(consumed.at[lax.rem(g + steps - 1, stages_)])
+            mma_steps(acc_ref, g, wg * stages, x_smem, w_smem, hold=True)
             emit(acc_ref, lambda a: a.astype(out_dtype), out_ref, it.row0, jnp.int32(0),
                  it.start, it.size, it.ni * bn)
 
