@@ -29,11 +29,15 @@ candidate checked against the float32 reference first:
 * ``--mode pingpong``: the two consumer warpgroups taking alternate work
   items, a whole 128 x 128 or 64 x 256 tile each (``pingpong``), against
   the same tiles split between them and the 128 x 256 tiles of the tables;
+* ``--mode cluster``: order 2 (and 1) on 2-CTA clusters that run the two
+  halves of a ``2 * block_m``-row task with the weight multicast to both
+  (``cluster_m=2``), against the same configs on one CTA, at 256 rows per
+  expert and more;
 * ``--skew``: under a skewed router, the kernel against the batched GEMM
   padded to the largest group.
 
     python3 benchmarks/ragged_dot_efficiency.py [--set issue|suite|all|quick]
-        [--mode rule|orders|options|epilogue|ring|pingpong] [--ring-set tall|pairs] [--skew]
+        [--mode rule|orders|options|epilogue|ring|pingpong|cluster] [--ring-set tall|pairs] [--skew]
         [--json out.json]
     python3 benchmarks/ragged_dot_efficiency.py --summarize out.json   # CPU
 
@@ -113,7 +117,7 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--set", choices=tuple(SETS), default="issue")
   ap.add_argument("--mode", choices=("rule", "orders", "options", "epilogue", "ring",
-                                     "pingpong"),
+                                     "pingpong", "cluster"),
                   default="rule",
                   help="rule: the Hopper rule's config before and after order 2, and "
                        "the three orders on its tile; orders: tiles x work orders (0, 1, "
@@ -194,6 +198,7 @@ def main():
              else _epilogue_candidates(g, r, k, n, hw) if a.mode == "epilogue"
              else _ring_candidates(g, r, k, n, hw, a.ring_set) if a.mode == "ring"
              else _pingpong_candidates(r, hw) if a.mode == "pingpong"
+             else _cluster_candidates(r, hw) if a.mode == "cluster"
              else _candidates(g, r, k, n, hw, a.mode))
     names += [_name(c, o) for c, o in cands]
     fns += [_mosaic(c, o) for c, o in cands]
@@ -360,6 +365,17 @@ def summarize(path: str) -> dict:
       res["pp_over_rest"] = res["best_pingpong"] / res["best_other"]
       res["pairs"] = [(mos[nm[:-3]] / us, True) for nm, us in mos.items()
                       if nm.endswith(" pp") and nm[:-3] in mos]
+    elif mode == "cluster":
+      # The best config on 2-CTA clusters over the best on one CTA, and
+      # each on clusters over the same on one CTA.
+      mos = {nm: us for nm, us in t.items() if nm.startswith("mosaic")}
+      two = [us for nm, us in mos.items() if " cl2 " in nm]
+      one = [us for nm, us in mos.items() if " cl1 " in nm]
+      res["best_one_cta"] = tb / min(one) if one else math.nan
+      res["best_cluster"] = tb / min(two) if two else math.nan
+      res["cluster_over_one"] = res["best_cluster"] / res["best_one_cta"]
+      res["pairs"] = [(mos[nm.replace(" cl2 ", " cl1 ")] / us, True) for nm, us in mos.items()
+                      if " cl2 " in nm and nm.replace(" cl2 ", " cl1 ") in mos]
     elif mode == "rule":
       old = old_rule(g, r, k, n)
       res["old_rule"] = tb / t[_name(old, Options())] if old else res["wt"]
@@ -392,6 +408,12 @@ def summarize(path: str) -> dict:
         res["skew_new_vs_old"] = (sk[_name(old, Options())]["us"] / sk["wt"]["us"] if old
                                   else 1.0)
     out[(g, r, k, n)] = res
+  if mode == "cluster":
+    pairs = [x for res in out.values() for x, _ in res.pop("pairs")]
+    if pairs:
+      print(f"2-CTA clusters over the same config on one CTA: {len(pairs)} pairs, "
+            f"{min(pairs):.3f}-{max(pairs):.3f}x, geomean {_geo(pairs):.3f}x")
+    out["cluster_pairs"] = pairs
   if mode == "pingpong":
     pairs = [x for res in out.values() for x, _ in res.pop("pairs")]
     if pairs:
@@ -551,6 +573,23 @@ def _pingpong_candidates(r, hw):
     c = Config(block_m=bm, block_n=bn, num_stages=ns, grid_minor=gm)
     if _fits(c, hw, pingpong=bool(pp)):
       out.append((c, Options(pingpong=pp)))
+  return out
+
+
+def _cluster_candidates(r, hw):
+  """Order 2 on 128 x 256 (3 and 4 stages), 64 x 256 and 128 x 128 (4
+  stages), and order 1 on 128 x 256 (4 stages), each on one CTA and on
+  2-CTA clusters (a task of twice the rows, the weight multicast); none
+  below 256 rows per expert (a cluster's task would be mostly empty)."""
+  if r < 256:
+    return []
+  out = []
+  for (bm, bn, ns, gm), cm in itertools.product(
+      ((128, 256, 3, 2), (128, 256, 4, 2), (64, 256, 4, 2), (128, 128, 4, 2),
+       (128, 256, 4, 1)), (1, 2)):
+    c = Config(block_m=bm, block_n=bn, num_stages=ns, grid_minor=gm)
+    if _fits(c, hw):
+      out.append((c, Options(cluster_m=cm)))
   return out
 
 

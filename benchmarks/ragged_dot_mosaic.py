@@ -60,7 +60,7 @@ def problem(weights: dict, name: str, tokens: int) -> RaggedDotProblem:
 
 
 def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool = False,
-                pingpong: bool = False, delay: bool = False) -> int:
+                pingpong: bool = False, delay: bool = False, cluster: bool = False) -> int:
   """Mosaic configs on ragged edge cases (those whose name holds ``only``,
   if given; the configs of at least ``stages_from`` stages), row by row;
   returns the failures. ``item_ring``: the 192-row tiles and the order-2
@@ -68,7 +68,8 @@ def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool =
   CTA's work items instead, on the full grid and on a grid of 7 CTAs (many
   items each); ``pingpong``: the ping-pong schedule (a whole tile per
   consumer warpgroup, alternate items) likewise; ``delay``: the ring's
-  configs keep one wgmma in flight (``delay_release=1``)."""
+  configs keep one wgmma in flight (``delay_release=1``); ``cluster``: 2-CTA
+  clusters (``cluster_m=2``) in order 2 and 1, likewise."""
   fam = RAGGED_DOT
   configs = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
                                    grid_minor=gm)
@@ -107,7 +108,22 @@ def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool =
     runs = {f"{c.block_m}x{c.block_n}/s{c.num_stages}/k{c.split_k}/o{c.grid_minor}/pp/"
             f"{sms or 'all'}": functools.partial(_build_ring, c, sms, pingpong=1)
             for c in pp for sms in (None, 7)}
+  if cluster:
+    # Two CTAs per task of 2 block_m rows, the weight multicast to both.
+    cl = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, grid_minor=gm)
+          for bm, bn, ns, gm in [(128, 256, 3, 2), (64, 256, 4, 2), (128, 128, 4, 2),
+                                 (128, 256, 4, 1)]]
+    runs = {f"{c.block_m}x{c.block_n}/s{c.num_stages}/o{c.grid_minor}/cl2/{sms or 'all'}":
+            functools.partial(_build_options, c, sms, dict(cluster_m=2))
+            for c in cl for sms in (None, 14)}
   return check_cases(runs, only, "Mosaic configs")
+
+
+def _build_options(c, num_sms, options, p, lhs, rhs, gs):
+  from pallas_kernels.ragged_dot import mosaic as kernel
+  o = kernel.MosaicRaggedDotOptions(**options)
+  return jax.jit(lambda a, b, s: kernel.ragged_dot(a, b, s, config=c, options=o,
+                                                   num_sms=num_sms))(lhs, rhs, gs)
 
 
 def _build_ring(c, num_sms, p, lhs, rhs, gs, pingpong=0, delay=0):
@@ -251,6 +267,9 @@ def main():
   ap.add_argument("--check-ring-delay", action="store_true",
                   help="with --check-item-ring: the ring keeps one wgmma in flight "
                        "(delay_release=1)")
+  ap.add_argument("--check-cluster", action="store_true",
+                  help="--check runs 2-CTA clusters (cluster_m=2) in orders 2 and 1 "
+                       "instead (all SMs, and 7 clusters)")
   ap.add_argument("--check-pingpong", action="store_true",
                   help="--check runs ping-pong configs (pingpong=1: a whole tile per "
                        "consumer warpgroup) instead (all SMs, and 7 CTAs)")
@@ -270,7 +289,8 @@ def main():
   out = {"device_kind": dev.device_kind, "jax": jax.__version__, "rows": [], "skew": []}
   if a.check:
     out["edge_failures"] = check_edges(a.check_only, a.check_stages_from, a.check_item_ring,
-                                       a.check_pingpong, a.check_ring_delay)
+                                       a.check_pingpong, a.check_ring_delay,
+                                       a.check_cluster)
   prof = profiler.Profiler(iterations=a.iterations)
   mosaic, triton, xla = (fam.backend(n) for n in ("mosaic", "triton", "xla"))
 
