@@ -17,7 +17,7 @@ warm-up; the Mosaic GPU kernels are named ``kernel_mosaic_gpu_kernel``.)
 flushed, median of ``--iterations``) and prints one line each, with the
 weight's bytes over the time.
 
-``--sass-summary CSV`` (no GPU) reads what ``ncu --section SourceCounters
+``--sass-summary CSV[.gz]`` (no GPU) reads what ``ncu --section SourceCounters
 --page source --print-source sass --csv`` wrote for one kernel and prints,
 per SASS opcode of the consumers' step loop (the instructions executed as
 often as the first wgmma, ``HGMMA``), the instructions and ncu's warp
@@ -182,8 +182,11 @@ def grouped_case(a):
 def sass_summary(path: str) -> int:
   """Prints the step loop's opcodes, instructions and stall samples (module doc)."""
   import csv
+  import gzip
   try:
-    lines = open(path).read().splitlines()
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+      lines = f.read().splitlines()
   except OSError as e:
     print(f"--sass-summary: cannot read {path}: {e.strerror}", file=sys.stderr)
     return 2

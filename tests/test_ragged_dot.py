@@ -773,6 +773,80 @@ def test_pingpong_run_on_record_reproduces_the_docs(capsys):
   assert check.count("8/8 right") == 6 and "wrong" not in check
 
 
+def test_delay_cluster_and_sass_runs_on_record_reproduce_the_docs(capsys):
+  """docs/results.md's numbers of the ring with a wgmma in flight, the 2-CTA
+  clusters in order 2, the 192-row tiles on seven problems, and the warp
+  samples of the consumers' loop."""
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent / "data" / "probes"
+  mod = _load_benchmark("ragged_dot_efficiency")
+  ring = mod.summarize(str(root / "ragged_dot_ring_delay_h200.json"))
+  delays = ring.pop("delay_pairs")
+  ring.pop("ring_pairs"), ring.pop("ring_pairs_chained")
+  assert len(delays) == 25 and mod._geo(delays) == pytest.approx(0.981, abs=5e-4)
+  assert (round(min(delays), 3), round(max(delays), 3)) == (0.954, 1.022)
+  table = {(64, 375, 3584, 5120): (750, 0.956, 0.982, 1.008),
+           (32, 375, 2880, 5760): (750, 0.948, 0.984, 1.019),
+           (8, 512, 4096, 28672): (800, 0.963, 0.877, 0.897),
+           (8, 2048, 4096, 28672): (835, 0.972, 0.949, 0.989),
+           (128, 192, 2048, 1536): (641, 0.763, 0.944, 1.126),
+           (8, 1024, 14336, 4096): (823, 0.989, 0.891, 0.897)}
+  for key, (tf, wt_, b192, over) in table.items():
+    res = ring[key]
+    assert round(res["batched_tflops"]) == tf, key
+    assert tuple(round(res[c], 3) for c in ("wt", "best_192", "192_over_rest")) == \
+        (wt_, b192, over), key
+  clus = mod.summarize(str(root / "ragged_dot_cluster_h200.json"))
+  pairs = clus.pop("cluster_pairs")
+  assert len(pairs) == 40 and mod._geo(pairs) == pytest.approx(0.935, abs=5e-4)
+  with open(root / "ragged_dot_cluster_h200.json") as f:
+    rows = __import__("json").load(f)["rows"]
+  o2 = []
+  for row in rows:
+    t = {k: v["us"] for k, v in row["times"].items() if v["status"] == "ok"}
+    o2 += [t[k.replace(" cl2 ", " cl1 ")] / us for k, us in t.items()
+           if " cl2 " in k and " o2 " in k and k.replace(" cl2 ", " cl1 ") in t]
+  assert len(o2) == 32 and mod._geo(o2) == pytest.approx(0.914, abs=5e-4)
+  assert (round(min(o2), 3), round(max(o2), 3)) == (0.758, 1.015)
+  over = [res["cluster_over_one"] for res in clus.values()]
+  assert (round(min(over), 3), round(max(over), 3)) == (0.842, 0.999)
+  assert "0.758-1.298x" in capsys.readouterr().out
+  check = (root / "ragged_dot_cluster_check_h200.txt").read_text()
+  assert check.count("8/8 right") == 6 and "wrong" not in check
+  check = (root / "ragged_dot_ring_delay_check_h200.txt").read_text()
+  assert check.count("12/12 right") == 5 and "wrong" not in check
+  kc = _load_benchmark("kernel_case")
+  assert kc.main(["--sass-summary", str(root / "ragged_dot_sass_h200.csv.gz")]) == 0
+  out = capsys.readouterr().out
+  assert "71 instructions, 24239 samples" in out
+  assert "WARPGROUP         2 instructions  16077 samples" in out
+  assert "BRA               2 instructions   3581 samples" in out
+  assert "HGMMA             4 instructions    785 samples" in out
+  assert "outside the step loop: 14876 samples" in out and "samples   8573" in out
+
+
+def test_work_ratios_of_the_192_row_tiles_match_the_docs():
+  """docs/results.md: 192 x 192 over 128 x 256 wave-quantized tile work at
+  uniform routing and under a balanced router's spread."""
+  import math
+  from wavetune_jax.families.ragged_dot.routing import expected_tasks_spread
+
+  def uniform(g, r, n, bm, bn):
+    tasks = sum(-(-(r + (r * i) % 8) // bm) for i in range(g))
+    return math.ceil(tasks * -(-n // bn) / 132) * bm * bn
+
+  def spread(g, r, n, bm, bn):
+    return math.ceil(expected_tasks_spread(g * r, g, bm) * -(-n // bn) / 132) * bm * bn
+
+  probs = [(64, 375, 5120), (32, 375, 5760), (8, 512, 28672), (8, 2048, 28672),
+           (128, 192, 1536), (8, 1024, 4096)]
+  got_u = [round(uniform(g, r, n, 128, 256) / uniform(g, r, n, 192, 192), 3)
+           for g, r, n in probs]
+  got_s = [round(spread(g, r, n, 128, 256) / spread(g, r, n, 192, 192), 2) for g, r, n in probs]
+  assert got_u == [0.988, 1.007, 0.889, 0.969, 1.333, 0.889]
+  assert got_s == [0.92, 0.94, 0.98, 0.99, 0.82, 1.00]
+
+
 def test_ncu_profile_on_record_matches_the_docs():
   """docs/results.md's ncu table ("The kernel's own ring ..."): duration and
   tensor-pipe share of each recorded kernel."""
