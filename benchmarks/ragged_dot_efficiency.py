@@ -127,10 +127,11 @@ def main():
                        "(out_slots), the freed shared memory given to deeper rings; "
                        "ring: order-2 configs with and without item_ring; pingpong: "
                        "whole tiles per consumer warpgroup, alternate items")
-  ap.add_argument("--ring-set", choices=("tall", "pairs", "delay"), default="tall",
+  ap.add_argument("--ring-set", choices=("tall", "pairs", "delay", "deep192"), default="tall",
                   help="--mode ring's configs: tall (with the 192-row tiles), pairs (every "
                        "order-2 config with and without the ring) or delay (the ring's "
-                       "128 x 256 and 192 x 192 tiles with and without a wgmma in flight)")
+                       "128 x 256 and 192 x 192 tiles with and without a wgmma in flight) or "
+                       "deep192 (the 192-row tiles at 3 to 5 stages)")
   ap.add_argument("--skew", action="store_true")
   ap.add_argument("--iterations", type=int, default=20)
   ap.add_argument("--only", default=None, help="comma-separated problem indices")
@@ -543,6 +544,11 @@ def _ring_candidates(g, r, k, n, hw, ring_set="tall"):
   if ring_set == "pairs":
     tiles = [(bm, bn, ns, ring) for bm, bn, ns in ((128, 256, 3), (128, 256, 4), (256, 128, 3),
                                                   (64, 256, 4)) for ring in (0, 1)]
+  elif ring_set == "deep192":
+    # The 192-row tiles at 3 and 4 stages (4: the output staged a slice at
+    # a time) against 128 x 256 on the ring.
+    tiles = [(128, 256, 3, 1), (192, 192, 3, 1), (192, 192, 4, 1), (192, 128, 4, 1),
+             (192, 128, 5, 1)]
   else:
     tiles = [(128, 256, 3, 0), (128, 256, 3, 1), (128, 256, 4, 0), (64, 256, 4, 0),
              (256, 128, 3, 0), (192, 192, 3, 1), (192, 128, 4, 1)]

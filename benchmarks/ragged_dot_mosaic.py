@@ -60,7 +60,8 @@ def problem(weights: dict, name: str, tokens: int) -> RaggedDotProblem:
 
 
 def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool = False,
-                pingpong: bool = False, delay: bool = False, cluster: bool = False) -> int:
+                pingpong: bool = False, delay: bool = False, cluster: bool = False,
+                config: str | None = None) -> int:
   """Mosaic configs on ragged edge cases (those whose name holds ``only``,
   if given; the configs of at least ``stages_from`` stages), row by row;
   returns the failures. ``item_ring``: the 192-row tiles and the order-2
@@ -69,7 +70,8 @@ def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool =
   items each); ``pingpong``: the ping-pong schedule (a whole tile per
   consumer warpgroup, alternate items) likewise; ``delay``: the ring's
   configs keep one wgmma in flight (``delay_release=1``); ``cluster``: 2-CTA
-  clusters (``cluster_m=2``) in order 2 and 1, likewise."""
+  clusters (``cluster_m=2``) in order 2 and 1, likewise; ``config``: only
+  the runs whose name holds it."""
   fam = RAGGED_DOT
   configs = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
                                    grid_minor=gm)
@@ -92,7 +94,9 @@ def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool =
     # The 192-row tiles (always on the ring), order 2 and 1, and split-K.
     ring = [MosaicRaggedDotConfig(block_m=192, block_n=bn, num_stages=ns, split_k=sk,
                                   grid_minor=gm)
-            for bn, ns, sk, gm in [(192, 3, 1, 2), (128, 4, 1, 1), (192, 3, 2, 1)]]
+            for bn, ns, sk, gm in [(192, 3, 1, 2), (128, 4, 1, 1), (192, 3, 2, 1),
+                                   # 4 stages: the output staged a slice at a time.
+                                   (192, 4, 1, 2)]]
     ring += [c for c in configs if c.grid_minor == 2 and c.num_stages >= stages_from]
     runs = {f"{c.block_m}x{c.block_n}/s{c.num_stages}/k{c.split_k}/o{c.grid_minor}/ring/"
             f"{'d1/' if delay else ''}{sms or 'all'}":
@@ -116,6 +120,8 @@ def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool =
     runs = {f"{c.block_m}x{c.block_n}/s{c.num_stages}/o{c.grid_minor}/cl2/{sms or 'all'}":
             functools.partial(_build_options, c, sms, dict(cluster_m=2))
             for c in cl for sms in (None, 14)}
+  if config:
+    runs = {nm: f for nm, f in runs.items() if config in nm}
   return check_cases(runs, only, "Mosaic configs")
 
 
@@ -267,6 +273,9 @@ def main():
   ap.add_argument("--check-ring-delay", action="store_true",
                   help="with --check-item-ring: the ring keeps one wgmma in flight "
                        "(delay_release=1)")
+  ap.add_argument("--check-config", default=None, metavar="TEXT",
+                  help="with --check: only the configs whose name holds TEXT (such as "
+                       "192x192/s4)")
   ap.add_argument("--check-cluster", action="store_true",
                   help="--check runs 2-CTA clusters (cluster_m=2) in orders 2 and 1 "
                        "instead (all SMs, and 7 clusters)")
@@ -290,7 +299,7 @@ def main():
   if a.check:
     out["edge_failures"] = check_edges(a.check_only, a.check_stages_from, a.check_item_ring,
                                        a.check_pingpong, a.check_ring_delay,
-                                       a.check_cluster)
+                                       a.check_cluster, a.check_config)
   prof = profiler.Profiler(iterations=a.iterations)
   mosaic, triton, xla = (fam.backend(n) for n in ("mosaic", "triton", "xla"))
 

@@ -671,6 +671,8 @@ def test_expected_tasks_spread_matches_a_simulated_router():
      dict(pingpong=1)),
     (8192, 64, 1024, 2048, dict(block_m=128, block_n=256, num_stages=4, grid_minor=2),
      dict(item_ring=1, delay_release=1)),
+    (24576, 128, 2048, 1536, dict(block_m=192, block_n=192, num_stages=4, grid_minor=2), {}),
+    (24576, 128, 2048, 1536, dict(block_m=192, block_n=128, num_stages=5, grid_minor=2), {}),
     (1000, 8, 256, 512, dict(block_m=64, block_n=256, num_stages=4, grid_minor=2),
      dict(item_ring=1, delay_release=1)),
 ])
