@@ -827,6 +827,23 @@ def test_delay_cluster_and_sass_runs_on_record_reproduce_the_docs(capsys):
   assert "outside the step loop: 14876 samples" in out and "samples   8573" in out
 
 
+def test_deeper_ring_run_of_the_192_row_tiles_matches_the_docs():
+  import json
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent / "data" / "probes"
+  with open(root / "ragged_dot_deep192_h200.json") as f:
+    rows = {(r["g"], r["r"]): {k: v["us"] for k, v in r["times"].items()}
+            for r in json.load(f)["rows"]}
+  s4, s3 = "mosaic 192x192 s4 k1 o2 cl1 d0 b0 p0 r1", "mosaic 192x192 s3 k1 o2 cl1 d0 b0 p0 r1"
+  got = {key: (round(t[s3] / t[s4], 3), round(t["batched"] / t[s3], 3),
+               round(t["batched"] / t["wt"], 3)) for key, t in rows.items()}
+  assert got == {(128, 192): (1.0, 0.941, 0.75), (64, 375): (0.987, 0.966, 0.938),
+                 (32, 375): (0.994, 0.971, 0.94)}
+  assert round(rows[(128, 192)]["batched"] / rows[(128, 192)][s4], 3) == 0.942
+  check = (root / "ragged_dot_deep192_check_h200.txt").read_text()
+  assert check.count("2/2 right") == 6 and "wrong" not in check
+
+
 def test_work_ratios_of_the_192_row_tiles_match_the_docs():
   """docs/results.md: 192 x 192 over 128 x 256 wave-quantized tile work at
   uniform routing and under a balanced router's spread."""
