@@ -37,7 +37,8 @@ candidate checked against the float32 reference first:
   padded to the largest group.
 
     python3 benchmarks/ragged_dot_efficiency.py [--set issue|suite|all|quick]
-        [--mode rule|orders|options|epilogue|ring|pingpong|cluster] [--ring-set tall|pairs] [--skew]
+        [--mode rule|orders|options|epilogue|ring|pingpong|cluster]
+        [--ring-set tall|pairs|delay|deep192] [--skew]
         [--json out.json]
     python3 benchmarks/ragged_dot_efficiency.py --summarize out.json   # CPU
 
@@ -130,7 +131,8 @@ def main():
   ap.add_argument("--ring-set", choices=("tall", "pairs", "delay", "deep192"), default="tall",
                   help="--mode ring's configs: tall (with the 192-row tiles), pairs (every "
                        "order-2 config with and without the ring) or delay (the ring's "
-                       "128 x 256 and 192 x 192 tiles with and without a wgmma in flight) or "
+                       "128 x 256, 192 x 192 and 64 x 256 tiles with and without a wgmma in "
+                       "flight) or "
                        "deep192 (the 192-row tiles at 3 to 5 stages)")
   ap.add_argument("--skew", action="store_true")
   ap.add_argument("--iterations", type=int, default=20)
@@ -545,8 +547,8 @@ def _ring_candidates(g, r, k, n, hw, ring_set="tall"):
     tiles = [(bm, bn, ns, ring) for bm, bn, ns in ((128, 256, 3), (128, 256, 4), (256, 128, 3),
                                                   (64, 256, 4)) for ring in (0, 1)]
   elif ring_set == "deep192":
-    # The 192-row tiles at 3 and 4 stages (4: the output staged a slice at
-    # a time) against 128 x 256 on the ring.
+    # The 192-row tiles at 3 and 4 stages (192 x 192 at 4 and 192 x 128 at
+    # 5 stage the output a slice at a time) against 128 x 256 on the ring.
     tiles = [(128, 256, 3, 1), (192, 192, 3, 1), (192, 192, 4, 1), (192, 128, 4, 1),
              (192, 128, 5, 1)]
   else:
@@ -637,7 +639,7 @@ def _parse(name: str):
              grid_minor=int(p[4][1:]))
   o = Options(cluster_m=int(p[5][2:]), delay_release=int(p[6][1:]), task_band=int(p[7][1:]),
               pipeline_tiles=int(p[8][1:]), out_slots=int(p[9][1:]) if len(p) > 9 else -1,
-              item_ring=int(ring), pingpong=int(pp))
+              item_ring=int(ring and not pp), pingpong=int(pp))
   # (A name without an "e" runs the kernel's default staging: the whole tile
   # where it fits, as every config of the runs recorded before slices did.)
   return c, o

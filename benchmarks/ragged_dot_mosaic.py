@@ -71,7 +71,8 @@ def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool =
   consumer warpgroup, alternate items) likewise; ``delay``: the ring's
   configs keep one wgmma in flight (``delay_release=1``); ``cluster``: 2-CTA
   clusters (``cluster_m=2``) in order 2 and 1, likewise; ``config``: only
-  the runs whose name holds it."""
+  the runs whose name holds it (with ``item_ring``, among them 192 x 192
+  at 4 stages)."""
   fam = RAGGED_DOT
   configs = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns, split_k=sk,
                                    grid_minor=gm)
@@ -94,9 +95,10 @@ def check_edges(only: str | None = None, stages_from: int = 0, item_ring: bool =
     # The 192-row tiles (always on the ring), order 2 and 1, and split-K.
     ring = [MosaicRaggedDotConfig(block_m=192, block_n=bn, num_stages=ns, split_k=sk,
                                   grid_minor=gm)
-            for bn, ns, sk, gm in [(192, 3, 1, 2), (128, 4, 1, 1), (192, 3, 2, 1),
-                                   # 4 stages: the output staged a slice at a time.
-                                   (192, 4, 1, 2)]]
+            for bn, ns, sk, gm in [(192, 3, 1, 2), (128, 4, 1, 1), (192, 3, 2, 1)]
+            # Offered to --check-config only: 192 x 192 at 4 stages (the
+            # output staged a slice at a time).
+            + ([(192, 4, 1, 2)] if config else [])]
     ring += [c for c in configs if c.grid_minor == 2 and c.num_stages >= stages_from]
     runs = {f"{c.block_m}x{c.block_n}/s{c.num_stages}/k{c.split_k}/o{c.grid_minor}/ring/"
             f"{'d1/' if delay else ''}{sms or 'all'}":
@@ -271,11 +273,11 @@ def main():
                   help="--check runs the 192-row tiles and the order-2 configs with "
                        "item_ring=1 instead (all SMs, and 7 CTAs)")
   ap.add_argument("--check-ring-delay", action="store_true",
-                  help="with --check-item-ring: the ring keeps one wgmma in flight "
+                  help="--check-item-ring with the ring keeping one wgmma in flight "
                        "(delay_release=1)")
   ap.add_argument("--check-config", default=None, metavar="TEXT",
-                  help="with --check: only the configs whose name holds TEXT (such as "
-                       "192x192/s4)")
+                  help="with --check: only the configs whose name holds TEXT (with "
+                       "--check-item-ring also 192x192/s4, 4 stages)")
   ap.add_argument("--check-cluster", action="store_true",
                   help="--check runs 2-CTA clusters (cluster_m=2) in orders 2 and 1 "
                        "instead (all SMs, and 7 clusters)")
@@ -290,6 +292,10 @@ def main():
   if a.summarize:
     summarize(a.summarize, a.device)
     return
+  if sum((a.check_item_ring or a.check_ring_delay, a.check_pingpong, a.check_cluster)) > 1:
+    ap.error("--check-item-ring (or --check-ring-delay), --check-pingpong and "
+             "--check-cluster run different config lists: give one")
+  a.check_item_ring = a.check_item_ring or a.check_ring_delay
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__, flush=True)
   hw = hardware.detect()

@@ -694,18 +694,19 @@ def test_ring_options_are_checked():
     mosaic_kernel.MosaicRaggedDotOptions(item_ring=1, skip_idle=1)
   # The ring keeps one wgmma in flight under delay_release.
   assert mosaic_kernel.MosaicRaggedDotOptions(item_ring=1, delay_release=1).delay_release == 1
-  with pytest.raises(ValueError, match="pingpong=1 .on item_ring. needs cluster_m=1"):
+  with pytest.raises(ValueError, match="pingpong=1 .on the kernel's ring. needs cluster_m=1"):
     mosaic_kernel.MosaicRaggedDotOptions(pingpong=1, cluster_m=2)
   with pytest.raises(ValueError, match="pingpong=.* must be 0 or 1"):
     mosaic_kernel.MosaicRaggedDotOptions(pingpong=3)
-  assert mosaic_kernel.MosaicRaggedDotOptions(pingpong=1).item_ring == 1
+  assert mosaic_kernel.MosaicRaggedDotOptions(pingpong=1).ring
+  assert not mosaic_kernel.MosaicRaggedDotOptions().ring
   x0, w0, g0 = jnp.zeros((64, 64), jnp.bfloat16), jnp.zeros((2, 64, 256), jnp.bfloat16), \
       jnp.ones((2,), jnp.int32)
-  for bm, bn in ((128, 256), (192, 128)):
+  for bm, bn, ns in ((128, 256, 3), (192, 128, 3), (256, 64, 3), (128, 128, 2)):
     with pytest.raises(ValueError, match="pingpong=1 runs a whole tile per consumer"):
       mosaic_kernel.ragged_dot(
           x0, w0, g0, num_sms=132, options=mosaic_kernel.MosaicRaggedDotOptions(pingpong=1),
-          config=mosaic_kernel.MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=3))
+          config=mosaic_kernel.MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=ns))
   # Each warpgroup stages its whole tile.
   assert mosaic_kernel.out_staging(128, 128, 2, 0, pingpong=True) == \
       2 * mosaic_kernel.out_staging(128, 128, 2, 0)
@@ -842,6 +843,30 @@ def test_deeper_ring_run_of_the_192_row_tiles_matches_the_docs():
   assert round(rows[(128, 192)]["batched"] / rows[(128, 192)][s4], 3) == 0.942
   check = (root / "ragged_dot_deep192_check_h200.txt").read_text()
   assert check.count("2/2 right") == 6 and "wrong" not in check
+
+
+def test_documented_check_commands_run_the_recorded_number_of_configs(monkeypatch):
+  """The GPU edge-case commands of docs/results.md's schedule sections build
+  as many runs as their recorded logs show (``N/N right``)."""
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent / "data" / "probes"
+  mod = _load_benchmark("ragged_dot_mosaic")
+  counts = []
+  monkeypatch.setattr(mod, "check_cases", lambda runs, *a, **k: counts.append(len(runs)) or 0)
+  mod.check_edges(None, 4, True, delay=True)          # --check-ring-delay --check-stages-from 4
+  mod.check_edges(None, 9, True, config="192x192/s4")  # deep192's check
+  mod.check_edges(None, 0, pingpong=True)
+  mod.check_edges(None, 0, cluster=True)
+  mod.check_edges(None, 9, True)                       # the 192-row tiles' check
+  assert counts == [12, 2, 8, 8, 6]
+  for name, n in (("ring_delay_check", 12), ("deep192_check", 2), ("pingpong_check", 8),
+                  ("cluster_check", 8), ("triple_check", 6)):
+    assert f"{n}/{n} right" in (root / f"ragged_dot_{name}_h200.txt").read_text(), name
+  docs = (pathlib.Path(__file__).parent.parent / "docs" / "results.md").read_text()
+  for text in ("0.972-1.030x, geomean\n**0.995x**", "25 pairs, 0.954-1.022x",
+               "32 order-2 pairs, 0.758-1.015x", "1.008, 1.019, 0.897,\n0.989 and 0.897",
+               "16,077 (66%)", "3,581 (15%)"):
+    assert text in docs, text
 
 
 def test_work_ratios_of_the_192_row_tiles_match_the_docs():

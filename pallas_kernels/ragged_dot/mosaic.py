@@ -193,9 +193,11 @@ class MosaicRaggedDotOptions:
     pingpong: 1 runs that ring with the two consumer warpgroups taking
       alternate work items, each a whole ``block_m x block_n`` tile (at
       most 128 x 128 or 64 x 256: one warpgroup's accumulator), keeping
-      one wgmma in flight: one warpgroup stores its tile while the other
-      runs its MMAs, so the tensor cores do not idle through the
-      epilogue. Sets ``item_ring`` (with its conditions).
+      one wgmma in flight whatever ``delay_release``: one warpgroup stores
+      its tile while the other runs its MMAs, so the tensor cores do not
+      idle through the epilogue. Runs on the ring (``item_ring`` 1 or not)
+      with its conditions, and needs ``num_stages >= 3`` and ``block_m``
+      64 or 128.
   """
 
   cluster_m: int = 1
@@ -237,22 +239,23 @@ class MosaicRaggedDotOptions:
                        f"or 1")
     if self.item_ring not in (0, 1):
       raise ValueError(f"MosaicRaggedDotOptions.item_ring={self.item_ring} must be 0 or 1")
-    if self.item_ring and (self.cluster_m > 1 or self.pipeline_tiles
-                           or self.skip_idle or self.stream_k or self.traced_steps):
-      raise ValueError("MosaicRaggedDotOptions: item_ring=1 needs cluster_m=1, "
-                       "pipeline_tiles=0, skip_idle=0, stream_k=0 and traced_steps=0")
     if self.pingpong not in (0, 1):
       raise ValueError(f"MosaicRaggedDotOptions.pingpong={self.pingpong} must be 0 or 1")
-    if self.pingpong and not self.item_ring:
-      # The ping-pong schedule runs on the kernel's own ring.
-      object.__setattr__(self, "item_ring", 1)
-      try:
-        self.__post_init__()
-      except ValueError as e:
-        raise ValueError(str(e).replace("item_ring=1", "pingpong=1 (on item_ring)")) from None
+    if self.ring and (self.cluster_m > 1 or self.pipeline_tiles
+                      or self.skip_idle or self.stream_k or self.traced_steps):
+      what = "pingpong=1 (on the kernel's ring)" if self.pingpong else "item_ring=1"
+      raise ValueError(f"MosaicRaggedDotOptions: {what} needs cluster_m=1, "
+                       "pipeline_tiles=0, skip_idle=0, stream_k=0 and traced_steps=0")
     if self.out_slots < -1:
       raise ValueError(f"MosaicRaggedDotOptions.out_slots={self.out_slots} must be >= -1 "
                        f"(-1: by the shared memory left, 0: the whole tile, s: s slots)")
+
+
+  @property
+  def ring(self) -> bool:
+    """Whether the kernel runs on its own ring (``item_ring`` or
+    ``pingpong``)."""
+    return bool(self.item_ring or self.pingpong)
 
 
 DEFAULT_OPTIONS = MosaicRaggedDotOptions()
@@ -367,17 +370,19 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     raise ValueError(f"options.task_band={options.task_band} needs config.grid_minor=0")
   if options.delay_release and config.num_stages < 3:
     raise ValueError("options.delay_release=1 needs config.num_stages >= 3")
-  if config.block_m == TRIPLE_M and not options.item_ring:
+  if config.block_m == TRIPLE_M and not options.ring:
     # Three consumer warpgroups run on the kernel's own ring only.
     try:
       options = dataclasses.replace(options, item_ring=1)
     except ValueError as e:
       raise ValueError(f"block_m={TRIPLE_M} runs on the kernel's own ring: {e}") from None
-  if options.pingpong and (config.block_m == TRIPLE_M
-                          or config.block_m * config.block_n > PINGPONG_ELEMS):
+  if options.pingpong and (config.block_m not in (64, 128)
+                          or config.block_m * config.block_n > PINGPONG_ELEMS
+                          or config.num_stages < 3):
     raise ValueError(f"options.pingpong=1 runs a whole tile per consumer warpgroup: it needs "
-                     f"block_m * block_n <= {PINGPONG_ELEMS} (128 x 128, 64 x 256 or less) "
-                     f"and block_m != {TRIPLE_M}; got {config.block_m} x {config.block_n}")
+                     f"block_m 64 or 128, block_m * block_n <= {PINGPONG_ELEMS} (128 x 128, "
+                     f"64 x 256 or less) and num_stages >= 3; got {config.block_m} x "
+                     f"{config.block_n}, {config.num_stages} stages")
   if options.stream_k and config.split_k > 1:
     raise ValueError(f"options.stream_k=1 needs config.split_k=1; got {config.split_k}")
   worklist.check_operands(lhs, rhs, group_sizes)
@@ -779,7 +784,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
   out_type = out_struct(out_shape, out_dtype, axes)
   if stream:
     out_type = (out_type, out_struct((ctas, 2, halves, bm, bn), out_dtype, axes))
-  if options.item_ring:
+  if options.ring:
     return gemm.persistent_kernel(ring_kernel, out_type, ctas,
                                   num_threads=consumers(bm) + 1)(tasks, count, x, w)
   return gemm.persistent_kernel(kernel, out_type, ctas, cluster=cm)(tasks, count, x, w)
