@@ -818,6 +818,8 @@ def test_delay_cluster_and_sass_runs_on_record_reproduce_the_docs(capsys):
   assert check.count("8/8 right") == 6 and "wrong" not in check
   check = (root / "ragged_dot_ring_delay_check_h200.txt").read_text()
   assert check.count("12/12 right") == 5 and "wrong" not in check
+  check = (root / "ragged_dot_ring_delay_check_most_empty_h200.txt").read_text()
+  assert "64 experts, most empty             12/12 right" in check and "wrong" not in check
   kc = _load_benchmark("kernel_case")
   assert kc.main(["--sass-summary", str(root / "ragged_dot_sass_h200.csv.gz")]) == 0
   out = capsys.readouterr().out
