@@ -39,7 +39,9 @@ ring, two consumer warpgroups running wgmma). What makes it grouped:
   its barriers through all of a CTA's work items, slots counted across
   them; it also runs **192-row tiles** of three 64-row consumer warpgroups
   (``block_m=192``), which hold an expert's rows in one task where they fit
-  (192 rows from an aligned start, 185 from any).
+  (192 rows from an aligned start, 185 from any), and a **ping-pong**
+  schedule (``MosaicRaggedDotOptions.pingpong``: the consumers take
+  alternate items, a whole tile each), measured and not used.
 
 Inputs bfloat16 or float16, fp32 accumulation, output bfloat16, float16 or
 float32. ``K`` and ``N`` multiples of 64 (TMA tiling of global memory). TMA
@@ -636,7 +638,7 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   def ring_kernel(tasks_gmem, count_gmem, x_gmem, w_gmem, out_gmem):
-    """``options.item_ring``: one TMA ring through all of this CTA's work
+    """``options.ring``: one TMA ring through all of this CTA's work
     items (items ``cta``, ``cta + ctas``, ...), its slots counted across
     them, with the kernel's own ready and consumed barriers. Under
     ``options.pingpong`` the consumer warpgroups take alternate items, each
