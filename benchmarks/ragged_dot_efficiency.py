@@ -366,7 +366,7 @@ def summarize(path: str) -> dict:
       res["best_other"] = tb / min(other) if other else math.nan
       res["best_pingpong"] = tb / min(pp) if pp else math.nan
       res["pp_over_rest"] = res["best_pingpong"] / res["best_other"]
-      res["pairs"] = [(mos[nm[:-3]] / us, True) for nm, us in mos.items()
+      res["pairs"] = [mos[nm[:-3]] / us for nm, us in mos.items()
                       if nm.endswith(" pp") and nm[:-3] in mos]
     elif mode == "cluster":
       # The best config on 2-CTA clusters over the best on one CTA, and
@@ -377,7 +377,7 @@ def summarize(path: str) -> dict:
       res["best_one_cta"] = tb / min(one) if one else math.nan
       res["best_cluster"] = tb / min(two) if two else math.nan
       res["cluster_over_one"] = res["best_cluster"] / res["best_one_cta"]
-      res["pairs"] = [(mos[nm.replace(" cl2 ", " cl1 ")] / us, True) for nm, us in mos.items()
+      res["pairs"] = [mos[nm.replace(" cl2 ", " cl1 ")] / us for nm, us in mos.items()
                       if " cl2 " in nm and nm.replace(" cl2 ", " cl1 ") in mos]
     elif mode == "rule":
       old = old_rule(g, r, k, n)
@@ -411,18 +411,14 @@ def summarize(path: str) -> dict:
         res["skew_new_vs_old"] = (sk[_name(old, Options())]["us"] / sk["wt"]["us"] if old
                                   else 1.0)
     out[(g, r, k, n)] = res
-  if mode == "cluster":
-    pairs = [x for res in out.values() for x, _ in res.pop("pairs")]
-    if pairs:
-      print(f"2-CTA clusters over the same config on one CTA: {len(pairs)} pairs, "
-            f"{min(pairs):.3f}-{max(pairs):.3f}x, geomean {_geo(pairs):.3f}x")
-    out["cluster_pairs"] = pairs
-  if mode == "pingpong":
-    pairs = [x for res in out.values() for x, _ in res.pop("pairs")]
-    if pairs:
-      print(f"ping-pong over the same tile split between the warpgroups: {len(pairs)} pairs, "
-            f"{min(pairs):.3f}-{max(pairs):.3f}x, geomean {_geo(pairs):.3f}x")
-    out["pingpong_pairs"] = pairs
+  for m, label in (("cluster", "2-CTA clusters over the same config on one CTA"),
+                   ("pingpong", "ping-pong over the same tile split between the warpgroups")):
+    if mode == m:
+      pairs = [x for res in out.values() for x in res.pop("pairs")]
+      if pairs:
+        print(f"{label}: {len(pairs)} pairs, {min(pairs):.3f}-{max(pairs):.3f}x, geomean "
+              f"{_geo(pairs):.3f}x")
+      out[f"{m}_pairs"] = pairs
   if mode == "ring":
     both = [x for res in out.values() for x in res.pop("pairs")]
     for label, keep in (("", lambda c: True), (" (Pallas's pipeline chains)", lambda c: c),
