@@ -14,21 +14,23 @@ operands):
   e4m3 operands with ``preferred_element_type=float32``, the scales after;
 * ``wt.quantized_ragged_dot`` as selected (no table: the rule and the guard);
 * the Mosaic FP8 kernel (``pallas_kernels.ragged_dot.fp8``) at the rule's
-  config and its neighbours.
+  config and its neighbours; with ``--ring`` each also on the kernel's own
+  ring (``ring=True``, labelled ``ring``).
 
 ``--edge`` instead checks the kernel's edge paths (no timing): M not a
 multiple of 8, N not a multiple of the column tile, rows past the groups
 holding NaN in ``x`` and ``x_scales`` (must come out zero), float32 output
-with and without split-K.
+with and without split-K, each on all SMs and on 7 CTAs.
 
     PYTHONPATH=. python3 benchmarks/fp8_ragged_dot.py [--quick] [--weights a,b]
-        [--tokens 16 256 ...] [--json out.json]
-    PYTHONPATH=. python3 benchmarks/fp8_ragged_dot.py --edge
+        [--tokens 16 256 ...] [--ring] [--skip-xla] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/fp8_ragged_dot.py --edge [--ring]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 
@@ -78,8 +80,14 @@ def configs(m: int, g: int, n: int, k: int, full: bool):
 HOPPER_SMEM = wt.get_hardware("h100").smem_per_block  # the H200 allows the same
 
 
-def edge_cases() -> int:
-  """The kernel's edge paths against the float32 reference; returns the failures."""
+#: ``--edge`` runs every case on all SMs and on 7 CTAs (each CTA then runs
+#: several work items: the ring's slots wrap across items).
+EDGE_CTAS = (None, 7)
+
+
+def edge_cases(rings=(False,)) -> int:
+  """The kernel's edge paths against the float32 reference (Pallas's pipeline,
+  and the kernel's own ring where ``rings`` has True); returns the failures."""
   m, g, k, n = 1003, 8, 1024, 448
   x8, xs = wt.quantize_rows(jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32))
   w8, ws = wt.quantize_weight(jax.random.normal(jax.random.PRNGKey(1), (g, k, n)),
@@ -97,19 +105,21 @@ def edge_cases() -> int:
             C(block_m=64, block_n=256, num_stages=4, split_k=2),
             C(block_m=64, block_n=128, num_stages=4, split_k=4, grid_minor=0),
             C(block_m=256, block_n=128, num_stages=3)):
-    for out in (jnp.bfloat16, jnp.float32):
+    for out, ring, sms in itertools.product((jnp.bfloat16, jnp.float32), rings, EDGE_CTAS):
       out_bytes = 4 if c.split_k > 1 else jnp.dtype(out).itemsize
+      lab = (f"{c} out={jnp.dtype(out).name}{' ring' if ring else ''}"
+             f"{f' on {sms} CTAs' if sms else ''}")
       if smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
                     out_itemsize=out_bytes) > HOPPER_SMEM:
-        print(f"skip {c} out={jnp.dtype(out).name}: does not fit shared memory", flush=True)
+        print(f"skip {lab}: does not fit shared memory", flush=True)
         continue  # the family's validation rejects it with a one-line error
-      y = fp8_ragged_dot(x8, w8, xs, ws, gs, config=c, out_dtype=out).astype(jnp.float32)
+      y = fp8_ragged_dot(x8, w8, xs, ws, gs, config=c, out_dtype=out, ring=ring,
+                         num_sms=sms).astype(jnp.float32)
       err = float(jnp.max(jnp.abs(y[:total] - ref[:total])) / jnp.max(jnp.abs(ref)))
       tail = bool(jnp.all(y[total:] == 0))
       ok = err < 2e-2 and tail and bool(jnp.isfinite(y).all())
       fails += not ok
-      print(f"{'ok ' if ok else 'FAIL'} {c} out={jnp.dtype(out).name}: rel err {err:.2e}, "
-            f"tail zero {tail}", flush=True)
+      print(f"{'ok ' if ok else 'FAIL'} {lab}: rel err {err:.2e}, tail zero {tail}", flush=True)
   return fails
 
 
@@ -123,9 +133,13 @@ def main(argv=None):
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   ap.add_argument("--edge", action="store_true", help="check the edge paths (no timing)")
+  ap.add_argument("--ring", action="store_true",
+                  help="also run every config on the kernel's own ring (ring=True)")
+  ap.add_argument("--skip-xla", action="store_true",
+                  help="leave out XLA's FP8 ragged dot and bf16 lax.ragged_dot (slow)")
   a = ap.parse_args(argv)
   if a.edge:
-    return 1 if edge_cases() else 0
+    return 1 if edge_cases((False, True) if a.ring else (False,)) else 0
   prof = profiler.Profiler(iterations=a.iterations)
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__, flush=True)
@@ -157,14 +171,18 @@ def main(argv=None):
           "wt_fp8": lambda x8, w, xs, ws, gs: wt.quantized_ragged_dot(
               x8, w, ws, gs, x_scales=xs, w_layout="nk"),
       }
-      for c in configs(m, g, n, k, a.full):
+      if a.skip_xla:
+        del cands["xla_fp8"]
+      for c, ring in itertools.product(configs(m, g, n, k, a.full),
+                                       (False, True) if a.ring else (False,)):
         try:
           check_shapes(m, n, k, c)
         except ValueError:
           continue
-        lab = f"mosaic {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k} g{c.grid_minor}"
-        cands[lab] = (lambda c: lambda x8, w, xs, ws, gs: fp8_ragged_dot(
-            x8, w, xs, ws, gs, config=c))(c)
+        lab = (f"{'ring' if ring else 'mosaic'} {c.block_m}x{c.block_n} st{c.num_stages} "
+               f"sk{c.split_k} g{c.grid_minor}")
+        cands[lab] = (lambda c, ring: lambda x8, w, xs, ws, gs: fp8_ragged_dot(
+            x8, w, xs, ws, gs, config=c, ring=ring))(c, ring)
       times, errs = {}, {}
       for lab, fn in cands.items():
         (r,) = prof.measure_many([fn], (x8, w_nk, xs, ws, gs), reference=ref,
@@ -175,12 +193,16 @@ def main(argv=None):
       bf = {}
       for lab, fn in (("wt_bf16", lambda x, w, gs: wt.ragged_dot(x, w, gs)),
                       ("lax_bf16", lambda x, w, gs: lax.ragged_dot(x, w, gs))):
+        if a.skip_xla and lab == "lax_bf16":
+          bf[lab] = math.nan
+          continue
         (r,) = prof.measure_many([fn], (x_bf16, w_bf16, gs), reference=ref, tolerance=2e-2,
                                  out_bytes=m * n * 2)
         bf[lab] = r.median_us if r.status == "ok" else math.nan
         if r.status != "ok":
           errs[lab] = f"{r.status}: {(r.error or '')[:300]}"
-      mos = {lab: tm for lab, tm in times.items() if lab.startswith("mosaic") and tm == tm}
+      mos = {lab: tm for lab, tm in times.items()
+             if lab.startswith(("mosaic", "ring")) and tm == tm}
       best = min(mos, key=mos.get) if mos else None
       tflops = lambda us: 2 * m * n * k / us / 1e6
       row = {"weight": wname, "g": g, "k": k, "n": n, "tokens": t, "m": m,
@@ -188,10 +210,10 @@ def main(argv=None):
              "errors": errs, "best_mosaic": best}
       rows.append(row)
       line = (f"{wname:<18} T={t:<5} M={m:<6} bf16 wt {bf['wt_bf16']:8.1f} lax "
-              f"{bf['lax_bf16']:8.1f} | XLA fp8 {times['xla_fp8']:8.1f} | wt fp8 "
+              f"{bf['lax_bf16']:8.1f} | XLA fp8 {times.get('xla_fp8', math.nan):8.1f} | wt fp8 "
               f"{times['wt_fp8']:8.1f} us ({tflops(times['wt_fp8']):5.0f} TF/s): "
               f"{bf['wt_bf16'] / times['wt_fp8']:.2f}x bf16 wt, "
-              f"{times['xla_fp8'] / times['wt_fp8']:.2f}x XLA fp8")
+              f"{times.get('xla_fp8', math.nan) / times['wt_fp8']:.2f}x XLA fp8")
       print(line, flush=True)
       for lab, tm in mos.items():
         print(f"      {lab:<36} {tm:8.1f} us {tflops(tm):6.0f} TF/s", flush=True)

@@ -84,15 +84,17 @@ def test_quantize_expert_weights():
   assert float(err.max()) <= float(jnp.abs(w).max()) / 16
 
 
-@pytest.mark.parametrize("m,g,k,n,config", [
-    (4096, 8, 4096, 512, C(block_m=128, block_n=256, num_stages=3, grid_minor=2)),
-    (13, 64, 1408, 2048, C(block_m=64, block_n=256, num_stages=4, split_k=2))])
-def test_mosaic_fp8_kernel_lowers_for_cuda(m, g, k, n, config):
+@pytest.mark.parametrize("m,g,k,n,config,ring", [
+    (4096, 8, 4096, 512, C(block_m=128, block_n=256, num_stages=3, grid_minor=2), False),
+    (13, 64, 1408, 2048, C(block_m=64, block_n=256, num_stages=4, split_k=2), False),
+    (32768, 128, 768, 2048, C(block_m=128, block_n=256, num_stages=3, grid_minor=2), True),
+    (1003, 8, 1408, 448, C(block_m=64, block_n=256, num_stages=4, split_k=2), True)])
+def test_mosaic_fp8_kernel_lowers_for_cuda(m, g, k, n, config, ring):
   args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((g, n, k), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((m,), jnp.float32), jax.ShapeDtypeStruct((g, n), jnp.float32),
           jax.ShapeDtypeStruct((g,), jnp.int32))
-  f = lambda *a: fp8.fp8_ragged_dot(*a, config=config, num_sms=132)  # noqa: E731
+  f = lambda *a: fp8.fp8_ragged_dot(*a, config=config, num_sms=132, ring=ring)  # noqa: E731
   jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 

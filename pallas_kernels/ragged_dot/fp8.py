@@ -29,6 +29,12 @@ scales fetched with TMA per work item and applied to the fp32 tile in the
 epilogue. With ``split_k > 1`` each split writes its scaled fp32 partial
 (the scales are linear in the partial sums) and one XLA reduction sums them.
 
+``ring=True`` runs the bf16 kernel's own ring instead of Pallas's pipeline:
+one TMA ring through all of a CTA's work items, its slots counted across
+them, so the producer loads the next item's first K blocks while the
+consumers scale and store the last one (Pallas's pipeline drains the ring
+between items). It matters where an item has few K steps.
+
 Rows past ``sum(group_sizes)`` come out as zeros: their K loads lie past K
 (TMA fills zeros) and their row scales are set to 0 before the kernel, so a
 NaN there stays out.
@@ -50,12 +56,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import match_varying, out_struct, require_compute_capability
+from pallas_kernels._launch import (local_items, match_varying, out_struct,
+                                    require_compute_capability)
 from pallas_kernels.matmul import fp8 as dense
 from pallas_kernels.matmul.mosaic import M_MULTIPLE, persistent_kernel, wg_tile, wgmma_wait_delayed
 from pallas_kernels.ragged_dot import worklist
-from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, MosaicRaggedDotConfig, consumer_part,
-                                              decode_item, item_windows, store_rows)
+from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, PRODUCER_REGISTERS, MosaicRaggedDotConfig,
+                                              consumer_part, consumer_registers, decode_item,
+                                              item_windows, ring_consume, ring_produce,
+                                              store_rows)
 
 __all__ = ["BLOCK_K", "K_MULTIPLE", "TILES", "check_shapes", "fp8_ragged_dot", "smem_bytes"]
 
@@ -96,7 +105,8 @@ def check_shapes(m: int, n: int, k: int, config: MosaicRaggedDotConfig) -> None:
 
 def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: jax.Array,
                    group_sizes: jax.Array, *, config: MosaicRaggedDotConfig,
-                   out_dtype=jnp.bfloat16, num_sms: int | None = None) -> jax.Array:
+                   out_dtype=jnp.bfloat16, num_sms: int | None = None,
+                   ring: bool = False) -> jax.Array:
   """The W8A8-FP8 grouped GEMM (Hopper only; module doc).
 
   Args:
@@ -109,6 +119,8 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: ja
     config: launch parameters (:class:`MosaicRaggedDotConfig`), used as given.
     out_dtype: bfloat16, float16 or float32.
     num_sms: CTAs of the persistent grid (default: the default device's SMs).
+    ring: run the kernel's own TMA ring through all of a CTA's work items
+      (module doc) instead of Pallas's pipeline, which drains between items.
 
   Raises:
     ValueError: bad shapes or dtypes, shapes the kernel does not run, or no
@@ -136,11 +148,11 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: ja
                                              "use the XLA config").core_count)
   return _ragged_dot(x, w, x_scales.astype(jnp.float32), w_scales.astype(jnp.float32),
                      group_sizes.astype(jnp.int32), config=config, out_dtype=out_dtype,
-                     num_sms=int(num_sms))
+                     num_sms=int(num_sms), ring=bool(ring))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
-def _ragged_dot(x, w, xs, ws, group_sizes, *, config, out_dtype, num_sms):
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms", "ring"))
+def _ragged_dot(x, w, xs, ws, group_sizes, *, config, out_dtype, num_sms, ring=False):
   m, k = x.shape
   group_sizes = worklist.clip_sizes(group_sizes, m)
   tasks, count = worklist.row_tasks(
@@ -154,13 +166,13 @@ def _ragged_dot(x, w, xs, ws, group_sizes, *, config, out_dtype, num_sms):
     xs = jnp.pad(xs, (0, pad))
   if config.split_k == 1:
     return _kernel_call(tasks, count, x, w, xs, ws, m=m, config=config, out_dtype=out_dtype,
-                        num_sms=num_sms)
+                        num_sms=num_sms, ring=ring)
   partials = _kernel_call(tasks, count, x, w, xs, ws, m=m, config=config,
-                          out_dtype=jnp.dtype(jnp.float32), num_sms=num_sms)
+                          out_dtype=jnp.dtype(jnp.float32), num_sms=num_sms, ring=ring)
   return partials.sum(axis=0).astype(out_dtype)
 
 
-def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
+def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms, ring):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -173,11 +185,48 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
   split_len = steps * BLOCK_K
   past_k = sk * split_len  # K offset of the tail tasks: every load is past K
   n_tasks = tasks.shape[1]
+  ctas = min(num_sms, n_tasks * tiles_n * sk)
 
   out_swizzle = 128
   out_elems = out_swizzle // out_dtype.itemsize
   # One row per tile: a store may start at any row of the tile.
   out_transforms = (plgpu.TilingTransform((1, out_elems)), plgpu.SwizzleTransform(out_swizzle))
+
+  def fetch_scales(xs_gmem, ws_gmem, row_smem, col_smem, scale_bars, wg, row, expert, col0):
+    """Consumer ``wg``'s row and column scales of a work item, by TMA."""
+    plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(row, wm)], row_smem.at[wg], scale_bars.at[2 * wg])
+    plgpu.copy_gmem_to_smem(ws_gmem.at[expert, pl.ds(col0, wn)], col_smem.at[wg],
+                            scale_bars.at[2 * wg + 1])
+
+  def epilogue(acc_ref, wg, out_smem, row_smem, col_smem, scale_bars, out_ref, row0, base, lo,
+               rows, col0):
+    """Consumer ``wg``'s finished fp32 tile, scaled by its row and column
+    scales (:func:`fetch_scales`), stored to its valid rows."""
+    plgpu.barrier_wait(scale_bars.at[2 * wg])
+    plgpu.barrier_wait(scale_bars.at[2 * wg + 1])
+    row_s = plgpu.load(row_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+    row_s = lax.broadcast_in_dim(row_s, (wm, out_elems), [0])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    # Column slices one swizzle wide (64 bf16, 32 fp32), one row per
+    # tile: a store may start at any row.
+    for j in range(wn // out_elems):
+      cols = pl.ds(j * out_elems, out_elems)
+      col_s = plgpu.load(col_smem.at[wg, cols], (), layout=plgpu.Layout.WGMMA.reduce(0))
+      acc = acc_ref[:, j * out_elems:(j + 1) * out_elems]
+      acc = acc * row_s * lax.broadcast_in_dim(col_s, (wm, out_elems), [1])
+      out_smem[wg, j] = acc.astype(out_dtype)
+    plgpu.commit_smem()
+    store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0)
+
+  def epilogue_scratch():
+    """Shared memory of the epilogue: each consumer's output tile (column
+    slices one swizzle wide, one row per swizzle tile), scales and their
+    barriers."""
+    return dict(out_smem=plgpu.SMEM((2, wn // out_elems, wm, out_elems), out_dtype,
+                                    transforms=out_transforms),
+                row_smem=plgpu.SMEM((2, wm), jnp.float32),
+                col_smem=plgpu.SMEM((2, wn), jnp.float32),
+                scale_bars=plgpu.Barrier(num_barriers=4))
 
   def get_pipeline(body, compute_context):
     return dense.operand_pipeline(body, compute_context, block_m=bm, block_n=bn, steps=steps,
@@ -189,11 +238,7 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
-        out_smem=plgpu.SMEM((2, wn // out_elems, wm, out_elems), out_dtype,
-                            transforms=out_transforms),
-        row_smem=plgpu.SMEM((2, wm), jnp.float32),
-        col_smem=plgpu.SMEM((2, wn), jnp.float32),
-        scale_bars=plgpu.Barrier(num_barriers=4),
+        **epilogue_scratch(),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs, out_smem, row_smem, col_smem, scale_bars):
@@ -215,31 +260,15 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
 
         def compute_context(eval_pipeline):
           # Fetch this consumer's scales while its K loop runs.
-          plgpu.copy_gmem_to_smem(xs_gmem.at[pl.ds(row0 + base, wm)], row_smem.at[wg],
-                                  scale_bars.at[2 * wg])
-          plgpu.copy_gmem_to_smem(ws_gmem.at[expert, pl.ds(col0, wn)], col_smem.at[wg],
-                                  scale_bars.at[2 * wg + 1])
+          fetch_scales(xs_gmem, ws_gmem, row_smem, col_smem, scale_bars, wg, row0 + base,
+                       expert, col0)
 
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
           def _acc_scope(acc_ref):
             eval_pipeline(acc_ref)
             plgpu.wgmma_wait(0)
-            plgpu.barrier_wait(scale_bars.at[2 * wg])
-            plgpu.barrier_wait(scale_bars.at[2 * wg + 1])
-            row_s = plgpu.load(row_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
-            row_s = lax.broadcast_in_dim(row_s, (wm, out_elems), [0])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            # Column slices one swizzle wide (64 bf16, 32 fp32), one row per
-            # tile: a store may start at any row.
-            for j in range(wn // out_elems):
-              cols = pl.ds(j * out_elems, out_elems)
-              col_s = plgpu.load(col_smem.at[wg, cols], (),
-                                 layout=plgpu.Layout.WGMMA.reduce(0))
-              acc = acc_ref[:, j * out_elems:(j + 1) * out_elems]
-              acc = acc * row_s * lax.broadcast_in_dim(col_s, (wm, out_elems), [1])
-              out_smem[wg, j] = acc.astype(out_dtype)
-            plgpu.commit_smem()
-            store_rows(out_smem, wg, out_ref, row0, base, lo, rows, col0)
+            epilogue(acc_ref, wg, out_smem, row_smem, col_smem, scale_bars, out_ref, row0,
+                     base, lo, rows, col0)
 
         def mma_body(idx, x_smem, w_smem, acc_ref):
           plgpu.wgmma(acc_ref, x_smem.at[wg_m],
@@ -255,7 +284,93 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms):
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+  def ring_kernel(tasks_gmem, count_gmem, x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem):
+    """``ring``: one TMA ring through all of this CTA's work items (items
+    ``cta``, ``cta + ctas``, ...), its slots counted across them
+    (:func:`~pallas_kernels.ragged_dot.mosaic.ring_consume` and
+    :func:`~pallas_kernels.ragged_dot.mosaic.ring_produce`): the producer
+    loads the next item's first blocks while the consumers scale and store
+    the last one."""
+    stages = config.num_stages
+    transforms = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
+
+    @functools.partial(
+        pl.run_scoped,
+        x_smem=plgpu.SMEM((stages, bm, BLOCK_K), x_gmem.dtype, transforms=transforms),
+        w_smem=plgpu.SMEM((stages, bn, BLOCK_K), w_gmem.dtype, transforms=transforms),
+        x_ready=plgpu.Barrier(num_barriers=stages),
+        w_ready=plgpu.Barrier(num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        **epilogue_scratch(),
+        collective_axes="wg",
+    )
+    def _scope(x_smem, w_smem, x_ready, w_ready, consumed, out_smem, row_smem, col_smem,
+               scale_bars):
+      wg = lax.axis_index("wg")
+      cta = lax.axis_index("sm")
+      count = count_gmem[0]
+      per_split = count * tiles_n
+      n_local = local_items(cta, per_split * sk, ctas)
+
+      def item(i):
+        it = decode_item(cta + i * ctas, per_split, count, tasks_gmem, tiles_n=tiles_n,
+                         grid_minor=config.grid_minor, groups=groups, past_k=past_k,
+                         split_len=split_len)
+        return it, item_windows(it.row0, it.ni, it.k0, it.split, out_gmem, block_m=bm,
+                                block_n=bn, split_len=split_len, split_k=sk)
+
+      @pl.when(wg < 2)
+      def _consumers():
+        plgpu.set_max_registers(consumer_registers(2), action="increase")
+
+        def run_item(i, g):
+          it, (_, _, _, out_ref) = item(i)
+          wg_m, w_rows, base, lo, rows, col0 = consumer_part(wg, it.ni, it.start, it.size,
+                                                             block_n=bn, wg_tile=(wm, wn))
+          # This consumer's scales arrive while its K loop runs.
+          fetch_scales(xs_gmem, ws_gmem, row_smem, col_smem, scale_bars, wg, it.row0 + base,
+                       it.expert, col0)
+          x_ring, w_ring = x_smem.at[:, wg_m], w_smem.at[:, w_rows]
+
+          def wait_ready(slot):
+            plgpu.barrier_wait(x_ready.at[slot])
+            plgpu.barrier_wait(w_ready.at[slot])
+
+          def mma(acc_ref, slot):
+            plgpu.wgmma(acc_ref, x_ring.at[slot], plgpu.transpose_ref(w_ring.at[slot], (1, 0)))
+
+          def tile(acc_ref):
+            ring_consume(acc_ref, g, steps=steps, stages=stages, wait_ready=wait_ready,
+                         mma=mma, consumed=consumed, hold=True)
+            epilogue(acc_ref, wg, out_smem, row_smem, col_smem, scale_bars, out_ref, it.row0,
+                     base, lo, rows, col0)
+
+          pl.run_scoped(tile, plgpu.ACC((wm, wn), jnp.float32))
+          return g + steps
+
+        lax.fori_loop(0, n_local, run_item, jnp.int32(0))
+
+      @pl.when(wg == 2)
+      def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+        def item_loads(i):
+          it, (m_slice, n_slice, _, _) = item(i)
+
+          def load(kk, slot):
+            k_slice = pl.ds(it.k0 + kk * BLOCK_K, BLOCK_K)
+            plgpu.copy_gmem_to_smem(x_gmem.at[m_slice, k_slice], x_smem.at[slot],
+                                    x_ready.at[slot])
+            plgpu.copy_gmem_to_smem(w_gmem.at[it.expert, n_slice, k_slice], w_smem.at[slot],
+                                    w_ready.at[slot])
+          return load
+
+        ring_produce(n_local, steps=steps, stages=stages, consumed=consumed,
+                     item_loads=item_loads)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
   out_shape = (sk, m, n) if sk > 1 else (m, n)
   arrays, axes = match_varying(tasks, count, x, w, xs, ws)
-  return persistent_kernel(kernel, out_struct(out_shape, out_dtype, axes),
-                           min(num_sms, n_tasks * tiles_n * sk))(*arrays)
+  return persistent_kernel(ring_kernel if ring else kernel,
+                           out_struct(out_shape, out_dtype, axes), ctas)(*arrays)

@@ -77,7 +77,9 @@ BLOCK_K = gemm.BLOCK_K
 NK_MULTIPLE = gemm.NK_MULTIPLE
 M_MULTIPLE = gemm.M_MULTIPLE
 _BARRIER_BYTES = 1024
-_PRODUCER_REGISTERS = 40
+#: Registers a thread of the producer warpgroup keeps (the rest go to the
+#: consumers: :func:`consumer_registers`).
+PRODUCER_REGISTERS = 40
 #: Work orders (``MosaicRaggedDotConfig.grid_minor``).
 ORDERS = (0, 1, 2)
 #: ``grid_minor`` 2: the rows of one band of an expert's tasks take at
@@ -306,6 +308,12 @@ def out_staging(block_m: int, block_n: int, out_itemsize: int, out_slots: int = 
   slices = _out_slices(wn, out_itemsize)
   return (consumers(block_m) * min(slices, out_slots or slices) * wm * (wn // slices)
           * out_itemsize)
+
+
+def consumer_registers(n_cons: int) -> int:
+  """Registers a consumer thread takes: those the producer leaves, shared by
+  the ``n_cons`` consumer warpgroups (as the GEMM's pipeline)."""
+  return min(256, (512 - PRODUCER_REGISTERS) // n_cons) // 8 * 8
 
 
 def consumers(block_m: int) -> int:
@@ -669,7 +677,6 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
       # Items cta, cta + ctas, ... below the count (none where the count is
       # below the CTAs).
       n_local = local_items(cta, per_split * sk, ctas)
-      stages_ = jnp.int32(stages)
 
       def item(i):
         it = decode_item(cta + i * ctas, per_split, count, tasks_gmem, tiles_n=tiles_n,
@@ -685,34 +692,15 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
 
       def mma_steps(acc_ref, g, ready, x_ring, w_ring, *, hold: bool):
         """One item's K steps from ring step ``g`` (ready barriers from
-        ``ready``): a wgmma a step into ``acc_ref``; ``hold`` keeps one in
-        flight (a slot is released one step late), else each is waited
-        for and its slot released."""
-        def step(kk, carry):
-          slot = lax.rem(g + kk, stages_)
-          wait_ready(ready, slot)
-          plgpu.wgmma(acc_ref, x_ring.at[slot], w_ring.at[slot])
-          if not hold:
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(consumed.at[slot])
-            return carry
-          plgpu.wgmma_wait(1)
-
-          @pl.when(kk > 0)
-          def _release():
-            plgpu.barrier_arrive(consumed.at[lax.rem(g + kk - 1, stages_)])
-          return carry
-
-        lax.fori_loop(0, steps, step, None)
-        if hold:
-          plgpu.wgmma_wait(0)
-          plgpu.barrier_arrive(consumed.at[lax.rem(g + steps - 1, stages_)])
+        ``ready``; :func:`ring_consume`)."""
+        ring_consume(acc_ref, g, steps=steps, stages=stages, consumed=consumed, hold=hold,
+                     wait_ready=lambda slot: wait_ready(ready, slot),
+                     mma=lambda acc, slot: plgpu.wgmma(acc, x_ring.at[slot], w_ring.at[slot]))
 
       @pl.when(wg < n_cons)
       def _consumers():
         # The registers the producer leaves, shared (as the GEMM's pipeline).
-        plgpu.set_max_registers(min(256, (512 - _PRODUCER_REGISTERS) // n_cons) // 8 * 8,
-                                action="increase")
+        plgpu.set_max_registers(consumer_registers(n_cons), action="increase")
         emit = make_emit(out_smem, wg)
 
         def run_item(i, g):
@@ -753,31 +741,23 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
 
       @pl.when(wg == n_cons)
       def _producer():
-        plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-        def stream_item(i, g):
+        def item_loads(i):
           it, (m_slice, n_slice, _, _) = item(i)
           # The ready barriers of the warpgroup that runs the item.
           ready = lax.rem(i, 2) * stages if pp else 0
 
-          def step(kk, carry):
-            slot = lax.rem(g + kk, stages_)
-
-            @pl.when(g + kk >= stages)
-            def _wait():
-              plgpu.barrier_wait(consumed.at[slot])
-
+          def load(kk, slot):
             k_slice = pl.ds(it.k0 + kk * BLOCK_K, BLOCK_K)
             plgpu.copy_gmem_to_smem(x_gmem.at[m_slice, k_slice], x_smem.at[slot],
                                     x_ready.at[ready + slot])
             plgpu.copy_gmem_to_smem(w_gmem.at[it.expert, k_slice, n_slice], w_smem.at[slot],
                                     w_ready.at[ready + slot])
-            return carry
+          return load
 
-          lax.fori_loop(0, steps, step, None)
-          return g + steps
-
-        lax.fori_loop(0, n_local, stream_item, jnp.int32(0))
+        ring_produce(n_local, steps=steps, stages=stages, consumed=consumed,
+                     item_loads=item_loads)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -790,6 +770,70 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
     return gemm.persistent_kernel(ring_kernel, out_type, ctas,
                                   num_threads=consumers(bm) + 1)(tasks, count, x, w)
   return gemm.persistent_kernel(kernel, out_type, ctas, cluster=cm)(tasks, count, x, w)
+
+
+def ring_consume(acc_ref, g, *, steps: int, stages: int, wait_ready, mma, consumed,
+                 hold: bool) -> None:
+  """A consumer warpgroup's K steps of one work item on a TMA ring of
+  ``stages`` slots, from ring step ``g`` (the steps of the items before):
+  per step ``wait_ready(slot)`` (the slot's ready barriers), ``mma(acc_ref,
+  slot)`` (its wgmma), and the slot's ``consumed`` barrier arrived on once
+  the wgmma is done. ``hold`` keeps one wgmma in flight (a slot is released
+  one step late, the last at the end), else each is waited for."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  stages_ = jnp.int32(stages)
+
+  def step(kk, carry):
+    slot = lax.rem(g + kk, stages_)
+    wait_ready(slot)
+    mma(acc_ref, slot)
+    if not hold:
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(consumed.at[slot])
+      return carry
+    plgpu.wgmma_wait(1)
+
+    @pl.when(kk > 0)
+    def _release():
+      plgpu.barrier_arrive(consumed.at[lax.rem(g + kk - 1, stages_)])
+    return carry
+
+  lax.fori_loop(0, steps, step, None)
+  if hold:
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(consumed.at[lax.rem(g + steps - 1, stages_)])
+
+
+def ring_produce(n_local, *, steps: int, stages: int, consumed, item_loads) -> None:
+  """The producer warpgroup of a TMA ring of ``stages`` slots through
+  ``n_local`` work items of ``steps`` K steps each, slots counted across the
+  items: ``item_loads(i)`` returns ``load(kk, slot)``, which issues item
+  ``i``'s K block ``kk`` into ``slot`` (its TMA copies and ready barriers);
+  a slot is refilled once its ``consumed`` barrier says the consumers are
+  done with it, so the next item's first blocks stream while the consumers
+  finish the last one."""
+  import jax.experimental.pallas as pl
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  stages_ = jnp.int32(stages)
+
+  def stream_item(i, g):
+    load = item_loads(i)
+
+    def step(kk, carry):
+      slot = lax.rem(g + kk, stages_)
+
+      @pl.when(g + kk >= stages)
+      def _wait():
+        plgpu.barrier_wait(consumed.at[slot])
+
+      load(kk, slot)
+      return carry
+
+    lax.fori_loop(0, steps, step, None)
+    return g + steps
+
+  lax.fori_loop(0, n_local, stream_item, jnp.int32(0))
 
 
 #: Pieces of one CTA's stream-K range: a piece of an item begun before, a
