@@ -29,11 +29,12 @@ scales fetched with TMA per work item and applied to the fp32 tile in the
 epilogue. With ``split_k > 1`` each split writes its scaled fp32 partial
 (the scales are linear in the partial sums) and one XLA reduction sums them.
 
-``ring=True`` runs the bf16 kernel's own ring instead of Pallas's pipeline:
-one TMA ring through all of a CTA's work items, its slots counted across
-them, so the producer loads the next item's first K blocks while the
-consumers scale and store the last one (Pallas's pipeline drains the ring
-between items). It matters where an item has few K steps.
+By default (``ring=True``) the K blocks stream through the bf16 kernel's
+own ring, not Pallas's pipeline: one TMA ring through all of a CTA's work
+items, its slots counted across them, so the producer loads the next item's
+first K blocks while the consumers scale and store the last one (Pallas's
+pipeline drains the ring between items). It matters most where an item has
+few K steps.
 
 Rows past ``sum(group_sizes)`` come out as zeros: their K loads lie past K
 (TMA fills zeros) and their row scales are set to 0 before the kernel, so a
@@ -106,7 +107,7 @@ def check_shapes(m: int, n: int, k: int, config: MosaicRaggedDotConfig) -> None:
 def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: jax.Array,
                    group_sizes: jax.Array, *, config: MosaicRaggedDotConfig,
                    out_dtype=jnp.bfloat16, num_sms: int | None = None,
-                   ring: bool = False) -> jax.Array:
+                   ring: bool = True) -> jax.Array:
   """The W8A8-FP8 grouped GEMM (Hopper only; module doc).
 
   Args:
@@ -120,7 +121,7 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: ja
     out_dtype: bfloat16, float16 or float32.
     num_sms: CTAs of the persistent grid (default: the default device's SMs).
     ring: run the kernel's own TMA ring through all of a CTA's work items
-      (module doc) instead of Pallas's pipeline, which drains between items.
+      (module doc); False: Pallas's pipeline, which drains between items.
 
   Raises:
     ValueError: bad shapes or dtypes, shapes the kernel does not run, or no
@@ -152,7 +153,7 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: ja
 
 
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms", "ring"))
-def _ragged_dot(x, w, xs, ws, group_sizes, *, config, out_dtype, num_sms, ring=False):
+def _ragged_dot(x, w, xs, ws, group_sizes, *, config, out_dtype, num_sms, ring=True):
   m, k = x.shape
   group_sizes = worklist.clip_sizes(group_sizes, m)
   tasks, count = worklist.row_tasks(
