@@ -23,7 +23,8 @@ holding NaN in ``x`` and ``x_scales`` (must come out zero), float32 output
 with and without split-K, each on all SMs and on 7 CTAs.
 
     PYTHONPATH=. python3 benchmarks/fp8_ragged_dot.py [--quick] [--weights a,b]
-        [--tokens 16 256 ...] [--ring] [--skip-xla] [--json out.json]
+        [--tokens 16 256 ...] [--ring] [--rule-only] [--skip-xla]
+        [--json out.json]
     PYTHONPATH=. python3 benchmarks/fp8_ragged_dot.py --edge [--ring]
 """
 
@@ -135,6 +136,7 @@ def main(argv=None):
   ap.add_argument("--edge", action="store_true", help="check the edge paths (no timing)")
   ap.add_argument("--ring", action="store_true",
                   help="also run every config on the kernel's own ring (ring=True)")
+  ap.add_argument("--rule-only", action="store_true", help="time the rule's config only")
   ap.add_argument("--skip-xla", action="store_true",
                   help="leave out XLA's FP8 ragged dot and bf16 lax.ragged_dot (slow)")
   a = ap.parse_args(argv)
@@ -173,7 +175,8 @@ def main(argv=None):
       }
       if a.skip_xla:
         del cands["xla_fp8"]
-      for c, ring in itertools.product(configs(m, g, n, k, a.full),
+      cfgs = configs(m, g, n, k, a.full)
+      for c, ring in itertools.product(cfgs[:1] if a.rule_only else cfgs,
                                        (False, True) if a.ring else (False,)):
         try:
           check_shapes(m, n, k, c)

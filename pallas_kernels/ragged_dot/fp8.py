@@ -29,12 +29,12 @@ scales fetched with TMA per work item and applied to the fp32 tile in the
 epilogue. With ``split_k > 1`` each split writes its scaled fp32 partial
 (the scales are linear in the partial sums) and one XLA reduction sums them.
 
-By default (``ring=True``) the K blocks stream through the bf16 kernel's
-own ring, not Pallas's pipeline: one TMA ring through all of a CTA's work
-items, its slots counted across them, so the producer loads the next item's
-first K blocks while the consumers scale and store the last one (Pallas's
-pipeline drains the ring between items). It matters most where an item has
-few K steps.
+Where a split has few K steps (at most :data:`RING_MAX_STEPS`), the K
+blocks stream through the bf16 kernel's own ring, not Pallas's pipeline:
+one TMA ring through all of a CTA's work items, its slots counted across
+them, so the producer loads the next item's first K blocks while the
+consumers scale and store the last one (Pallas's pipeline drains the ring
+between items). ``ring`` chooses either.
 
 Rows past ``sum(group_sizes)`` come out as zeros: their K loads lie past K
 (TMA fills zeros) and their row scales are set to 0 before the kernel, so a
@@ -67,7 +67,8 @@ from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, PRODUCER_REGISTERS, Mo
                                               item_windows, ring_consume, ring_produce,
                                               store_rows)
 
-__all__ = ["BLOCK_K", "K_MULTIPLE", "TILES", "check_shapes", "fp8_ragged_dot", "smem_bytes"]
+__all__ = ["BLOCK_K", "K_MULTIPLE", "RING_MAX_STEPS", "TILES", "check_shapes", "fp8_ragged_dot",
+           "smem_bytes"]
 
 BLOCK_K = dense.BLOCK_K
 #: K must be a multiple of this (TMA tiles global memory like shared memory).
@@ -75,6 +76,12 @@ K_MULTIPLE = BLOCK_K
 #: CTA tiles the kernel runs.
 TILES = ((64, 128), (64, 256), (128, 128), (128, 256), (256, 128))
 _BARRIER_BYTES = 1024
+#: ``ring=None`` runs the kernel's own ring where a split has at most this
+#: many K steps of 128, else Pallas's pipeline. On an H200
+#: (``benchmarks/fp8_ragged_dot.py --ring``): at 6-16 steps and 1,024-4,096
+#: tokens the ring ran 1.007-1.191x the pipeline on all 40 config pairs; at
+#: 32 and 112 steps (Mixtral-8x7B's experts) at 4,096 tokens down to 0.906x.
+RING_MAX_STEPS = 16
 NO_INTERPRET = ("the Mosaic GPU FP8 grouped GEMM has no CPU interpret mode; its correctness "
                 "is checked on a Hopper GPU (benchmarks/fp8_ragged_dot.py compares every "
                 "config with the float32 product of the dequantized operands)")
@@ -107,7 +114,7 @@ def check_shapes(m: int, n: int, k: int, config: MosaicRaggedDotConfig) -> None:
 def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: jax.Array,
                    group_sizes: jax.Array, *, config: MosaicRaggedDotConfig,
                    out_dtype=jnp.bfloat16, num_sms: int | None = None,
-                   ring: bool = True) -> jax.Array:
+                   ring: bool | None = None) -> jax.Array:
   """The W8A8-FP8 grouped GEMM (Hopper only; module doc).
 
   Args:
@@ -120,8 +127,10 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: ja
     config: launch parameters (:class:`MosaicRaggedDotConfig`), used as given.
     out_dtype: bfloat16, float16 or float32.
     num_sms: CTAs of the persistent grid (default: the default device's SMs).
-    ring: run the kernel's own TMA ring through all of a CTA's work items
-      (module doc); False: Pallas's pipeline, which drains between items.
+    ring: True runs the kernel's own TMA ring through all of a CTA's work
+      items (module doc), False Pallas's pipeline, which drains between
+      items; None (default): the ring where a split has at most
+      :data:`RING_MAX_STEPS` K steps.
 
   Raises:
     ValueError: bad shapes or dtypes, shapes the kernel does not run, or no
@@ -144,6 +153,8 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: ja
     raise ValueError(f"the Mosaic GPU FP8 grouped GEMM writes bfloat16, float16 or float32; "
                      f"got {out_dtype.name}")
   check_shapes(m, n, k, config)
+  if ring is None:
+    ring = dense.k_steps(k, config.split_k) <= RING_MAX_STEPS
   if num_sms is None:
     num_sms = int(require_compute_capability("9.0", "Mosaic GPU FP8 grouped GEMM",
                                              "use the XLA config").core_count)
