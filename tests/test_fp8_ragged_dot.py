@@ -311,3 +311,66 @@ def test_weight_only_prefill_run_on_record():
     assert r["best_mosaic"] == f"mosaic {c.block_m}x{c.block_n} s{c.num_stages} k1 o2"
     mosaic = [v for lab, v in r["times"].items() if lab.startswith("mosaic")]
     assert len(mosaic) == 4 and max(mosaic) * 3.5 < r["times"]["xla"]
+
+
+def _ring_pairs(name, keep):
+  """``pipeline / ring`` time ratios (the ring's speed over the pipeline's)
+  of each config timed both ways in an H200 run of ``benchmarks/
+  fp8_ragged_dot.py --ring``, over the rows ``keep`` takes."""
+  out = []
+  for r in json.loads((DATA / name).read_text())["rows"]:
+    if keep(r):
+      t = r["times"]
+      out += [v / t["ring " + lab[7:]] for lab, v in t.items()
+              if lab.startswith("mosaic ") and v == v and t.get("ring " + lab[7:], 0) > 0]
+  return out
+
+
+def test_ring_runs_on_record_reproduce_the_docs():
+  """docs/results.md's ring-over-pipeline table and the op's speeds over bf16
+  ``wt.ragged_dot`` on an H200, from the committed runs; the ring's step
+  limit separates the K where it won from those where it lost."""
+  docs = (Path(__file__).parent.parent / "docs" / "results.md").read_text()
+  geo = lambda a: float(np.exp(np.mean(np.log(a))))  # noqa: E731
+  short = lambda r: r["k"] // fp8.BLOCK_K <= fp8.RING_MAX_STEPS  # noqa: E731
+  cases = [("fp8_ragged_dot_ring_h200.json", short, 40, "1.007-1.191x, geomean 1.072x"),
+           ("fp8_ragged_dot_ring_small_h200.json", short, 22, "0.968-1.075x, geomean 1.018x"),
+           ("fp8_ragged_dot_ring_small_h200.json", lambda r: not short(r), 32,
+            "0.956-1.124x, geomean 1.009x"),
+           ("fp8_ragged_dot_ring_mixtral_h200.json", lambda r: True, 20,
+            "0.906-1.048x, geomean 0.996x"),
+           ("fp8_ragged_dot_ring_mixtral_h200.json", lambda r: r["tokens"] == 4096, 10,
+            "0.906-1.048x, geomean 0.990x"),
+           ("fp8_ragged_dot_ring_rule_h200.json", short, 18, "1.005-1.094x, geomean 1.035x"),
+           ("fp8_ragged_dot_ring_rule_h200.json", lambda r: not short(r), 10,
+            "0.964-1.011x, geomean 0.989x")]
+  for name, keep, n, text in cases:
+    x = _ring_pairs(name, keep)
+    assert len(x) == n, name
+    assert f"{min(x):.3f}-{max(x):.3f}x, geomean {geo(x):.3f}x" == text, name
+    assert text in docs
+  # At most RING_MAX_STEPS steps the ring won every pair at >= 1,024 tokens.
+  assert min(_ring_pairs("fp8_ragged_dot_ring_h200.json", short)) > 1.0
+  # The op's speed over bf16 wt.ragged_dot (as shipped: the fourth run).
+  rows = json.loads((DATA / "fp8_ragged_dot_ring_rule_h200.json").read_text())["rows"]
+  assert len(rows) == 28
+  table = {}
+  for r in rows:
+    speed = r["bf16"]["wt_bf16"] / r["times"]["wt_fp8"]
+    table.setdefault(r["weight"], []).append(f"{speed:.2f}x")
+  section = docs[docs.index("### The FP8 grouped GEMM on its own ring, and on an H200"):]
+  for weight, cells in table.items():
+    line = next(ln for ln in section.splitlines() if ln.startswith(f"| {weight} ("))
+    assert line.rstrip(" |").split(" | ")[1:1 + len(cells)] == cells, weight
+  big = [r["bf16"]["wt_bf16"] / r["times"]["wt_fp8"] for r in rows if r["tokens"] >= 1024]
+  assert sum(v >= 1.5 for v in big) == 9 and len(big) == 10  # + DeepSeek w2 from run 1
+  assert min(r["bf16"]["wt_bf16"] / r["times"]["wt_fp8"] for r in rows) > 1.0
+  first = {(r["weight"], r["tokens"]): r for r in json.loads(
+      (DATA / "fp8_ragged_dot_ring_h200.json").read_text())["rows"]}
+  for tokens, speed in ((1024, "1.67x"), (4096, "1.58x")):
+    r = first[("deepseek_v2_lite.w2", tokens)]
+    assert f"{r['bf16']['wt_bf16'] / r['times']['ring 128x256 st3 sk1 g2']:.2f}x" == speed
+    assert f"({speed})" in docs
+  edge = (DATA / "fp8_ragged_dot_ring_edge_h200.txt").read_text()
+  assert (edge.count("\nok ") + edge.startswith("ok "), edge.count("skip "),
+          edge.count("FAIL")) == (32, 8, 0)
