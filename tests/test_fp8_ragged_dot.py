@@ -344,11 +344,15 @@ def test_ring_runs_on_record_reproduce_the_docs():
            ("fp8_ragged_dot_ring_rule_h200.json", short, 18, "1.005-1.094x, geomean 1.035x"),
            ("fp8_ragged_dot_ring_rule_h200.json", lambda r: not short(r), 10,
             "0.964-1.011x, geomean 0.989x")]
+  section = docs[docs.index("### The FP8 grouped GEMM on its own ring, and on an H200"):]
+  section = section[:section.index("\n### ")]
   for name, keep, n, text in cases:
     x = _ring_pairs(name, keep)
     assert len(x) == n, name
     assert f"{min(x):.3f}-{max(x):.3f}x, geomean {geo(x):.3f}x" == text, name
-    assert text in docs
+    assert text in section
+  # Past the limit (Mixtral's 32 and 112 steps) the ring lost on some pairs.
+  assert min(_ring_pairs("fp8_ragged_dot_ring_mixtral_h200.json", lambda r: True)) < 0.95
   # At most RING_MAX_STEPS steps the ring won every pair at >= 1,024 tokens.
   assert min(_ring_pairs("fp8_ragged_dot_ring_h200.json", short)) > 1.0
   # The op's speed over bf16 wt.ragged_dot (as shipped: the fourth run).
@@ -362,7 +366,6 @@ def test_ring_runs_on_record_reproduce_the_docs():
   assert [r["tokens"] for r in rest] == [1024, 4096]
   for r in rest:
     table[r["weight"]].append(f"{r['bf16']['wt_bf16'] / r['times']['wt_fp8']:.2f}x")
-  section = docs[docs.index("### The FP8 grouped GEMM on its own ring, and on an H200"):]
   for weight, cells in table.items():
     line = next(ln for ln in section.splitlines() if ln.startswith(f"| {weight} ("))
     assert line.rstrip(" |").split(" | ")[1:] == cells, weight
@@ -375,7 +378,8 @@ def test_ring_runs_on_record_reproduce_the_docs():
   assert len(x) == 8 and f"({min(x):.3f}-{max(x):.3f}x)" in section
   best = min(v for lab, v in full["times"].items() if lab.startswith(("ring", "mosaic")))
   assert best == full["times"]["ring 128x256 st3 sk1 g1"]
-  assert f"({best:.1f} us, {full['bf16']['wt_bf16'] / best:.2f}x" in section
+  assert (f"({best:.1f} us, {full['bf16']['wt_bf16'] / best:.2f}x against the "
+          f"{full['bf16']['wt_bf16']:.1f} us") in section
   edge = (DATA / "fp8_ragged_dot_ring_edge_h200.txt").read_text()
   assert (edge.count("\nok ") + edge.startswith("ok "), edge.count("skip "),
           edge.count("FAIL")) == (32, 8, 0)

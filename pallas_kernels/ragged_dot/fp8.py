@@ -164,7 +164,7 @@ def fp8_ragged_dot(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: ja
 
 
 @functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms", "ring"))
-def _ragged_dot(x, w, xs, ws, group_sizes, *, config, out_dtype, num_sms, ring=True):
+def _ragged_dot(x, w, xs, ws, group_sizes, *, config, out_dtype, num_sms, ring):
   m, k = x.shape
   group_sizes = worklist.clip_sizes(group_sizes, m)
   tasks, count = worklist.row_tasks(
