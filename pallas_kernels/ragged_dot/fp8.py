@@ -57,13 +57,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._launch import (local_items, match_varying, out_struct,
-                                    require_compute_capability)
+from pallas_kernels._launch import match_varying, out_struct, require_compute_capability
 from pallas_kernels.matmul import fp8 as dense
 from pallas_kernels.matmul.mosaic import M_MULTIPLE, persistent_kernel, wg_tile, wgmma_wait_delayed
 from pallas_kernels.ragged_dot import worklist
-from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, PRODUCER_REGISTERS, MosaicRaggedDotConfig,
-                                              consumer_part, consumer_registers, decode_item,
+from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, PRODUCER_REGISTERS,
+                                              MosaicRaggedDotConfig, consumer_part,
+                                              consumer_registers, cta_items, decode_item,
                                               item_windows, ring_consume, ring_produce,
                                               store_rows)
 
@@ -320,16 +320,10 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms, r
                scale_bars):
       wg = lax.axis_index("wg")
       cta = lax.axis_index("sm")
-      count = count_gmem[0]
-      per_split = count * tiles_n
-      n_local = local_items(cta, per_split * sk, ctas)
-
-      def item(i):
-        it = decode_item(cta + i * ctas, per_split, count, tasks_gmem, tiles_n=tiles_n,
-                         grid_minor=config.grid_minor, groups=groups, past_k=past_k,
-                         split_len=split_len)
-        return it, item_windows(it.row0, it.ni, it.k0, it.split, out_gmem, block_m=bm,
-                                block_n=bn, split_len=split_len, split_k=sk)
+      n_local, item = cta_items(cta, ctas, count_gmem[0], tasks_gmem, out_gmem,
+                                tiles_n=tiles_n, split_k=sk, grid_minor=config.grid_minor,
+                                groups=groups, past_k=past_k, split_len=split_len,
+                                block_m=bm, block_n=bn)
 
       @pl.when(wg < 2)
       def _consumers():

@@ -672,19 +672,10 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
     def _scope(x_smem, w_smem, out_smem, x_ready, w_ready, consumed):
       wg = lax.axis_index("wg")
       cta = lax.axis_index("sm")
-      count = count_gmem[0]
-      per_split = count * tiles_n
-      # Items cta, cta + ctas, ... below the count (none where the count is
-      # below the CTAs).
-      n_local = local_items(cta, per_split * sk, ctas)
-
-      def item(i):
-        it = decode_item(cta + i * ctas, per_split, count, tasks_gmem, tiles_n=tiles_n,
-                         grid_minor=config.grid_minor, groups=groups, past_k=past_k,
-                         split_len=split_len, band=band)
-        windows = item_windows(it.row0, it.ni, it.k0, it.split, out_gmem, block_m=bm,
-                               block_n=bn, split_len=split_len, split_k=sk)
-        return it, windows
+      n_local, item = cta_items(cta, ctas, count_gmem[0], tasks_gmem, out_gmem,
+                                tiles_n=tiles_n, split_k=sk, grid_minor=config.grid_minor,
+                                groups=groups, past_k=past_k, split_len=split_len,
+                                block_m=bm, block_n=bn, band=band)
 
       def wait_ready(ready, slot):
         plgpu.barrier_wait(x_ready.at[ready + slot])
@@ -770,6 +761,27 @@ def _kernel_call(tasks, count, x, w, *, m, config, out_dtype, num_sms, options):
     return gemm.persistent_kernel(ring_kernel, out_type, ctas,
                                   num_threads=consumers(bm) + 1)(tasks, count, x, w)
   return gemm.persistent_kernel(kernel, out_type, ctas, cluster=cm)(tasks, count, x, w)
+
+
+def cta_items(cta, ctas: int, count, tasks, out_gmem, *, tiles_n: int, split_k: int,
+              grid_minor: int, groups: int, past_k: int, split_len: int, block_m: int,
+              block_n: int, band: int = 0):
+  """The work items of CTA ``cta`` of ``ctas`` on a kernel's own ring (items
+  ``cta``, ``cta + ctas``, ... below ``count * tiles_n * split_k``):
+  ``(n_local, item)``, their number (0 where the items are fewer than the
+  CTAs) and ``item(i)``, its ``i``-th as ``(Item, windows)``
+  (:func:`decode_item`, :func:`item_windows`)."""
+  per_split = count * tiles_n
+  n_local = local_items(cta, per_split * split_k, ctas)
+
+  def item(i):
+    it = decode_item(cta + i * ctas, per_split, count, tasks, tiles_n=tiles_n,
+                     grid_minor=grid_minor, groups=groups, past_k=past_k,
+                     split_len=split_len, band=band)
+    return it, item_windows(it.row0, it.ni, it.k0, it.split, out_gmem, block_m=block_m,
+                            block_n=block_n, split_len=split_len, split_k=split_k)
+
+  return n_local, item
 
 
 def ring_consume(acc_ref, g, *, steps: int, stages: int, wait_ready, mma, consumed,
