@@ -10,10 +10,17 @@ checked first against the float32 product of the dequantized operands):
   operands with ``preferred_element_type=float32``, the scales after it,
   with the weight as ``[K, N]`` (``xla_fp8_kn``) and as ``[N, K]``
   (``xla_fp8_nk``, cuBLASLt's layout);
-* the Mosaic kernel (``pallas_kernels.matmul.fp8``) at a few configs.
+* the Mosaic kernel (``pallas_kernels.matmul.fp8``) at a few configs, as
+  ``fp8_matmul`` runs them (``mosaic``); with ``--ring`` each config both on
+  Pallas's pipeline (``pipe``) and on the kernel's own ring (``ring``).
 
     PYTHONPATH=. python3 benchmarks/fp8_gemm.py [--quick] [--full] [--weights NAMES]
-        [--m M ...] [--x-from-w] [--json out.json]
+        [--m M ...] [--ring] [--rule-only] [--x-from-w] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/fp8_gemm.py --edge
+
+``--edge`` checks the kernel's edge paths on both (ragged M and N, one row,
+K splits whose last runs past K, fp32 output, 7 CTAs walking many tiles)
+against the float32 reference and exits 1 on a failure.
 
 The rule's config (first) is the one ``wt.quantized_matmul`` runs on this GPU
 (its cost model scaled to the GPU's HBM bandwidth).
@@ -23,17 +30,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
+import sys
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels.matmul.fp8 import (HBM_TBS, check_shapes, fp8_matmul, heuristic_config,
-                                       k_steps, wave_split)
+                                       k_steps, smem_bytes, wave_split)
 from pallas_kernels.matmul.mosaic import MosaicMatmulConfig as C
-from wavetune_jax import quantize_rows
+from wavetune_jax import get_hardware, quantize_rows
 from wavetune_jax.core.hardware import device_key
 from wavetune_jax.tuning import profiler
 
@@ -90,6 +99,56 @@ def configs(m: int, n: int, k: int, full: bool, hbm_tbs: float | None = None):
   return res
 
 
+#: ``--edge``: (M, N, K) with M and N off the tiles, one row, and K of 6
+#: steps of 128 (a split of 4 runs its last split past K).
+EDGE_PROBLEMS = ((1000, 448, 768), (1, 320, 768), (136, 1088, 1280))
+EDGE_CONFIGS = (C(block_m=128, block_n=256, num_stages=3),
+                C(block_m=128, block_n=128, num_stages=5, grid_minor=0, grid_width=8),
+                C(block_m=64, block_n=256, num_stages=4, split_k=2),
+                C(block_m=64, block_n=128, num_stages=4, split_k=4),
+                C(block_m=256, block_n=128, num_stages=3),
+                C(block_m=128, block_n=192, num_stages=4))
+#: All SMs, and 7 CTAs (each walks many tiles: the ring's slots wrap across them).
+EDGE_CTAS = (None, 7)
+HOPPER_SMEM = get_hardware("h100").smem_per_block  # the H200 allows the same
+
+
+def edge_cases() -> int:
+  """Every edge config on Pallas's pipeline and on the ring, bf16 and fp32
+  output, all SMs and 7 CTAs, against the float32 reference; returns the
+  failures."""
+  fails = 0
+  for m, n, k in EDGE_PROBLEMS:
+    x8, xs = quantize_rows(jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32))
+    w8, ws = quantize_rows(jax.random.normal(jax.random.PRNGKey(n), (n, k), jnp.float32))
+    ref = lax.dot_general(x8.astype(jnp.float32), w8.astype(jnp.float32),
+                          (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
+    ref = ref * xs[:, None] * ws[None, :]
+    for c, out, ring, sms in itertools.product(EDGE_CONFIGS, (jnp.bfloat16, jnp.float32),
+                                               (False, True), EDGE_CTAS):
+      lab = (f"M={m} N={n} K={k} {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k} "
+             f"out={jnp.dtype(out).name} {'ring' if ring else 'pipe'}"
+             f"{f' on {sms} CTAs' if sms else ''}")
+      out_bytes = 4 if c.split_k > 1 else jnp.dtype(out).itemsize
+      try:
+        check_shapes(m, n, k, x8.dtype, w8.dtype, c)
+      except ValueError as e:
+        print(f"skip {lab}: {e}", flush=True)
+        continue
+      if smem_bytes(block_m=c.block_m, block_n=c.block_n, num_stages=c.num_stages,
+                    out_itemsize=out_bytes) > HOPPER_SMEM:
+        print(f"skip {lab}: does not fit shared memory", flush=True)
+        continue
+      y = fp8_matmul(x8, w8, xs, ws, config=c, out_dtype=out, ring=ring,
+                     num_sms=sms).astype(jnp.float32)
+      err = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+      ok = err < 2e-2 and bool(jnp.isfinite(y).all())
+      fails += not ok
+      print(f"{'ok ' if ok else 'FAIL'} {lab}: rel err {err:.2e}", flush=True)
+  print(f"{fails} failed", flush=True)
+  return fails
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true",
@@ -102,9 +161,17 @@ def main(argv=None):
   ap.add_argument("--m", type=int, nargs="+", help="rows (default: 16 64 256 2048 4096 8192)")
   ap.add_argument("--x-from-w", action="store_true",
                   help="x = the weight's first M rows (same-sign sums: an accuracy check)")
+  ap.add_argument("--ring", action="store_true",
+                  help="every config on Pallas's pipeline (pipe) and on the kernel's own ring")
+  ap.add_argument("--rule-only", action="store_true", help="the rule's config only")
+  ap.add_argument("--edge", action="store_true",
+                  help="check the edge cases on both (no timing); exit 1 on a failure")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
+  if a.edge:
+    print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+    return 1 if edge_cases() else 0
   prof = profiler.Profiler(iterations=a.iterations)
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__, flush=True)
@@ -148,15 +215,18 @@ def main(argv=None):
 
       cands = {"xla_fp8_nk": (xla_fp8(((1,), (1,))), w_nk),
                "xla_fp8_kn": (xla_fp8(((1,), (0,))), w_kn)}
-      for c in configs(m, n, k, a.full, HBM_TBS.get(device_key(dev.device_kind))):
+      cfgs = configs(m, n, k, a.full, HBM_TBS.get(device_key(dev.device_kind)))
+      for c, ring in itertools.product(cfgs[:1] if a.rule_only else cfgs,
+                                       (False, True) if a.ring else (None,)):
         try:
           check_shapes(m, n, k, x8.dtype, w_nk.dtype, c)
         except ValueError:
           continue
-        lab = (f"mosaic {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k} "
+        kind = {None: "mosaic", False: "pipe", True: "ring"}[ring]
+        lab = (f"{kind} {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k} "
                f"g{c.grid_minor}/{c.grid_width}")
-        cands[lab] = ((lambda c: lambda x8, w, xs, ws: fp8_matmul(x8, w, xs, ws, config=c))(c),
-                      w_nk)
+        cands[lab] = ((lambda c, ring: lambda x8, w, xs, ws: fp8_matmul(
+            x8, w, xs, ws, config=c, ring=ring))(c, ring), w_nk)
       times, errs, rel = {}, {}, {}
       for lab, (fn, wt) in cands.items():
         (r,) = prof.measure_many([fn], (x8, wt, xs, ws), reference=ref, tolerance=2e-2,
@@ -166,7 +236,8 @@ def main(argv=None):
         if r.status != "ok":
           errs[lab] = f"{r.status}: {(r.error or '')[:300]}"
       (bf,) = prof.measure_many([lambda x, wb: jnp.dot(x, wb)], (x_bf16, w_bf16))
-      mos = {lab: t for lab, t in times.items() if lab.startswith("mosaic") and t == t}
+      mos = {lab: t for lab, t in times.items()
+             if lab.startswith(("mosaic", "pipe", "ring")) and t == t}
       best = min(mos, key=mos.get) if mos else None
       tflops = lambda us: 2 * m * n * k / us / 1e6
       xla = min(times["xla_fp8_nk"], times["xla_fp8_kn"])
@@ -194,4 +265,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

@@ -82,12 +82,26 @@ def test_quantize_rows_and_a_transposed_weight():
     (16, 4096, 4096, C(block_m=64, block_n=128, num_stages=4, split_k=4)),
     (1000, 1536, 8960, C(block_m=128, block_n=128, num_stages=5)),
     (8, 2048, 1024, C(block_m=64, block_n=256, num_stages=4))])
-def test_mosaic_fp8_kernel_lowers_for_cuda(m, n, k, config):
+@pytest.mark.parametrize("ring", [False, True])
+def test_mosaic_fp8_kernel_lowers_for_cuda(m, n, k, config, ring):
   args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((n, k), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((m,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32))
-  f = lambda *a: fp8.fp8_matmul(*a, config=config, num_sms=132)  # noqa: E731
+  f = lambda *a: fp8.fp8_matmul(*a, config=config, num_sms=132, ring=ring)  # noqa: E731
   jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("k,split_k,want", [(1536, 1, True), (2048, 1, True), (2176, 1, False),
+                                            (14336, 8, True), (14336, 4, False)])
+def test_ring_by_default_up_to_its_step_limit(monkeypatch, k, split_k, want):
+  seen = {}
+  monkeypatch.setattr(fp8, "_matmul", lambda *a, ring, **kw: seen.setdefault("ring", ring))
+  x = jnp.zeros((16, k), jnp.float8_e4m3fn)
+  w = jnp.zeros((256, k), jnp.float8_e4m3fn)
+  fp8.fp8_matmul(x, w, jnp.ones(16), jnp.ones(256), num_sms=132,
+                 config=C(block_m=64, block_n=128, num_stages=4, split_k=split_k))
+  assert seen["ring"] is want
+  assert fp8.k_steps(k, split_k) <= fp8.RING_MAX_STEPS or not want
 
 
 def test_smem_estimate_covers_the_lowered_kernels():

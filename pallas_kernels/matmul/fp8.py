@@ -38,6 +38,13 @@ and 0.016 at 14,336, 7,168, 3,584 and 1,792 K per split, and XLA's FP8 dot
 16 rows). Promoting the accumulator to fp32 every few K blocks, as DeepGEMM
 does, is not done.
 
+Where a K split has few steps (at most :data:`RING_MAX_STEPS`), the blocks
+stream through one TMA ring across all of a CTA's work tiles (the grouped
+GEMM's ring, :func:`~pallas_kernels.ragged_dot.mosaic.ring_produce`), so the
+producer loads the next tile's first K blocks while the consumers scale and
+store the last one; Pallas's pipeline, used above that, drains between
+tiles. ``fp8_matmul(ring=...)`` chooses either.
+
 Requirements (:func:`check_shapes`): compute capability 9.0; ``K`` a multiple
 of 128 with at least two K steps of 128 per split; ``N`` a multiple of 64;
 ``M`` a multiple of 8 or below it; ``num_stages >= 3``.
@@ -53,9 +60,12 @@ from jax import lax
 
 from pallas_kernels.matmul.mosaic import (EPI_TILE, M_MULTIPLE, MosaicMatmulConfig, launch,
                                           store_tile, wg_tile, wgmma_wait_delayed, work_tile)
-from pallas_kernels._launch import require_compute_capability
+from pallas_kernels._launch import local_items, require_compute_capability
+from pallas_kernels.ragged_dot.mosaic import (PRODUCER_REGISTERS, consumer_registers,
+                                              ring_consume, ring_produce)
 
-__all__ = ["BLOCK_K", "DTYPES", "HBM_TBS", "RULE_TILES", "check_shapes", "estimate_us",
+__all__ = ["BLOCK_K", "DTYPES", "HBM_TBS", "RING_MAX_STEPS", "RULE_TILES", "check_shapes",
+           "estimate_us",
            "fp8_matmul", "heuristic_config", "k_steps", "operand_pipeline", "smem_bytes",
            "wave_split"]
 
@@ -67,6 +77,10 @@ BLOCK_K = 128
 N_MULTIPLE = 64
 _BARRIER_BYTES = 1024
 _MEMORY_REGISTERS = 40
+#: ``ring=None`` runs the kernel's own ring where a K split has at most this
+#: many steps of 128, else Pallas's pipeline (the FP8 grouped GEMM's limit,
+#: :data:`pallas_kernels.ragged_dot.fp8.RING_MAX_STEPS`, which it measured).
+RING_MAX_STEPS = 16
 
 
 def k_steps(k: int, split_k: int) -> int:
@@ -214,7 +228,7 @@ def operand_pipeline(body, compute_context, *, block_m: int, block_n: int, steps
 
 def fp8_matmul(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: jax.Array, *,
                config: MosaicMatmulConfig, out_dtype=jnp.bfloat16,
-               num_sms: int | None = None) -> jax.Array:
+               num_sms: int | None = None, ring: bool | None = None) -> jax.Array:
   """``(x @ w.T) * x_scales[:, None] * w_scales[None, :]`` on FP8 operands (Hopper only).
 
   Args:
@@ -225,6 +239,10 @@ def fp8_matmul(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: jax.Ar
     config: launch parameters (:class:`MosaicMatmulConfig`), used as given.
     out_dtype: bfloat16, float16 or float32.
     num_sms: CTAs of the persistent grid (default: the default device's SMs).
+    ring: True streams the K blocks through one TMA ring across all of a
+      CTA's work tiles (module doc), False through Pallas's pipeline, which
+      drains between tiles; None (default): the ring where a split has at
+      most :data:`RING_MAX_STEPS` K steps.
 
   Raises:
     ValueError: bad shapes or dtypes, shapes the kernel does not run, or no
@@ -241,22 +259,26 @@ def fp8_matmul(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: jax.Ar
                      f"{out_dtype.name}")
   (m, k), n = x.shape, w.shape[0]
   check_shapes(m, n, k, x.dtype, w.dtype, config)
+  if ring is None:
+    ring = k_steps(k, config.split_k) <= RING_MAX_STEPS
   if num_sms is None:
     num_sms = int(require_compute_capability("9.0", "Mosaic GPU FP8 GEMM",
                                              "use the XLA config").core_count)
   return _matmul(x, w, x_scales.astype(jnp.float32), w_scales.astype(jnp.float32),
-                 config=config, out_dtype=out_dtype, num_sms=int(num_sms))
+                 config=config, out_dtype=out_dtype, num_sms=int(num_sms), ring=bool(ring))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
-def _matmul(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms", "ring"))
+def _matmul(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms: int, ring: bool):
   if config.split_k == 1:
-    return _kernel_call(x, w, xs, ws, config=config, out_dtype=out_dtype, num_sms=num_sms)
-  acc = _kernel_call(x, w, xs, ws, config=config, out_dtype=None, num_sms=num_sms)
+    return _kernel_call(x, w, xs, ws, config=config, out_dtype=out_dtype, num_sms=num_sms,
+                        ring=ring)
+  acc = _kernel_call(x, w, xs, ws, config=config, out_dtype=None, num_sms=num_sms, ring=ring)
   return (acc.sum(axis=0) * xs[:, None] * ws[None, :]).astype(out_dtype)
 
 
-def _kernel_call(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
+def _kernel_call(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms: int,
+                 ring: bool):
   """The kernel; ``out_dtype=None`` writes unscaled fp32 partials ``[split_k, M, N]``."""
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -278,6 +300,38 @@ def _kernel_call(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms
   epi_m, epi_n = min(EPI_TILE, wm), min(EPI_TILE, wn)
   num_slots = min(2, (wm * wn) // (epi_m * epi_n))
 
+  def fetch_scales(xs_gmem, ws_gmem, row_smem, col_smem, scale_bars, wg, m_slice, n_slice,
+                   wg_m, wg_n):
+    """Consumer ``wg``'s row and column scales of a work tile, by TMA (none
+    for unscaled partials)."""
+    if scaled:
+      plgpu.copy_gmem_to_smem(xs_gmem.at[m_slice].at[wg_m], row_smem.at[wg],
+                              scale_bars.at[2 * wg])
+      plgpu.copy_gmem_to_smem(ws_gmem.at[n_slice].at[wg_n], col_smem.at[wg],
+                              scale_bars.at[2 * wg + 1])
+
+  def epilogue(acc_ref, wg, out_smem, row_smem, col_smem, scale_bars, dst):
+    """Consumer ``wg``'s finished fp32 tile, scaled by its scales
+    (:func:`fetch_scales`), cast and stored to ``dst``."""
+    acc = acc_ref[...]
+    if scaled:
+      plgpu.barrier_wait(scale_bars.at[2 * wg])
+      plgpu.barrier_wait(scale_bars.at[2 * wg + 1])
+      rows = plgpu.load(row_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
+      cols = plgpu.load(col_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(0))
+      acc = (acc * lax.broadcast_in_dim(rows, (wm, wn), [0])
+             * lax.broadcast_in_dim(cols, (wm, wn), [1]))
+    store_tile(acc.astype(out_dtype), out_smem, wg, dst, epi=(epi_m, epi_n))
+
+  def epilogue_scratch():
+    """Shared memory of the epilogue: each consumer's output slots, its
+    scales and their barriers."""
+    return dict(out_smem=plgpu.SMEM((2, num_slots, epi_m, epi_n), out_dtype,
+                                    transforms=out_transforms),
+                row_smem=plgpu.SMEM((2, wm), jnp.float32),
+                col_smem=plgpu.SMEM((2, wn), jnp.float32),
+                scale_bars=plgpu.Barrier(num_barriers=4))
+
   def get_pipeline(body, compute_context):
     return operand_pipeline(body, compute_context, block_m=bm, block_n=bn, steps=steps,
                             num_stages=config.num_stages)
@@ -288,11 +342,7 @@ def _kernel_call(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
-        out_smem=plgpu.SMEM((2, num_slots, epi_m, epi_n), out_dtype,
-                            transforms=out_transforms),
-        row_smem=plgpu.SMEM((2, wm), jnp.float32),
-        col_smem=plgpu.SMEM((2, wn), jnp.float32),
-        scale_bars=plgpu.Barrier(num_barriers=4),
+        **epilogue_scratch(),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs, out_smem, row_smem, col_smem, scale_bars):
@@ -309,26 +359,16 @@ def _kernel_call(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms
         w_rows = slice(None) if split_m else wg_n
 
         def compute_context(eval_pipeline):
-          if scaled:  # fetch the scales while the K loop runs
-            plgpu.copy_gmem_to_smem(xs_gmem.at[m_slice].at[wg_m], row_smem.at[wg],
-                                    scale_bars.at[2 * wg])
-            plgpu.copy_gmem_to_smem(ws_gmem.at[n_slice].at[wg_n], col_smem.at[wg],
-                                    scale_bars.at[2 * wg + 1])
+          # Fetch the scales while the K loop runs.
+          fetch_scales(xs_gmem, ws_gmem, row_smem, col_smem, scale_bars, wg, m_slice, n_slice,
+                       wg_m, wg_n)
 
           @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
           def _acc_scope(acc_ref):
             eval_pipeline(acc_ref)
             plgpu.wgmma_wait(0)
-            acc = acc_ref[...]
-            if scaled:
-              plgpu.barrier_wait(scale_bars.at[2 * wg])
-              plgpu.barrier_wait(scale_bars.at[2 * wg + 1])
-              rows = plgpu.load(row_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(1))
-              cols = plgpu.load(col_smem.at[wg], (), layout=plgpu.Layout.WGMMA.reduce(0))
-              acc = (acc * lax.broadcast_in_dim(rows, (wm, wn), [0])
-                     * lax.broadcast_in_dim(cols, (wm, wn), [1]))
-            store_tile(acc.astype(out_dtype), out_smem, wg,
-                       out_ref.at[m_slice, n_slice].at[wg_m, wg_n], epi=(epi_m, epi_n))
+            epilogue(acc_ref, wg, out_smem, row_smem, col_smem, scale_bars,
+                     out_ref.at[m_slice, n_slice].at[wg_m, wg_n])
 
         def mma_body(idx, x_smem, w_smem, acc_ref):
           plgpu.wgmma(acc_ref, x_smem.at[wg_m],
@@ -344,5 +384,86 @@ def _kernel_call(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  return launch(kernel, (x, w, xs, ws), out_shape=(m, n), split_k=sk, out_dtype=out_dtype,
-                work_tiles=tiles_m * tiles_n * sk, num_sms=num_sms)
+  ctas = min(num_sms, tiles_m * tiles_n * sk)
+
+  def ring_kernel(x_gmem, w_gmem, xs_gmem, ws_gmem, out_gmem):
+    """``ring``: one TMA ring through all of this CTA's work tiles (tiles
+    ``cta``, ``cta + ctas``, ... of the persistent grid's order), its slots
+    counted across them (:func:`~pallas_kernels.ragged_dot.mosaic.ring_consume`,
+    :func:`~pallas_kernels.ragged_dot.mosaic.ring_produce`)."""
+    stages = config.num_stages
+    transforms = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
+
+    @functools.partial(
+        pl.run_scoped,
+        x_smem=plgpu.SMEM((stages, bm, BLOCK_K), x_gmem.dtype, transforms=transforms),
+        w_smem=plgpu.SMEM((stages, bn, BLOCK_K), w_gmem.dtype, transforms=transforms),
+        x_ready=plgpu.Barrier(num_barriers=stages),
+        w_ready=plgpu.Barrier(num_barriers=stages),
+        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        **epilogue_scratch(),
+        collective_axes="wg",
+    )
+    def _scope(x_smem, w_smem, x_ready, w_ready, consumed, out_smem, row_smem, col_smem,
+               scale_bars):
+      wg = lax.axis_index("wg")
+      cta = lax.axis_index("sm")
+      n_local = local_items(cta, tiles_m * tiles_n * sk, ctas)
+
+      def item(i):
+        return work_tile(cta + i * ctas, wg, tiles=(tiles_m, tiles_n), config=config,
+                         split_len=split_len)
+
+      @pl.when(wg < 2)
+      def _consumers():
+        plgpu.set_max_registers(consumer_registers(2), action="increase")
+
+        def run_item(i, g):
+          split, m_slice, n_slice, _, wg_m, wg_n = item(i)
+          out_ref = out_gmem.at[split] if sk > 1 else out_gmem
+          # The scales arrive while the K loop runs.
+          fetch_scales(xs_gmem, ws_gmem, row_smem, col_smem, scale_bars, wg, m_slice, n_slice,
+                       wg_m, wg_n)
+          w_rows = slice(None) if split_m else wg_n
+          x_ring, w_ring = x_smem.at[:, wg_m], w_smem.at[:, w_rows]
+
+          def wait_ready(slot):
+            plgpu.barrier_wait(x_ready.at[slot])
+            plgpu.barrier_wait(w_ready.at[slot])
+
+          def mma(acc_ref, slot):
+            plgpu.wgmma(acc_ref, x_ring.at[slot], plgpu.transpose_ref(w_ring.at[slot], (1, 0)))
+
+          def tile(acc_ref):
+            ring_consume(acc_ref, g, steps=steps, stages=stages, wait_ready=wait_ready,
+                         mma=mma, consumed=consumed, hold=True)
+            epilogue(acc_ref, wg, out_smem, row_smem, col_smem, scale_bars,
+                     out_ref.at[m_slice, n_slice].at[wg_m, wg_n])
+
+          pl.run_scoped(tile, plgpu.ACC((wm, wn), jnp.float32))
+          return g + steps
+
+        lax.fori_loop(0, n_local, run_item, jnp.int32(0))
+
+      @pl.when(wg == 2)
+      def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+        def item_loads(i):
+          split, m_slice, n_slice, _, _, _ = item(i)
+
+          def load(kk, slot):
+            k_slice = pl.ds(split * split_len + kk * BLOCK_K, BLOCK_K)
+            plgpu.copy_gmem_to_smem(x_gmem.at[m_slice, k_slice], x_smem.at[slot],
+                                    x_ready.at[slot])
+            plgpu.copy_gmem_to_smem(w_gmem.at[n_slice, k_slice], w_smem.at[slot],
+                                    w_ready.at[slot])
+          return load
+
+        ring_produce(n_local, steps=steps, stages=stages, consumed=consumed,
+                     item_loads=item_loads)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return launch(ring_kernel if ring else kernel, (x, w, xs, ws), out_shape=(m, n), split_k=sk,
+                out_dtype=out_dtype, work_tiles=tiles_m * tiles_n * sk, num_sms=num_sms)
