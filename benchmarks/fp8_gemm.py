@@ -16,6 +16,11 @@ checked first against the float32 product of the dequantized operands):
 
     PYTHONPATH=. python3 benchmarks/fp8_gemm.py [--quick] [--full] [--weights NAMES]
         [--m M ...] [--ring] [--rule-only] [--x-from-w] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/fp8_gemm.py --shapes 768,6144,4096 ... --rule-set [--json out.json]
+
+``--shapes`` runs ``M,N,K`` problems of no named weight; ``--rule-set`` times
+every config the rule weighs (:func:`~pallas_kernels.matmul.fp8.rule_candidates`)
+with 128 x 192 tiles (4 stages) among them, in place of the neighbours.
     PYTHONPATH=. python3 benchmarks/fp8_gemm.py --edge
 
 ``--edge`` checks the kernel's edge paths on both (ragged M and N, one row,
@@ -39,8 +44,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.matmul.fp8 import (HBM_TBS, check_shapes, fp8_matmul, heuristic_config,
-                                       k_steps, smem_bytes, wave_split)
+from pallas_kernels.matmul.fp8 import (HBM_TBS, RULE_TILES, check_shapes, fp8_matmul,
+                                       heuristic_config, k_steps, rule_candidates, smem_bytes,
+                                       wave_split)
 from pallas_kernels.matmul.mosaic import MosaicMatmulConfig as C
 from wavetune_jax import get_hardware, quantize_rows
 from wavetune_jax.core.hardware import device_key
@@ -164,6 +170,9 @@ def main(argv=None):
   ap.add_argument("--ring", action="store_true",
                   help="every config on Pallas's pipeline (pipe) and on the kernel's own ring")
   ap.add_argument("--rule-only", action="store_true", help="the rule's config only")
+  ap.add_argument("--shapes", nargs="+", metavar="M,N,K", help="problems M,N,K (no named weight)")
+  ap.add_argument("--rule-set", action="store_true",
+                  help="the rule's config and every other it weighs, 128 x 192 tiles among them")
   ap.add_argument("--edge", action="store_true",
                   help="check the edge cases on both (no timing); exit 1 on a failure")
   ap.add_argument("--iterations", type=int, default=10)
@@ -184,14 +193,28 @@ def main(argv=None):
     if unknown:
       ap.error(f"unknown weights {unknown}; choose from {[w[0] for w in known]}")
     weights = [w for w in known if w[0] in names]
+  shape_ms = {}
+  if a.shapes:
+    weights = []
+    for spec in a.shapes:
+      try:
+        m, n, k = (int(v) for v in spec.split(","))
+      except ValueError:
+        ap.error(f"--shapes: {spec!r} is not M,N,K")
+      if min(m, n, k) < 1:
+        ap.error(f"--shapes: {spec!r} needs positive sizes")
+      name = f"{n}x{k}"
+      if name not in shape_ms:
+        weights.append((name, k, n))
+      shape_ms.setdefault(name, []).append(m)
   for wname, k, n in weights:
     kw = jax.random.PRNGKey(1)
     w_src = jax.random.normal(kw, (n, k), jnp.float32)
     w_nk, ws = quantize_rows(w_src)
     w_kn = w_nk.T
     w_bf16 = (w_nk.astype(jnp.float32) * ws[:, None]).astype(jnp.bfloat16).T
-    ms = (8192,) if wname == "square_8192" else (
-        (16, 64, 2048, 8192) if a.quick else tuple(a.m or MS))
+    ms = shape_ms.get(wname) or ((8192,) if wname == "square_8192" else (
+        (16, 64, 2048, 8192) if a.quick else tuple(a.m or MS)))
     for m in ms:
       if a.x_from_w and m > n:
         print(f"{wname} M={m}: --x-from-w needs M <= N={n}; skipped", flush=True)
@@ -215,7 +238,11 @@ def main(argv=None):
 
       cands = {"xla_fp8_nk": (xla_fp8(((1,), (1,))), w_nk),
                "xla_fp8_kn": (xla_fp8(((1,), (0,))), w_kn)}
-      cfgs = configs(m, n, k, a.full, HBM_TBS.get(device_key(dev.device_kind)))
+      hbm = HBM_TBS.get(device_key(dev.device_kind))
+      cfgs = configs(m, n, k, a.full, hbm)
+      if a.rule_set:
+        cfgs = cfgs[:1] + [c for c in rule_candidates(m, n, k, 132, RULE_TILES + ((128, 192, 4),))
+                           if c != cfgs[0]]
       for c, ring in itertools.product(cfgs[:1] if a.rule_only else cfgs,
                                        (False, True) if a.ring else (None,)):
         try:

@@ -60,14 +60,13 @@ from jax import lax
 
 from pallas_kernels.matmul.mosaic import (EPI_TILE, M_MULTIPLE, MosaicMatmulConfig, launch,
                                           store_tile, wg_tile, wgmma_wait_delayed, work_tile)
-from pallas_kernels._launch import local_items, require_compute_capability
+from pallas_kernels._launch import SMEM_LIMIT, local_items, require_compute_capability
 from pallas_kernels.ragged_dot.mosaic import (PRODUCER_REGISTERS, consumer_registers,
                                               ring_consume, ring_produce)
 
 __all__ = ["BLOCK_K", "DTYPES", "HBM_TBS", "RING_MAX_STEPS", "RULE_TILES", "check_shapes",
-           "estimate_us",
-           "fp8_matmul", "heuristic_config", "k_steps", "operand_pipeline", "smem_bytes",
-           "wave_split"]
+           "estimate_us", "fp8_matmul", "heuristic_config", "k_steps", "operand_pipeline",
+           "rule_candidates", "smem_bytes", "wave_split"]
 
 #: Operand dtypes (both).
 DTYPES = ("float8_e4m3fn",)
@@ -167,8 +166,8 @@ def estimate_us(m: int, n: int, k: int, config: MosaicMatmulConfig, num_sms: int
   return 1e6 * (max(mma, read) + split)
 
 
-def heuristic_config(m: int, n: int, k: int, num_sms: int,
-                     hbm_tbs: float | None = None) -> MosaicMatmulConfig:
+def heuristic_config(m: int, n: int, k: int, num_sms: int, hbm_tbs: float | None = None,
+                     out_itemsize: int = 2) -> MosaicMatmulConfig:
   """The config of least :func:`estimate_us` among :data:`RULE_TILES`
   (64-row tiles up to 256 rows, 128-row ones from 65), each with no K split or the split that
   fills a wave (:func:`wave_split`); bands of 8 tiles (L2 reuse) where the
@@ -176,19 +175,31 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int,
   fastest of those measured (it and its neighbours) or within 1.1% of it on
   28 of the 29 problems where it ran, 6.8% slower on one
   (``benchmarks/fp8_gemm.py``). ``hbm_tbs``: as :func:`estimate_us`
-  (:data:`HBM_TBS` by GPU)."""
-  best, best_t = None, float("inf")
-  for bm, bn, st in RULE_TILES:
+  (:data:`HBM_TBS` by GPU); ``out_itemsize``: bytes of an output element."""
+  return min(rule_candidates(m, n, k, num_sms, out_itemsize=out_itemsize),
+             key=lambda c: estimate_us(m, n, k, c, num_sms, hbm_tbs))
+
+
+def rule_candidates(m: int, n: int, k: int, num_sms: int, tiles=RULE_TILES,
+                    out_itemsize: int = 2) -> list[MosaicMatmulConfig]:
+  """The configs :func:`heuristic_config` weighs: each of ``tiles`` (``(block_m,
+  block_n, num_stages)``; 64-row tiles up to 256 rows, 128-row ones from 65)
+  with no K split and with the split that fills a wave, in bands of 8 tiles
+  where the output has more than a wave of tiles; those whose shared memory
+  (``out_itemsize`` bytes an output, fp32 partials under a split) passes the
+  Hopper limit left out."""
+  out = []
+  for bm, bn, st in tiles:
     if (bm == 64 and m > 256) or (bm > 64 and m <= 64):
       continue
-    tiles = -(-m // bm) * -(-n // bn)
-    for sk in sorted({1, wave_split(tiles, k, num_sms)}):
-      c = MosaicMatmulConfig(block_m=bm, block_n=bn, num_stages=st, split_k=sk,
-                             grid_width=8 if tiles > num_sms else 1)
-      t = estimate_us(m, n, k, c, num_sms, hbm_tbs)
-      if t < best_t:
-        best, best_t = c, t
-  return best
+    n_tiles = -(-m // bm) * -(-n // bn)
+    for sk in sorted({1, wave_split(n_tiles, k, num_sms)}):
+      if smem_bytes(block_m=bm, block_n=bn, num_stages=st,
+                    out_itemsize=4 if sk > 1 else out_itemsize) > SMEM_LIMIT:
+        continue
+      out.append(MosaicMatmulConfig(block_m=bm, block_n=bn, num_stages=st, split_k=sk,
+                                    grid_width=8 if n_tiles > num_sms else 1))
+  return out
 
 
 def wave_split(tiles: int, k: int, num_sms: int) -> int:
