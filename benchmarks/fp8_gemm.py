@@ -28,7 +28,7 @@ K splits whose last runs past K, fp32 output, 7 CTAs walking many tiles)
 against the float32 reference and exits 1 on a failure.
 
 The rule's config (first) is the one ``wt.quantized_matmul`` runs on this GPU
-(its cost model scaled to the GPU's HBM bandwidth).
+(its cost model scaled to the GPU's HBM bandwidth, over the GPU's tiles).
 """
 
 from __future__ import annotations
@@ -44,9 +44,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.matmul.fp8 import (HBM_TBS, RULE_TILES, check_shapes, fp8_matmul,
-                                       heuristic_config, k_steps, rule_candidates, smem_bytes,
-                                       wave_split)
+from pallas_kernels.matmul.fp8 import (HBM_TBS, RULE_TILES, WIDE_TILES, check_shapes,
+                                       fp8_matmul, heuristic_config, k_steps, rule_candidates,
+                                       rule_tiles, smem_bytes, wave_split)
 from pallas_kernels.matmul.mosaic import MosaicMatmulConfig as C
 from wavetune_jax import get_hardware, quantize_rows
 from wavetune_jax.core.hardware import device_key
@@ -63,9 +63,11 @@ EXTRA_WEIGHTS = [("mistral_nemo_12b.down", 14336, 5120), ("gemma_2_9b.down", 143
                  ("qwen2_5_7b.down", 18944, 3584)]
 
 
-def configs(m: int, n: int, k: int, full: bool, hbm_tbs: float | None = None):
-  """The rule's config (for a GPU of ``hbm_tbs`` TB/s) and some neighbours."""
-  out = [heuristic_config(m, n, k, 132, hbm_tbs)]
+def configs(m: int, n: int, k: int, full: bool, hbm_tbs: float | None = None,
+            tiles=RULE_TILES):
+  """The rule's config (for a GPU of ``hbm_tbs`` TB/s weighing ``tiles``) and
+  some neighbours."""
+  out = [heuristic_config(m, n, k, 132, hbm_tbs, tiles=tiles)]
   r = out[0]
   if r.block_n == 128:  # the 256-column tile the rule passed over
     out.append(C(block_m=r.block_m, block_n=256, num_stages=3 if r.block_m > 64 else 4,
@@ -171,6 +173,8 @@ def main(argv=None):
                   help="every config on Pallas's pipeline (pipe) and on the kernel's own ring")
   ap.add_argument("--rule-only", action="store_true", help="the rule's config only")
   ap.add_argument("--shapes", nargs="+", metavar="M,N,K", help="problems M,N,K (no named weight)")
+  ap.add_argument("--vs-xla", action="store_true",
+                  help="against XLA's FP8 dot on the [N, K] weight only (no bf16 dot, no [K, N])")
   ap.add_argument("--rule-set", action="store_true",
                   help="the rule's config and every other it weighs, 128 x 192 tiles among them")
   ap.add_argument("--edge", action="store_true",
@@ -236,12 +240,13 @@ def main(argv=None):
           return (acc * xs[:, None] * ws[None, :]).astype(jnp.bfloat16)
         return f
 
-      cands = {"xla_fp8_nk": (xla_fp8(((1,), (1,))), w_nk),
-               "xla_fp8_kn": (xla_fp8(((1,), (0,))), w_kn)}
-      hbm = HBM_TBS.get(device_key(dev.device_kind))
-      cfgs = configs(m, n, k, a.full, hbm)
+      cands = {"xla_fp8_nk": (xla_fp8(((1,), (1,))), w_nk)}
+      if not a.vs_xla:
+        cands["xla_fp8_kn"] = (xla_fp8(((1,), (0,))), w_kn)
+      key = device_key(dev.device_kind)
+      cfgs = configs(m, n, k, a.full, HBM_TBS.get(key), rule_tiles(key))
       if a.rule_set:
-        cfgs = cfgs[:1] + [c for c in rule_candidates(m, n, k, 132, RULE_TILES + ((128, 192, 4),))
+        cfgs = cfgs[:1] + [c for c in rule_candidates(m, n, k, 132, RULE_TILES + WIDE_TILES)
                            if c != cfgs[0]]
       for c, ring in itertools.product(cfgs[:1] if a.rule_only else cfgs,
                                        (False, True) if a.ring else (None,)):
@@ -262,21 +267,25 @@ def main(argv=None):
         rel[lab] = r.rel_error
         if r.status != "ok":
           errs[lab] = f"{r.status}: {(r.error or '')[:300]}"
-      (bf,) = prof.measure_many([lambda x, wb: jnp.dot(x, wb)], (x_bf16, w_bf16))
+      bf_us = math.nan
+      if not a.vs_xla:
+        (bf,) = prof.measure_many([lambda x, wb: jnp.dot(x, wb)], (x_bf16, w_bf16))
+        bf_us = bf.median_us
       mos = {lab: t for lab, t in times.items()
              if lab.startswith(("mosaic", "pipe", "ring")) and t == t}
       best = min(mos, key=mos.get) if mos else None
       tflops = lambda us: 2 * m * n * k / us / 1e6
-      xla = min(times["xla_fp8_nk"], times["xla_fp8_kn"])
-      row = {"weight": wname, "k": k, "n": n, "m": m, "bf16_dot_us": bf.median_us,
+      xla = min(times["xla_fp8_nk"], times.get("xla_fp8_kn", math.inf))
+      row = {"weight": wname, "k": k, "n": n, "m": m, "bf16_dot_us": bf_us,
              "times": times, "errors": errs, "rel_errors": rel, "best_mosaic": best}
       rows.append(row)
-      line = (f"{wname:<16} M={m:<5} bf16 {bf.median_us:8.1f} us ({tflops(bf.median_us):5.0f} "
-              f"TF/s) | XLA fp8 nk {times['xla_fp8_nk']:8.1f} kn {times['xla_fp8_kn']:8.1f}")
+      line = (f"{wname:<16} M={m:<5} bf16 {bf_us:8.1f} us ({tflops(bf_us):5.0f} "
+              f"TF/s) | XLA fp8 nk {times['xla_fp8_nk']:8.1f} kn "
+              f"{times.get('xla_fp8_kn', math.nan):8.1f}")
       if best:
         t = mos[best]
         line += (f" | {best} {t:8.1f} us {tflops(t):5.0f} TF/s: {bf.median_us / t:.2f}x "
-                 f"bf16, {xla / t:.2f}x XLA fp8")
+                 f"bf16, {xla / t:.3f}x XLA fp8")
       print(line, flush=True)
       for lab, t in mos.items():
         print(f"      {lab:<40} {t:8.1f} us {tflops(t):6.0f} TF/s", flush=True)

@@ -65,8 +65,9 @@ from pallas_kernels.ragged_dot.mosaic import (PRODUCER_REGISTERS, consumer_regis
                                               ring_consume, ring_produce)
 
 __all__ = ["BLOCK_K", "DTYPES", "HBM_TBS", "RING_MAX_STEPS", "RULE_TILES", "check_shapes",
-           "estimate_us", "fp8_matmul", "heuristic_config", "k_steps", "operand_pipeline",
-           "rule_candidates", "smem_bytes", "wave_split"]
+           "WIDE_TILES", "WIDE_TILE_GPUS", "estimate_us", "fp8_matmul", "heuristic_config",
+           "k_steps", "operand_pipeline", "rule_candidates", "rule_tiles", "smem_bytes",
+           "wave_split"]
 
 #: Operand dtypes (both).
 DTYPES = ("float8_e4m3fn",)
@@ -142,6 +143,21 @@ _TILE_EFF = {(128, 256): 1.0, (256, 128): 0.98, (128, 192): 0.97, (128, 128): 0.
              (64, 256): 0.75, (64, 128): 0.6}
 #: The tiles and stages the rule chooses among.
 RULE_TILES = ((128, 256, 3), (128, 128, 5), (64, 256, 4), (64, 128, 4))
+#: 128 x 192 tiles (4 stages, no K split: fp32 partials do not fit shared
+#: memory), which the rule also weighs on :data:`WIDE_TILE_GPUS`. Their N
+#: tiles fill a wave where 256-column ones leave SMs idle or spill into one
+#: more wave: on an H200 (``benchmarks/fp8_gemm.py --rule-set --shapes ...``)
+#: the rule's config with them ran 1.014-1.271x the rule's config without them
+#: on all 12 problems where it changed, and 128 x 192 was the fastest config
+#: the rule weighs on 13 of the 14 problems timed.
+WIDE_TILES = ((128, 192, 4),)
+#: GPUs whose rule weighs :data:`WIDE_TILES` (measured there; the H100 not yet).
+WIDE_TILE_GPUS = ("nvidia_h200",)
+
+
+def rule_tiles(device_key: str | None) -> tuple:
+  """The tiles the rule weighs on ``device_key``'s GPU."""
+  return RULE_TILES + (WIDE_TILES if device_key in WIDE_TILE_GPUS else ())
 
 
 def estimate_us(m: int, n: int, k: int, config: MosaicMatmulConfig, num_sms: int,
@@ -167,8 +183,9 @@ def estimate_us(m: int, n: int, k: int, config: MosaicMatmulConfig, num_sms: int
 
 
 def heuristic_config(m: int, n: int, k: int, num_sms: int, hbm_tbs: float | None = None,
-                     out_itemsize: int = 2) -> MosaicMatmulConfig:
-  """The config of least :func:`estimate_us` among :data:`RULE_TILES`
+                     out_itemsize: int = 2, tiles=RULE_TILES) -> MosaicMatmulConfig:
+  """The config of least :func:`estimate_us` among ``tiles`` (default
+  :data:`RULE_TILES`; :func:`rule_tiles` gives a GPU's)
   (64-row tiles up to 256 rows, 128-row ones from 65), each with no K split or the split that
   fills a wave (:func:`wave_split`); bands of 8 tiles (L2 reuse) where the
   output has more than a wave of tiles. On an H100 its config was the
@@ -176,7 +193,7 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int, hbm_tbs: float | None
   28 of the 29 problems where it ran, 6.8% slower on one
   (``benchmarks/fp8_gemm.py``). ``hbm_tbs``: as :func:`estimate_us`
   (:data:`HBM_TBS` by GPU); ``out_itemsize``: bytes of an output element."""
-  return min(rule_candidates(m, n, k, num_sms, out_itemsize=out_itemsize),
+  return min(rule_candidates(m, n, k, num_sms, tiles, out_itemsize=out_itemsize),
              key=lambda c: estimate_us(m, n, k, c, num_sms, hbm_tbs))
 
 

@@ -271,7 +271,8 @@ class MosaicQMatmul(Backend):
     if p.w8a8:
       c = fp8_kernel.heuristic_config(p.m, p.n, p.k, hw.num_sms,
                                       fp8_kernel.HBM_TBS.get(hw.device_key),
-                                      out_itemsize=jnp.dtype(p.out_dtype).itemsize)
+                                      out_itemsize=jnp.dtype(p.out_dtype).itemsize,
+                                      tiles=fp8_kernel.rule_tiles(hw.device_key))
       return None if self.why_not(p, c) else c
     if p.w_layout == "nk":
       c = nk_kernel.decode_config(min(p.m, nk_kernel.MAX_M), p.k, p.n, hw.num_sms,

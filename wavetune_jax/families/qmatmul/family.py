@@ -25,6 +25,10 @@ NK_TRUSTED_MIN_K = 4096
 #: N from which the int4 kernel on chunks of 64 rows (65-128 rows) is trusted
 #: over XLA's GEMM on the dequantized weight.
 INT4_CHUNKED_MIN_N = 4096
+#: Below 1,024 rows, the FP8 kernel's 128 x 192 tiles are trusted over XLA's
+#: FP8 dot where their CTAs fill one wave at least this far (the five such
+#: problems measured on an H200 filled 96-132 of 132 SMs).
+WIDE_TRUSTED_WAVE = 0.7
 
 
 def check_activation_scales(x, w, x_scales, out_dtype, weight: str):
@@ -151,7 +155,11 @@ class QMatmulFamily(Family):
     W8A8-FP8: the FP8 kernel over XLA's FP8 dot where its rule gives more
     than a wave of 128 x 256 tiles (bands of 8): 1.10-1.72x on all 12 such
     problems measured on an H100 (``benchmarks/fp8_gemm.py``); with fewer
-    tiles its margin was 0.97-1.22x, left to evidence.
+    tiles its margin was 0.97-1.22x, left to evidence. Where the rule gives
+    128 x 192 tiles (an H200's rule, ``fp8.WIDE_TILES``): from 1,024 rows, or
+    one wave at least :data:`WIDE_TRUSTED_WAVE` full, 1.06-1.68x on all 10
+    such problems measured on an H200 (``fp8_gemm.py --rule-set``); at 200
+    and 768 rows over more than a wave 0.97-1.00x, left to evidence.
 
     W4A16 (int4 ``[N, K]``, scales per group): the kernel up to 64 rows,
     where XLA's GEMM on the weight dequantized first ran 1.97-6.89x slower
@@ -166,7 +174,12 @@ class QMatmulFamily(Family):
     if not (isinstance(config, MosaicMatmulConfig) and isinstance(platform, XlaQMatmulConfig)):
       return False
     if problem.w8a8:
-      return (config.block_m, config.block_n) == (128, 256) and config.grid_width > 1
+      tile = (config.block_m, config.block_n)
+      if tile == (128, 192):
+        ctas = -(-problem.m // 128) * -(-problem.n // 192)
+        return problem.m >= 1024 or (hw is not None and
+                                     WIDE_TRUSTED_WAVE * hw.num_sms <= ctas <= hw.num_sms)
+      return tile == (128, 256) and config.grid_width > 1
     if problem.w_dtype == INT4:
       return problem.m <= 64 or problem.n >= INT4_CHUNKED_MIN_N
     if problem.w_layout == "nk":
