@@ -284,7 +284,7 @@ def main(argv=None):
               f"{times.get('xla_fp8_kn', math.nan):8.1f}")
       if best:
         t = mos[best]
-        line += (f" | {best} {t:8.1f} us {tflops(t):5.0f} TF/s: {bf.median_us / t:.2f}x "
+        line += (f" | {best} {t:8.1f} us {tflops(t):5.0f} TF/s: {bf_us / t:.2f}x "
                  f"bf16, {xla / t:.3f}x XLA fp8")
       print(line, flush=True)
       for lab, t in mos.items():
