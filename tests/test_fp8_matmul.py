@@ -337,3 +337,127 @@ def test_qwen_weights_on_the_h200_match_the_docs():
     b, x, m = got[key]
     assert (round(b, 1), round(x, 1), round(m, 1)) == (bf16, xla, mos)
     assert round(b / m, 2) == speed
+
+
+def _results_section(title: str) -> str:
+  text = (Path(__file__).resolve().parents[1] / "docs" / "results.md").read_text()
+  start = text.index(title)
+  return text[start:text.index("\n## ", start)]
+
+
+def _rule192_rows():
+  """The recorded ``fp8_gemm.py --rule-set`` / ``--vs-xla`` rows with a Mosaic config."""
+  rows = []
+  for name in ("fp8_gemm_rule192_h200.json", "fp8_gemm_rule192_trust_h200.json",
+               "fp8_gemm_rule192_more_h200.json"):
+    rows += [r for r in json.loads((DATA / name).read_text())["rows"]
+             if any(lab.startswith("mosaic") and v == v for lab, v in r["times"].items())]
+  return rows
+
+
+def _label(c):
+  return (f"mosaic {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k} "
+          f"g{c.grid_minor}/{c.grid_width}")
+
+
+def test_ring_and_wide_tiles_on_record_reproduce_the_docs(monkeypatch):
+  """docs/results.md, "The ring and 128 x 192 tiles in the FP8 GEMM (H200)":
+  every number of its list and table from the committed runs, the guard's
+  trust of 128 x 192 tiles against XLA's FP8 dot on every timed problem, and
+  the picks the change moves (the H200's rule without its wide tiles is the
+  rule before)."""
+  import math
+  from wavetune_jax.core.hardware import get_hardware
+  from wavetune_jax.families.qmatmul.backends import XlaQMatmulConfig
+  from wavetune_jax.runtime.selector import clear
+  sec = " ".join(_results_section("### The ring and 128 x 192 tiles in the FP8 GEMM").split())
+  fmt = lambda v: f"{min(v):.3f}-{max(v):.3f}x"  # noqa: E731
+
+  def ring_pairs(name, keep):
+    out = []
+    for r in json.loads((DATA / name).read_text())["rows"]:
+      t = r["times"]
+      out += [v / t["ring " + lab[5:]] for lab, v in t.items() if keep(r)
+              and lab.startswith("pipe ") and v == v and t.get("ring " + lab[5:], 0) > 0]
+    return out
+
+  short = ring_pairs("fp8_gemm_ring_qwen_h200.json", lambda r: r["k"] == 1536)
+  geo = math.exp(sum(map(math.log, short)) / len(short))
+  assert f"14 pairs, **{fmt(short)}** (geomean {geo:.3f}x)" in sec and len(short) == 14
+  long_ = (ring_pairs("fp8_gemm_ring_qwen_h200.json", lambda r: r["k"] == 8960)
+           + ring_pairs("fp8_gemm_ring_quick_h200.json", lambda r: True))
+  assert len(long_) == 7 and f"4 pairs) {fmt(long_)}" in sec
+  edge = (DATA / "fp8_gemm_ring_edge_h200.txt").read_text().splitlines()
+  n_ok, n_skip = (sum(ln.startswith(p) for ln in edge) for p in ("ok ", "skip "))
+  assert (n_ok, n_skip, "0 failed" in edge) == (132, 12, True)
+  assert f"**{n_ok} of {n_ok} right**; {n_skip} skipped" in sec
+
+  rows = _rule192_rows()
+  h200, hw = "nvidia_h200", get_hardware("h200")
+  changed, fastest, several = [], 0, 0
+  trusted = {"fill": [], "one": [], "no": []}
+  for r in rows:
+    m, n, k, t = r["m"], r["n"], r["k"], r["times"]
+    old = fp8.heuristic_config(m, n, k, 132, fp8.HBM_TBS[h200])
+    new = fp8.heuristic_config(m, n, k, 132, fp8.HBM_TBS[h200], tiles=fp8.rule_tiles(h200))
+    mos = {lab: v for lab, v in t.items() if lab.startswith("mosaic") and v == v}
+    if len(mos) > 1:
+      several += 1
+      fastest += "128x192" in min(mos, key=mos.get)
+    if old != new and _label(old) in t:
+      changed.append(t[_label(old)] / t[_label(new)])
+    if (new.block_m, new.block_n) == (128, 192):
+      p = QMatmulProblem(m=m, n=n, k=k, dtype="float8_e4m3fn", w_dtype="float8_e4m3fn",
+                         w_layout="nk")
+      speed = t["xla_fp8_nk"] / t[_label(new)]
+      ok = QMATMUL.trusted_without_evidence(p, new, XlaQMatmulConfig(), hw=hw)
+      ctas = -(-m // 128) * -(-n // 192)
+      trusted["no" if not ok else "one" if ctas <= 132 else "fill"].append(speed)
+  assert min(changed) > 1.0
+  assert f"**{fmt(changed)} on all {len(changed)} problems**" in sec and len(changed) == 19
+  assert f"on {fastest} of the {several} problems timed with several" in sec
+  every = trusted["fill"] + trusted["one"]
+  assert min(every) >= 1.0 and max(trusted["no"]) < 1.0
+  assert f"**{fmt(every)} on all {len(every)} problems where the guard trusts it**" in sec
+  assert f"{len(trusted['fill'])} problems, {fmt(trusted['fill'])}" in sec
+  assert f"{len(trusted['one'])} problems, {fmt(trusted['one'])}" in sec
+  assert ", ".join(f"{v:.3f}x" for v in trusted["no"][:2]) + " and " in sec
+
+  qwen = {(r["n"], r["m"]): r for r in json.loads(
+      (DATA / "fp8_gemm_ring_qwen_h200.json").read_text())["rows"]}
+  qwen.update({(r["n"], r["m"]): r for r in rows if r["n"] == 1536})
+  for (n, m), want in {(17920, 2048): 1.53, (17920, 4096): 1.61, (1536, 2048): 1.85,
+                       (1536, 4096): 1.88}.items():
+    r = qwen[(n, m)]
+    c = fp8.heuristic_config(m, n, r["k"], 132, fp8.HBM_TBS[h200], tiles=fp8.rule_tiles(h200))
+    lab = ("ring" + _label(c)[6:]) if n == 17920 else _label(c)
+    assert round(r["bf16_dot_us"] / r["times"][lab], 2) == want
+    assert f"**{want:.2f}x**" in sec
+
+  from wavetune_jax.shapes import load_suite
+  import importlib.util
+  path = Path(__file__).resolve().parents[1] / "benchmarks" / "unseen_models.py"
+  spec = importlib.util.spec_from_file_location("unseen_models", path)
+  um = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(um)
+  probs = [p for p in QMATMUL.problems_from_suite(load_suite("train")) if p.w8a8]
+  for s in um.SETS:
+    probs += [p for _, _, p in um.problems(["qmatmul"], quick=False, model_set=s) if p.w8a8]
+
+  def picks():
+    clear()
+    with wt.policy("tables"), warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      return [wt.select("qmatmul", p, h200).config for p in probs]
+
+  now = picks()
+  monkeypatch.setattr(fp8, "WIDE_TILE_GPUS", ())
+  before = picks()
+  clear()
+  moved = [(p, a, b) for p, a, b in zip(probs, before, now) if a != b]
+  assert all(b.block_n == 192 for _, _, b in moved)
+  from_xla = [p for p, a, _ in moved if isinstance(a, XlaQMatmulConfig)]
+  timed = {(r["m"], r["n"], r["k"]): r for r in rows}
+  assert all((p.m, p.n, p.k) in timed for p in from_xla)
+  assert (len(probs), len(moved), len(from_xla)) == (472, 38, 22)
+  assert f"{len(moved)} picks, the same under both policies; {len(from_xla)} move" in sec
