@@ -16,13 +16,14 @@ checked first against the float32 product of the dequantized operands):
 
     PYTHONPATH=. python3 benchmarks/fp8_gemm.py [--quick] [--full] [--weights NAMES]
         [--m M ...] [--ring] [--rule-only] [--x-from-w] [--json out.json]
-    PYTHONPATH=. python3 benchmarks/fp8_gemm.py --shapes 768,6144,4096 ... --rule-set [--json out.json]
+    PYTHONPATH=. python3 benchmarks/fp8_gemm.py --shapes 768,6144,4096 ... [--rule-set | --rule-only]
+        [--vs-xla] [--json out.json]
+    PYTHONPATH=. python3 benchmarks/fp8_gemm.py --edge
 
 ``--shapes`` runs ``M,N,K`` problems of no named weight; ``--rule-set`` times
 every config the rule weighs (:func:`~pallas_kernels.matmul.fp8.rule_candidates`)
-with 128 x 192 tiles (4 stages) among them, in place of the neighbours.
-    PYTHONPATH=. python3 benchmarks/fp8_gemm.py --edge
-
+with 128 x 192 tiles (4 stages) among them, in place of the neighbours;
+``--vs-xla`` times only XLA's FP8 dot on the ``[N, K]`` weight beside them.
 ``--edge`` checks the kernel's edge paths on both (ragged M and N, one row,
 K splits whose last runs past K, fp32 output, 7 CTAs walking many tiles)
 against the float32 reference and exits 1 on a failure.
@@ -107,8 +108,8 @@ def configs(m: int, n: int, k: int, full: bool, hbm_tbs: float | None = None,
   return res
 
 
-#: ``--edge``: (M, N, K) with M and N off the tiles, one row, and K of 6
-#: steps of 128 (a split of 4 runs its last split past K).
+#: ``--edge``: (M, N, K) with M and N off the tiles, one row, and K of 6 and
+#: 10 steps of 128 (a split of 4 runs its last split past K).
 EDGE_PROBLEMS = ((1000, 448, 768), (1, 320, 768), (136, 1088, 1280))
 EDGE_CONFIGS = (C(block_m=128, block_n=256, num_stages=3),
                 C(block_m=128, block_n=128, num_stages=5, grid_minor=0, grid_width=8),
@@ -182,13 +183,21 @@ def main(argv=None):
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
-  if a.edge:
-    print(jax.devices()[0].device_kind, jax.__version__, flush=True)
-    return 1 if edge_cases() else 0
-  prof = profiler.Profiler(iterations=a.iterations)
-  dev = jax.devices()[0]
-  print(dev.device_kind, jax.__version__, flush=True)
-  rows = []
+  if a.rule_only and a.rule_set:
+    ap.error("--rule-only and --rule-set exclude each other")
+  if a.shapes and (a.weights or a.m or a.quick):
+    ap.error("--shapes names the problems: drop --weights, --m and --quick")
+  if a.edge and (a.shapes or a.weights or a.m or a.quick or a.ring or a.rule_only or a.rule_set):
+    ap.error("--edge runs the fixed edge cases: it takes no problem or config flags")
+  shape_ms = {}
+  for spec in a.shapes or ():
+    try:
+      m, n, k = (int(v) for v in spec.split(","))
+    except ValueError:
+      ap.error(f"--shapes: {spec!r} is not M,N,K")
+    if min(m, n, k) < 1:
+      ap.error(f"--shapes: {spec!r} needs positive sizes")
+    shape_ms.setdefault((n, k), []).append(m)
   weights = [WEIGHTS[0], WEIGHTS[-1]] if a.quick else WEIGHTS
   if a.weights:
     names = a.weights.split(",")
@@ -197,27 +206,22 @@ def main(argv=None):
     if unknown:
       ap.error(f"unknown weights {unknown}; choose from {[w[0] for w in known]}")
     weights = [w for w in known if w[0] in names]
-  shape_ms = {}
-  if a.shapes:
-    weights = []
-    for spec in a.shapes:
-      try:
-        m, n, k = (int(v) for v in spec.split(","))
-      except ValueError:
-        ap.error(f"--shapes: {spec!r} is not M,N,K")
-      if min(m, n, k) < 1:
-        ap.error(f"--shapes: {spec!r} needs positive sizes")
-      name = f"{n}x{k}"
-      if name not in shape_ms:
-        weights.append((name, k, n))
-      shape_ms.setdefault(name, []).append(m)
+  if a.edge:
+    print(jax.devices()[0].device_kind, jax.__version__, flush=True)
+    return 1 if edge_cases() else 0
+  prof = profiler.Profiler(iterations=a.iterations)
+  dev = jax.devices()[0]
+  print(dev.device_kind, jax.__version__, flush=True)
+  rows = []
+  if shape_ms:
+    weights = [(f"{n}x{k}", k, n) for n, k in shape_ms]
   for wname, k, n in weights:
     kw = jax.random.PRNGKey(1)
     w_src = jax.random.normal(kw, (n, k), jnp.float32)
     w_nk, ws = quantize_rows(w_src)
     w_kn = w_nk.T
     w_bf16 = (w_nk.astype(jnp.float32) * ws[:, None]).astype(jnp.bfloat16).T
-    ms = shape_ms.get(wname) or ((8192,) if wname == "square_8192" else (
+    ms = shape_ms.get((n, k)) or ((8192,) if wname == "square_8192" else (
         (16, 64, 2048, 8192) if a.quick else tuple(a.m or MS)))
     for m in ms:
       if a.x_from_w and m > n:
@@ -252,7 +256,8 @@ def main(argv=None):
                                        (False, True) if a.ring else (None,)):
         try:
           check_shapes(m, n, k, x8.dtype, w_nk.dtype, c)
-        except ValueError:
+        except ValueError as e:
+          print(f"    {c}: not run ({e})", flush=True)
           continue
         kind = {None: "mosaic", False: "pipe", True: "ring"}[ring]
         lab = (f"{kind} {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k} "
@@ -276,16 +281,18 @@ def main(argv=None):
       best = min(mos, key=mos.get) if mos else None
       tflops = lambda us: 2 * m * n * k / us / 1e6
       xla = min(times["xla_fp8_nk"], times.get("xla_fp8_kn", math.inf))
-      row = {"weight": wname, "k": k, "n": n, "m": m, "bf16_dot_us": bf_us,
+      row = {"weight": wname, "k": k, "n": n, "m": m,
+             "bf16_dot_us": None if a.vs_xla else bf_us,
              "times": times, "errors": errs, "rel_errors": rel, "best_mosaic": best}
       rows.append(row)
-      line = (f"{wname:<16} M={m:<5} bf16 {bf_us:8.1f} us ({tflops(bf_us):5.0f} "
-              f"TF/s) | XLA fp8 nk {times['xla_fp8_nk']:8.1f} kn "
-              f"{times.get('xla_fp8_kn', math.nan):8.1f}")
+      line = f"{wname:<16} M={m:<5} XLA fp8 nk {times['xla_fp8_nk']:8.1f} us"
+      if not a.vs_xla:
+        line = (f"{wname:<16} M={m:<5} bf16 {bf_us:8.1f} us ({tflops(bf_us):5.0f} TF/s) | "
+                f"XLA fp8 nk {times['xla_fp8_nk']:8.1f} kn {times['xla_fp8_kn']:8.1f}")
       if best:
         t = mos[best]
-        line += (f" | {best} {t:8.1f} us {tflops(t):5.0f} TF/s: {bf_us / t:.2f}x "
-                 f"bf16, {xla / t:.3f}x XLA fp8")
+        line += (f" | {best} {t:8.1f} us {tflops(t):5.0f} TF/s: "
+                 + ("" if a.vs_xla else f"{bf_us / t:.2f}x bf16, ") + f"{xla / t:.3f}x XLA fp8")
       print(line, flush=True)
       for lab, t in mos.items():
         print(f"      {lab:<40} {t:8.1f} us {tflops(t):6.0f} TF/s", flush=True)

@@ -386,7 +386,7 @@ def test_ring_and_wide_tiles_on_record_reproduce_the_docs(monkeypatch):
   assert f"14 pairs, **{fmt(short)}** (geomean {geo:.3f}x)" in sec and len(short) == 14
   long_ = (ring_pairs("fp8_gemm_ring_qwen_h200.json", lambda r: r["k"] == 8960)
            + ring_pairs("fp8_gemm_ring_quick_h200.json", lambda r: True))
-  assert len(long_) == 7 and f"4 pairs) {fmt(long_)}" in sec
+  assert len(long_) == 7 and f"35 steps) {fmt(long_)}" in sec
   edge = (DATA / "fp8_gemm_ring_edge_h200.txt").read_text().splitlines()
   n_ok, n_skip = (sum(ln.startswith(p) for ln in edge) for p in ("ok ", "skip "))
   assert (n_ok, n_skip, "0 failed" in edge) == (132, 12, True)
@@ -451,6 +451,21 @@ def test_ring_and_wide_tiles_on_record_reproduce_the_docs(monkeypatch):
       return [wt.select("qmatmul", p, h200).config for p in probs]
 
   now = picks()
+  clear()
+  with wt.policy("tables"), warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    runs = []
+    for r in rows:
+      c = wt.select("qmatmul", QMatmulProblem(m=r["m"], n=r["n"], k=r["k"], dtype="float8_e4m3fn",
+                                              w_dtype="float8_e4m3fn", w_layout="nk"), h200).config
+      if getattr(c, "block_n", 0) == 192:
+        runs.append(r["times"]["xla_fp8_nk"] / r["times"][_label(c)])
+  assert f"runs 128 x 192 on {len(runs)} of the timed problems" in sec
+  assert f"on the tables' evidence): {fmt(runs)}" in sec and len(runs) == 33
+  readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+  assert (f"{min(runs):.2f}-{max(runs):.2f}x on the {len(runs)} problems timed where an H200 "
+          f"runs its 128 x 192 tiles") in readme
+  assert min(r["m"] for r in rows) == 200 and "200 rows, the fewest timed, 0.78" in sec
   monkeypatch.setattr(fp8, "WIDE_TILE_GPUS", ())
   before = picks()
   clear()
@@ -461,3 +476,22 @@ def test_ring_and_wide_tiles_on_record_reproduce_the_docs(monkeypatch):
   assert all((p.m, p.n, p.k) in timed for p in from_xla)
   assert (len(probs), len(moved), len(from_xla)) == (472, 38, 22)
   assert f"{len(moved)} picks, the same under both policies; {len(from_xla)} move" in sec
+
+
+@pytest.mark.parametrize("args,match", [
+    (["--shapes", "1,2"], "is not M,N,K"),
+    (["--shapes", "0,64,128"], "positive sizes"),
+    (["--shapes", "8,64,128", "--m", "8"], "drop --weights"),
+    (["--rule-only", "--rule-set"], "exclude each other"),
+    (["--edge", "--ring"], "takes no problem"),
+    (["--weights", "nope"], "unknown weights")])
+def test_fp8_gemm_benchmark_bad_arguments(args, match, capsys):
+  """``benchmarks/fp8_gemm.py``'s bad arguments: one line, before any GPU work."""
+  import importlib.util
+  path = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_gemm.py"
+  spec = importlib.util.spec_from_file_location("fp8_gemm_bench", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  with pytest.raises(SystemExit):
+    mod.main(args)
+  assert match in capsys.readouterr().err

@@ -182,7 +182,7 @@ def estimate_us(m: int, n: int, k: int, config: MosaicMatmulConfig, num_sms: int
   return 1e6 * (max(mma, read) + split)
 
 
-def heuristic_config(m: int, n: int, k: int, num_sms: int, hbm_tbs: float | None = None,
+def heuristic_config(m: int, n: int, k: int, num_sms: int, hbm_tbs: float | None = None, *,
                      out_itemsize: int = 2, tiles=RULE_TILES) -> MosaicMatmulConfig:
   """The config of least :func:`estimate_us` among ``tiles`` (default
   :data:`RULE_TILES`; :func:`rule_tiles` gives a GPU's)
@@ -193,11 +193,11 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int, hbm_tbs: float | None
   28 of the 29 problems where it ran, 6.8% slower on one
   (``benchmarks/fp8_gemm.py``). ``hbm_tbs``: as :func:`estimate_us`
   (:data:`HBM_TBS` by GPU); ``out_itemsize``: bytes of an output element."""
-  return min(rule_candidates(m, n, k, num_sms, tiles, out_itemsize=out_itemsize),
+  return min(rule_candidates(m, n, k, num_sms, tiles=tiles, out_itemsize=out_itemsize),
              key=lambda c: estimate_us(m, n, k, c, num_sms, hbm_tbs))
 
 
-def rule_candidates(m: int, n: int, k: int, num_sms: int, tiles=RULE_TILES,
+def rule_candidates(m: int, n: int, k: int, num_sms: int, *, tiles=RULE_TILES,
                     out_itemsize: int = 2) -> list[MosaicMatmulConfig]:
   """The configs :func:`heuristic_config` weighs: each of ``tiles`` (``(block_m,
   block_n, num_stages)``; 64-row tiles up to 256 rows, 128-row ones from 65)

@@ -31,8 +31,12 @@ INT4_CHUNKED_MIN_N = 4096
 #: H200 (0.91-1.00), 0.97-0.98x on the three below it (0.73-0.86) ...
 WIDE_TRUSTED_FILL = 0.9
 #: ... or where they fit one wave at least this full: 1.06-1.68x on all 7
-#: such problems measured (0.73-1.00 of the SMs).
+#: such problems measured (0.73-1.00 of the SMs) ...
 WIDE_TRUSTED_ONE_WAVE = 0.7
+#: ... and where the rows fill their 128-row tiles at least this far (the
+#: fewest measured, 200 rows in two tiles, 0.78, ran 1.003x; short M, where
+#: a tile is mostly empty, was not measured).
+WIDE_TRUSTED_ROWS = 0.75
 
 
 def check_activation_scales(x, w, x_scales, out_dtype, weight: str):
@@ -162,10 +166,14 @@ class QMatmulFamily(Family):
     tiles its margin was 0.97-1.22x, left to evidence. Where the rule gives
     128 x 192 tiles (an H200's rule, ``fp8.WIDE_TILES``): where their CTAs
     fill their waves at least :data:`WIDE_TRUSTED_FILL`, or fit one wave at
-    least :data:`WIDE_TRUSTED_ONE_WAVE` full, 1.00-1.70x on all 31 such
-    problems measured on an H200 (``benchmarks/fp8_gemm.py --rule-set`` and
+    least :data:`WIDE_TRUSTED_ONE_WAVE` full, and the rows fill their tiles
+    at least :data:`WIDE_TRUSTED_ROWS`, 1.00-1.70x on all 31 such problems
+    measured on an H200 (``benchmarks/fp8_gemm.py --rule-set`` and
     ``--rule-only --vs-xla``); over several waves filled less (0.73-0.86 of
-    their SM slots) 0.97-0.98x on the three measured, left to evidence.
+    their SM slots) 0.97-0.98x on the three measured, left to evidence. Only
+    the measured config is trusted: 4 stages, no K split, bfloat16 output,
+    on :data:`pallas_kernels.matmul.fp8.WIDE_TILE_GPUS`. (As every trust
+    here, it is asked where the tables' evidence refuses a config.)
 
     W4A16 (int4 ``[N, K]``, scales per group): the kernel up to 64 rows,
     where XLA's GEMM on the weight dequantized first ran 1.97-6.89x slower
@@ -182,9 +190,14 @@ class QMatmulFamily(Family):
     if problem.w8a8:
       tile = (config.block_m, config.block_n)
       if tile == (128, 192):
-        if hw is None or config.split_k != 1:
+        from pallas_kernels.matmul.fp8 import WIDE_TILE_GPUS
+        if (hw is None or hw.device_key not in WIDE_TILE_GPUS or config.split_k != 1
+            or config.num_stages != 4 or problem.out_dtype != "bfloat16"):
+          return False  # only what was measured
+        row_tiles = -(-problem.m // 128)
+        if problem.m < WIDE_TRUSTED_ROWS * row_tiles * 128:
           return False
-        ctas = -(-problem.m // 128) * -(-problem.n // 192)
+        ctas = row_tiles * -(-problem.n // 192)
         fill = ctas / (-(-ctas // hw.num_sms) * hw.num_sms)
         return fill >= (WIDE_TRUSTED_ONE_WAVE if ctas <= hw.num_sms else WIDE_TRUSTED_FILL)
       return tile == (128, 256) and config.grid_width > 1
