@@ -66,8 +66,8 @@ from pallas_kernels.ragged_dot.mosaic import (PRODUCER_REGISTERS, consumer_regis
 
 __all__ = ["BLOCK_K", "DTYPES", "HBM_TBS", "RING_MAX_STEPS", "RULE_TILES", "check_shapes",
            "WIDE_TILES", "WIDE_TILE_GPUS", "estimate_us", "fp8_matmul", "heuristic_config",
-           "k_steps", "operand_pipeline", "rule_candidates", "rule_tiles", "smem_bytes",
-           "wave_split"]
+           "k_steps", "operand_pipeline", "ring_load", "ring_scratch", "ring_tile",
+           "rule_candidates", "rule_tiles", "smem_bytes", "wave_split"]
 
 #: Operand dtypes (both).
 DTYPES = ("float8_e4m3fn",)
@@ -254,6 +254,47 @@ def operand_pipeline(body, compute_context, *, block_m: int, block_n: int, steps
   )
 
 
+def ring_scratch(stages: int, block_m: int, block_n: int, dtype) -> dict:
+  """Shared memory of the FP8 GEMMs' own TMA ring (``ring=True``, here and in
+  :mod:`pallas_kernels.ragged_dot.fp8`): ``stages`` K-major ``[block_m, 128]``
+  and ``[block_n, 128]`` blocks (128-byte swizzle), their ready barriers and
+  the slots' ``consumed`` barriers (one arrival per consumer warpgroup)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  transforms = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
+  return dict(
+      x_smem=plgpu.SMEM((stages, block_m, BLOCK_K), dtype, transforms=transforms),
+      w_smem=plgpu.SMEM((stages, block_n, BLOCK_K), dtype, transforms=transforms),
+      x_ready=plgpu.Barrier(num_barriers=stages),
+      w_ready=plgpu.Barrier(num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+
+
+def ring_tile(acc_ref, g, x_ring, w_ring, *, steps: int, stages: int, x_ready, w_ready,
+              consumed) -> None:
+  """A consumer's ``steps`` K steps of one work tile on the FP8 ring from
+  ring step ``g``: ``x_ring`` / ``w_ring`` its rows of the slots, one wgmma in
+  flight (:func:`~pallas_kernels.ragged_dot.mosaic.ring_consume`)."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+
+  def wait_ready(slot):
+    plgpu.barrier_wait(x_ready.at[slot])
+    plgpu.barrier_wait(w_ready.at[slot])
+
+  def mma(acc_ref, slot):
+    plgpu.wgmma(acc_ref, x_ring.at[slot], plgpu.transpose_ref(w_ring.at[slot], (1, 0)))
+
+  ring_consume(acc_ref, g, steps=steps, stages=stages, wait_ready=wait_ready, mma=mma,
+               consumed=consumed, hold=True)
+
+
+def ring_load(x_src, w_src, slot, *, x_smem, w_smem, x_ready, w_ready) -> None:
+  """The producer's TMA copies of one K step (``x_src``, ``w_src``: the
+  step's blocks in global memory) into ring ``slot``."""
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  plgpu.copy_gmem_to_smem(x_src, x_smem.at[slot], x_ready.at[slot])
+  plgpu.copy_gmem_to_smem(w_src, w_smem.at[slot], w_ready.at[slot])
+
+
 def fp8_matmul(x: jax.Array, w: jax.Array, x_scales: jax.Array, w_scales: jax.Array, *,
                config: MosaicMatmulConfig, out_dtype=jnp.bfloat16,
                num_sms: int | None = None, ring: bool | None = None) -> jax.Array:
@@ -420,23 +461,15 @@ def _kernel_call(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms
     counted across them (:func:`~pallas_kernels.ragged_dot.mosaic.ring_consume`,
     :func:`~pallas_kernels.ragged_dot.mosaic.ring_produce`)."""
     stages = config.num_stages
-    transforms = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
 
-    @functools.partial(
-        pl.run_scoped,
-        x_smem=plgpu.SMEM((stages, bm, BLOCK_K), x_gmem.dtype, transforms=transforms),
-        w_smem=plgpu.SMEM((stages, bn, BLOCK_K), w_gmem.dtype, transforms=transforms),
-        x_ready=plgpu.Barrier(num_barriers=stages),
-        w_ready=plgpu.Barrier(num_barriers=stages),
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        **epilogue_scratch(),
-        collective_axes="wg",
-    )
+    @functools.partial(pl.run_scoped, **ring_scratch(stages, bm, bn, x_gmem.dtype),
+                       **epilogue_scratch(), collective_axes="wg")
     def _scope(x_smem, w_smem, x_ready, w_ready, consumed, out_smem, row_smem, col_smem,
                scale_bars):
       wg = lax.axis_index("wg")
       cta = lax.axis_index("sm")
       n_local = local_items(cta, tiles_m * tiles_n * sk, ctas)
+      bars = dict(x_ready=x_ready, w_ready=w_ready)
 
       def item(i):
         return work_tile(cta + i * ctas, wg, tiles=(tiles_m, tiles_n), config=config,
@@ -453,18 +486,10 @@ def _kernel_call(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms
           fetch_scales(xs_gmem, ws_gmem, row_smem, col_smem, scale_bars, wg, m_slice, n_slice,
                        wg_m, wg_n)
           w_rows = slice(None) if split_m else wg_n
-          x_ring, w_ring = x_smem.at[:, wg_m], w_smem.at[:, w_rows]
-
-          def wait_ready(slot):
-            plgpu.barrier_wait(x_ready.at[slot])
-            plgpu.barrier_wait(w_ready.at[slot])
-
-          def mma(acc_ref, slot):
-            plgpu.wgmma(acc_ref, x_ring.at[slot], plgpu.transpose_ref(w_ring.at[slot], (1, 0)))
 
           def tile(acc_ref):
-            ring_consume(acc_ref, g, steps=steps, stages=stages, wait_ready=wait_ready,
-                         mma=mma, consumed=consumed, hold=True)
+            ring_tile(acc_ref, g, x_smem.at[:, wg_m], w_smem.at[:, w_rows], steps=steps,
+                      stages=stages, consumed=consumed, **bars)
             epilogue(acc_ref, wg, out_smem, row_smem, col_smem, scale_bars,
                      out_ref.at[m_slice, n_slice].at[wg_m, wg_n])
 
@@ -482,10 +507,8 @@ def _kernel_call(x, w, xs, ws, *, config: MosaicMatmulConfig, out_dtype, num_sms
 
           def load(kk, slot):
             k_slice = pl.ds(split * split_len + kk * BLOCK_K, BLOCK_K)
-            plgpu.copy_gmem_to_smem(x_gmem.at[m_slice, k_slice], x_smem.at[slot],
-                                    x_ready.at[slot])
-            plgpu.copy_gmem_to_smem(w_gmem.at[n_slice, k_slice], w_smem.at[slot],
-                                    w_ready.at[slot])
+            ring_load(x_gmem.at[m_slice, k_slice], w_gmem.at[n_slice, k_slice], slot,
+                      x_smem=x_smem, w_smem=w_smem, **bars)
           return load
 
         ring_produce(n_local, steps=steps, stages=stages, consumed=consumed,

@@ -64,8 +64,7 @@ from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, PRODUCER_REGISTERS,
                                               MosaicRaggedDotConfig, consumer_part,
                                               consumer_registers, cta_items, decode_item,
-                                              item_windows, ring_consume, ring_produce,
-                                              store_rows)
+                                              item_windows, ring_produce, store_rows)
 
 __all__ = ["BLOCK_K", "K_MULTIPLE", "RING_MAX_STEPS", "TILES", "check_shapes", "fp8_ragged_dot",
            "smem_bytes"]
@@ -304,22 +303,14 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms, r
     loads the next item's first blocks while the consumers scale and store
     the last one."""
     stages = config.num_stages
-    transforms = (plgpu.TilingTransform((8, BLOCK_K)), plgpu.SwizzleTransform(128))
 
-    @functools.partial(
-        pl.run_scoped,
-        x_smem=plgpu.SMEM((stages, bm, BLOCK_K), x_gmem.dtype, transforms=transforms),
-        w_smem=plgpu.SMEM((stages, bn, BLOCK_K), w_gmem.dtype, transforms=transforms),
-        x_ready=plgpu.Barrier(num_barriers=stages),
-        w_ready=plgpu.Barrier(num_barriers=stages),
-        consumed=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        **epilogue_scratch(),
-        collective_axes="wg",
-    )
+    @functools.partial(pl.run_scoped, **dense.ring_scratch(stages, bm, bn, x_gmem.dtype),
+                       **epilogue_scratch(), collective_axes="wg")
     def _scope(x_smem, w_smem, x_ready, w_ready, consumed, out_smem, row_smem, col_smem,
                scale_bars):
       wg = lax.axis_index("wg")
       cta = lax.axis_index("sm")
+      bars = dict(x_ready=x_ready, w_ready=w_ready)
       n_local, item = cta_items(cta, ctas, count_gmem[0], tasks_gmem, out_gmem,
                                 tiles_n=tiles_n, split_k=sk, grid_minor=config.grid_minor,
                                 groups=groups, past_k=past_k, split_len=split_len,
@@ -336,18 +327,10 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms, r
           # This consumer's scales arrive while its K loop runs.
           fetch_scales(xs_gmem, ws_gmem, row_smem, col_smem, scale_bars, wg, it.row0 + base,
                        it.expert, col0)
-          x_ring, w_ring = x_smem.at[:, wg_m], w_smem.at[:, w_rows]
-
-          def wait_ready(slot):
-            plgpu.barrier_wait(x_ready.at[slot])
-            plgpu.barrier_wait(w_ready.at[slot])
-
-          def mma(acc_ref, slot):
-            plgpu.wgmma(acc_ref, x_ring.at[slot], plgpu.transpose_ref(w_ring.at[slot], (1, 0)))
 
           def tile(acc_ref):
-            ring_consume(acc_ref, g, steps=steps, stages=stages, wait_ready=wait_ready,
-                         mma=mma, consumed=consumed, hold=True)
+            dense.ring_tile(acc_ref, g, x_smem.at[:, wg_m], w_smem.at[:, w_rows], steps=steps,
+                            stages=stages, consumed=consumed, **bars)
             epilogue(acc_ref, wg, out_smem, row_smem, col_smem, scale_bars, out_ref, it.row0,
                      base, lo, rows, col0)
 
@@ -365,10 +348,8 @@ def _kernel_call(tasks, count, x, w, xs, ws, *, m, config, out_dtype, num_sms, r
 
           def load(kk, slot):
             k_slice = pl.ds(it.k0 + kk * BLOCK_K, BLOCK_K)
-            plgpu.copy_gmem_to_smem(x_gmem.at[m_slice, k_slice], x_smem.at[slot],
-                                    x_ready.at[slot])
-            plgpu.copy_gmem_to_smem(w_gmem.at[it.expert, n_slice, k_slice], w_smem.at[slot],
-                                    w_ready.at[slot])
+            dense.ring_load(x_gmem.at[m_slice, k_slice], w_gmem.at[it.expert, n_slice, k_slice],
+                            slot, x_smem=x_smem, w_smem=w_smem, **bars)
           return load
 
         ring_produce(n_local, steps=steps, stages=stages, consumed=consumed,
