@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import shlex
 import subprocess
@@ -236,14 +235,14 @@ def print_plan(a, procs: list[dict], root: str) -> None:
         f"({len(procs)} process starts, {n} problems)")
 
 
-def _run_one(p: dict, base_env: dict, timeout: int) -> dict:
+def _run_one(p: dict, base_env: dict, timeout: float) -> dict:
   """One worker process: its result, or ``{"error": ...}``."""
   t0 = time.perf_counter()
   try:
     out = subprocess.run(p["argv"], env=dict(base_env, **p["env"]), capture_output=True,
                          text=True, timeout=timeout)
   except subprocess.TimeoutExpired:
-    return {"error": f"past {timeout} s", "process_s": time.perf_counter() - t0}
+    return {"error": f"past {round(timeout, 1):g} s", "process_s": time.perf_counter() - t0}
   wall = time.perf_counter() - t0
   lines = [x for x in out.stdout.splitlines() if x.startswith(MARK)]
   if out.returncode != 0 or not lines:
@@ -552,8 +551,10 @@ def main(argv=None) -> int:
     runs = []
     t_all = time.perf_counter()
     for i, p in enumerate(procs, 1):
-      left = math.ceil(a.budget - (time.perf_counter() - t_all))
-      if left < 1:
+      # A process starts only with at least half a second of the budget left,
+      # and is stopped when the budget ends.
+      left = a.budget - (time.perf_counter() - t_all)
+      if left < 0.5:
         r = {"error": f"skipped: past --budget {a.budget} s", "process_s": 0.0}
       else:
         r = _run_one(p, base_env, min(a.timeout, left))

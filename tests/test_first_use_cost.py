@@ -236,9 +236,16 @@ def test_budget_bounds_the_run(tmp_path):
              "--json", str(out_json), timeout=60)
   assert out.returncode == 1, out.stdout + out.stderr
   runs = json.loads(out_json.read_text())["runs"]
-  assert [r["error"] for r in runs] == ["past 1 s"] + ["skipped: past --budget 1 s"] * 3
+  # Process 1 gets the whole second: on a fast machine it may finish in it
+  # (no error), else it is stopped. Either way the budget is then spent, and
+  # every later process is skipped without starting.
+  first = runs[0].get("error")
+  assert first in (None, "past 1 s"), first
+  assert [r.get("error") for r in runs[1:]] == ["skipped: past --budget 1 s"] * 3
+  assert all(r["process_s"] == 0.0 for r in runs[1:])
   (s,) = json.loads(out_json.read_text())["summary"]
-  assert not s["ok"] and s["problem"] == dict(m=24, n=64, k=32) and len(s["errors"]) == 4
+  assert not s["ok"] and s["problem"] == dict(m=24, n=64, k=32)
+  assert len(s["errors"]) == 3 + (first is not None)
 
 
 def test_stats_delta():
