@@ -88,7 +88,8 @@ def test_quantize_expert_weights():
     (4096, 8, 4096, 512, C(block_m=128, block_n=256, num_stages=3, grid_minor=2), False),
     (13, 64, 1408, 2048, C(block_m=64, block_n=256, num_stages=4, split_k=2), False),
     (32768, 128, 768, 2048, C(block_m=128, block_n=256, num_stages=3, grid_minor=2), True),
-    (1003, 8, 1408, 448, C(block_m=64, block_n=256, num_stages=4, split_k=2), True)])
+    (1003, 8, 1408, 448, C(block_m=64, block_n=256, num_stages=4, split_k=2), True),
+    (6216, 64, 2048, 2048, C(block_m=128, block_n=128, num_stages=5), True)])  # fp8_rule, 97 rows
 def test_mosaic_fp8_kernel_lowers_for_cuda(m, g, k, n, config, ring):
   args = (jax.ShapeDtypeStruct((m, k), jnp.float8_e4m3fn),
           jax.ShapeDtypeStruct((g, n, k), jnp.float8_e4m3fn),
