@@ -626,6 +626,8 @@ def _from_tables(spec: Family, problem, hw: Hardware):
         table_cache.bad_decision(problem, hit, e)
         decided.pop(at, None)
     sel = d.decide(problem)
+    if sel is not None:
+      sel = _runnable(spec, problem, hw, sel)
   if sel is None:
     sel = Selection(spec.heuristic(problem, hw), "heuristic",
                     note="outside the model's trust region")
@@ -641,6 +643,21 @@ def _from_tables(spec: Family, problem, hw: Hardware):
       atexit.register(_persist_decisions)
     _dirty[id(d.table)] = d.table
   return sel, d
+
+
+def _runnable(spec: Family, problem, hw: Hardware, sel: Selection) -> Selection:
+  """``sel``, or the family's rule at ``problem`` where ``sel``'s config
+  cannot run it. A model's answer is shared by the sizes of a bucket and its
+  rule is read at the bucket's top size, where a kernel with an alignment
+  (the Mosaic decode kernel: a cache a multiple of 8) may run what it cannot
+  at this size; a table's exact entry may come from other code."""
+  try:
+    spec.validate(problem, sel.config, hw)
+    return sel
+  except ValueError as e:
+    return Selection(spec.heuristic(problem, hw), "heuristic",
+                     note=f"the table's {sel.source} answer cannot run this problem ({e}); "
+                          f"the family's rule")
 
 
 _NO_EVIDENCE: dict = {}

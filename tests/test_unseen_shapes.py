@@ -1,0 +1,175 @@
+"""Shapes outside the suites, as a new model brings them.
+
+For seeded random problems of every family (realistic sizes: weight dims
+multiples of 16 to 128, any token count, GQA ratios, head dims 64 to 256,
+sliding windows, soft caps, sinks, paged caches, float16 inputs and float32
+outputs), the config the selector picks for an H100 and for an H200 under the
+shipped tables is valid for the problem, and its kernel lowers for CUDA
+(Mosaic, Triton and XLA; cuDNN is not on a CPU, so its configs are validated
+only). A pick that failed here would raise in the op on that GPU.
+
+The kernels ask the device for its SM count, and the grouped GEMM's guard asks
+for cuDNN's version (it trusts the kernel over XLA's dense ragged dot before
+cuDNN 9.22): both are answered as on the GPUs measured.
+"""
+
+import math
+import types
+import warnings
+
+import jax
+import numpy as np
+import pytest
+
+import wavetune_jax as wt
+from wavetune_jax.core import versions
+from wavetune_jax.core.hardware import get_hardware
+from wavetune_jax.runtime.selector import clear
+
+pytestmark = pytest.mark.filterwarnings("ignore:wavetune_jax. no GPU")
+
+GPUS = ("nvidia_h100_80gb_hbm3", "nvidia_h200")
+FAMILIES = ("matmul", "attention", "decode", "ragged_dot", "qmatmul", "qragged_dot")
+PER_FAMILY = 30
+
+
+class _Gen:
+  def __init__(self, seed: int):
+    self.rng = np.random.default_rng(seed)
+
+  def pick(self, *xs):
+    return xs[int(self.rng.integers(len(xs)))]
+
+  def size(self, lo: int, hi: int) -> int:
+    """Log-uniform in [lo, hi]."""
+    return int(round(math.exp(self.rng.uniform(math.log(lo), math.log(hi)))))
+
+  def dim(self, lo: int, hi: int) -> int:
+    """A weight dimension: a multiple of 64 mostly, of 128 or 16 at times."""
+    q = self.pick(64, 64, 128, 16)
+    return max(q, self.size(lo, hi) // q * q)
+
+
+def _problem_fields(family: str, r: _Gen) -> dict:
+  out16 = dict(dtype=r.pick("bfloat16", "bfloat16", "float16"),
+               out_dtype=r.pick("", "", "float32"))
+  if family == "matmul":
+    return dict(m=r.size(1, 20000), n=r.dim(64, 60000), k=r.dim(64, 30000), **out16)
+  if family == "ragged_dot":
+    return dict(m=r.size(1, 40000), g=r.size(2, 160), k=r.dim(128, 8000),
+                n=r.dim(128, 30000), **out16)
+  if family == "qmatmul":
+    kind = r.pick("w8a8", "w8a16", "int4")
+    if kind == "w8a8":
+      return dict(m=r.size(1, 20000), n=r.dim(64, 60000), k=r.dim(128, 30000),
+                  dtype="float8_e4m3fn", w_dtype="float8_e4m3fn", w_layout="nk",
+                  out_dtype=r.pick("", "float32"))
+    if kind == "int4":
+      gs = r.pick(64, 128)
+      return dict(m=r.size(1, 300), n=r.dim(64, 30000), k=gs * r.size(2, 200),
+                  dtype="bfloat16", w_dtype="int4", w_layout="nk", group_size=gs)
+    return dict(m=r.size(1, 20000), n=r.dim(64, 60000), k=r.dim(64, 30000),
+                dtype="bfloat16", w_dtype=r.pick("int8", "float8_e4m3fn"),
+                w_layout=r.pick("kn", "nk"))
+  if family == "qragged_dot":
+    if r.pick(True, False):
+      return dict(m=r.size(1, 40000), g=r.size(2, 160), k=r.dim(128, 8000),
+                  n=r.dim(128, 30000), dtype="float8_e4m3fn", w_dtype="float8_e4m3fn",
+                  w_layout="nk")
+    return dict(m=r.size(1, 40000), g=r.size(2, 160), k=r.dim(128, 8000),
+                n=r.dim(128, 30000), dtype="bfloat16", w_dtype=r.pick("int8", "float8_e4m3fn"),
+                w_layout="kn")
+  kv_heads = r.pick(1, 2, 4, 8, 16)
+  heads = dict(q_heads=kv_heads * r.pick(1, 2, 4, 5, 6, 8), kv_heads=kv_heads,
+               head_dim=r.pick(64, 80, 96, 128, 128, 192, 256),
+               dtype=r.pick("bfloat16", "bfloat16", "float16"))
+  if r.pick(True, False, False):
+    heads.update(window_left=r.size(16, 8192), window_right=0)
+  if r.pick(True, False, False, False):
+    heads["soft_cap"] = r.pick(30.0, 50.0)
+  if r.pick(True, False, False, False):
+    heads["sinks"] = True
+  if family == "attention":
+    q_len = r.size(1, 20000)
+    return dict(batch=r.size(1, 8), q_len=q_len, kv_len=r.pick(0, 0, q_len + r.size(1, 8000)),
+                lengths=r.pick(False, False, True), causal=r.pick(True, True, False),
+                causal_align=r.pick("top_left", "bottom_right"), **heads)
+  page = r.pick(0, 0, 16, 64, 256)
+  kv_len = r.size(16, 60000)
+  kv_len = max(page, kv_len // page * page) if page else kv_len
+  return dict(batch=r.size(1, 128), kv_len=kv_len, q_len=r.pick(1, 1, 1, 2, 4), page_size=page,
+              lengths=r.pick(True, True, False), **heads)
+
+
+def _problems(family: str, n: int, seed: int) -> list:
+  spec, r, out = wt.get_family(family), _Gen(seed), []
+  while len(out) < n:
+    try:
+      out.append(spec.problem_cls(**_problem_fields(family, r)))
+    except ValueError:
+      continue  # an invalid combination (a window past a non-causal problem, ...)
+  return out
+
+
+@pytest.fixture
+def as_on_the_gpus(monkeypatch):
+  import sys
+  gpu = types.SimpleNamespace(core_count=132, platform="gpu", compute_capability="9.0",
+                              device_kind="NVIDIA H100 80GB HBM3")
+  for name, mod in list(sys.modules.items()):
+    if name.startswith(("pallas_kernels", "wavetune_jax")) and hasattr(
+        mod, "require_compute_capability"):
+      monkeypatch.setattr(mod, "require_compute_capability", lambda *a: gpu)
+  real = versions.current
+  monkeypatch.setattr(versions, "current", lambda: dict(real(), cuda="13.0", cudnn="9.19.0"))
+  clear()
+  yield
+  clear()
+
+
+def _lower(spec, problem, config) -> None:
+  backend = spec.backend_of(config)
+  args = jax.eval_shape(lambda: spec.inputs(problem, jax.random.PRNGKey(0)))
+  f = lambda *a: backend.run(problem, config, *a)  # noqa: E731
+  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_pick_on_new_shapes_runs(family, as_on_the_gpus):
+  spec = wt.get_family(family)
+  seed = FAMILIES.index(family)
+  backends = set()
+  for problem in _problems(family, PER_FAMILY, seed):
+    for gpu in GPUS:
+      clear()
+      with wt.policy("tables"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sel = wt.select(family, problem, gpu)
+      spec.validate(problem, sel.config, get_hardware(gpu))
+      name = spec.backend_of(sel.config).name
+      backends.add(name)
+      if name != "cudnn":
+        _lower(spec, problem, sel.config)
+  # The sample reaches the kernels, not only the platform op.
+  if family not in ("matmul", "qmatmul"):
+    assert backends - {"xla", "cudnn"}, backends
+
+
+def test_decode_window_on_a_cache_the_kernel_cannot_tile(as_on_the_gpus):
+  """The Mosaic decode kernel needs the cache a multiple of 8 rows. The
+  tables' answer for a windowed problem is read at its size bucket's top (a
+  multiple of 128, which the kernel runs), so at 5,397 keys it named the
+  kernel and the op raised; the selector now checks a table's answer
+  against the problem and falls back to the family's rule at this size."""
+  spec = wt.get_family("decode")
+  for kv_len, runs_mosaic in ((5397, False), (5400, True)):
+    p = spec.problem_cls(batch=34, q_heads=8, kv_heads=2, kv_len=kv_len, head_dim=256,
+                         window_left=220, window_right=0)
+    for gpu in GPUS:
+      clear()
+      with wt.policy("tables"):
+        sel = wt.select("decode", p, gpu)
+      assert (spec.backend_of(sel.config).name == "mosaic") == runs_mosaic, (kv_len, sel)
+      if not runs_mosaic:
+        assert "cannot run this problem" in sel.note and "multiple of 8" in sel.note
+      _lower(spec, p, sel.config)
