@@ -5,15 +5,17 @@ multiples of 16 to 128, any token count, GQA ratios, head dims 64 to 256,
 sliding windows, soft caps, sinks, paged caches, float16 inputs and float32
 outputs), the config the selector picks for an H100 and for an H200 under the
 shipped tables is valid for the problem, and its kernel lowers for CUDA
-(Mosaic, Triton and XLA; cuDNN is not on a CPU, so its configs are validated
-only). A pick that failed here would raise in the op on that GPU.
+(Mosaic, Triton, cuDNN and XLA). A pick that failed here would raise in the
+op on that GPU.
 
-The kernels ask the device for its SM count, and the grouped GEMM's guard asks
-for cuDNN's version (it trusts the kernel over XLA's dense ragged dot before
-cuDNN 9.22): both are answered as on the GPUs measured.
+The kernels ask the device for its SM count, the grouped GEMM's guard asks for
+cuDNN's version (it trusts the kernel over XLA's dense ragged dot before cuDNN
+9.22), and JAX's cuDNN attention asks for cuDNN and the GPU as it lowers: all
+are answered as on the GPUs measured (cuDNN 9.19, compute capability 9.0).
 """
 
 import math
+import sys
 import types
 import warnings
 
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:wavetune_jax. no GPU")
 GPUS = ("nvidia_h100_80gb_hbm3", "nvidia_h200")
 FAMILIES = ("matmul", "attention", "decode", "ragged_dot", "qmatmul", "qragged_dot")
 PER_FAMILY = 30
+_CUDNN_LOWERS = True
 
 
 class _Gen:
@@ -113,7 +116,6 @@ def _problems(family: str, n: int, seed: int) -> list:
 
 @pytest.fixture
 def as_on_the_gpus(monkeypatch):
-  import sys
   gpu = types.SimpleNamespace(core_count=132, platform="gpu", compute_capability="9.0",
                               device_kind="NVIDIA H100 80GB HBM3")
   for name, mod in list(sys.modules.items()):
@@ -122,6 +124,16 @@ def as_on_the_gpus(monkeypatch):
       monkeypatch.setattr(mod, "require_compute_capability", lambda *a: gpu)
   real = versions.current
   monkeypatch.setattr(versions, "current", lambda: dict(real(), cuda="13.0", cudnn="9.19.0"))
+  # JAX's cuDNN attention checks the installed cuDNN and the GPU while it
+  # lowers (head dims, layouts): answered as cuDNN 9.19 on a Hopper GPU.
+  try:
+    import jax._src.cudnn.fused_attention_stablehlo as fa
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91900)
+    monkeypatch.setattr(fa, "check_compute_capability",
+                        lambda c: tuple(map(int, c.split("."))) <= (9, 0))
+    monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: c == "9.0")
+  except (ImportError, AttributeError):  # another JAX: cuDNN configs are validated only
+    monkeypatch.setattr(sys.modules[__name__], "_CUDNN_LOWERS", False)
   clear()
   yield
   clear()
@@ -148,7 +160,7 @@ def test_every_pick_on_new_shapes_runs(family, as_on_the_gpus):
       spec.validate(problem, sel.config, get_hardware(gpu))
       name = spec.backend_of(sel.config).name
       backends.add(name)
-      if name != "cudnn":
+      if name != "cudnn" or _CUDNN_LOWERS:
         _lower(spec, problem, sel.config)
   # The sample reaches the kernels, not only the platform op.
   if family not in ("matmul", "qmatmul"):
