@@ -179,9 +179,63 @@ def test_decode_window_on_a_cache_the_kernel_cannot_tile(as_on_the_gpus):
                          window_left=220, window_right=0)
     for gpu in GPUS:
       clear()
-      with wt.policy("tables"):
+      with wt.policy("tables"), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         sel = wt.select("decode", p, gpu)
       assert (spec.backend_of(sel.config).name == "mosaic") == runs_mosaic, (kv_len, sel)
-      if not runs_mosaic:
+      said = [str(w.message) for w in said if "cannot run" in str(w.message)]
+      if runs_mosaic:
+        assert not said
+      else:
         assert "cannot run this problem" in sel.note and "multiple of 8" in sel.note
+        # The slower fallback is said once, with what to change.
+        assert len(said) == 1 and "kv2500" not in said[0] and "got 5397" in said[0], said
+        assert "the xla backend runs it instead" in said[0]
       _lower(spec, p, sel.config)
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+@pytest.mark.parametrize("model,weights", [("gemma_3_4b", "bf16"), ("gpt_oss_20b", "w8a8"),
+                                           ("qwen2_5_1_5b", "int8"), ("mixtral_8x7b", "bf16")])
+def test_decoders_lower_for_cuda(model, weights, gpu, as_on_the_gpus, monkeypatch):
+  """``wavetune bench model``'s decoders with the tables' ops, lowered for
+  CUDA as a GPU would run them: prefill of 333 tokens, a decode step of 5
+  sequences on contiguous caches of 1,037 and 2,500 keys (not multiples of
+  8: the windowed layers' Mosaic decode kernel cannot tile them) and on pages
+  of 16. Real layer shapes, two layers (Gemma-3: six, for one global layer),
+  nothing allocated."""
+  import functools
+  import re
+  import jax.numpy as jnp
+  from wavetune_jax.core import hardware
+  import wavetune_jax.models.decoder as M
+  monkeypatch.setattr(hardware, "current", lambda: get_hardware(gpu))
+  cfg = M.MODELS[model]
+  cfg = cfg.with_layers(cfg.global_every if cfg.global_every > 2 else 2)
+  ops = M.make_ops("tables")
+
+  def init():
+    p = M.init(jax.random.PRNGKey(0), cfg)
+    return p if weights == "bf16" else M.quantize_params(p, cfg, weights)
+
+  params = jax.eval_shape(init)
+  kernels = set()
+
+  def lower(fn, *args):
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    kernels.update(re.findall(r'custom_call @([\w$.]+)', text))
+
+  sds = jax.ShapeDtypeStruct
+  lower(functools.partial(M.prefill, cfg=cfg, ops=ops, max_len=2500), params,
+        sds((1, 333), jnp.int32))
+  batch = (sds((5,), jnp.int32),) * 2
+  for cache in (1037, 2500):
+    kc = [sds((5, cache, cfg.kv_heads, cfg.head_dim), jnp.bfloat16)] * cfg.layers
+    lower(functools.partial(M.decode_step, cfg=cfg, ops=ops, write_cache=False), params, kc,
+          kc, *batch)
+  pages = [sds((5 * 160, 16, cfg.kv_heads, cfg.head_dim), jnp.bfloat16)] * cfg.layers
+  lower(functools.partial(M.paged_decode_step, cfg=cfg, ops=ops, write_cache=False), params,
+        pages, pages, sds((5, 160), jnp.int32), *batch)
+  assert kernels & {"mosaic_gpu_v2", "__gpu$xla.gpu.triton", "__cudnn$fmhaSoftmax"}, kernels

@@ -655,7 +655,14 @@ def _runnable(spec: Family, problem, hw: Hardware, sel: Selection) -> Selection:
     spec.validate(problem, sel.config, hw)
     return sel
   except ValueError as e:
-    return Selection(spec.heuristic(problem, hw), "heuristic",
+    rule = spec.heuristic(problem, hw)
+    b, r = spec.backend_of(sel.config).name, spec.backend_of(rule).name
+    if r != b:
+      _warn_once(("runnable", spec.name, b),
+                 f"wavetune_jax.{spec.name}: the {b} kernel the tables chose cannot run "
+                 f"{spec.problem_key(problem)} ({e}); the {r} backend runs it instead, "
+                 f"maybe slower (warned once per process)")
+    return Selection(rule, "heuristic",
                      note=f"the table's {sel.source} answer cannot run this problem ({e}); "
                           f"the family's rule")
 
