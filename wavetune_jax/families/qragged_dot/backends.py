@@ -86,10 +86,10 @@ def dequantized_ragged_product(x, w, scales, group_sizes, x_scales=None,
   return ragged_dot_reference(x32, w32, group_sizes, jnp.float32)
 
 
-#: :func:`fp8_rule` takes 128 x 128 tiles above 64 rows per expert where a
-#: balanced router gives at most this many 128-row tasks an active expert
-#: (one task each, a tenth of the experts spilling into a second): measured
-#: at 96 rows per expert, where almost none spill.
+#: :func:`fp8_rule` walks an expert's tasks together (order 2) only where a
+#: balanced router gives more than this many 128-row tasks an active expert
+#: (:func:`expected_tasks_spread`): with one task an expert there is no weight
+#: tile to share, and column tiles first ran faster on every pair measured.
 ONE_TASK_SPILL = 1.1
 
 
@@ -98,14 +98,11 @@ def fp8_rule(m: int, g: int, n: int, k: int, num_sms: int, smem_per_block: int =
   """The FP8 kernel's launch rule. ``r`` = rows per expert under balanced
   routing.
 
-  - Above 64, where a balanced router's experts take one 128-row task each
-    (at most :data:`ONE_TASK_SPILL` tasks an active expert on average,
-    :func:`expected_tasks_spread`: up to about 110 rows at 64 experts) and K
-    has at most ``RING_MAX_STEPS`` steps of 128 (the kernel's own ring; as
-    measured): 128 x 128 tiles, 5 stages, column tiles first.
-  - Else from 64: 128 x 256 tiles, 3 stages (the most that fit), walked
-    expert by expert where the work takes more than a wave (``grid_minor``
-    2: an expert's tasks read each weight tile together), column tiles
+  - From 64: 128 x 256 tiles, 3 stages (the most that fit), walked expert by
+    expert where the work takes more than a wave and the experts take
+    several 128-row tasks (``grid_minor`` 2: an expert's tasks read each
+    weight tile together; more than :data:`ONE_TASK_SPILL` tasks an active
+    expert on average, from about 110 rows at 64 experts), column tiles
     first otherwise.
   - Below 64: 64 x 256 tiles, column tiles first, 4 stages, with the K split
     that fills a wave of the expected work (at least four K steps a split).
@@ -116,22 +113,18 @@ def fp8_rule(m: int, g: int, n: int, k: int, num_sms: int, smem_per_block: int =
 
   On an H100 (``benchmarks/fp8_ragged_dot.py``, Mixtral-8x7B's experts at
   1-4,096 tokens): at 64 rows per expert 128 x 256 ran 1.39x / 1.09x faster
-  than 64 x 256 (w13 / w2); at 1,024 and 4,096 tokens order 2 ran 1.08-1.77x
-  faster than column tiles first; at 1 and 16 tokens 64-row tiles were the
-  fastest or within 1.3% of it. At 96 rows per expert (DeepSeek-V2-Lite's
-  experts at 1,024 tokens, both weights, 11 and 16 K steps) 128 x 128 at 5
-  stages ran 1.000-1.097x the 128 x 256 config on all 6 pairs timed (H100
-  and H200, ring and pipeline; one a tie); at exactly 64 rows, where the
-  rule keeps 128 x 256, 0.889-1.036x (``tests/test_fp8_ragged_dot.py``,
-  ``test_rule_between_64_and_128_rows``)."""
+  than 64 x 256 (w13 / w2); at 1,024 and 4,096 tokens (256 and 1,024 rows
+  per expert) order 2 ran 1.08-1.77x faster than column tiles first; at 1
+  and 16 tokens 64-row tiles were the fastest or within 1.3% of it. At 64
+  and 96 rows per expert, one task an expert, column tiles first ran
+  1.008-1.063x order 2 on all 19 pairs recorded (H100 and H200, ring and
+  pipeline; ``tests/test_fp8_ragged_dot.py``,
+  ``test_rule_orders_one_task_an_expert_by_column``)."""
   r = m / min(g, m)
-  if (r > 64 and dense_fp8.k_steps(k, 1) <= kernel.RING_MAX_STEPS
-      and expected_tasks_spread(m, g, 128) <= ONE_TASK_SPILL * min(g, m)):
-    cands = [MosaicRaggedDotConfig(block_m=128, block_n=128, num_stages=st)
-             for st in (5, 4, 3)]
-  elif r >= 64:
+  if r >= 64:
     work = int(expected_tasks(m, g, 128)) * -(-n // 256)
-    order = 2 if r > 64 and work > num_sms else 1
+    several = expected_tasks_spread(m, g, 128) > ONE_TASK_SPILL * min(g, m)
+    order = 2 if r > 64 and work > num_sms and several else 1
     tiles = [(128, 256, 3), (128, 128, 4), (128, 128, 3)]
     cands = [MosaicRaggedDotConfig(block_m=bm, block_n=bn, num_stages=st, grid_minor=order)
              for bm, bn, st in tiles]
