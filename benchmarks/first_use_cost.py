@@ -558,6 +558,8 @@ def main(argv=None) -> int:
         r = {"error": f"skipped: past --budget {a.budget} s", "process_s": 0.0}
       else:
         r = _run_one(p, base_env, min(a.timeout, left))
+        if left < a.timeout and r.get("error", "").startswith("past "):
+          r["error"] = f"stopped at --budget {a.budget} s"
       r.update(family=p["family"], lib=p["lib"], stage=p["stage"], caches=p["caches"],
                problems=a.problems[p["family"]])
       runs.append(r)

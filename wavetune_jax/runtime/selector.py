@@ -102,16 +102,35 @@ class Decider:
     self.rates = table.peak_rates()
 
   def decide(self, problem) -> Selection | None:
+    """The table's answer for ``problem`` (None: outside the model's trust
+    region), checked against the problem itself (:meth:`_runnable`)."""
     hit = self.table.exact.get(problem)
     if hit is None:
-      return self._model(problem)
-    if self.spec.supports(hit[0], self.hw):
-      return Selection(hit[0], "exact", hit[1])
-    sel = self._model(problem)
-    if sel is not None:
-      sel = dataclasses.replace(sel, note=_passed_over("the exact entry", self.spec,
-                                                       hit[0], self.hw, sel.note))
-    return sel
+      sel = self._model(problem)
+    elif self.spec.supports(hit[0], self.hw):
+      sel = Selection(hit[0], "exact", hit[1])
+    else:
+      sel = self._model(problem)
+      if sel is not None:
+        sel = dataclasses.replace(sel, note=_passed_over("the exact entry", self.spec,
+                                                         hit[0], self.hw, sel.note))
+    return None if sel is None else self._runnable(problem, sel)
+
+  def _runnable(self, problem, sel: Selection) -> Selection:
+    """``sel``, or the family's rule at ``problem`` where ``sel``'s config
+    cannot run it: a model's answer is shared by the sizes of a bucket, and a
+    table's exact entry may come from other code."""
+    spec, hw = self.spec, self.hw
+    try:
+      spec.validate(problem, sel.config, hw)
+      return sel
+    except ValueError as e:
+      rule = spec.heuristic(problem, hw)
+      b, r = spec.backend_of(sel.config).name, spec.backend_of(rule).name
+      instead = f"; the {r} backend {_INSTEAD}" if r != b else ""
+      return Selection(rule, "heuristic",
+                       note=f"the table's {sel.source} answer, a {b} config, {_CANNOT_RUN} "
+                            f"({e}); the family's rule at this size{instead}")
 
   def ranked(self, problem, k: int) -> list:
     """The ``k`` configs first-use refinement measures besides the platform
@@ -197,7 +216,7 @@ class Decider:
       else:
         sizes = (np.arange(block * _BLOCK, (block + 1) * _BLOCK) + 1) * q
         vec = self._weights[key] = self._block(problem, sizes)
-    configs, idx, pred, kept = vec
+    configs, idx, pred, kept, passed = vec
     i = idx[r]
     if i < 0:
       return None
@@ -206,7 +225,23 @@ class Decider:
       return Selection(configs[i], "heuristic", t if np.isfinite(t) else None,
                        note="the family's rule: the table's model predicts no config "
                             "faster by more than the family's heuristic_margin")
-    return Selection(configs[i], "model", t)
+    return Selection(configs[i], "model", t, note=self._passed_rule(problem, passed[r],
+                                                                    configs[i]))
+
+  def _passed_rule(self, problem, rule, config) -> str:
+    """The note of a model answer given where the family's rule (read at the
+    bucket's top size) cannot run ``problem``; "" where there was none."""
+    if rule is None:
+      return ""
+    spec = self.spec
+    try:
+      spec.validate(problem, rule, self.hw)
+      return ""
+    except ValueError as e:
+      b, c = spec.backend_of(rule).name, spec.backend_of(config).name
+      instead = f"; the {c} backend {_INSTEAD}" if c != b else ""
+      return (f"the family's rule, a {b} config, {_CANNOT_RUN} ({e}); the table's model "
+              f"among the backends that run it{instead}")
 
   def _block(self, problem, sizes: np.ndarray):
     spec = self.spec
@@ -218,8 +253,9 @@ class Decider:
     idx = np.where(np.isfinite(best), idx, -1)
     margin = self.margin
     kept = [False] * len(sizes)
+    passed = [None] * len(sizes)   # a rule of a backend that cannot run these sizes
     if margin is None:
-      return configs, idx.tolist(), best, kept
+      return configs, idx.tolist(), best, kept, passed
     configs = list(configs)
     heuristics = spec.heuristics(problem, sizes, self.hw)
     # Each distinct heuristic config is looked up once (a size-free
@@ -233,10 +269,17 @@ class Decider:
     # believed below the floor of the fastest FLOP and byte rates any anchor
     # of the table reached (a measured roofline).
     floor = self._floor(problem, sizes)
+    # The rule is read at each bucket's top size, where a backend that cannot
+    # run this problem's sizes may run (the Mosaic decode kernel tiles a cache
+    # of a multiple of 8 keys): such a rule is not a candidate here.
+    runs = spec.decision_backends(problem, self.hw)
     for r, s in enumerate(sizes):
       if idx[r] < 0:
         continue
       h = heuristics[r]
+      if spec.backend_of(h) not in runs:
+        passed[r] = h
+        continue
       j = index.get(h)
       # (A heuristic config outside the candidates has no column: it is
       # predicted on its own, at each size.)
@@ -248,7 +291,7 @@ class Decider:
           j = index[h] = len(configs)
           configs.append(h)
         idx[r], best[r], kept[r] = j, t_h, True
-    return tuple(configs), idx.tolist(), best, kept
+    return tuple(configs), idx.tolist(), best, kept, passed
 
   def _floor(self, problem, sizes) -> np.ndarray:
     """Per size, the least time the table's measured rates allow (0: unknown)."""
@@ -537,10 +580,16 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
   pol = _local.policy or _global["policy"]
   if pol == "fixed":
     config = spec.default(problem)
-    if spec.supports(config, hw):
-      return Selection(config, "fixed")
-    return Selection(spec.heuristic(problem, hw), "heuristic",
-                     note=_passed_over("the fixed default", spec, config, hw))
+    if not spec.supports(config, hw):
+      return Selection(spec.heuristic(problem, hw), "heuristic",
+                       note=_passed_over("the fixed default", spec, config, hw))
+    try:
+      spec.validate(problem, config, hw)
+    except ValueError as e:  # (shared memory, 32-bit offsets, ...)
+      return Selection(spec.heuristic(problem, hw), "heuristic",
+                       note=f"the fixed default, a {spec.backend_of(config).name} config, "
+                            f"{_CANNOT_RUN} ({e}); the family's rule")
+    return Selection(config, "fixed")
   if pol == "heuristic":
     return Selection(spec.heuristic(problem, hw), "heuristic")
   if pol == "exhaustive":
@@ -621,13 +670,12 @@ def _from_tables(spec: Family, problem, hw: Hardware):
     if hit is not None and spec.supports(hit.config, hw):
       try:
         spec.validate(problem, hit.config, hw)
+        _say_instead(spec, problem, hit)
         return hit, d
       except ValueError as e:  # an entry edited or written by other code
         table_cache.bad_decision(problem, hit, e)
         decided.pop(at, None)
     sel = d.decide(problem)
-    if sel is not None:
-      sel = _runnable(spec, problem, hw, sel)
   if sel is None:
     sel = Selection(spec.heuristic(problem, hw), "heuristic",
                     note="outside the model's trust region")
@@ -636,6 +684,7 @@ def _from_tables(spec: Family, problem, hw: Hardware):
     e = d.table.entries.get(spec.variant(sel.config))
     waves = -(-g // (e.occupancy * hw.num_sms)) if e is not None else None
     sel = dataclasses.replace(sel, waves=waves)
+  _say_instead(spec, problem, sel)
   sel = _guarded(spec, problem, hw, d, sel)
   if kept and len(decided) < _MAX_KEPT_DECISIONS:
     decided[at] = sel
@@ -645,26 +694,18 @@ def _from_tables(spec: Family, problem, hw: Hardware):
   return sel, d
 
 
-def _runnable(spec: Family, problem, hw: Hardware, sel: Selection) -> Selection:
-  """``sel``, or the family's rule at ``problem`` where ``sel``'s config
-  cannot run it. A model's answer is shared by the sizes of a bucket and its
-  rule is read at the bucket's top size, where a kernel with an alignment
-  (the Mosaic decode kernel: a cache a multiple of 8) may run what it cannot
-  at this size; a table's exact entry may come from other code."""
-  try:
-    spec.validate(problem, sel.config, hw)
-    return sel
-  except ValueError as e:
-    rule = spec.heuristic(problem, hw)
-    b, r = spec.backend_of(sel.config).name, spec.backend_of(rule).name
-    if r != b:
-      _warn_once(("runnable", spec.name, b),
-                 f"wavetune_jax.{spec.name}: the {b} kernel the tables chose cannot run "
-                 f"{spec.problem_key(problem)} ({e}); the {r} backend runs it instead, "
-                 f"maybe slower (warned once per process)")
-    return Selection(rule, "heuristic",
-                     note=f"the table's {sel.source} answer cannot run this problem ({e}); "
-                          f"the family's rule")
+_CANNOT_RUN = "cannot run this problem"
+_INSTEAD = "runs it instead"
+
+
+def _say_instead(spec: Family, problem, sel: Selection) -> None:
+  """One warning per process and family where a table's answer could not
+  run a problem and another backend runs it (maybe slower), as decided now
+  or read back with a cached table."""
+  if _CANNOT_RUN in sel.note and _INSTEAD in sel.note:
+    _warn_once(("instead", spec.name),
+               f"wavetune_jax.{spec.name} {spec.problem_key(problem)}: {sel.note} "
+               f"(maybe slower; warned once per process)")
 
 
 _NO_EVIDENCE: dict = {}
