@@ -361,3 +361,50 @@ def test_vmap_of_matmul_attention_and_decode(backend):
   y = jax.vmap(lambda a, b, c, n: wt.decode_attention(a, b, c, kv_lengths=n, config=cfg))(
       qs[:, :, :2], ks, vs, lens)[:, 0]
   _close(y, _attention_ref(q[:, :2], k, v, lens[:, 0]), 2e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_folds_into_the_batch(backend):
+  """``jax.vmap`` of attention and decode runs one call of ``V * B``
+  sequences (JAX's cuDNN attention cannot batch sequence lengths): the same
+  as each instance on its own, with lengths, a paged cache (one pool shared,
+  or a pool per instance, with -1 entries), unbatched operands broadcast,
+  and per-instance sinks (one call each)."""
+  from wavetune_jax.families.decode.problem import DecodeProblem  # noqa: F401
+  cfg = {"backend": backend}
+  rng = _rng(21)
+  V, B, hq, hk, d, L = 3, 2, 4, 2, 32, 40
+  q = jnp.asarray(rng.standard_normal((V, B, 1, hq, d)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((V, B, L, hk, d)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((V, B, L, hk, d)), jnp.bfloat16)
+  lens = jnp.asarray(rng.integers(1, L + 1, (V, B)), jnp.int32)
+  sinks = jnp.asarray(rng.standard_normal((V, hq)), jnp.float32)
+
+  def each(f, *xs):
+    return jnp.stack([f(*(x[i] for x in xs)) for i in range(V)])
+
+  dec = lambda a, b, c, n: wt.decode_attention(a, b, c, kv_lengths=n, config=cfg)  # noqa: E731
+  _close(jax.vmap(dec)(q, k, v, lens), each(dec, q, k, v, lens), 1e-2)
+  # An unbatched cache, broadcast.
+  _close(jax.vmap(dec, in_axes=(0, None, None, 0))(q, k[0], v[0], lens),
+         each(lambda a, n: dec(a, k[0], v[0], n), q, lens), 1e-2)
+  att = lambda a, b, c, n: wt.attention(a, b, c, kv_lengths=n, config=cfg)  # noqa: E731
+  qa = jnp.asarray(rng.standard_normal((V, B, 5, hq, d)), jnp.bfloat16)
+  _close(jax.vmap(att)(qa, k, v, lens), each(att, qa, k, v, lens), 1e-2)
+  if backend == "xla":   # sinks: the xla backend runs them (Triton has none)
+    sk = lambda a, b, c, n, s: wt.decode_attention(a, b, c, kv_lengths=n, sinks=s,  # noqa: E731
+                                                   config=cfg)
+    _close(jax.vmap(sk)(q, k, v, lens, sinks), each(sk, q, k, v, lens, sinks), 1e-2)
+  # Paged: pages of 8, a pool per instance and one shared pool.
+  page, pages = 8, L // 8
+  kp = k.reshape(V, B * pages, page, hk, d)
+  vp = v.reshape(V, B * pages, page, hk, d)
+  table = jnp.broadcast_to(jnp.arange(B * pages, dtype=jnp.int32).reshape(B, pages),
+                           (V, B, pages))
+  table = table.at[:, 0, 0].set(jnp.where(lens[:, 0] > 8, -1, 0))  # a freed page left of a window
+  pg = lambda a, b, c, n, t: wt.decode_attention(  # noqa: E731
+      a, b, c, kv_lengths=n, block_tables=t, local_window_size=(7, 0), config=cfg)
+  if backend == "xla":   # the window: xla (and Mosaic on a GPU) run it
+    _close(jax.vmap(pg)(q, kp, vp, lens, table), each(pg, q, kp, vp, lens, table), 1e-2)
+    _close(jax.vmap(pg, in_axes=(0, None, None, 0, 0))(q, kp[1], vp[1], lens, table),
+           each(lambda a, n, t: pg(a, kp[1], vp[1], n, t), q, lens, table), 1e-2)

@@ -271,3 +271,36 @@ def test_the_fallback_is_said_when_read_back_from_the_table_cache(tmp_path, as_o
   finally:
     table_cache._state.update(saved)
     selector.clear()
+
+
+@pytest.mark.parametrize("gpu", GPUS)
+def test_vmapped_ops_lower_for_cuda(gpu, as_on_the_gpus, monkeypatch):
+  """``jax.vmap`` of attention and decode with sequence lengths, as a GPU
+  runs it: the vmapped axis is folded into the batch (JAX's cuDNN attention
+  cannot batch sequence lengths: it raised a reshape error here)."""
+  import re
+  import jax.numpy as jnp
+  from wavetune_jax.core import hardware
+  monkeypatch.setattr(hardware, "current", lambda: get_hardware(gpu))
+  sds, bf, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+  q1, q5 = sds((3, 4, 1, 32, 128), bf), sds((3, 2, 2048, 32, 128), bf)
+  kv, kv2 = sds((3, 4, 4096, 8, 128), bf), sds((3, 2, 2048, 8, 128), bf)
+  pool, table = sds((256, 64, 8, 128), bf), sds((3, 4, 64), i32)
+  cases = [
+      (lambda q, k, v, n: wt.decode_attention(q, k, v, kv_lengths=n), (q1, kv, kv, sds((3, 4), i32))),
+      (lambda q, k, v, n: wt.decode_attention(q, k, v, kv_lengths=n, local_window_size=(1023, 0)),
+       (q1, kv, kv, sds((3, 4), i32))),
+      (lambda q, k, v, n: wt.attention(q, k, v, kv_lengths=n), (q5, kv2, kv2, sds((3, 2), i32))),
+  ]
+  kernels = set()
+  for f, args in cases:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      text = jax.jit(jax.vmap(f)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    kernels.update(re.findall(r'custom_call @([\w$.]+)', text))
+  paged = lambda q, n, t, k, v: wt.decode_attention(q, k, v, kv_lengths=n, block_tables=t)  # noqa: E731
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    jax.jit(jax.vmap(paged, in_axes=(0, 0, 0, None, None))).trace(
+        q1, sds((3, 4), i32), table, pool, pool).lower(lowering_platforms=("cuda",))
+  assert "mosaic_gpu_v2" in kernels, kernels

@@ -42,6 +42,54 @@ def window_variants(problems: list, windows) -> list:
           for p in problems for w in windows if w < p.kv_len]
 
 
+def fold_vmap_into_batch(axis_size: int, in_batched, arrays, op):
+  """``jax.vmap`` of an attention op whose arrays are ``(q, k, v)``, then the
+  batch-indexed integer arrays (``kv_lengths``; a paged cache's block table
+  after them), then float ``sinks [q_heads]``: the vmapped axis is folded
+  into the batch (``[V, B, ...] -> [V * B, ...]``, an unbatched array
+  broadcast), and ``op`` runs one call of ``V * B`` sequences, its config
+  chosen for them. JAX's cuDNN attention has no working batching rule with
+  sequence lengths (it reshapes them to the wrong size), and one call of
+  the whole batch is what a kernel runs best. Per-instance page pools
+  become one pool of ``V`` pools, each instance's table offset into it
+  (entries below 0 kept); per-instance sinks have no batch to fold into,
+  so each instance is its own call.
+
+  Returns:
+    ``[V, B, q_len, q_heads, head_dim]``.
+  """
+  q, k, v, *rest = arrays
+  qb, kb, vb, *rb = in_batched
+  if any(b and not jnp.issubdtype(x.dtype, jnp.integer) for x, b in zip(rest, rb)):
+    return jnp.stack([op(*(x[i] if b else x for x, b in zip(arrays, in_batched)))
+                      for i in range(axis_size)])
+
+  def fold(x, batched):
+    x = x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
+    return x.reshape((-1,) + x.shape[2:])
+
+  batch = q.shape[1] if qb else q.shape[0]
+  ints = [i for i, x in enumerate(rest) if jnp.issubdtype(x.dtype, jnp.integer)]
+  rest = list(rest)
+  if len(ints) == 2 and (kb or vb):       # a paged cache, a pool per instance
+    pages = (k if kb else v).shape[1]
+    t = rest[ints[1]]
+    t = t if rb[ints[1]] else jnp.broadcast_to(t, (axis_size,) + t.shape)
+    offset = (jnp.arange(axis_size, dtype=t.dtype) * pages)[:, None, None]
+    rest[ints[1]] = jnp.where(t < 0, t, t + offset).reshape((-1,) + t.shape[2:])
+    rest[ints[0]] = fold(rest[ints[0]], rb[ints[0]])
+    k, v = fold(k, kb), fold(v, vb)
+  elif len(ints) == 2:                     # a paged cache, one pool
+    for i in ints:
+      rest[i] = fold(rest[i], rb[i])
+  else:
+    k, v = fold(k, kb), fold(v, vb)
+    for i in ints:
+      rest[i] = fold(rest[i], rb[i])
+  y = op(fold(q, qb), k, v, *rest)
+  return y.reshape((axis_size, batch) + y.shape[1:])
+
+
 def options_key(p) -> str:
   """The problem-key suffix of a window, soft-capping and sinks (empty
   without them: keys of plain attention are those of files on record)."""
@@ -147,6 +195,10 @@ class AttentionFamily(Family):
     return (isinstance(platform, CudnnAttentionConfig) and hw is not None
             and problem.windowed and config == mosaic.MosaicAttention.HEURISTIC
             and mosaic.persistent_wins(problem, hw))
+
+  def batched_call(self, axis_size: int, in_batched, arrays, op):
+    """:func:`fold_vmap_into_batch`."""
+    return fold_vmap_into_batch(axis_size, in_batched, arrays, op)
 
   def partition_rule(self, problem):
     """Batch and heads split (a query head with its KV head: the KV heads

@@ -17,7 +17,8 @@ from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.decode.library import library_attention, plain_mask
 from wavetune_jax.families.decode.problem import MAX_Q_LEN, DecodeProblem
-from wavetune_jax.families.attention.family import options_key, window_variants
+from wavetune_jax.families.attention.family import (fold_vmap_into_batch, options_key,
+                                                     window_variants)
 from wavetune_jax.families.attention.problem import OPTION_DEFAULTS
 from wavetune_jax.families.matmul.family import operand
 from wavetune_jax.shapes import suite_entries
@@ -199,6 +200,10 @@ class DecodeFamily(Family):
     from wavetune_jax.families.decode.mosaic import MosaicDecodeConfig
     return (not problem.plain and isinstance(config, MosaicDecodeConfig)
             and isinstance(platform, XlaDecodeConfig))
+
+  def batched_call(self, axis_size: int, in_batched, arrays, op):
+    """:func:`~wavetune_jax.families.attention.family.fold_vmap_into_batch`."""
+    return fold_vmap_into_batch(axis_size, in_batched, arrays, op)
 
   def partition_rule(self, problem: DecodeProblem):
     """Batch and heads split (a KV head with its query heads); the sequence
