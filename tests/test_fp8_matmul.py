@@ -434,15 +434,8 @@ def test_ring_and_wide_tiles_on_record_reproduce_the_docs(monkeypatch):
     assert round(r["bf16_dot_us"] / r["times"][lab], 2) == want
     assert f"**{want:.2f}x**" in sec
 
-  from wavetune_jax.shapes import load_suite
-  import importlib.util
-  path = Path(__file__).resolve().parents[1] / "benchmarks" / "unseen_models.py"
-  spec = importlib.util.spec_from_file_location("unseen_models", path)
-  um = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(um)
-  probs = [p for p in QMATMUL.problems_from_suite(load_suite("train")) if p.w8a8]
-  for s in um.SETS:
-    probs += [p for _, _, p in um.problems(["qmatmul"], quick=False, model_set=s) if p.w8a8]
+  from w8a8_problems import w8a8_problems
+  probs = w8a8_problems("qmatmul")
 
   def picks():
     clear()

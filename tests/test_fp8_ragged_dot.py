@@ -149,17 +149,10 @@ def test_rule_orders_one_task_an_expert_by_column(monkeypatch):
     c = fp8_rule(m, g, 2048, 2048, 132)
     assert (c.block_m, c.block_n, c.grid_minor) == (128, 256, order), (m, g)
 
-  import importlib.util
+  from w8a8_problems import w8a8_problems
   from wavetune_jax.families.qragged_dot import backends
   from wavetune_jax.runtime.selector import clear
-  from wavetune_jax.shapes import load_suite
-  path = Path(__file__).resolve().parents[1] / "benchmarks" / "unseen_models.py"
-  spec = importlib.util.spec_from_file_location("unseen_models", path)
-  um = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(um)
-  probs = [p for p in QRAGGED_DOT.problems_from_suite(load_suite("train")) if p.w8a8]
-  for s in um.SETS:
-    probs += [p for _, _, p in um.problems(["qragged_dot"], quick=False, model_set=s) if p.w8a8]
+  probs = w8a8_problems("qragged_dot")
 
   def picks(gpu):
     clear()

@@ -126,11 +126,9 @@ class Decider:
       return sel
     except ValueError as e:
       rule = spec.heuristic(problem, hw)
-      b, r = spec.backend_of(sel.config).name, spec.backend_of(rule).name
-      instead = f"; the {r} backend {_INSTEAD}" if r != b else ""
-      return Selection(rule, "heuristic",
-                       note=f"the table's {sel.source} answer, a {b} config, {_CANNOT_RUN} "
-                            f"({e}); the family's rule at this size{instead}")
+      return Selection(rule, "heuristic", note=_cannot_run(
+          spec, f"the table's {sel.source} answer", sel.config, e,
+          "the family's rule at this size", rule))
 
   def ranked(self, problem, k: int) -> list:
     """The ``k`` configs first-use refinement measures besides the platform
@@ -238,10 +236,8 @@ class Decider:
       spec.validate(problem, rule, self.hw)
       return ""
     except ValueError as e:
-      b, c = spec.backend_of(rule).name, spec.backend_of(config).name
-      instead = f"; the {c} backend {_INSTEAD}" if c != b else ""
-      return (f"the family's rule, a {b} config, {_CANNOT_RUN} ({e}); the table's model "
-              f"among the backends that run it{instead}")
+      return _cannot_run(spec, "the family's rule", rule, e,
+                         "the table's model among the backends that run it", config)
 
   def _block(self, problem, sizes: np.ndarray):
     spec = self.spec
@@ -586,9 +582,9 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
     try:
       spec.validate(problem, config, hw)
     except ValueError as e:  # (shared memory, 32-bit offsets, ...)
-      return Selection(spec.heuristic(problem, hw), "heuristic",
-                       note=f"the fixed default, a {spec.backend_of(config).name} config, "
-                            f"{_CANNOT_RUN} ({e}); the family's rule")
+      rule = spec.heuristic(problem, hw)
+      return Selection(rule, "heuristic", note=_cannot_run(
+          spec, "the fixed default", config, e, "the family's rule", rule))
     return Selection(config, "fixed")
   if pol == "heuristic":
     return Selection(spec.heuristic(problem, hw), "heuristic")
@@ -696,6 +692,14 @@ def _from_tables(spec: Family, problem, hw: Hardware):
 
 _CANNOT_RUN = "cannot run this problem"
 _INSTEAD = "runs it instead"
+
+
+def _cannot_run(spec: Family, what: str, config, error, answer: str, chosen) -> str:
+  """A selection's note: ``what`` (``config``) cannot run the problem, why,
+  and what answered (``chosen``), saying where that is another backend."""
+  b, c = spec.backend_of(config).name, spec.backend_of(chosen).name
+  instead = f"; the {c} backend {_INSTEAD}" if c != b else ""
+  return f"{what}, a {b} config, {_CANNOT_RUN} ({error}); {answer}{instead}"
 
 
 def _say_instead(spec: Family, problem, sel: Selection) -> None:
