@@ -23,8 +23,8 @@ holding NaN in ``x`` and ``x_scales`` (must come out zero), float32 output
 with and without split-K, each on all SMs and on 7 CTAs.
 
     PYTHONPATH=. python3 benchmarks/fp8_ragged_dot.py [--quick] [--weights a,b]
-        [--tokens 16 256 ...] [--ring] [--rule-only] [--skip-xla]
-        [--json out.json]
+        [--tokens 16 256 ...] [--shapes M,G,K,N ...] [--ring] [--rule-only | --orders]
+        [--skip-xla] [--json out.json]
     PYTHONPATH=. python3 benchmarks/fp8_ragged_dot.py --edge [--ring]
 """
 
@@ -55,9 +55,12 @@ WEIGHTS = [("mixtral_8x7b.w13", 8, 2, 4096, 28672), ("mixtral_8x7b.w2", 8, 2, 14
 TOKENS = (1, 16, 256, 1024, 4096)
 
 
-def configs(m: int, g: int, n: int, k: int, full: bool):
-  """The rule's config and some neighbours."""
+def configs(m: int, g: int, n: int, k: int, full: bool, orders: bool = False):
+  """The rule's config and some neighbours; with ``orders`` 128 x 256 tiles
+  walked column tiles first (order 1) and expert by expert (order 2) only."""
   r = fp8_rule(m, g, n, k, 132)
+  if orders:
+    return [C(block_m=128, block_n=256, num_stages=3, grid_minor=o) for o in (1, 2)]
   out = [r, C(block_m=128, block_n=256, num_stages=3, grid_minor=2),
          C(block_m=128, block_n=256, num_stages=3, grid_minor=1),
          C(block_m=64, block_n=256, num_stages=4, split_k=r.split_k),
@@ -137,14 +140,15 @@ def main(argv=None):
   ap.add_argument("--ring", action="store_true",
                   help="also run every config on the kernel's own ring (ring=True)")
   ap.add_argument("--rule-only", action="store_true", help="time the rule's config only")
+  ap.add_argument("--orders", action="store_true",
+                  help="time 128 x 256 tiles in orders 1 and 2 only (with wt's pick)")
+  ap.add_argument("--shapes", nargs="+", metavar="M,G,K,N",
+                  help="problems (rows, experts, K, N) instead of --weights x --tokens")
   ap.add_argument("--skip-xla", action="store_true",
                   help="leave out XLA's FP8 ragged dot and bf16 lax.ragged_dot (slow)")
   a = ap.parse_args(argv)
   if a.edge:
     return 1 if edge_cases((False, True) if a.ring else (False,)) else 0
-  prof = profiler.Profiler(iterations=a.iterations)
-  dev = jax.devices()[0]
-  print(dev.device_kind, jax.__version__, flush=True)
   weights = [WEIGHTS[0], WEIGHTS[-1]] if a.quick else WEIGHTS
   if a.weights:
     names = a.weights.split(",")
@@ -153,15 +157,31 @@ def main(argv=None):
       ap.error(f"unknown weights {unknown}; choose from {[w[0] for w in WEIGHTS]}")
     weights = [w for w in WEIGHTS if w[0] in names]
   tokens = (16, 1024) if a.quick else tuple(a.tokens or TOKENS)
+  if a.rule_only and a.orders:
+    ap.error("--rule-only and --orders choose different configs; give one")
+  problems = [(wname, g, k, n, [(t, t * top_k) for t in tokens])
+              for wname, g, top_k, k, n in weights]
+  if a.shapes:
+    if a.weights or a.tokens or a.quick:
+      ap.error("--shapes names the problems: drop --weights, --tokens and --quick")
+    try:
+      dims = [tuple(int(v) for v in sh.split(",")) for sh in a.shapes]
+    except ValueError:
+      dims = [()]
+    if any(len(d) != 4 or min(d) < 1 for d in dims):
+      ap.error(f"--shapes takes M,G,K,N of positive ints, got {a.shapes}")
+    problems = [(f"{g}x{k}x{n}", g, k, n, [(None, m)]) for m, g, k, n in dims]
+  prof = profiler.Profiler(iterations=a.iterations)
+  dev = jax.devices()[0]
+  print(dev.device_kind, jax.__version__, flush=True)
   rows = []
-  for wname, g, top_k, k, n in weights:
+  for wname, g, k, n, sizes in problems:
     w_nk, ws = wt.quantize_rows(
         jax.random.normal(jax.random.PRNGKey(1), (g * n, k), jnp.float32))
     w_nk, ws = w_nk.reshape(g, n, k), ws.reshape(g, n)
     w_deq = w_nk.astype(jnp.float32) * ws[:, :, None]
     w_bf16 = jnp.swapaxes(w_deq, 1, 2).astype(jnp.bfloat16)  # [G, K, N]
-    for t in tokens:
-      m = t * top_k
+    for t, m in sizes:
       x8, xs = wt.quantize_rows(jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32))
       gs = routing.group_sizes(jax.random.PRNGKey(7), m, g)
       x_deq = x8.astype(jnp.float32) * xs[:, None]
@@ -175,7 +195,7 @@ def main(argv=None):
       }
       if a.skip_xla:
         del cands["xla_fp8"]
-      cfgs = configs(m, g, n, k, a.full)
+      cfgs = configs(m, g, n, k, a.full, a.orders)
       for c, ring in itertools.product(cfgs[:1] if a.rule_only else cfgs,
                                        (False, True) if a.ring else (False,)):
         try:
@@ -212,7 +232,7 @@ def main(argv=None):
              "rule": str(fp8_rule(m, g, n, k, 132)), "times": times, "bf16": bf,
              "errors": errs, "best_mosaic": best}
       rows.append(row)
-      line = (f"{wname:<18} T={t:<5} M={m:<6} bf16 wt {bf['wt_bf16']:8.1f} lax "
+      line = (f"{wname:<18} T={t or '-':<5} M={m:<6} bf16 wt {bf['wt_bf16']:8.1f} lax "
               f"{bf['lax_bf16']:8.1f} | XLA fp8 {times.get('xla_fp8', math.nan):8.1f} | wt fp8 "
               f"{times['wt_fp8']:8.1f} us ({tflops(times['wt_fp8']):5.0f} TF/s): "
               f"{bf['wt_bf16'] / times['wt_fp8']:.2f}x bf16 wt, "

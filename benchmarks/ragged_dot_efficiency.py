@@ -34,11 +34,16 @@ candidate checked against the float32 reference first:
   (``cluster_m=2``), against the same configs on one CTA, at 256 rows per
   expert and more;
 * ``--skew``: under a skewed router, the kernel against the batched GEMM
-  padded to the largest group.
+  padded to the largest group;
+* ``--router balanced``: every candidate on a balanced router's group sizes
+  (``routing.group_sizes``, skew 0: about ``r`` rows an expert, spread
+  ``sqrt(r)``), the batched GEMM still on exactly ``r`` (the waves and
+  tail statistics stay those of uniform routing).
 
-    python3 benchmarks/ragged_dot_efficiency.py [--set issue|suite|all|quick]
+    python3 benchmarks/ragged_dot_efficiency.py [--set issue|suite|all|quick|r192]
         [--mode rule|orders|options|epilogue|ring|pingpong|cluster]
-        [--ring-set tall|pairs|delay|deep192] [--skew]
+        [--ring-set tall|pairs|delay|deep192|edge192] [--skew] [--router uniform|balanced]
+        [--problems G,r,K,N ...]
         [--json out.json]
     python3 benchmarks/ragged_dot_efficiency.py --summarize out.json   # CPU
 
@@ -86,7 +91,12 @@ ISSUE = [(64, 375, 3584, 5120), (32, 375, 2880, 5760), (8, 512, 4096, 28672),
 SUITE = [(8, 1024, 14336, 4096), (16, 256, 6144, 21504), (64, 512, 2048, 2048),
          (64, 128, 1024, 2048), (16, 375, 6400, 4096), (16, 128, 8192, 5120)]
 QUICK = ISSUE[:1] + ISSUE[2:3]
-SETS = {"issue": ISSUE, "suite": SUITE, "all": ISSUE + SUITE, "quick": QUICK}
+# Around the 192-row tiles' edge (H200 rule, MosaicRaggedDot._triple): 172,
+# 192 and 224 rows per expert of Qwen3-30B-A3B's w13 (3,072 tokens: 192), its
+# w2, DeepSeek-V2-Lite's w13 and Mixtral's w13 at 192 rows.
+R192 = [(128, 172, 2048, 1536), (128, 192, 2048, 1536), (128, 224, 2048, 1536),
+        (128, 192, 768, 2048), (64, 192, 2048, 2816), (8, 192, 4096, 28672)]
+SETS = {"issue": ISSUE, "suite": SUITE, "all": ISSUE + SUITE, "quick": QUICK, "r192": R192}
 TILES = [(128, 256, 3), (256, 128, 3), (128, 128, 4), (128, 128, 6), (64, 256, 4)]
 PEAK_TFLOPS = 989.0
 HBM_TBS = {"h100": 3.35, "h200": 4.8}
@@ -128,15 +138,22 @@ def main():
                        "(out_slots), the freed shared memory given to deeper rings; "
                        "ring: order-2 configs with and without item_ring; pingpong: "
                        "whole tiles per consumer warpgroup, alternate items")
-  ap.add_argument("--ring-set", choices=("tall", "pairs", "delay", "deep192"), default="tall",
+  ap.add_argument("--ring-set", choices=("tall", "pairs", "delay", "deep192", "edge192"), default="tall",
                   help="--mode ring's configs: tall (with the 192-row tiles), pairs (every "
                        "order-2 config with and without the ring) or delay (the ring's "
                        "128 x 256, 192 x 192 and 64 x 256 tiles with and without a wgmma in "
                        "flight) or "
-                       "deep192 (the 192-row tiles at 3 to 5 stages)")
+                       "deep192 (the 192-row tiles at 3 to 5 stages) or edge192 (128 x 256 "
+                       "on the pipeline, 192 x 192 and 192 x 128 on the ring)")
   ap.add_argument("--skew", action="store_true")
+  ap.add_argument("--router", choices=("uniform", "balanced"), default="uniform",
+                  help="the group sizes every candidate runs: uniform (each expert exactly r "
+                       "rows) or a balanced router's (routing.group_sizes, skew 0; the "
+                       "batched GEMM keeps r rows an expert)")
   ap.add_argument("--iterations", type=int, default=20)
   ap.add_argument("--only", default=None, help="comma-separated problem indices")
+  ap.add_argument("--problems", nargs="+", metavar="G,r,K,N",
+                  help="problems (experts, rows per expert, K, N) instead of --set")
   ap.add_argument("--budget-s", type=float, default=math.inf,
                   help="start no new problem after this many seconds")
   ap.add_argument("--json", default=None)
@@ -145,6 +162,18 @@ def main():
   if a.summarize:
     summarize(a.summarize)
     return
+  probs = SETS[a.set]
+  if a.only:
+    probs = [probs[int(i)] for i in a.only.split(",")]
+  if a.problems:
+    if a.only:
+      ap.error("--problems names the problems: drop --only")
+    try:
+      probs = [tuple(int(v) for v in p.split(",")) for p in a.problems]
+    except ValueError:
+      probs = [()]
+    if any(len(p) != 4 or min(p) < 1 for p in probs):
+      ap.error(f"--problems takes G,r,K,N of positive ints, got {a.problems}")
   dev = jax.devices()[0]
   hw = wt.detect()
   hbm = HBM_TBS["h200" if "H200" in dev.device_kind else "h100"]
@@ -154,7 +183,7 @@ def main():
   # XLA lowers lax.ragged_dot to cuDNN's grouped GEMM from cuDNN 9.22: the
   # run records which cuDNN its "lax.ragged_dot" column ran on.
   out = {"device_kind": dev.device_kind, "jax": jax.__version__, "mode": a.mode,
-         "versions": versions.current(), "rows": []}
+         "router": a.router, "versions": versions.current(), "rows": []}
   print("versions:", out["versions"], flush=True)
 
   def dump():
@@ -163,9 +192,6 @@ def main():
         json.dump(out, f, indent=1)
 
   summary = []
-  probs = SETS[a.set]
-  if a.only:
-    probs = [probs[int(i)] for i in a.only.split(",")]
   start = time.time()
   for g, r, k, n in probs:
     if time.time() - start > a.budget_s:
@@ -176,11 +202,14 @@ def main():
     kx, kw = jax.random.split(jax.random.PRNGKey(0))
     lhs = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
     rhs = (jax.random.normal(kw, (g, k, n), jnp.float32) / math.sqrt(k)).astype(jnp.bfloat16)
-    sizes = jnp.full((g,), r, jnp.int32)
+    sizes = (jnp.full((g,), r, jnp.int32) if a.router == "uniform"
+             else routing.group_sizes(jax.random.PRNGKey(5), m, g, routing.BALANCED))
     ref = ragged_dot_reference(lhs, rhs, sizes, jnp.float32)
     flops = 2.0 * m * n * k
     tf = lambda us: flops / (us * 1e-6) / 1e12 if us == us else math.nan  # noqa: E731
     row = {"g": g, "r": r, "k": k, "n": n, "times": {}}
+    if a.router != "uniform":
+      row["max_group"] = int(jnp.max(sizes))
 
     def batched(lhs, rhs, sizes):
       return jnp.einsum("gmk,gkn->gmn", lhs.reshape(g, r, k), rhs).reshape(m, n)
@@ -195,8 +224,14 @@ def main():
     def wt_op(lhs, rhs, sizes):
       return wt.ragged_dot(lhs, rhs, sizes, config=wt_cfg)
 
-    names = ["batched", "lax.ragged_dot", "wt"]
-    fns = [batched, lax_op, wt_op]
+    names = ["lax.ragged_dot", "wt"]
+    fns = [lax_op, wt_op]
+    # The batched GEMM runs exactly r rows an expert, whatever the router.
+    uniform = jnp.full((g,), r, jnp.int32)
+    (row["times"]["batched"],) = map(_rec, prof.measure_many(
+        [batched], (lhs, rhs, uniform), tolerance=2e-2, out_bytes=m * n * 4,
+        reference=ref if a.router == "uniform"
+        else ragged_dot_reference(lhs, rhs, uniform, jnp.float32)))
     cands = (_rule_candidates(g, r, k, n, hw) if a.mode == "rule"
              else _epilogue_candidates(g, r, k, n, hw) if a.mode == "epilogue"
              else _ring_candidates(g, r, k, n, hw, a.ring_set) if a.mode == "ring"
@@ -323,7 +358,9 @@ def summarize(path: str) -> dict:
   for row in run["rows"]:
     g, r, k, n = row["g"], row["r"], row["k"], row["n"]
     t = {nm: v["us"] for nm, v in row["times"].items() if v["status"] == "ok"}
-    tb = t["batched"]
+    # NaN where the batched GEMM has no time (a balanced-router run before
+    # the batched GEMM was checked on its own uniform rows).
+    tb = t.get("batched", math.nan)
     flops = 2.0 * g * r * k * n
     res = {"batched_tflops": flops / tb / 1e6, "wt": tb / t["wt"],
            "lax": tb / t.get("lax.ragged_dot", math.nan)}
@@ -350,7 +387,7 @@ def summarize(path: str) -> dict:
       res["best_pipeline"] = tb / min((us for nm, us in mos.items() if not nm.endswith(" r1")),
                                    default=math.nan)
       res["best_192"] = tb / min(tall) if tall else math.nan
-      res["192_over_rest"] = res["best_192"] / (tb / min(other))
+      res["192_over_rest"] = min(other) / min(tall) if tall and other else math.nan
       res["pairs"] = [(mos[nm[:-3]] / us, (k // 64) % _parse(nm)[0].num_stages == 0)
                       for nm, us in mos.items() if nm.endswith(" r1") and nm[:-3] in mos]
       # On the ring, one wgmma in flight over none (the same config).
@@ -542,6 +579,10 @@ def _ring_candidates(g, r, k, n, hw, ring_set="tall"):
   if ring_set == "pairs":
     tiles = [(bm, bn, ns, ring) for bm, bn, ns in ((128, 256, 3), (128, 256, 4), (256, 128, 3),
                                                   (64, 256, 4)) for ring in (0, 1)]
+  elif ring_set == "edge192":
+    # Where the H200 rule turns to 192-row tiles: the rule's 128 x 256 and
+    # the two 192-row tiles.
+    tiles = [(128, 256, 3, 0), (192, 192, 3, 1), (192, 128, 4, 1)]
   elif ring_set == "deep192":
     # The 192-row tiles at 3 and 4 stages (192 x 192 at 4 and 192 x 128 at
     # 5 stage the output a slice at a time) against 128 x 256 on the ring.

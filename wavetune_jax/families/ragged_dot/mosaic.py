@@ -30,10 +30,15 @@ TRIPLE_TILES = ((192, 192), (192, 128))
 #: two (measured on an H200 only, docs/results.md).
 TRIPLE_GPUS = frozenset({"nvidia_h200"})
 #: The gain in wave-quantized tile work (the waves of the work items times
-#: the tile's area) a 192-row tile needs over the 128 x 256 rule.
-TRIPLE_MARGIN = 1.15
-#: At most this share of the experts may spill into a second 192-row task ...
-TRIPLE_SPILL = 0.1
+#: the tile's area) a 192-row tile needs over the 128 x 256 rule. Under a
+#: balanced router (H200, 21 problems of 130-224 rows per expert,
+#: docs/results.md) the ratio was 1.067-1.231 where the 192-row tiles won,
+#: 0.667-0.978 where they did not.
+TRIPLE_MARGIN = 1.05
+#: At most this share of the experts may spill into a second 192-row task
+#: (on an H200 the 192-row tiles ran 1.06-1.17x the 128 x 256 rule at a
+#: spill of 0.11-0.27, 1.01x at 0.38 and 0.88-0.92x from 0.5) ...
+TRIPLE_SPILL = 0.3
 #: ... and 128-row tiles must take at least this many tasks an expert.
 TRIPLE_SPLIT = 1.5
 #: Task tiles (block_m, block_n).
@@ -269,10 +274,14 @@ class MosaicRaggedDot(Backend):
     On an H200 at 128 experts x 192 rows (K 2,048, N 1,536; uniform
     routing) 192 x 192 ran 1.24x the 128 x 256 rule's config (0.940 of
     cuBLAS's batched GEMM, against 0.756); where the two tilings take the
-    same rows (375 per expert) it ran 0.93-1.02x. At a mean of exactly 192
-    rows most experts of a balanced router spill into a second task, so
-    the rule keeps 128 x 256 there. None off :data:`TRIPLE_GPUS` and where
-    the whole output tile does not fit next to the ring."""
+    same rows (375 per expert) it ran 0.93-1.02x. Under a balanced
+    router (21 problems of 130-224 rows per expert, seven weights) the
+    rule takes 192-row tiles on the 12 where they ran 1.02-1.17x the
+    128 x 256 config (about 129-181 rows per expert) and keeps 128 x 256 on
+    the 9 where the best 192-row tile ran 0.74-1.01x: at a mean of 184
+    rows and more, a third of the experts or more spill into a second
+    task. None off :data:`TRIPLE_GPUS` and where the whole output tile
+    does not fit next to the ring."""
     if hw.device_key not in TRIPLE_GPUS:
       return None
     active = min(p.g, p.m)
