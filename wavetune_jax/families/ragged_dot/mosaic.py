@@ -39,6 +39,13 @@ TRIPLE_MARGIN = 1.05
 #: (on an H200 the 192-row tiles ran 1.06-1.17x the 128 x 256 rule at a
 #: spill of 0.11-0.27, 1.01x at 0.38 and 0.88-0.92x from 0.5) ...
 TRIPLE_SPILL = 0.3
+#: ... and with fewer than TRIPLE_MANY experts at most TRIPLE_SPILL_FEW: the
+#: number of experts that spill varies most from one batch to the next
+#: there, and each costs a pass over all the column tiles (Mixtral-8x7B's
+#: w13 at 175 rows per expert, a 0.17 spill: 1.061x in one draw of the
+#: router; its grouped GEMMs 0.985x in a four-layer decoder's prefill).
+TRIPLE_SPILL_FEW = 0.1
+TRIPLE_MANY = 16
 #: ... and 128-row tiles must take at least this many tasks an expert.
 TRIPLE_SPLIT = 1.5
 #: Task tiles (block_m, block_n).
@@ -276,16 +283,18 @@ class MosaicRaggedDot(Backend):
     cuBLAS's batched GEMM, against 0.756); where the two tilings take the
     same rows (375 per expert) it ran 0.93-1.02x. Under a balanced
     router (21 problems of 130-224 rows per expert, seven weights) the
-    rule takes 192-row tiles on the 12 where they ran 1.02-1.17x the
-    128 x 256 config (about 129-181 rows per expert) and keeps 128 x 256 on
-    the 9 where the best 192-row tile ran 0.74-1.01x: at a mean of 184
+    rule takes 192-row tiles on 11 of the 12 where they ran 1.02-1.17x the
+    128 x 256 config (about 129-181 rows per expert; with fewer than 16
+    experts up to about 172, :data:`TRIPLE_SPILL_FEW`) and keeps 128 x 256
+    on the 9 where the best 192-row tile ran 0.74-1.01x: at a mean of 184
     rows and more, a third of the experts or more spill into a second
     task. None off :data:`TRIPLE_GPUS` and where the whole output tile
     does not fit next to the ring."""
     if hw.device_key not in TRIPLE_GPUS:
       return None
     active = min(p.g, p.m)
-    if (expected_tasks_spread(p.m, p.g, 192) > (1 + TRIPLE_SPILL) * active
+    spill = TRIPLE_SPILL if p.g >= TRIPLE_MANY else TRIPLE_SPILL_FEW
+    if (expected_tasks_spread(p.m, p.g, 192) > (1 + spill) * active
             or expected_tasks_spread(p.m, p.g, 128) < TRIPLE_SPLIT * active):
       return None
 
