@@ -8,7 +8,7 @@ of the bench (prefill length or decode batch and cache, per op setting),
 the median time of each side and now over before; writes every run's JSON
 and the summary under ``--out``.
 
-    python3 benchmarks/model_before_after.py --out DIR --rounds 2 \\
+    PYTHONPATH=. python3 benchmarks/model_before_after.py --out DIR --rounds 2 \\
         --before wavetune_jax.families.ragged_dot.mosaic:TRIPLE_SPILL=0.1 \\
         --before wavetune_jax.families.ragged_dot.mosaic:TRIPLE_MARGIN=1.15 \\
         -- --model mixtral_8x7b --layers 4 --ops tables --prompt 700 --decode-batch 1 --cache 1024
@@ -58,6 +58,7 @@ def parse_patch(text: str) -> tuple[str, str, object]:
 def _child(patches: list, bench_args: list) -> int:
   for module, name, value in patches:
     setattr(importlib.import_module(module), name, value)
+    print(f"set {module}.{name} = {value!r}", flush=True)  # the log says what ran
   from wavetune_jax.cli import main
   return main(["bench", "model", *bench_args])
 
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     ap.error(f"--rounds must be >= 1, got {a.rounds}")
   if not bench:
     ap.error("give the bench's arguments after --, e.g. -- --model small_moe --ops tables")
-  if "--json" in bench:
+  if any(x == "--json" or x.startswith("--json=") for x in bench):
     ap.error("the runs' JSON files go under --out: drop --json after --")
   try:
     patches = [parse_patch(p) for p in a.before]
@@ -118,11 +119,15 @@ def main(argv=None) -> int:
   for rnd in range(a.rounds):
     for side, ps in (("before", patches), ("now", [])):
       path = out / f"{side}_{rnd}.json"
+      path.unlink(missing_ok=True)  # a run left from before is not this one
       t0 = time.time()
       cmd = [sys.executable, __file__, "--child", json.dumps(ps), *bench, "--json", str(path)]
       try:
         r = subprocess.run(cmd, env=env, timeout=a.timeout, capture_output=True, text=True)
-      except subprocess.TimeoutExpired:
+      except subprocess.TimeoutExpired as e:
+        text = [x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                for x in (e.stdout, e.stderr)]
+        (out / f"{side}_{rnd}.log").write_text("".join(text))
         print(f"{side} round {rnd}: stopped at --timeout {a.timeout:g} s", flush=True)
         continue
       (out / f"{side}_{rnd}.log").write_text(r.stdout + r.stderr)

@@ -163,11 +163,17 @@ def main():
     summarize(a.summarize)
     return
   probs = SETS[a.set]
+  if a.problems and a.only:
+    ap.error("--problems names the problems: drop --only")
   if a.only:
-    probs = [probs[int(i)] for i in a.only.split(",")]
+    try:
+      idx = [int(i) for i in a.only.split(",")]
+    except ValueError:
+      idx = [-1]
+    if any(not 0 <= i < len(probs) for i in idx):
+      ap.error(f"--only takes indices 0-{len(probs) - 1} of --set {a.set}, got {a.only!r}")
+    probs = [probs[i] for i in idx]
   if a.problems:
-    if a.only:
-      ap.error("--problems names the problems: drop --only")
     try:
       probs = [tuple(int(v) for v in p.split(",")) for p in a.problems]
     except ValueError:

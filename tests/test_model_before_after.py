@@ -34,6 +34,8 @@ MOSAIC = "wavetune_jax.families.ragged_dot.mosaic"
     (["--out", "x", "--before", f"{MOSAIC}:TRIPLE_SPILL=0.1", "--rounds", "0", "--", "--model",
       "small_moe"], "--rounds must be"),
     (["--out", "x", "--before", f"{MOSAIC}:TRIPLE_SPILL=0.1", "--", "--json", "y"],
+     "drop --json"),
+    (["--out", "x", "--before", f"{MOSAIC}:TRIPLE_SPILL=0.1", "--", "--json=y"],
      "drop --json")])
 def test_bad_arguments_get_one_line_errors(args, match, capsys):
   with pytest.raises(SystemExit):
@@ -60,6 +62,18 @@ def test_before_and_now_run_in_their_own_processes(tmp_path):
   kinds = {(row["setting"], row["kind"]) for row in summary["rows"]}
   assert {("tables", "prefill"), ("tables", "decode")} <= kinds
   assert "now/before" in r.stdout
+  # Each child says what it set before the bench ran: "before" the patch,
+  # "now" nothing.
+  assert f"set {MOSAIC}.TRIPLE_SPILL = 0.1" in (tmp_path / "before_0.log").read_text()
+  assert "TRIPLE_SPILL" not in (tmp_path / "now_0.log").read_text()
+  # A rerun into the same folder whose bench fails does not count the old files.
+  (tmp_path / "now_0.json").write_text((tmp_path / "before_0.json").read_text())
+  r = subprocess.run(
+      [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--rounds", "1",
+       "--before", f"{MOSAIC}:TRIPLE_SPILL=0.1", "--", "--model", "no_such_model"],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 1 and "the bench failed" in r.stdout
+  assert not (tmp_path / "now_0.json").exists()
 
 
 def test_the_child_sets_the_constants(monkeypatch):

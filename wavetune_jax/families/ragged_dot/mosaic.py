@@ -37,13 +37,13 @@ TRIPLE_GPUS = frozenset({"nvidia_h200"})
 TRIPLE_MARGIN = 1.05
 #: At most this share of the experts may spill into a second 192-row task
 #: (on an H200 the 192-row tiles ran 1.06-1.17x the 128 x 256 rule at a
-#: spill of 0.11-0.27, 1.01x at 0.38 and 0.88-0.92x from 0.5) ...
+#: spill of 0.11-0.27, 1.01x at 0.38 and 0.74-0.92x from 0.5) ...
 TRIPLE_SPILL = 0.3
-#: ... and with fewer than TRIPLE_MANY experts at most TRIPLE_SPILL_FEW: the
-#: number of experts that spill varies most from one batch to the next
-#: there, and each costs a pass over all the column tiles (Mixtral-8x7B's
-#: w13 at 175 rows per expert, a 0.17 spill: 1.061x in one draw of the
-#: router; its grouped GEMMs 0.985x in a four-layer decoder's prefill).
+#: ... and with fewer than TRIPLE_MANY experts at most TRIPLE_SPILL_FEW, a
+#: cautious choice on one decoder: Mixtral-8x7B's w13 at 175 rows per expert
+#: (a 0.14 spill) ran 1.061x in one draw of the router at 176 rows, but its
+#: grouped GEMMs 0.985x in a four-layer decoder's prefill (32 experts:
+#: gpt-oss-20b's prefill 1.019x). No decoder of 9-31 experts was run.
 TRIPLE_SPILL_FEW = 0.1
 TRIPLE_MANY = 16
 #: ... and 128-row tiles must take at least this many tasks an expert.
@@ -282,7 +282,7 @@ class MosaicRaggedDot(Backend):
     routing) 192 x 192 ran 1.24x the 128 x 256 rule's config (0.940 of
     cuBLAS's batched GEMM, against 0.756); where the two tilings take the
     same rows (375 per expert) it ran 0.93-1.02x. Under a balanced
-    router (21 problems of 130-224 rows per expert, seven weights) the
+    router (21 problems of 130-224 rows per expert, eight weights) the
     rule takes 192-row tiles on 11 of the 12 where they ran 1.02-1.17x the
     128 x 256 config (about 129-181 rows per expert; with fewer than 16
     experts up to about 172, :data:`TRIPLE_SPILL_FEW`) and keeps 128 x 256
