@@ -43,7 +43,8 @@ import wavetune_jax as wt
 from pallas_kernels.ragged_dot.fp8 import check_shapes, fp8_ragged_dot, smem_bytes
 from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig as C
 from pallas_kernels.ragged_dot.reference import ragged_dot_reference
-from wavetune_jax.families.qragged_dot.backends import fp8_rule, xla_qragged_dot
+from wavetune_jax.families.qragged_dot.backends import (dequantized_ragged_product, fp8_rule,
+                                                        xla_qragged_dot)
 from wavetune_jax.families.ragged_dot import routing
 from wavetune_jax.tuning import profiler
 
@@ -82,6 +83,22 @@ def configs(m: int, g: int, n: int, k: int, full: bool, orders: bool = False):
 
 
 HOPPER_SMEM = wt.get_hardware("h100").smem_per_block  # the H200 allows the same
+
+
+def expert_weights(g: int, n: int, k: int):
+  """Random expert weights quantized per output channel, one expert at a time
+  (memory of one expert's float32 weight, not all of them: Arctic's 128 x
+  9,728 x 7,168 took 36 GB a copy): ``(w [G, N, K] e4m3, scales [G, N],
+  the dequantized weight [G, K, N] in bfloat16 for the bf16 baseline)``."""
+  key = jax.random.PRNGKey(1)
+
+  def one(e):
+    return wt.quantize_rows(jax.random.normal(jax.random.fold_in(key, e), (n, k), jnp.float32))
+
+  w_nk, ws = jax.lax.map(one, jnp.arange(g))
+  w_bf16 = jax.jit(lambda w, s: jnp.swapaxes(
+      (w.astype(jnp.float32) * s[:, :, None]).astype(jnp.bfloat16), 1, 2))(w_nk, ws)
+  return w_nk, ws, w_bf16
 
 
 #: ``--edge`` runs every case on all SMs and on 7 CTAs (each CTA then runs
@@ -176,16 +193,12 @@ def main(argv=None):
   print(dev.device_kind, jax.__version__, flush=True)
   rows = []
   for wname, g, k, n, sizes in problems:
-    w_nk, ws = wt.quantize_rows(
-        jax.random.normal(jax.random.PRNGKey(1), (g * n, k), jnp.float32))
-    w_nk, ws = w_nk.reshape(g, n, k), ws.reshape(g, n)
-    w_deq = w_nk.astype(jnp.float32) * ws[:, :, None]
-    w_bf16 = jnp.swapaxes(w_deq, 1, 2).astype(jnp.bfloat16)  # [G, K, N]
+    w_nk, ws, w_bf16 = expert_weights(g, n, k)
     for t, m in sizes:
       x8, xs = wt.quantize_rows(jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32))
       gs = routing.group_sizes(jax.random.PRNGKey(7), m, g)
       x_deq = x8.astype(jnp.float32) * xs[:, None]
-      ref = ragged_dot_reference(x_deq, jnp.swapaxes(w_deq, 1, 2), gs, jnp.float32)
+      ref = dequantized_ragged_product(x8, w_nk, ws, gs, xs, "nk")
       x_bf16 = x_deq.astype(jnp.bfloat16)
       cands = {
           "xla_fp8": lambda x8, w, xs, ws, gs: xla_qragged_dot(

@@ -478,3 +478,51 @@ def test_fp8_ragged_dot_benchmark_bad_arguments(args, match, capsys):
     mod.main(args)
   err = capsys.readouterr().err
   assert match in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("with_x_scales", [False, True])
+def test_reference_dequantizes_expert_by_expert_past_the_limit(layout, with_x_scales,
+                                                               monkeypatch):
+  """Past LOOP_ABOVE_BYTES of float32 weight the reference dequantizes one
+  expert at a time (Arctic-sized weights do not fit as one float32 copy):
+  the same product as the whole-weight path, empty experts and rows past
+  the groups included."""
+  from pallas_kernels.ragged_dot import reference
+  from wavetune_jax.families.qragged_dot.backends import dequantized_ragged_product
+  g, m, k, n = 5, 70, 96, 40
+  kx, kw = jax.random.split(jax.random.PRNGKey(3))
+  x = jax.random.normal(kx, (m, k), jnp.float32)
+  xs = None
+  if with_x_scales:
+    x, xs = wt.quantize_rows(x)
+  shape = (g, k, n) if layout == "kn" else (g, n, k)
+  w, s = wt.quantize_weight(jax.random.normal(kw, (g, k, n)), "float8_e4m3fn", layout=layout)
+  assert w.shape == shape and s.shape == (g, n)
+  gs = jnp.array([20, 0, 17, 1, 25], jnp.int32)  # 63 of 70 rows
+  whole = dequantized_ragged_product(x, w, s, gs, xs, layout)
+  calls = []
+  real = reference.ragged_dot_reference_by_expert
+  monkeypatch.setattr(reference, "ragged_dot_reference_by_expert",
+                      lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  monkeypatch.setattr(reference, "LOOP_ABOVE_BYTES", 0)
+  by_expert = dequantized_ragged_product(x, w, s, gs, xs, layout)
+  assert calls
+  np.testing.assert_allclose(np.asarray(by_expert), np.asarray(whole), rtol=1e-5, atol=1e-5)
+  assert bool(jnp.all(by_expert[63:] == 0))
+
+
+def test_fp8_benchmark_builds_its_weights_an_expert_at_a_time():
+  """``fp8_ragged_dot.py``'s weights: e4m3 ``[G, N, K]`` with per-channel
+  scales, and the bf16 baseline's ``[G, K, N]`` their dequantized product."""
+  import importlib.util
+  path = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_ragged_dot.py"
+  spec = importlib.util.spec_from_file_location("fp8_ragged_dot_bench_w", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  w, s, w16 = mod.expert_weights(3, 48, 64)
+  assert (w.shape, w.dtype, s.shape, w16.shape, w16.dtype) == (
+      (3, 48, 64), jnp.float8_e4m3fn, (3, 48), (3, 64, 48), jnp.bfloat16)
+  deq = jnp.swapaxes(w.astype(jnp.float32) * s[:, :, None], 1, 2)
+  np.testing.assert_allclose(np.asarray(w16, np.float32), np.asarray(deq), rtol=1e-2, atol=1e-6)
+  assert not np.array_equal(np.asarray(w[0], np.float32), np.asarray(w[1], np.float32))

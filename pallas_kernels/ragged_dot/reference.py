@@ -7,7 +7,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_dot.worklist import clip_sizes
 
-__all__ = ["ragged_dot_reference"]
+__all__ = ["ragged_dot_reference", "ragged_dot_reference_by_expert"]
 
 #: Above this many bytes of ``M x G x K`` float32, the reference loops over
 #: row blocks: XLA's ragged dot materialises an ``[M, G, K]`` operand (Arctic's
@@ -34,20 +34,34 @@ def ragged_dot_reference(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                            group_sizes,
                            precision=jax.lax.Precision.HIGHEST)
     return y.astype(out_dtype)
-  return _blocked(lhs, rhs, group_sizes, min(block_rows or 512, m)).astype(out_dtype)
+  return _blocked(lhs, lambda e: jax.lax.dynamic_index_in_dim(rhs, e, 0, keepdims=False),
+                  g, rhs.shape[2], group_sizes, min(block_rows or 512, m)).astype(out_dtype)
 
 
-def _blocked(lhs, rhs, group_sizes, b: int) -> jax.Array:
+def ragged_dot_reference_by_expert(lhs: jax.Array, expert_weight, g: int, n: int,
+                                   group_sizes: jax.Array, out_dtype=None, *,
+                                   block_rows: int = 512) -> jax.Array:
+  """:func:`ragged_dot_reference` with expert ``e``'s ``[K, N]`` weight given
+  by ``expert_weight(e)`` (``e`` traced), built one expert at a time: for
+  weights whose whole float32 form would not fit in memory (a quantized
+  weight dequantized expert by expert)."""
+  out_dtype = lhs.dtype if out_dtype is None else out_dtype
+  m = lhs.shape[0]
+  group_sizes = clip_sizes(group_sizes, m)
+  return _blocked(lhs, expert_weight, g, n, group_sizes, min(block_rows, m)).astype(out_dtype)
+
+
+def _blocked(lhs, expert_weight, g: int, n: int, group_sizes, b: int) -> jax.Array:
   """Expert by expert, its rows ``b`` at a time: a window of ``b`` rows that
   ends inside the array, masked to the expert's rows."""
-  m, n = lhs.shape[0], rhs.shape[2]
+  m = lhs.shape[0]
   # Clipped sizes (ragged_dot_reference): the running sum stays <= M.
   ends = jnp.cumsum(group_sizes, dtype=jnp.int32)
   starts = ends - group_sizes
   rows = jnp.arange(b)
 
   def expert(e, out):
-    w = jax.lax.dynamic_index_in_dim(rhs, e, 0, keepdims=False).astype(jnp.float32)
+    w = expert_weight(e).astype(jnp.float32)
 
     def block(j, out):
       r0 = starts[e] + j * b
@@ -60,4 +74,4 @@ def _blocked(lhs, rhs, group_sizes, b: int) -> jax.Array:
 
     return jax.lax.fori_loop(0, (ends[e] - starts[e] + b - 1) // b, block, out)
 
-  return jax.lax.fori_loop(0, rhs.shape[0], expert, jnp.zeros((m, n), jnp.float32))
+  return jax.lax.fori_loop(0, g, expert, jnp.zeros((m, n), jnp.float32))
