@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import wavetune_jax as wt
+from wavetune_jax.cli.common import positive_ints
 from pallas_kernels.ragged_dot.fp8 import check_shapes, fp8_ragged_dot, smem_bytes
 from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig as C
 from pallas_kernels.ragged_dot.reference import ragged_dot_reference
@@ -159,7 +160,7 @@ def main(argv=None):
   ap.add_argument("--rule-only", action="store_true", help="time the rule's config only")
   ap.add_argument("--orders", action="store_true",
                   help="time 128 x 256 tiles in orders 1 and 2 only (with wt's pick)")
-  ap.add_argument("--shapes", nargs="+", metavar="M,G,K,N",
+  ap.add_argument("--shapes", nargs="+", metavar="M,G,K,N", type=positive_ints("M,G,K,N"),
                   help="problems (rows, experts, K, N) instead of --weights x --tokens")
   ap.add_argument("--skip-xla", action="store_true",
                   help="leave out XLA's FP8 ragged dot and bf16 lax.ragged_dot (slow)")
@@ -181,13 +182,7 @@ def main(argv=None):
   if a.shapes:
     if a.weights or a.tokens or a.quick:
       ap.error("--shapes names the problems: drop --weights, --tokens and --quick")
-    try:
-      dims = [tuple(int(v) for v in sh.split(",")) for sh in a.shapes]
-    except ValueError:
-      dims = [()]
-    if any(len(d) != 4 or min(d) < 1 for d in dims):
-      ap.error(f"--shapes takes M,G,K,N of positive ints, got {a.shapes}")
-    problems = [(f"{g}x{k}x{n}", g, k, n, [(None, m)]) for m, g, k, n in dims]
+    problems = [(f"{g}x{k}x{n}", g, k, n, [(None, m)]) for m, g, k, n in a.shapes]
   prof = profiler.Profiler(iterations=a.iterations)
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__, flush=True)

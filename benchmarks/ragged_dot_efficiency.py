@@ -73,6 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import wavetune_jax as wt
+from wavetune_jax.cli.common import positive_ints
 from pallas_kernels.ragged_dot import mosaic as kernel
 from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig as Config
@@ -152,7 +153,7 @@ def main():
                        "batched GEMM keeps r rows an expert)")
   ap.add_argument("--iterations", type=int, default=20)
   ap.add_argument("--only", default=None, help="comma-separated problem indices")
-  ap.add_argument("--problems", nargs="+", metavar="G,r,K,N",
+  ap.add_argument("--problems", nargs="+", metavar="G,r,K,N", type=positive_ints("G,r,K,N"),
                   help="problems (experts, rows per expert, K, N) instead of --set")
   ap.add_argument("--budget-s", type=float, default=math.inf,
                   help="start no new problem after this many seconds")
@@ -174,12 +175,7 @@ def main():
       ap.error(f"--only takes indices 0-{len(probs) - 1} of --set {a.set}, got {a.only!r}")
     probs = [probs[i] for i in idx]
   if a.problems:
-    try:
-      probs = [tuple(int(v) for v in p.split(",")) for p in a.problems]
-    except ValueError:
-      probs = [()]
-    if any(len(p) != 4 or min(p) < 1 for p in probs):
-      ap.error(f"--problems takes G,r,K,N of positive ints, got {a.problems}")
+    probs = a.problems
   dev = jax.devices()[0]
   hw = wt.detect()
   hbm = HBM_TBS["h200" if "H200" in dev.device_kind else "h100"]

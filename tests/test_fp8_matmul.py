@@ -480,11 +480,7 @@ def test_ring_and_wide_tiles_on_record_reproduce_the_docs(monkeypatch):
     (["--weights", "nope"], "unknown weights")])
 def test_fp8_gemm_benchmark_bad_arguments(args, match, capsys):
   """``benchmarks/fp8_gemm.py``'s bad arguments: one line, before any GPU work."""
-  import importlib.util
-  path = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_gemm.py"
-  spec = importlib.util.spec_from_file_location("fp8_gemm_bench", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  from bench_module import load_benchmark
   with pytest.raises(SystemExit):
-    mod.main(args)
+    load_benchmark("fp8_gemm").main(args)
   assert match in capsys.readouterr().err

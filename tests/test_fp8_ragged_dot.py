@@ -469,13 +469,9 @@ def test_ring_runs_on_record_reproduce_the_docs():
     (["--weights", "nope"], "unknown weights")])
 def test_fp8_ragged_dot_benchmark_bad_arguments(args, match, capsys):
   """``benchmarks/fp8_ragged_dot.py``'s bad arguments: one line, before any GPU work."""
-  import importlib.util
-  path = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_ragged_dot.py"
-  spec = importlib.util.spec_from_file_location("fp8_ragged_dot_bench", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
+  from bench_module import load_benchmark
   with pytest.raises(SystemExit):
-    mod.main(args)
+    load_benchmark("fp8_ragged_dot").main(args)
   err = capsys.readouterr().err
   assert match in err and "Traceback" not in err
 
@@ -515,12 +511,8 @@ def test_reference_dequantizes_expert_by_expert_past_the_limit(layout, with_x_sc
 def test_fp8_benchmark_builds_its_weights_an_expert_at_a_time():
   """``fp8_ragged_dot.py``'s weights: e4m3 ``[G, N, K]`` with per-channel
   scales, and the bf16 baseline's ``[G, K, N]`` their dequantized product."""
-  import importlib.util
-  path = Path(__file__).resolve().parents[1] / "benchmarks" / "fp8_ragged_dot.py"
-  spec = importlib.util.spec_from_file_location("fp8_ragged_dot_bench_w", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  w, s, w16 = mod.expert_weights(3, 48, 64)
+  from bench_module import load_benchmark
+  w, s, w16 = load_benchmark("fp8_ragged_dot").expert_weights(3, 48, 64)
   assert (w.shape, w.dtype, s.shape, w16.shape, w16.dtype) == (
       (3, 48, 64), jnp.float8_e4m3fn, (3, 48), (3, 64, 48), jnp.bfloat16)
   deq = jnp.swapaxes(w.astype(jnp.float32) * s[:, :, None], 1, 2)

@@ -1,7 +1,6 @@
 """``benchmarks/model_before_after.py``: a decoder with a rule's constants as
 they were and as they are, in fresh processes (CPU: compile and checks only)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,10 +14,8 @@ SCRIPT = ROOT / "benchmarks" / "model_before_after.py"
 
 
 def _load():
-  spec = importlib.util.spec_from_file_location("model_before_after", SCRIPT)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  from bench_module import load_benchmark
+  return load_benchmark("model_before_after")
 
 
 MOSAIC = "wavetune_jax.families.ragged_dot.mosaic"

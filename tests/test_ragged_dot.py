@@ -492,13 +492,8 @@ def test_recorded_h100_numbers_are_reproduced(capsys):
 
 
 def _load_benchmark(name):
-  import importlib.util
-  import pathlib
-  path = pathlib.Path(__file__).parent.parent / "benchmarks" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(name, path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  from bench_module import load_benchmark
+  return load_benchmark(name)
 
 
 def _table_vs_sweep(capsys, gpu: str, *flags: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-__all__ = ["positive_int", "at_least", "existing_file", "add_family_arg", "CliError",
+__all__ = ["positive_int", "positive_ints", "at_least", "existing_file", "add_family_arg", "CliError",
            "MAX_INT", "detect_gpu", "pyplot", "output_file"]
 
 #: The largest integer an option takes (sizes, counts): beyond it, products
@@ -27,6 +27,23 @@ def positive_int(s: str) -> int:
   if v > MAX_INT:
     raise argparse.ArgumentTypeError(f"{s} is too large (at most {MAX_INT})")
   return v
+
+
+def positive_ints(names: str):
+  """An argparse type: ``"a,b,..."`` -> a tuple of as many positive ints as
+  ``names`` (e.g. ``"M,G,K,N"``) has fields."""
+  count = len(names.split(","))
+
+  def parse(s: str) -> tuple[int, ...]:
+    try:
+      v = tuple(positive_int(x) for x in s.split(","))
+    except argparse.ArgumentTypeError:
+      v = ()
+    if len(v) != count:
+      raise argparse.ArgumentTypeError(f"takes {names} of positive ints, got {s!r}")
+    return v
+
+  return parse
 
 
 def at_least(lo: float):
