@@ -3,15 +3,18 @@ the training suites (CUPTI, L2 flushed, same process, one GPU).
 
 The training suites hold Llama-3 GEMMs and attention, and six MoE models'
 expert GEMMs. This script builds the same kinds of calls from public configs
-of other models, in two sets (``--set``):
+of other models, in three sets (``--set``):
 
 * ``v1`` (the default): head_dim 96, 128 and 256, 28/4, 16/8, 32/8 and 32/32
   heads, widths 3072-6144, 8, 60 and 128 experts;
 * ``v2``: other models again: head_dim 64, 80, 96, 128 and 256, q/kv head
   ratios 1, 2, 3, 4, 6 and 8, widths 1536-6144 (a non-gated MLP among them),
   32, 40 and 64 experts with 4, 6 and 8 active,
+* ``v3``: others again, with head layouts in none of the above: head_dim 64,
+  128 and 256, q/kv head ratios 1, 2, 3, 4, 5 and 12, widths 1152-6144 (two
+  non-gated MLPs), 8, 64 and 128 experts with 2, 6 and 8 active,
 
-at token counts that are not powers of two (v2: none of its token counts,
+at token counts that are not powers of two (v2 and v3: none of their token counts,
 sequence lengths, decode batches or cache lengths is one), and times, per
 problem:
 
@@ -125,6 +128,38 @@ DECODE_CACHE_V2 = (2500, 12000)
 MOE_TOKENS_V2 = (24, 700, 4500)
 
 
+# v3: again other public configs (Hugging Face config.json of each), with
+# head layouts in none of v1, v2 and the training suites: Gemma-3-27B (32/16
+# heads), Gemma-3-1B (4/1, d 256), SmolLM3-3B (16/4), OLMo-2-13B (40/40, d
+# 128), GPT-2 XL (25/25, d 64, no gate), Qwen3-14B (40/8: 5 query heads a KV
+# head), Llama-3.2-3B (24/8), StarCoder2-15B (48/4, no gate); routed experts
+# of Qwen3-235B-A22B (128 experts, top 8), ERNIE-4.5-21B-A3B (64, top 6),
+# Hunyuan-A13B (64, top 8) and JetMoE-8B (8, top 2).
+DENSE_V3 = {
+    "gemma_3_27b": dict(hidden=5376, q_heads=32, kv_heads=16, head_dim=128, ffn=21504),
+    "gemma_3_1b": dict(hidden=1152, q_heads=4, kv_heads=1, head_dim=256, ffn=6912),
+    "smollm3_3b": dict(hidden=2048, q_heads=16, kv_heads=4, head_dim=128, ffn=11008),
+    "olmo_2_13b": dict(hidden=5120, q_heads=40, kv_heads=40, head_dim=128, ffn=13824),
+    "gpt2_xl": dict(hidden=1600, q_heads=25, kv_heads=25, head_dim=64, ffn=6400, gated=False),
+    "qwen3_14b": dict(hidden=5120, q_heads=40, kv_heads=8, head_dim=128, ffn=17408),
+    "llama3_2_3b": dict(hidden=3072, q_heads=24, kv_heads=8, head_dim=128, ffn=8192),
+    "starcoder2_15b": dict(hidden=6144, q_heads=48, kv_heads=4, head_dim=128, ffn=24576,
+                           gated=False),
+}
+MOE_V3 = {
+    "qwen3_235b_a22b": dict(E=128, top_k=8, hidden=4096, ffn=1536),
+    "ernie_4_5_21b_a3b": dict(E=64, top_k=6, hidden=2560, ffn=1536),
+    "hunyuan_a13b": dict(E=64, top_k=8, hidden=4096, ffn=3072),
+    "jetmoe_8b": dict(E=8, top_k=2, hidden=2048, ffn=5632),
+}
+GEMM_M_V3 = (5, 72, 450, 1700, 7000)
+ATTN_BATCH_V3 = (1, 5)
+ATTN_SEQ_V3 = (700, 2300, 7000)
+DECODE_BATCH_V3 = (3, 40)
+DECODE_CACHE_V3 = (1800, 9000)
+MOE_TOKENS_V3 = (12, 450, 3300)
+
+
 class ModelSet(NamedTuple):
   """Models and the sizes their calls are built at."""
 
@@ -147,10 +182,13 @@ SETS = {
                    MOE_TOKENS),
     "v2": ModelSet(DENSE_V2, MOE_V2, GEMM_M_V2, ATTN_BATCH_V2, ATTN_SEQ_V2, DECODE_BATCH_V2,
                    DECODE_CACHE_V2, MOE_TOKENS_V2),
+    "v3": ModelSet(DENSE_V3, MOE_V3, GEMM_M_V3, ATTN_BATCH_V3, ATTN_SEQ_V3, DECODE_BATCH_V3,
+                   DECODE_CACHE_V3, MOE_TOKENS_V3),
 }
 # A label names its model, so labels are unique across the sets (a file may
 # hold rows of both; --report reads them all).
-assert not set(SETS["v1"].names) & set(SETS["v2"].names)
+assert len({n for m in SETS.values() for n in m.names}) == sum(len(m.names)
+                                                              for m in SETS.values())
 ALL_NAMES = tuple(n for m in SETS.values() for n in m.names)
 #: The policy a file without one was measured under: the library default
 #: before this script took --policy.
@@ -277,7 +315,7 @@ def describe(spec, config) -> str:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--set", default="v1", choices=sorted(SETS),
-                  help="the models: v1 (default) or v2, another set (see the module doc)")
+                  help="the models: v1 (default), v2 or v3, other sets (see the module doc)")
   ap.add_argument("--policy", default="auto",
                   help=f"selection policy of the wt column, one of wavetune_jax.POLICIES "
                        f"({','.join(wt.POLICIES)}; default: auto, the library's default)")

@@ -1,4 +1,4 @@
-"""``benchmarks/unseen_models.py`` on a CPU: the problems of both model sets,
+"""``benchmarks/unseen_models.py`` on a CPU: the problems of the model sets,
 the selections it would time under a policy (``--dry-run``), its summary of
 recorded H100 rows (``--report``), the policy reaching the profiler's compile
 threads, and its errors."""
@@ -103,22 +103,64 @@ def test_v2_is_a_new_set_of_models_and_sizes():
   assert 0 < len(quick) < len(plan) and set(quick) <= set(plan)
 
 
+def test_v3_is_a_third_set_with_new_head_layouts():
+  mod = _mod()
+  v3 = mod.SETS["v3"]
+  names, gemm, grouped, heads = _train_suite()
+  assert len(v3.dense) == 8 and len(v3.moe) == 4
+  earlier = [m for k, m in mod.SETS.items() if k != "v3"]
+  assert not set(v3.names) & (names | {n for m in earlier for n in m.names})
+  plan = mod.problems(mod.FAMILIES, quick=False, model_set="v3")
+  labels = [label for _, label, _ in plan]
+  earlier_labels = {label for k in ("v1", "v2")
+                    for _, label, _ in mod.problems(mod.FAMILIES, quick=False, model_set=k)}
+  assert len(set(labels)) == len(labels) and not set(labels) & earlier_labels
+  # Head layouts of none of the other sets nor the suites; the suite's
+  # weights and expert weights not taken again.
+  seen = heads | {(c["q_heads"], c["kv_heads"], c["head_dim"])
+                  for m in earlier for c in m.dense.values()}
+  for fam, label, p in plan:
+    if fam == "matmul":
+      assert (p.k, p.n) not in gemm, label
+    elif fam == "ragged_dot":
+      assert (p.g, p.k, p.n) not in grouped, label
+    else:
+      assert (p.q_heads, p.kv_heads, p.head_dim) not in seen, label
+  attn = [p for f, _, p in plan if f in ("attention", "decode")]
+  assert {p.head_dim for p in attn} == {64, 128, 256}
+  assert {p.q_heads // p.kv_heads for p in attn} == {1, 2, 3, 4, 5, 12}
+  assert all(p.q_heads % p.kv_heads == 0 for p in attn)
+  assert {p.g for f, _, p in plan if f == "ragged_dot"} == {8, 64, 128}
+  sizes = []
+  for fam, _, p in plan:
+    if fam in ("matmul", "ragged_dot"):
+      sizes.append(p.m)
+    elif fam == "attention":
+      sizes += [p.q_len, p.batch * p.q_len]
+    else:
+      sizes += [p.batch, p.kv_len, p.batch * p.kv_len]
+  assert not [t for t in sizes if _power_of_two(t)]
+  assert "up" in mod.gemm_weights(v3.dense["gpt2_xl"])
+  assert len(plan) == 8 * (4 * 5 + 2 * 3 + 2 * 2) + 4 * 2 * 3
+
+
 def _dry_run(mod, capsys, argv):
   assert mod.main(["--dry-run"] + argv) == 0
   out = capsys.readouterr().out.splitlines()
   return out[:-1], out[-1]
 
 
+@pytest.mark.parametrize("model_set", ("v2", "v3"))
 @pytest.mark.parametrize("key", KEYS)
-def test_v2_dry_run_selects_runnable_configs_under_the_policy(key, capsys):
+def test_dry_run_selects_runnable_configs_under_the_policy(key, model_set, capsys):
   """Every line is the selector's answer under ``--policy`` for that GPU, a
   config that runs the problem there; another policy answers otherwise."""
   mod = _mod()
-  plan = mod.problems(mod.FAMILIES, quick=False, model_set="v2")
+  plan = mod.problems(mod.FAMILIES, quick=False, model_set=model_set)
   hw = get_hardware(key)
   lines = {}
   for pol in ("tables", "heuristic"):
-    lines[pol], last = _dry_run(mod, capsys, ["--set", "v2", "--device-key", key,
+    lines[pol], last = _dry_run(mod, capsys, ["--set", model_set, "--device-key", key,
                                               "--policy", pol])
     assert last == f"{len(plan)} problems" and len(lines[pol]) == len(plan)
     with wt.policy(pol):
