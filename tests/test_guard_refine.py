@@ -239,7 +239,7 @@ def measuring(tmp_path, monkeypatch):
   result = {}
 
   def fake(spec, problem, configs, platform):
-    assert platform == configs[0]
+    assert platform is None or platform == configs[0]
     calls.append((problem, list(configs)))
     r = result.get("value")
     if isinstance(r, Exception):
@@ -487,3 +487,33 @@ def test_refinement_measures_a_backend_the_table_has_no_model_of():
   extra = [c for c in refine.candidates(MATMUL, m, H100, dm, None)
            if MATMUL.backend_of(c).name not in held and not MATMUL.backend_of(c).platform]
   assert extra == []
+
+
+@pytest.mark.parametrize("m,g,cudnn,timed", [(3300 * 8, 128, "9.19.0", False),
+                                             (3300 * 8, 128, "9.22.0", True),
+                                             (2048, 16, "9.19.0", False),
+                                             (40, 16, "9.19.0", True)])
+def test_refine_leaves_a_dominated_platform_op_untimed(measuring, monkeypatch, m, g, cudnn,
+                                                       timed):
+  """First use does not time XLA's dense ragged dot (cuDNN < 9.22) where the
+  family trusts every candidate over it (128 experts; 128 rows per expert):
+  timing it was most of a first use (111 ms a call for Qwen3-235B-A22B's
+  w13 at 3,300 tokens). With cuDNN 9.22 (XLA's grouped GEMM), or where some
+  candidate is not trusted (16 experts at 2.5 rows each), it is timed."""
+  calls, result, _ = measuring
+  monkeypatch.setattr(versions, "current", lambda: {"jax": "0.11.2", "cudnn": cudnn})
+  selector.clear()
+  p = RaggedDotProblem(m=m, g=g, k=4096, n=3072)
+  xla = wt.XlaRaggedDotConfig()
+  with wt.policy("refine"):
+    sel = wt.select("ragged_dot", p, H100)
+  (problem, configs), = calls
+  assert problem == p and (xla in configs) == timed
+  assert len(configs) >= 1 and sel.source == "measured"
+  assert ("platform op not timed" in sel.note) == (not timed)
+  cands = refine.candidates(RAGGED_DOT, p, H100, selector._decider(RAGGED_DOT, H100), None)
+  assert refine.platform_dominated(RAGGED_DOT, p, cands, xla, H100) == (not timed)
+  assert not refine.platform_dominated(RAGGED_DOT, p, [xla], xla, H100)
+  assert not refine.platform_dominated(RAGGED_DOT, p, cands[1:], xla, H100)
+  assert not refine.platform_dominated(MATMUL, MatmulProblem(m=8, n=8, k=8),
+                                       [XlaMatmulConfig(), TRITON], XlaMatmulConfig(), H100)

@@ -14,6 +14,10 @@ length and routing mixes their sweeps use):
   (a backend newer than the table);
 * the wave model's top :data:`TOP_K` configs (:meth:`Decider.ranked`).
 
+The platform config is left untimed where the family trusts every other
+candidate over it without evidence (:func:`platform_dominated`: XLA's dense
+ragged dot, or XLA's attention with soft-capping or sinks).
+
 Decode with run-time lengths is also timed with every sequence at the full
 cache (:meth:`Family.refine_mixes`): a config replaces the platform config
 only if it is :data:`MARGIN` faster on both.
@@ -59,8 +63,8 @@ from wavetune_jax.core import versions
 from wavetune_jax.core.family import Family
 from wavetune_jax.core.hardware import Hardware
 
-__all__ = ["TOP_K", "ITERATIONS", "MARGIN", "candidates", "pick", "Store", "stats",
-           "measure_candidates"]
+__all__ = ["TOP_K", "ITERATIONS", "MARGIN", "candidates", "pick", "platform_dominated",
+           "Store", "stats", "measure_candidates"]
 
 #: The wave model's candidates measured at first use (with the platform
 #: config, the guarded answer, the exact entry and the heuristic's config).
@@ -417,6 +421,23 @@ def pick(times: dict, platform, other_mixes: list | None = None):
   return best
 
 
+def platform_dominated(spec: Family, problem, cands: list, platform, hw: Hardware) -> bool:
+  """Whether first use can leave the platform config untimed: it is among
+  ``cands`` and every other candidate is one the family trusts over it
+  without evidence (:meth:`Family.trusted_without_evidence`, each family's
+  measured rule: XLA's dense ragged dot, which multiplies every row by every
+  expert's weight, lost to every Mosaic config measured where the grouped
+  GEMM's rule trusts them; XLA's attention with a soft cap or sinks writes
+  the whole score matrix). Timing such a platform op is most of a first
+  use's cost: XLA's dense ragged dot for Qwen3-235B-A22B's w13 at 3,300
+  tokens runs 111 ms a call against 1.2 ms for the kernel (H200), and at
+  Arctic's sizes it needs more memory than the GPU has."""
+  others = [c for c in cands if c != platform]
+  if platform is None or platform not in cands or not others:
+    return False
+  return all(spec.trusted_without_evidence(problem, c, platform, hw) for c in others)
+
+
 def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
   """The refined ``(config, us, note)`` for ``problem``, or None (the base
   answer stands): from the store, else measured now and stored."""
@@ -429,6 +450,9 @@ def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
   if len(cands) < 2:
     return None
   plat = spec.platform_config(problem, hw)
+  untimed = platform_dominated(spec, problem, cands, plat, hw)
+  if untimed:
+    cands = [c for c in cands if c != plat]
   with st.locked() as have_lock:
     if not have_lock:
       return None
@@ -456,6 +480,7 @@ def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
     if out.config is None:
       return None
     st.put(problem, out.config, out.us, out.platform_us)
-  vs = (f", {out.platform_us / out.us:.2f}x the platform op"
-        if out.platform_us else "")
+  vs = (f", {out.platform_us / out.us:.2f}x the platform op" if out.platform_us
+        else "; the platform op not timed: every candidate is trusted over it" if untimed
+        else "")
   return out.config, out.us, f"measured on this GPU at first use ({len(cands)} candidates{vs})"
