@@ -27,6 +27,16 @@ PAGED_SMALL_BLOCK_K = (16, 32)
 NUM_SPLITS = (1, 2, 4, 8, 16, 32, 64)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3)
+#: The rule's full-cache step halves the splits only where the programs'
+#: last wave loses at most this much of the SMs by it (``wave_efficiency``).
+WAVE_LOSS = 0.1
+
+
+def wave_efficiency(programs: int, num_sms: int) -> float:
+  """The share of ``num_sms`` SMs busy over the waves ``programs`` equal
+  programs take: 1.0 for whole waves, 0.61 for 160 programs on 132 SMs."""
+  waves = programs / num_sms
+  return waves / -(-programs // num_sms)
 
 # Pruning rules of the space (see TritonDecode.space):
 #  D1 rows:      one block_h, the next power of two of the rows per KV head
@@ -262,8 +272,14 @@ class TritonDecode(_triton.TritonBackend):
     # batch 16, 32/8 heads, 4,096 keys, 4 splits ran 0.97x cuDNN with full
     # caches where 2 ran 0.99x, both 1.11x with spread lengths
     # (data/probes/decode_length_mix_h100.txt).
+    # But not where halving leaves a last wave of few programs: 160 programs
+    # (batch 40, 16/4 heads, 1,800 keys) on an H200's 132 SMs ran 0.87x
+    # cuDNN with spread lengths on one split and 1.08x on two, 1.01x and
+    # 1.03x with full caches (data/probes/decode_waves_{spread,full}_h200.txt).
     while (ns > 1 and 2 * programs > hw.num_sms and programs * ns > 2 * hw.num_sms
-           and p.kv_len / ns < 2048):
+           and p.kv_len / ns < 2048
+           and wave_efficiency(programs * (ns // 2), hw.num_sms)
+           >= wave_efficiency(programs * ns, hw.num_sms) - WAVE_LOSS):
       ns //= 2
     bk = 64 if keys / ns < 1024 or p.padded_head_dim > 128 else 128
     if p.page_size:  # rule D6: the largest block up to that which divides the pages
