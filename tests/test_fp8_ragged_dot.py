@@ -181,20 +181,23 @@ def test_rule_orders_one_task_an_expert_by_column(monkeypatch):
     assert all(a.grid_minor == 2 and b == dataclasses.replace(a, grid_minor=1)
                for _, a, b in moved)
     assert sorted({r for r, _, _ in moved}) == [66, 75, 88, 96, 97]
-  # 13 of the 14 moved problems timed in both orders on an H200 (docs).
-  timed = [r for f in ("fp8_orders_h200.json", "fp8_orders2_h200.json")
+  # The 14 moved problems timed in both orders on an H200 (docs): 13 in two
+  # runs, Arctic's w13 in a third, after its weights were built an expert
+  # at a time (the first run ran out of memory there).
+  timed = [r for f in ("fp8_orders_h200.json", "fp8_orders2_h200.json",
+                       "fp8_orders_arctic_h200.json")
            for r in json.loads((DATA / f).read_text())["rows"]]
-  # All but Arctic's w13 (out of memory in the benchmark's float32 reference).
-  assert moved_keys - {(r["m"], r["g"], r["k"], r["n"]) for r in timed} == {
-      (12288, 128, 7168, 9728)}
+  assert moved_keys == {(r["m"], r["g"], r["k"], r["n"]) for r in timed}
   ratios = [r["times"][f"{path} 128x256 st3 sk1 g2"] / r["times"][f"{path} 128x256 st3 sk1 g1"]
             for r in timed for path in ("mosaic", "ring")]
   geo = float(np.exp(np.mean(np.log(ratios))))
-  assert len(timed) == 13 and len(ratios) == 26
+  assert len(timed) == 14 and len(ratios) == 28
   assert (round(min(ratios), 3), round(max(ratios), 3), round(geo, 3)) == (0.987, 1.024, 1.006)
   assert sum(x < 1 for x in ratios) == 5
+  assert [round(x, 3) for x in ratios[-2:]] == [1.005, 1.0]
   over_bf16 = [r["bf16"]["wt_bf16"] / r["times"]["wt_fp8"] for r in timed]
   assert (round(min(over_bf16), 2), round(max(over_bf16), 2)) == (1.51, 1.87)
+  assert round(over_bf16[-1], 2) == 1.83
 
 
 def test_rule_space_and_selection():

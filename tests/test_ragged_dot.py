@@ -1298,3 +1298,23 @@ def test_local_items_splits_items_over_ctas():
   for items, ctas in ((10, 3), (132, 132), (1000, 132), (5, 7), (0, 4)):
     got = [int(local_items(jnp.int32(c), jnp.int32(items), ctas)) for c in range(ctas)]
     assert got == [len(range(c, items, ctas)) for c in range(ctas)], (items, ctas)
+
+
+def test_xla_sizes_benchmark_args_and_recorded_run(capsys):
+  """``benchmarks/ragged_dot_xla_sizes.py``: its argument errors, and the
+  H200 run on file (docs/results.md): the op, with XLA's config, ran
+  0.968-0.996x ``lax.ragged_dot`` on the four decode steps, 0.9-5.6 us of
+  clipping the sizes a call."""
+  from bench_module import load_benchmark
+  mod = load_benchmark("ragged_dot_xla_sizes")
+  for bad in (["--problems", "8,24,5632"], ["--problems", "8,0,1,1"], ["--iterations", "0"]):
+    with pytest.raises(SystemExit):
+      mod.main(bad)
+    assert "error:" in capsys.readouterr().err
+  rows = json.loads((pathlib.Path(__file__).parent.parent / "data" / "probes"
+                     / "ragged_dot_xla_sizes_h200.json").read_text())["rows"]
+  assert [r["problem"] for r in rows] == [list(p) for p in mod.PROBLEMS]
+  speed = [r["us"]["lax"] / r["us"]["op"] for r in rows]
+  extra = [r["us"]["op"] - r["us"]["lax"] for r in rows]
+  assert (round(min(speed), 3), round(max(speed), 3)) == (0.968, 0.996)
+  assert (round(min(extra), 1), round(max(extra), 1)) == (0.9, 5.6)

@@ -1,0 +1,72 @@
+"""What the op's handling of the group sizes costs in front of XLA's ragged dot.
+
+``wt.ragged_dot`` clips the group sizes before any backend runs (each to
+``[0, M]``, the running sum saturated at ``M``: ``worklist.clip_sizes``), so
+every backend sees the same groups. Where the selector keeps XLA's ragged dot
+(few experts at decode sizes) those small XLA ops run in front of it on
+every call. Per problem, on one GPU (CUPTI, L2 flushed, each output checked
+against the float32 reference on a balanced router's sizes):
+
+* ``lax``: ``lax.ragged_dot`` on the sizes as given (what a user writes);
+* ``op``: ``wt.ragged_dot`` with XLA's config pinned (the op as it runs);
+* ``clip``: ``lax.ragged_dot`` on ``jnp.clip(sizes, 0, M)`` alone.
+
+    python3 benchmarks/ragged_dot_xla_sizes.py [--problems G,M,K,N ...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+
+import wavetune_jax as wt
+from wavetune_jax import RAGGED_DOT, RaggedDotProblem
+from wavetune_jax.cli.common import positive_ints
+from wavetune_jax.tuning import profiler
+
+# (experts, rows, K, N): decode steps of 8- and 16-expert models, where the
+# tables keep XLA's ragged dot (JetMoE-8B at 12 tokens, Mixtral-8x7B and
+# Phi-3.5-MoE at 16).
+PROBLEMS = [(8, 24, 5632, 2048), (8, 24, 2048, 11264), (8, 32, 14336, 4096),
+            (16, 32, 4096, 12800)]
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--problems", nargs="+", type=positive_ints("G,M,K,N"), metavar="G,M,K,N",
+                  default=None, help="experts, rows, K, N (default: four decode steps)")
+  ap.add_argument("--iterations", type=int, default=20)
+  ap.add_argument("--json", default=None)
+  a = ap.parse_args(argv)
+  if a.iterations < 1:
+    ap.error("--iterations must be >= 1")
+  print(jax.devices()[0].device_kind, jax.__version__)
+  prof = profiler.Profiler(iterations=a.iterations)
+  xla = wt.XlaRaggedDotConfig()
+  rows = []
+  print(f"{'G x M, K, N':<26}{'lax us':>9}{'op us':>9}{'clip us':>9}{'lax/op':>8}{'lax/clip':>9}")
+  for g, m, k, n in a.problems or PROBLEMS:
+    p = RaggedDotProblem(m=m, g=g, k=k, n=n)
+    args = RAGGED_DOT.inputs(p, jax.random.PRNGKey(0))
+    ref = RAGGED_DOT.reference(p, *args)
+    fns = [lambda x, w, s: jax.lax.ragged_dot(x, w, s),
+           lambda x, w, s: wt.ragged_dot(x, w, s, config=xla),
+           lambda x, w, s, m=m: jax.lax.ragged_dot(x, w, jnp.clip(s, 0, m))]
+    res = prof.measure_many(fns, args, reference=ref, tolerance=RAGGED_DOT.tolerance(p),
+                            out_bytes=ref.size * 4)
+    us = [r.median_us if r.status == "ok" else float("nan") for r in res]
+    bad = " ".join(f"{i}:{r.status}" for i, r in enumerate(res) if r.status != "ok")
+    print(f"{f'{g} x {m}, {k}, {n}':<26}{us[0]:9.1f}{us[1]:9.1f}{us[2]:9.1f}"
+          f"{us[0] / us[1]:8.3f}{us[0] / us[2]:9.3f}  {bad}", flush=True)
+    rows.append({"problem": [g, m, k, n], "us": dict(zip(("lax", "op", "clip"), us))})
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump({"device_kind": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
