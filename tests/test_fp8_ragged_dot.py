@@ -521,3 +521,22 @@ def test_fp8_benchmark_builds_its_weights_an_expert_at_a_time():
   deq = jnp.swapaxes(w.astype(jnp.float32) * s[:, :, None], 1, 2)
   np.testing.assert_allclose(np.asarray(w16, np.float32), np.asarray(deq), rtol=1e-2, atol=1e-6)
   assert not np.array_equal(np.asarray(w[0], np.float32), np.asarray(w[1], np.float32))
+
+
+def test_trust_over_xla_needs_evidence_from_cudnn_9_22(monkeypatch):
+  """The quantized grouped GEMM's kernels are trusted over XLA's ragged dot
+  where that is XLA's dense form (cuDNN < 9.22, or not known on a CPU);
+  from 9.22 (cuDNN's grouped GEMM) evidence decides, and first use times
+  XLA's op again."""
+  from wavetune_jax.core import versions
+  from wavetune_jax.families.qragged_dot.backends import XlaQRaggedDotConfig
+  from wavetune_jax.runtime import refine
+  p = QRaggedDotProblem(m=4096, g=64, k=2048, n=2048, dtype="float8_e4m3fn",
+                        w_dtype="float8_e4m3fn", w_layout="nk")
+  rule = QRAGGED_DOT.backend("mosaic").heuristic(p, H100)
+  xla = XlaQRaggedDotConfig()
+  for cudnn, trusted in ((None, True), ("9.19.0", True), ("9.22.0", False), ("10.1.0", False)):
+    monkeypatch.setattr(versions, "current",
+                        lambda c=cudnn: {"jax": "0.11.2", **({"cudnn": c} if c else {})})
+    assert QRAGGED_DOT.trusted_without_evidence(p, rule, xla, hw=H100) == trusted, cudnn
+    assert refine.platform_dominated(QRAGGED_DOT, p, [xla, rule], xla, H100) == trusted

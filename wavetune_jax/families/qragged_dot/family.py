@@ -116,11 +116,22 @@ class QRaggedDotFamily(Family):
     measured (Mixtral-8x7B's and OLMoE's experts, int8 and e4m3, 1-64
     tokens) and 3.9x at 512 and 2,048 tokens (Mixtral's w13, int8), where
     XLA's ragged dot on this JAX is its dense form, every expert's GEMM on
-    every row."""
+    every row. With a cuDNN of 9.22 or later, where XLA lowers its ragged
+    dot to cuDNN's grouped GEMM, neither is trusted: evidence decides (a
+    cuDNN that cannot be read, as on a CPU choosing for a named GPU, is
+    taken as the measured one)."""
     from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig
+    from wavetune_jax.core import versions
     from wavetune_jax.families.qragged_dot.backends import XlaQRaggedDotConfig
+    from wavetune_jax.families.ragged_dot.family import RaggedDotFamily
     if not (isinstance(config, MosaicRaggedDotConfig)
             and isinstance(platform, XlaQRaggedDotConfig)):
+      return False
+    try:
+      cudnn = tuple(int(x) for x in str(versions.current()["cudnn"]).split(".")[:2])
+    except (KeyError, ValueError):
+      cudnn = None
+    if cudnn is not None and cudnn >= RaggedDotFamily.CUDNN_GROUPED_GEMM:
       return False
     if problem.w8a8:
       return True
