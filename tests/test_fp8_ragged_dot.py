@@ -526,8 +526,9 @@ def test_fp8_benchmark_builds_its_weights_an_expert_at_a_time():
 def test_trust_over_xla_needs_evidence_from_cudnn_9_22(monkeypatch):
   """The quantized grouped GEMM's kernels are trusted over XLA's ragged dot
   where that is XLA's dense form (cuDNN < 9.22, or not known on a CPU);
-  from 9.22 (cuDNN's grouped GEMM) evidence decides, and first use times
-  XLA's op again."""
+  from 9.22 (cuDNN's grouped GEMM) evidence decides, and first use no
+  longer counts XLA's op as dominated (so it times it). A replay passes the
+  sweep's versions."""
   from wavetune_jax.core import versions
   from wavetune_jax.families.qragged_dot.backends import XlaQRaggedDotConfig
   from wavetune_jax.runtime import refine
@@ -540,3 +541,6 @@ def test_trust_over_xla_needs_evidence_from_cudnn_9_22(monkeypatch):
                         lambda c=cudnn: {"jax": "0.11.2", **({"cudnn": c} if c else {})})
     assert QRAGGED_DOT.trusted_without_evidence(p, rule, xla, hw=H100) == trusted, cudnn
     assert refine.platform_dominated(QRAGGED_DOT, p, [xla, rule], xla, H100) == trusted
+    assert QRAGGED_DOT.trusted_without_evidence(p, rule, xla, hw=H100,
+                                                versions={"cudnn": "9.22.1"}) is False
+    assert QRAGGED_DOT.trusted_without_evidence(p, rule, xla, versions={"cudnn": "9"})

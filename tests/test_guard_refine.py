@@ -512,8 +512,74 @@ def test_refine_leaves_a_dominated_platform_op_untimed(measuring, monkeypatch, m
   assert len(configs) >= 1 and sel.source == "measured"
   assert ("platform op not timed" in sel.note) == (not timed)
   cands = refine.candidates(RAGGED_DOT, p, H100, selector._decider(RAGGED_DOT, H100), None)
+  assert cands[0] == xla
   assert refine.platform_dominated(RAGGED_DOT, p, cands, xla, H100) == (not timed)
   assert not refine.platform_dominated(RAGGED_DOT, p, [xla], xla, H100)
-  assert not refine.platform_dominated(RAGGED_DOT, p, cands[1:], xla, H100)
+  assert not refine.platform_dominated(RAGGED_DOT, p, cands[1:], xla, H100)  # not measured
+
+
+def test_refine_times_the_platform_op_when_every_trusted_candidate_fails(measuring,
+                                                                         monkeypatch):
+  """Where the untimed platform op's kernels all fail (out of memory, a
+  wrong result), the platform op is measured after all and kept."""
+  calls, result, _ = measuring
+  monkeypatch.setattr(versions, "current", lambda: {"jax": "0.11.2", "cudnn": "9.19.0"})
+  selector.clear()
+  p = RaggedDotProblem(m=3300 * 8, g=128, k=4096, n=3072)
+  xla = wt.XlaRaggedDotConfig()
+  result["value"] = {xla: 900.0}   # every other candidate fails
+  with wt.policy("refine"):
+    sel = wt.select("ragged_dot", p, H100)
+  assert [xla in configs for _, configs in calls] == [False, True]
+  assert calls[1][1] == [xla] and sel.config == xla and sel.source == "measured"
+
+
+def test_a_decision_without_the_platform_timed_answers_only_where_trusted(measuring,
+                                                                          monkeypatch):
+  """A decision made with the platform op untimed answers other sizes of its
+  size bucket only where the family trusts its config over the platform op
+  there too: 16 experts at 64 rows each (trusted) does not answer 60 rows
+  each (not trusted: XLA's op is timed there); 8 experts at 128 rows each
+  answers 75 each (trusted)."""
+  calls, result, _ = measuring
+  monkeypatch.setattr(versions, "current", lambda: {"jax": "0.11.2", "cudnn": "9.19.0"})
+  selector.clear()
+  xla = wt.XlaRaggedDotConfig()
+  for g, big, other, reused in ((16, 1024, 960, False), (8, 1024, 600, True)):
+    calls.clear()
+    b, o = (RaggedDotProblem(m=m, g=g, k=4096, n=3072) for m in (big, other))
+    assert refine._bucket_key(RAGGED_DOT, b) == refine._bucket_key(RAGGED_DOT, o)
+    with wt.policy("refine"):
+      first = wt.select("ragged_dot", b, H100)
+      assert xla not in calls[0][1] and first.config != xla
+      again = wt.select("ragged_dot", o, H100)
+    if reused:
+      assert len(calls) == 1 and again.config == first.config
+    else:
+      assert len(calls) == 2 and calls[1][1][0] == xla
+
+
+def test_platform_dominated_reads_each_familys_trust():
+  """Attention soft-capped: XLA's attention is the platform op, and the
+  Mosaic kernel is trusted over it; not over cuDNN without the cap; GEMM
+  trusts nothing; an override that raises counts as not trusted."""
+  from wavetune_jax import ATTENTION, AttentionProblem
+  from wavetune_jax.families.attention.xla import XlaAttentionConfig
+  p = AttentionProblem(batch=1, q_heads=8, kv_heads=8, q_len=2048, kv_len=2048,
+                       head_dim=128, soft_cap=50.0)
+  plat = ATTENTION.platform_config(p, H100)
+  assert plat == XlaAttentionConfig()
+  mosaic = ATTENTION.backend("mosaic").heuristic(p, H100)
+  assert refine.platform_dominated(ATTENTION, p, [plat, mosaic], plat, H100)
+  plain = dataclasses.replace(p, soft_cap=0.0)
+  cudnn = ATTENTION.platform_config(plain, H100)
+  assert cudnn != plat
+  assert not refine.platform_dominated(ATTENTION, plain, [cudnn, mosaic], cudnn, H100)
   assert not refine.platform_dominated(MATMUL, MatmulProblem(m=8, n=8, k=8),
                                        [XlaMatmulConfig(), TRITON], XlaMatmulConfig(), H100)
+
+  class Raises(type(MATMUL)):
+    def trusted_without_evidence(self, *a, **k):
+      raise RuntimeError("boom")
+  raises = object.__new__(Raises)
+  assert not guard.trusted(raises, None, TRITON, XlaMatmulConfig(), H100)

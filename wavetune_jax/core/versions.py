@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["current", "differ", "KEYS"]
+__all__ = ["current", "differ", "cudnn_below", "KEYS"]
 
 KEYS = ("jax", "jaxlib", "cuda", "cudnn")
 
@@ -43,3 +43,16 @@ def differ(recorded: dict, now: dict) -> bool:
   """Whether a version recorded with a measurement differs from ``now``
   (only the keys both hold are compared: old files record JAX's alone)."""
   return any(k in recorded and k in now and str(recorded[k]) != str(now[k]) for k in KEYS)
+
+
+def cudnn_below(bound: tuple[int, int], recorded: dict | None = None) -> bool | None:
+  """Whether the cuDNN of ``recorded`` (``current()``'s form; default: this
+  process's) is older than ``bound`` (major, minor); None where it cannot be
+  read (no cuDNN recorded, as on a CPU, or no ``major.minor``)."""
+  cudnn = (current() if recorded is None else recorded).get("cudnn")
+  parts = str(cudnn).split(".")[:2] if cudnn is not None else []
+  try:
+    major_minor = tuple(int(x) for x in parts)
+  except ValueError:
+    return None
+  return major_minor < tuple(bound) if len(major_minor) == 2 else None

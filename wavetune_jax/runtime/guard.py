@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import math
 from typing import Sequence
 
@@ -46,7 +47,8 @@ from wavetune_jax.core import versions
 from wavetune_jax.core.family import Family
 from wavetune_jax.core.hardware import Hardware
 
-__all__ = ["Rule", "DEFAULT_RULE", "rule_of", "Evidence", "evidence_rows", "winners"]
+__all__ = ["Rule", "DEFAULT_RULE", "rule_of", "Evidence", "evidence_rows", "winners",
+           "trusted"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,20 @@ class Rule:
   size_radius: float = 1.0
   win: float = 1.0
   stale_win: float = 1.10
+
+
+def trusted(spec: Family, problem, config, platform, hw: Hardware) -> bool:
+  """``spec.trusted_without_evidence(problem, config, platform, hw=hw)``:
+  whether the family's measured rule lets ``config`` replace ``platform``
+  without evidence. False where the override raises (it must not fail the
+  user's call); an override written before the hardware argument takes
+  three."""
+  rule = spec.trusted_without_evidence
+  try:
+    kw = {"hw": hw} if "hw" in inspect.signature(rule).parameters else {}
+    return bool(rule(problem, config, platform, **kw))
+  except Exception:  # noqa: BLE001 - a family's rule never fails the user's call
+    return False
 
 
 #: The rule of a family that sets no ``Family.guard_rule``.

@@ -62,6 +62,7 @@ from typing import Any
 from wavetune_jax.core import versions
 from wavetune_jax.core.family import Family
 from wavetune_jax.core.hardware import Hardware
+from wavetune_jax.runtime import guard
 
 __all__ = ["TOP_K", "ITERATIONS", "MARGIN", "candidates", "pick", "platform_dominated",
            "Store", "stats", "measure_candidates"]
@@ -225,11 +226,23 @@ class Store:
       if hit is not None:
         return hit
       for p, d in self._by_bucket().get(_bucket_key(self.spec, problem), ()):
-        if _runs(self.spec, problem, d[0], self.hw):
+        if _runs(self.spec, problem, d[0], self.hw) and self._comparable(problem, d):
           return d
       if attempt == 0:
         self.reload()
     return None
+
+  def _comparable(self, problem, decision) -> bool:
+    """Whether a decision made at another size answers ``problem``: one
+    that left the platform op untimed (:func:`platform_dominated`) only
+    where the family trusts its config over the platform op at
+    ``problem`` too."""
+    config, _, platform_us = decision
+    if platform_us is not None:
+      return True
+    plat = self.spec.platform_config(problem, self.hw)
+    return plat is None or config == plat or guard.trusted(self.spec, problem, config, plat,
+                                                           self.hw)
 
   def _by_bucket(self) -> dict:
     memo = self.__dict__.get("_bucket_index")
@@ -435,7 +448,7 @@ def platform_dominated(spec: Family, problem, cands: list, platform, hw: Hardwar
   others = [c for c in cands if c != platform]
   if platform is None or platform not in cands or not others:
     return False
-  return all(spec.trusted_without_evidence(problem, c, platform, hw) for c in others)
+  return all(guard.trusted(spec, problem, c, platform, hw) for c in others)
 
 
 def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
@@ -463,6 +476,11 @@ def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
     t0 = time.perf_counter()
     try:
       out = measure_candidates(spec, problem, cands, plat if plat in cands else None)
+      failed = list(out.failed)
+      if out.config is None and untimed:
+        # Every trusted candidate failed here: the platform op after all.
+        out = measure_candidates(spec, problem, [plat], plat)
+        failed += out.failed
     except Exception as e:  # noqa: BLE001 - refinement never fails the user's call
       _warn(("measure", spec.name, type(e).__name__),
             f"wavetune_jax: first-use measurement of {spec.problem_key(problem)} failed "
@@ -471,11 +489,11 @@ def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
     finally:
       _stats["seconds"] += time.perf_counter() - t0
     _stats["measured"] += 1
-    if out.failed:
-      _stats["dropped"] += len(out.failed)
-      names = "; ".join(f"{spec.config_to_dict(c)}: {why}" for c, why in out.failed[:3])
+    if failed:
+      _stats["dropped"] += len(failed)
+      names = "; ".join(f"{spec.config_to_dict(c)}: {why}" for c, why in failed[:3])
       _warn(("dropped", spec.name), f"wavetune_jax: first-use measurement dropped "
-                                    f"{len(out.failed)} {spec.name} candidate(s) of "
+                                    f"{len(failed)} {spec.name} candidate(s) of "
                                     f"{spec.problem_key(problem)} that failed ({names})")
     if out.config is None:
       return None

@@ -39,7 +39,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import inspect
 import itertools
 import logging
 import os
@@ -730,10 +729,7 @@ def _guarded(spec: Family, problem, hw: Hardware, d, sel: Selection) -> Selectio
   if ok:
     return sel
   plat = spec.platform_config(problem, hw)
-  trusted = spec.trusted_without_evidence
-  # An override written before the hardware argument takes three.
-  kw = {"hw": hw} if "hw" in inspect.signature(trusted).parameters else {}
-  if trusted(problem, sel.config, plat, **kw):
+  if guard_lib.trusted(spec, problem, sel.config, plat, hw):
     return sel
   return Selection(plat, "guard", note=f"kept the platform op: {why} (the {sel.source} "
                                         f"answer was a {spec.backend_of(sel.config).name} "

@@ -107,7 +107,8 @@ class QRaggedDotFamily(Family):
     return PartitionRule(f"m k, {w}, g n, g{', m' if problem.w8a8 else ''} -> m n",
                          reduction=("k",), replicated=("m", "g"))
 
-  def trusted_without_evidence(self, problem: QRaggedDotProblem, config, platform, hw=None) -> bool:
+  def trusted_without_evidence(self, problem: QRaggedDotProblem, config, platform, hw=None,
+                               versions: dict | None = None) -> bool:
     """The FP8 kernel over XLA's ragged dot on the e4m3 operands wherever its
     rule runs (``benchmarks/fp8_ragged_dot.py``). The weight-only kernel
     over XLA's ragged dot on the converted weights with its rule's 64 x 256
@@ -117,21 +118,19 @@ class QRaggedDotFamily(Family):
     tokens) and 3.9x at 512 and 2,048 tokens (Mixtral's w13, int8), where
     XLA's ragged dot on this JAX is its dense form, every expert's GEMM on
     every row. With a cuDNN of 9.22 or later, where XLA lowers its ragged
-    dot to cuDNN's grouped GEMM, neither is trusted: evidence decides (a
-    cuDNN that cannot be read, as on a CPU choosing for a named GPU, is
-    taken as the measured one)."""
+    dot to cuDNN's grouped GEMM, neither is trusted: evidence decides
+    (``versions``: the platform's, default this process's; a cuDNN that
+    cannot be read, as on a CPU choosing for a named GPU, is taken as the
+    measured one, unlike the 16-bit family's, whose sweeps hold the
+    evidence this family's tables lack)."""
     from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig
-    from wavetune_jax.core import versions
+    from wavetune_jax.core import versions as versions_lib
     from wavetune_jax.families.qragged_dot.backends import XlaQRaggedDotConfig
     from wavetune_jax.families.ragged_dot.family import RaggedDotFamily
     if not (isinstance(config, MosaicRaggedDotConfig)
             and isinstance(platform, XlaQRaggedDotConfig)):
       return False
-    try:
-      cudnn = tuple(int(x) for x in str(versions.current()["cudnn"]).split(".")[:2])
-    except (KeyError, ValueError):
-      cudnn = None
-    if cudnn is not None and cudnn >= RaggedDotFamily.CUDNN_GROUPED_GEMM:
+    if versions_lib.cudnn_below(RaggedDotFamily.CUDNN_GROUPED_GEMM, versions) is False:
       return False
     if problem.w8a8:
       return True

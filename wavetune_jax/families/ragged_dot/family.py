@@ -124,12 +124,7 @@ class RaggedDotFamily(Family):
                  or (problem.m <= problem.g and hw is not None
                      and config == self.heuristic(problem, hw)))):
       return False
-    cudnn = (versions_lib.current() if versions is None else versions).get("cudnn")
-    try:
-      major_minor = tuple(int(x) for x in str(cudnn).split(".")[:2])
-    except ValueError:
-      return False
-    return len(major_minor) == 2 and major_minor < self.CUDNN_GROUPED_GEMM
+    return versions_lib.cudnn_below(self.CUDNN_GROUPED_GEMM, versions) is True
 
   def work(self, p) -> tuple[float, float]:
     """FLOPs, and the bytes of the rows, of the experts that at least one
