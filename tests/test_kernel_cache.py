@@ -167,3 +167,34 @@ def test_vmap_of_a_cached_kernel(cache, outer_jit):
   ref = jnp.einsum("bmk,kn->bmn", xs.astype(jnp.float32), w.astype(jnp.float32))
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
   assert kernel_cache.stats()["errors"] == errors
+
+
+def test_a_loaded_mosaic_kernel_imports_mosaic_gpus_runtime_first(tmp_path):
+  """A process that only loads a Mosaic kernel from the cache imports
+  ``jax.experimental.mosaic.gpu`` before calling it (the import tells
+  Mosaic GPU's custom call where its host runtime library is; without it a
+  second process on a GPU failed with "Failed to lookup host symbol");
+  other backends' kernels do not. Here a stand-in function is cached under
+  each backend's name, in a fresh process each time."""
+  script = textwrap.dedent("""
+      import sys, warnings; warnings.simplefilter("ignore")
+      import jax, jax.numpy as jnp
+      from wavetune_jax.core import kernel_cache
+      backend = sys.argv[1]
+      x = jnp.arange(8.0)
+      before = "jax.experimental.mosaic.gpu" in sys.modules
+      y = kernel_cache.call(lambda a: a * 2, [x], parts={"family": "t", "backend": backend})
+      after = "jax.experimental.mosaic.gpu" in sys.modules
+      print(before, after, float(y.sum()), kernel_cache.stats()["loads"])
+  """)
+  env = dict(os.environ, WAVETUNE_KERNEL_CACHE=str(tmp_path), JAX_PLATFORMS="cpu")
+  out = {}
+  for backend in ("mosaic", "triton"):
+    out[backend] = [subprocess.run([sys.executable, "-c", script, backend], env=env,
+                                   capture_output=True, text=True, check=True).stdout.split()
+                    for _ in range(2)]
+  # First process: exported (nothing loaded); second: loaded from the file.
+  assert [o[3] for o in out["mosaic"]] == ["0", "1"] == [o[3] for o in out["triton"]]
+  assert all(o[0] == "False" and o[2] == "56.0" for b in out for o in out[b])
+  assert [o[1] for o in out["mosaic"]] == ["True", "True"]
+  assert [o[1] for o in out["triton"]] == ["False", "False"]

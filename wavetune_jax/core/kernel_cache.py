@@ -12,10 +12,13 @@ compilation cache then hits).
 
 Opt-in: :func:`set_dir`, else ``$WAVETUNE_KERNEL_CACHE`` (a folder; ``off``
 turns it off); none otherwise (the kernels are lowered as usual). Known
-problem: on an H200 a second process that loaded two grouped-GEMM (Mosaic
-GPU) kernels from it failed with "Failed to lookup host symbol ...
-kernel_mosaic_gpu", where the same command ran on an H100; so it is not on
-by default. The key holds the family,
+problem: on an H200, and later on an H100, a second process that loaded
+grouped-GEMM (Mosaic GPU) kernels from it failed with "Failed to lookup host
+symbol ... kernel_mosaic_gpu"; so it is not on by default. The likely cause,
+read in JAX's source: such a process never imported
+``jax.experimental.mosaic.gpu``, whose import tells the custom call where
+Mosaic GPU's host runtime library is; a loaded Mosaic kernel now imports it
+first (:func:`_mosaic_runtime`; not yet rerun on a GPU). The key holds the family,
 backend, config, problem, options, operand types, platform, GPU, the JAX and
 jaxlib versions and a hash of this package's source, so an upgrade or an
 edited kernel gets new entries (old ones are never read again; delete the
@@ -215,12 +218,37 @@ def call(fn, arrays, *, parts: dict):
       _memory[key] = exp
   else:
     _stats["hits"] += 1
-  return _call_exported(exp, fn, arrays)
+  return _call_exported(exp, fn, arrays, str(parts.get("backend", "")))
 
 
-def _call_exported(exp, fn, arrays):
+#: Backends whose exported kernels are Mosaic GPU custom calls.
+_MOSAIC_BACKENDS = ("mosaic",)
+
+
+@functools.cache
+def _mosaic_runtime() -> bool:
+  """Makes Mosaic GPU's host runtime findable before a loaded kernel is
+  compiled: importing ``jax.experimental.mosaic.gpu`` sets
+  ``MOSAIC_GPU_RUNTIME_LIB_PATH``, which the custom call reads to link a
+  kernel's host launcher (``mosaic_gpu_launch_kernel`` lives in
+  ``libmosaic_gpu_runtime.so``). A process that lowers a Mosaic kernel
+  imports it on the way; one that only loads kernels from this cache did
+  not, and its first call could fail with "Failed to lookup host symbol ...
+  kernel_mosaic_gpu". Whether the import is available (False on a JAX
+  without Mosaic GPU)."""
+  try:
+    import jax.experimental.mosaic.gpu  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def _call_exported(exp, fn, arrays, backend: str = ""):
   """``exp.call(*arrays)``; under ``jax.vmap`` (which has no rule for a call
-  of an exported module) the kernel ``fn`` itself is batched instead."""
+  of an exported module) the kernel ``fn`` itself is batched instead. A
+  Mosaic ``backend``'s runtime is made findable first (:func:`_mosaic_runtime`)."""
+  if backend in _MOSAIC_BACKENDS:
+    _mosaic_runtime()
   @jax.custom_batching.custom_vmap
   def call(*xs):
     return exp.call(*xs)
