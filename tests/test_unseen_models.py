@@ -418,3 +418,36 @@ def test_quantized_grouped_gemms_are_an_optional_family(capsys):
   spec = wt.get_family(fam)
   out = mod.op_fn(fam, p, "tables")(*spec.inputs(p, jax.random.PRNGKey(0)))
   assert out.shape == (p.m, p.n) and out.dtype == jax.numpy.bfloat16
+
+
+def test_report_of_the_v3_run(capsys):
+  """docs/results.md ("A third set of models (v3), on an H200"): the table's
+  summaries, and the first-use times before and after the grouped GEMM's
+  platform op was left untimed."""
+  probes = ROOT / "data" / "probes"
+  files = [probes / "unseen_v3_auto_h200.json", probes / "unseen_v3_auto_matmul_h200.json"]
+  assert _mod().main(["--report", *map(str, files)]) == 0
+  out = capsys.readouterr().out
+  for line in ("matmul: wt vs base 1.034x geomean, min 0.992x, 0 of 21 below 0.97x",
+               "attention: wt vs base 1.027x geomean, min 0.985x, 0 of 20 below 0.97x",
+               "decode: wt vs the faster of cuDNN and XLA 1.147x geomean, min 0.990x, 0 of 16",
+               "ragged_dot: wt vs base 6.971x geomean, min 0.962x, 1 of 16 below 0.97x",
+               "matmul: wt_tables vs base 1.000x geomean, min 0.980x, 0 of 21 below 0.97x",
+               "attention: wt_tables vs base 0.994x geomean, min 0.887x, 2 of 20 below 0.97x",
+               "decode: wt_tables vs the faster of cuDNN and XLA 0.978x geomean, min 0.787x, 2",
+               "ragged_dot: wt_tables vs base 6.938x geomean, min 0.967x, 1 of 16 below 0.97x",
+               "first use of wt (trace, compile, first call): median 3.04 s, max 55.68 s over 73"):
+    assert line in out, line
+  rows = {r["label"]: r for r in json.loads(files[0].read_text())["rows"]}
+  first = {k: r["first_use_s"] for k, r in rows.items() if r["family"] == "ragged_dot"}
+  assert round(first["qwen3_235b_a22b.w13 tokens=3300"], 2) == 55.68
+  assert round(first["ernie_4_5_21b_a3b.w13 tokens=3300"], 2) == 14.89
+  # The nine run after the change (from ERNIE's w2 at 3,300 tokens on).
+  after = list(first)[list(first).index("ernie_4_5_21b_a3b.w2 tokens=3300"):]
+  assert len(after) == 9
+  assert (round(min(first[k] for k in after), 1), round(max(first[k] for k in after), 1)) == \
+      (4.1, 9.0)
+  fu = json.loads((ROOT / "data" / "e2e" / "first_use_qwen3_235b_w13_h200.json").read_text())
+  by_lib = {r["lib"]: r for run in fu["runs"] if run["stage"] == 1 for r in run["rows"]}
+  assert round(by_lib["xla"]["total_s"], 2) == 51.12
+  assert round(by_lib["wt"]["total_s"], 2) == 7.53
