@@ -57,6 +57,18 @@ def _power_of_two(n: int) -> bool:
   return n > 0 and n & (n - 1) == 0
 
 
+def _assert_none_taken(plan, gemm, grouped, heads):
+  """No GEMM weight in ``gemm``, expert weight in ``grouped`` or attention
+  head layout in ``heads`` among ``plan``'s problems."""
+  for fam, label, p in plan:
+    if fam == "matmul":
+      assert (p.k, p.n) not in gemm, label
+    elif fam == "ragged_dot":
+      assert (p.g, p.k, p.n) not in grouped, label
+    else:
+      assert (p.q_heads, p.kv_heads, p.head_dim) not in heads, label
+
+
 def test_v2_is_a_new_set_of_models_and_sizes():
   mod = _mod()
   v1, v2 = mod.SETS["v1"], mod.SETS["v2"]
@@ -72,13 +84,7 @@ def test_v2_is_a_new_set_of_models_and_sizes():
   # Not the training suite's models under other names: none of its GEMM
   # weights, expert weights or head layouts.
   v1_heads = {(c["q_heads"], c["kv_heads"], c["head_dim"]) for c in v1.dense.values()}
-  for fam, label, p in plan:
-    if fam == "matmul":
-      assert (p.k, p.n) not in gemm, label
-    elif fam == "ragged_dot":
-      assert (p.g, p.k, p.n) not in grouped, label
-    else:
-      assert (p.q_heads, p.kv_heads, p.head_dim) not in heads | v1_heads, label
+  _assert_none_taken(plan, gemm, grouped, heads | v1_heads)
   attn = [p for f, _, p in plan if f in ("attention", "decode")]
   assert {p.head_dim for p in attn} >= {64, 80, 96, 128, 256}
   assert all(p.q_heads % p.kv_heads == 0 for p in attn)
@@ -119,13 +125,7 @@ def test_v3_is_a_third_set_with_new_head_layouts():
   # weights and expert weights not taken again.
   seen = heads | {(c["q_heads"], c["kv_heads"], c["head_dim"])
                   for m in earlier for c in m.dense.values()}
-  for fam, label, p in plan:
-    if fam == "matmul":
-      assert (p.k, p.n) not in gemm, label
-    elif fam == "ragged_dot":
-      assert (p.g, p.k, p.n) not in grouped, label
-    else:
-      assert (p.q_heads, p.kv_heads, p.head_dim) not in seen, label
+  _assert_none_taken(plan, gemm, grouped, seen)
   attn = [p for f, _, p in plan if f in ("attention", "decode")]
   assert {p.head_dim for p in attn} == {64, 128, 256}
   assert {p.q_heads // p.kv_heads for p in attn} == {1, 2, 3, 4, 5, 12}
