@@ -253,3 +253,29 @@ def test_stats_delta():
                          {"measured": 3, "seconds": 2.0, "reused": 1, "what": "y"}) == {
                              "measured": 2, "seconds": 1.5, "reused": 1, "what": None}
   assert fuc.stats_delta(None, {"measured": 1}) is None
+
+
+def test_kernel_cache_loads_mosaic_kernels_in_a_second_process_on_record():
+  """docs/xla_autotuning.md ("The kernel cache"): after a loaded Mosaic
+  kernel imports Mosaic GPU's runtime first, the H200 runs that had failed in
+  their second process ("Failed to lookup host symbol ... kernel_mosaic_gpu")
+  load every kernel from the cache and measure nothing."""
+  e2e = os.path.join(ROOT, "data", "e2e")
+  with open(os.path.join(e2e, "first_use_kernel_cache_h200.json")) as f:
+    fu = json.load(f)
+  assert fu["kernel_cache"] is True
+  (row,) = fu["summary"]
+  assert row["ok"] and not row["errors"] and row["backend"] == "mosaic"
+  assert row["measured_2"] == 0 and row["reused_2"] == 1
+  second = [r for run in fu["runs"] if run["lib"] == "wt" and run["stage"] == 2
+            for r in run["rows"]]
+  assert [r["kernel_cache"]["loads"] for r in second] == [1]
+  assert all(r["kernel_cache"]["errors"] == 0 for r in second)
+  with open(os.path.join(e2e, "compile_cost_kernel_cache_after_h200.json")) as f:
+    cc = json.load(f)
+  warm = [p for p in cc if p["lib"] == "wt" and p["state"] == "warm"]
+  assert len(warm) == 1
+  stats = warm[0]["rows"][-1]["kernel_cache"]  # the process's running counts
+  assert stats == {"hits": 8, "misses": 0, "loads": 4, "errors": 0}
+  assert [round(r["trace_ms"] + r["lower_ms"] + r["compile_ms"] + r["first_ms"], 1)
+          for r in warm[0]["rows"]] == [248.4, 28.7, 62.3, 48.6]

@@ -428,15 +428,15 @@ def test_report_of_the_v3_run(capsys):
   files = [probes / "unseen_v3_auto_h200.json", probes / "unseen_v3_auto_matmul_h200.json"]
   assert _mod().main(["--report", *map(str, files)]) == 0
   out = capsys.readouterr().out
-  for line in ("matmul: wt vs base 1.034x geomean, min 0.992x, 0 of 21 below 0.97x",
-               "attention: wt vs base 1.027x geomean, min 0.985x, 0 of 20 below 0.97x",
+  for line in ("matmul: wt vs base 1.020x geomean, min 0.987x, 0 of 69 below 0.97x",
+               "attention: wt vs base 1.020x geomean, min 0.977x, 0 of 30 below 0.97x",
                "decode: wt vs the faster of cuDNN and XLA 1.147x geomean, min 0.990x, 0 of 16",
                "ragged_dot: wt vs base 6.971x geomean, min 0.962x, 1 of 16 below 0.97x",
-               "matmul: wt_tables vs base 1.000x geomean, min 0.980x, 0 of 21 below 0.97x",
-               "attention: wt_tables vs base 0.994x geomean, min 0.887x, 2 of 20 below 0.97x",
+               "matmul: wt_tables vs base 1.000x geomean, min 0.966x, 1 of 69 below 0.97x",
+               "attention: wt_tables vs base 0.994x geomean, min 0.887x, 3 of 30 below 0.97x",
                "decode: wt_tables vs the faster of cuDNN and XLA 0.978x geomean, min 0.787x, 2",
                "ragged_dot: wt_tables vs base 6.938x geomean, min 0.967x, 1 of 16 below 0.97x",
-               "first use of wt (trace, compile, first call): median 3.04 s, max 55.68 s over 73"):
+               "first use of wt (trace, compile, first call): median 2.37 s, max 55.68 s over 131"):
     assert line in out, line
   rows = {r["label"]: r for r in json.loads(files[0].read_text())["rows"]}
   first = {k: r["first_use_s"] for k, r in rows.items() if r["family"] == "ragged_dot"}
@@ -451,3 +451,19 @@ def test_report_of_the_v3_run(capsys):
   by_lib = {r["lib"]: r for run in fu["runs"] if run["stage"] == 1 for r in run["rows"]}
   assert round(by_lib["xla"]["total_s"], 2) == 51.12
   assert round(by_lib["wt"]["total_s"], 2) == 7.53
+
+
+def test_report_of_the_v3_quantized_runs(capsys):
+  """docs/results.md ("A third set of models (v3), on an H200"): the FP8
+  grouped GEMMs and the int4 GEMMs at 5 rows."""
+  probes = ROOT / "data" / "probes"
+  for fam, name, lines in (
+      ("qragged_dot", "unseen_v3_auto_qragged_dot_h200.json",
+       ("qragged_dot: wt vs base 24.807x geomean, min 7.033x, 0 of 8 below 0.97x",)),
+      ("qmatmul", "unseen_v3_auto_qmatmul_int4_h200.json",
+       ("qmatmul: wt vs base 2.901x geomean, min 0.977x, 0 of 26 below 0.97x",
+        "qmatmul: wt_tables vs base 2.896x geomean, min 0.992x, 0 of 26 below 0.97x"))):
+    assert _mod().main(["--families", fam, "--report", str(probes / name)]) == 0
+    out = capsys.readouterr().out
+    for line in lines:
+      assert line in out, line
