@@ -7,6 +7,7 @@ by a recorded outcome (the GPU part is ``benchmarks/first_use_cost.py``)."""
 import dataclasses
 import json
 import os
+import shutil
 import warnings
 
 import pytest
@@ -238,8 +239,9 @@ def measuring(tmp_path, monkeypatch):
   calls = []
   result = {}
 
-  def fake(spec, problem, configs, platform):
+  def fake(spec, problem, configs, platform, anchors=()):
     assert platform is None or platform == configs[0]
+    assert not (anchors and platform is not None)
     calls.append((problem, list(configs)))
     r = result.get("value")
     if isinstance(r, Exception):
@@ -247,9 +249,9 @@ def measuring(tmp_path, monkeypatch):
     times = r if r is not None else {c: 10.0 for c in configs}
     ok = {c: t for c, t in times.items() if c in configs and t is not None}
     failed = [(c, "run_error: out of memory") for c in configs if c not in ok]
-    if not ok:
+    best = refine.choose(ok, platform, None, anchors) if ok else None
+    if best is None:
       return refine.Outcome(None, float("inf"), None, failed)
-    best = refine.pick(ok, platform)
     return refine.Outcome(best, ok[best], ok.get(platform), failed)
 
   monkeypatch.setattr(refine, "measure_candidates", fake)
@@ -583,3 +585,64 @@ def test_platform_dominated_reads_each_familys_trust():
       raise RuntimeError("boom")
   raises = object.__new__(Raises)
   assert not guard.trusted(raises, None, TRITON, XlaMatmulConfig(), H100)
+
+
+def _fp8_gemma_qkv():
+  """Gemma-3-27B's qkv as W8A8-FP8 at 7,000 rows on an H200: the FP8
+  kernel's rule is trusted over XLA's FP8 dot there, other candidates not."""
+  from wavetune_jax import QMATMUL, QMatmulProblem
+  h200 = get_hardware("h200")
+  p = QMatmulProblem(m=7000, n=8192, k=5376, dtype="float8_e4m3fn", w_dtype="float8_e4m3fn",
+                     w_layout="nk")
+  cands = refine.candidates(QMATMUL, p, h200, selector._decider(QMATMUL, h200), None)
+  plat = QMATMUL.platform_config(p, h200)
+  return QMATMUL, p, h200, cands, plat
+
+
+def test_fp8_gemm_first_use_leaves_xla_untimed_where_the_rule_is_trusted(measuring,
+                                                                          monkeypatch):
+  """One trusted candidate is enough to leave the platform op untimed (the
+  first use of XLA's FP8 dot took 10.9-12.3 s at 3,000 rows): the
+  fastest trusted candidate that ran stands in for it, so another candidate
+  replaces it only 3% faster; where no trusted candidate runs, the platform
+  op is timed with the candidates that did."""
+  calls, result, folder = measuring
+  spec, p, h200, cands, plat = _fp8_gemma_qkv()
+  anchors = refine.dominating(spec, p, cands, plat, h200)
+  others = [c for c in cands if c != plat and c not in anchors]
+  assert plat == cands[0] and anchors and others
+  monkeypatch.setattr(selector, "_on_this_gpu", lambda hw: True)
+  anchor, other = anchors[0], others[0]
+  cases = (({anchor: 100.0, other: 99.0}, anchor),      # 1% faster: the anchor stays
+           ({anchor: 100.0, other: 90.0}, other),       # 10% faster: replaces it
+           ({anchor: None, other: 90.0}, "timed"))      # no anchor ran
+  for times, want in cases:
+    calls.clear()
+    shutil.rmtree(folder, ignore_errors=True)   # a fresh machine: nothing stored
+    selector.clear()
+    result["value"] = {c: times.get(c, 200.0) for c in cands if c != plat} | {plat: 150.0}
+    for c in anchors[1:]:
+      result["value"][c] = None
+    with wt.policy("refine"):
+      sel = wt.select("qmatmul", p, h200)
+    assert plat not in calls[0][1], want
+    if want == "timed":
+      assert len(calls) == 2 and calls[1][1][0] == plat and other in calls[1][1]
+      assert not set(anchors) & set(calls[1][1])
+      assert sel.config == other and "the platform op" in sel.note and "x the platform" in sel.note
+    else:
+      assert len(calls) == 1 and sel.config == want
+      assert f"not timed: {len(anchors)} candidate(s) trusted over it" in sel.note
+
+
+def test_choose_stands_a_trusted_candidate_in_for_the_untimed_platform():
+  """With the platform untimed, a config replaces the fastest trusted one
+  only 3% faster on every input mix; none where no trusted config ran."""
+  a, b, c = "trusted", "faster", "other"
+  times = {a: 100.0, b: 90.0, c: 95.0}
+  assert refine.choose(times, None, None, [a]) == b
+  assert refine.choose(times, None, [{a: 100.0, b: 101.0, c: 90.0}], [a]) == c
+  assert refine.choose(times, None, [{a: 100.0, b: 101.0, c: 99.0}], [a]) == a
+  assert refine.choose({b: 90.0}, None, None, [a]) is None
+  assert refine.choose(times, None, None, [a, c]) == b   # the faster anchor stands in
+  assert refine.choose(times, None, None, ()) == b       # no anchors: pick's fastest

@@ -14,9 +14,12 @@ length and routing mixes their sweeps use):
   (a backend newer than the table);
 * the wave model's top :data:`TOP_K` configs (:meth:`Decider.ranked`).
 
-The platform config is left untimed where the family trusts every other
-candidate over it without evidence (:func:`platform_dominated`: XLA's dense
-ragged dot, or XLA's attention with soft-capping or sinks).
+The platform config is left untimed where the family trusts a candidate over
+it without evidence (:func:`dominating`: XLA's dense ragged dot, XLA's
+attention with soft-capping or sinks, XLA's FP8 dot where the FP8 kernel's
+rule fills its waves): the fastest such candidate that ran then stands in
+for it (:func:`choose`), so what is kept is at least as fast as a config the
+guard would run unmeasured.
 
 Decode with run-time lengths is also timed with every sequence at the full
 cache (:meth:`Family.refine_mixes`): a config replaces the platform config
@@ -64,7 +67,8 @@ from wavetune_jax.core.family import Family
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.runtime import guard
 
-__all__ = ["TOP_K", "ITERATIONS", "MARGIN", "candidates", "pick", "platform_dominated",
+__all__ = ["TOP_K", "ITERATIONS", "MARGIN", "candidates", "pick", "choose", "dominating",
+           "platform_dominated",
            "Store", "stats", "measure_candidates"]
 
 #: The wave model's candidates measured at first use (with the platform
@@ -378,10 +382,12 @@ def _profiler():
   return _prof[0]
 
 
-def measure_candidates(spec: Family, problem, configs: list, platform) -> Outcome:
-  """Times ``configs`` on ``problem`` now (GPU) and picks one (:func:`pick`,
-  ``platform``: the platform config or None). Runs outside any trace
-  (``ensure_compile_time_eval``)."""
+def measure_candidates(spec: Family, problem, configs: list, platform,
+                       anchors: tuple | list = ()) -> Outcome:
+  """Times ``configs`` on ``problem`` now (GPU) and picks one (:func:`choose`,
+  ``platform``: the platform config or None; ``anchors``: with the platform
+  untimed, the candidates trusted over it). Runs outside any trace
+  (``ensure_compile_time_eval``); no config where no anchor ran."""
   import jax
 
   from wavetune_jax.tuning import measure
@@ -408,10 +414,25 @@ def measure_candidates(spec: Family, problem, configs: list, platform) -> Outcom
       elif c in ok and c != platform:
         del ok[c]
         failed.append((c, f"{m.status} on another input mix: {m.error[:140]}"))
-  if not ok:
+  best = choose(ok, platform, list(others.values()), anchors) if ok else None
+  if best is None:
     return Outcome(None, math.inf, None, failed)
-  best = pick(ok, platform, list(others.values()))
   return Outcome(best, ok[best], ok.get(platform), failed)
+
+
+def choose(times: dict, platform, other_mixes: list | None = None, anchors=()):
+  """:func:`pick`; where ``anchors`` (the candidates trusted over the
+  platform config, :func:`dominating`, which left it untimed) are given,
+  the fastest anchor that ran stands in for it: another config
+  replaces that one only :data:`MARGIN` faster on every mix, so what is kept
+  is as fast as a config trusted over the platform op. None where no anchor
+  ran (the caller then times the platform config)."""
+  if anchors:
+    ran = [c for c in anchors if c in times]
+    if not ran:
+      return None
+    platform = min(ran, key=times.get)
+  return pick(times, platform, other_mixes)
 
 
 def pick(times: dict, platform, other_mixes: list | None = None):
@@ -434,21 +455,29 @@ def pick(times: dict, platform, other_mixes: list | None = None):
   return best
 
 
+def dominating(spec: Family, problem, cands: list, platform, hw: Hardware) -> list:
+  """The candidates first use may measure in place of the platform config:
+  those of ``cands`` the family trusts over it without evidence
+  (:meth:`Family.trusted_without_evidence`, each family's measured rule: XLA's
+  dense ragged dot, which multiplies every row by every expert's weight, lost
+  to every Mosaic config measured where the grouped GEMM's rule trusts them;
+  XLA's attention with a soft cap or sinks writes the whole score matrix;
+  XLA's FP8 dot lost to the FP8 kernel's rule wherever that fills its
+  waves). Empty where the platform config is not among ``cands``. Timing
+  such a platform op is most of a first use's cost: XLA's dense ragged dot
+  for Qwen3-235B-A22B's w13 at 3,300 tokens runs 111 ms a call against 1.2
+  ms for the kernel (H200), and at Arctic's sizes it needs more memory than
+  the GPU has; the first use of XLA's FP8 dot (trace, compile, first
+  call) took 10.9-12.3 s at 3,000 rows (H100, H200)."""
+  if platform is None or platform not in cands:
+    return []
+  return [c for c in cands if c != platform and guard.trusted(spec, problem, c, platform, hw)]
+
+
 def platform_dominated(spec: Family, problem, cands: list, platform, hw: Hardware) -> bool:
-  """Whether first use can leave the platform config untimed: it is among
-  ``cands`` and every other candidate is one the family trusts over it
-  without evidence (:meth:`Family.trusted_without_evidence`, each family's
-  measured rule: XLA's dense ragged dot, which multiplies every row by every
-  expert's weight, lost to every Mosaic config measured where the grouped
-  GEMM's rule trusts them; XLA's attention with a soft cap or sinks writes
-  the whole score matrix). Timing such a platform op is most of a first
-  use's cost: XLA's dense ragged dot for Qwen3-235B-A22B's w13 at 3,300
-  tokens runs 111 ms a call against 1.2 ms for the kernel (H200), and at
-  Arctic's sizes it needs more memory than the GPU has."""
-  others = [c for c in cands if c != platform]
-  if platform is None or platform not in cands or not others:
-    return False
-  return all(guard.trusted(spec, problem, c, platform, hw) for c in others)
+  """Whether first use leaves the platform config untimed: some candidate
+  is trusted over it (:func:`dominating`)."""
+  return bool(dominating(spec, problem, cands, platform, hw))
 
 
 def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
@@ -463,8 +492,8 @@ def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
   if len(cands) < 2:
     return None
   plat = spec.platform_config(problem, hw)
-  untimed = platform_dominated(spec, problem, cands, plat, hw)
-  if untimed:
+  anchors = dominating(spec, problem, cands, plat, hw)
+  if anchors:
     cands = [c for c in cands if c != plat]
   with st.locked() as have_lock:
     if not have_lock:
@@ -475,11 +504,15 @@ def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
       return hit[0], hit[1], "measured on this GPU at first use (stored)"
     t0 = time.perf_counter()
     try:
-      out = measure_candidates(spec, problem, cands, plat if plat in cands else None)
+      out = measure_candidates(spec, problem, cands, plat if plat in cands else None,
+                               anchors=anchors)
       failed = list(out.failed)
-      if out.config is None and untimed:
-        # Every trusted candidate failed here: the platform op after all.
-        out = measure_candidates(spec, problem, [plat], plat)
+      if out.config is None and anchors:
+        # No trusted candidate ran here: the platform op after all, against
+        # the candidates that did.
+        bad = [c for c, _ in failed]
+        out = measure_candidates(spec, problem, [plat] + [c for c in cands if c not in bad],
+                                 plat)
         failed += out.failed
     except Exception as e:  # noqa: BLE001 - refinement never fails the user's call
       _warn(("measure", spec.name, type(e).__name__),
@@ -499,6 +532,7 @@ def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
       return None
     st.put(problem, out.config, out.us, out.platform_us)
   vs = (f", {out.platform_us / out.us:.2f}x the platform op" if out.platform_us
-        else "; the platform op not timed: every candidate is trusted over it" if untimed
+        else f"; the platform op not timed: {len(anchors)} candidate(s) trusted over it"
+        if anchors
         else "")
   return out.config, out.us, f"measured on this GPU at first use ({len(cands)} candidates{vs})"
