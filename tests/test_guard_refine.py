@@ -498,10 +498,10 @@ def test_refinement_measures_a_backend_the_table_has_no_model_of():
 def test_refine_leaves_a_dominated_platform_op_untimed(measuring, monkeypatch, m, g, cudnn,
                                                        timed):
   """First use does not time XLA's dense ragged dot (cuDNN < 9.22) where the
-  family trusts every candidate over it (128 experts; 128 rows per expert):
+  family trusts a candidate over it (128 experts; 128 rows per expert):
   timing it was most of a first use (111 ms a call for Qwen3-235B-A22B's
-  w13 at 3,300 tokens). With cuDNN 9.22 (XLA's grouped GEMM), or where some
-  candidate is not trusted (16 experts at 2.5 rows each), it is timed."""
+  w13 at 3,300 tokens). With cuDNN 9.22 (XLA's grouped GEMM), or where no
+  candidate is trusted (16 experts at 2.5 rows each), it is timed."""
   calls, result, _ = measuring
   monkeypatch.setattr(versions, "current", lambda: {"jax": "0.11.2", "cudnn": cudnn})
   selector.clear()
@@ -633,6 +633,17 @@ def test_fp8_gemm_first_use_leaves_xla_untimed_where_the_rule_is_trusted(measuri
     else:
       assert len(calls) == 1 and sel.config == want
       assert f"not timed: {len(anchors)} candidate(s) trusted over it" in sel.note
+  # Neither a trusted candidate nor the platform op ran: the guarded answer
+  # stands (an untrusted config that ran is not kept), nothing is stored.
+  calls.clear()
+  shutil.rmtree(folder, ignore_errors=True)
+  selector.clear()
+  result["value"] = {c: None for c in cands} | {other: 90.0}
+  with wt.policy("refine"):
+    sel = wt.select("qmatmul", p, h200)
+  with wt.policy("tables"):
+    guarded = wt.select("qmatmul", p, h200)
+  assert len(calls) == 2 and sel.source != "measured" and sel.config == guarded.config
 
 
 def test_choose_stands_a_trusted_candidate_in_for_the_untimed_platform():
@@ -646,3 +657,24 @@ def test_choose_stands_a_trusted_candidate_in_for_the_untimed_platform():
   assert refine.choose({b: 90.0}, None, None, [a]) is None
   assert refine.choose(times, None, None, [a, c]) == b   # the faster anchor stands in
   assert refine.choose(times, None, None, ()) == b       # no anchors: pick's fastest
+
+
+def test_a_cudnn_platform_is_timed_unless_every_candidate_is_trusted():
+  """cuDNN's sliding window, where the attention family trusts the Mosaic
+  rule's config (geomean 1.03-1.05x it on the H200 window sweep: a thin
+  margin) but not the other
+  candidates: first use still times cuDNN (cheap to compile and run); with
+  the rule's config the only other candidate it is left untimed."""
+  from wavetune_jax import ATTENTION, AttentionProblem
+  from wavetune_jax.families.attention import mosaic as fm
+  h200 = get_hardware("h200")
+  p = AttentionProblem(batch=1, q_heads=40, kv_heads=8, q_len=8192, kv_len=8192, head_dim=128,
+                       window_left=2047, window_right=0)
+  plat = ATTENTION.platform_config(p, h200)
+  assert ATTENTION.backend_of(plat).name == "cudnn"
+  rule = fm.MosaicAttention.HEURISTIC
+  other = dataclasses.replace(rule, block_k=64)
+  assert guard.trusted(ATTENTION, p, rule, plat, h200)
+  assert not guard.trusted(ATTENTION, p, other, plat, h200)
+  assert refine.dominating(ATTENTION, p, [plat, rule, other], plat, h200) == []
+  assert refine.dominating(ATTENTION, p, [plat, rule], plat, h200) == [rule]

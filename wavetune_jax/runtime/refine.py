@@ -14,12 +14,13 @@ length and routing mixes their sweeps use):
   (a backend newer than the table);
 * the wave model's top :data:`TOP_K` configs (:meth:`Decider.ranked`).
 
-The platform config is left untimed where the family trusts a candidate over
-it without evidence (:func:`dominating`: XLA's dense ragged dot, XLA's
-attention with soft-capping or sinks, XLA's FP8 dot where the FP8 kernel's
-rule fills its waves): the fastest such candidate that ran then stands in
-for it (:func:`choose`), so what is kept is at least as fast as a config the
-guard would run unmeasured.
+The platform config is left untimed where the family trusts every other
+candidate over it without evidence, or, where the platform op is XLA's, one
+(:func:`dominating`: XLA's dense ragged dot, XLA's attention with
+soft-capping or sinks, XLA's FP8 dot where the FP8 kernel's rule fills its
+waves): the fastest such candidate that ran then stands in for it
+(:func:`choose`), so what is kept is at least as fast as a config the guard
+would run unmeasured.
 
 Decode with run-time lengths is also timed with every sequence at the full
 cache (:meth:`Family.refine_mixes`): a config replaces the platform config
@@ -238,9 +239,10 @@ class Store:
 
   def _comparable(self, problem, decision) -> bool:
     """Whether a decision made at another size answers ``problem``: one
-    that left the platform op untimed (:func:`platform_dominated`) only
-    where the family trusts its config over the platform op at
-    ``problem`` too."""
+    that left the platform op untimed (:func:`dominating`) only where the
+    family trusts its config over the platform op at ``problem`` too (a
+    config that beat the trusted stand-in but is not trusted itself answers
+    its own size only: the bucket's other sizes are measured)."""
     config, _, platform_us = decision
     if platform_us is not None:
       return True
@@ -404,7 +406,9 @@ def measure_candidates(spec: Family, problem, configs: list, platform,
             if impl == "pallas" and m.status != "ok"]
   # The other mixes: a config that failed there is dropped (it ran wrong or
   # not at all on inputs a user's call can have), but for the platform
-  # config, the fallback: where it has no time on a mix, :func:`pick` keeps it.
+  # config, the fallback: where it has no time on a mix, :func:`pick` keeps it
+  # (with ``anchors`` no config is exempt: an anchor dropped here cannot
+  # stand in for the platform config).
   others: dict = {}
   for _, impl, c, m in rows:
     if impl.startswith("pallas@"):
@@ -428,6 +432,7 @@ def choose(times: dict, platform, other_mixes: list | None = None, anchors=()):
   is as fast as a config trusted over the platform op. None where no anchor
   ran (the caller then times the platform config)."""
   if anchors:
+    assert platform is None, "anchors stand in for an untimed platform config"
     ran = [c for c in anchors if c in times]
     if not ran:
       return None
@@ -456,14 +461,16 @@ def pick(times: dict, platform, other_mixes: list | None = None):
 
 
 def dominating(spec: Family, problem, cands: list, platform, hw: Hardware) -> list:
-  """The candidates first use may measure in place of the platform config:
-  those of ``cands`` the family trusts over it without evidence
+  """The candidates first use measures in place of the platform config
+  (empty: the platform config is timed): those of ``cands`` the family
+  trusts over it without evidence
   (:meth:`Family.trusted_without_evidence`, each family's measured rule: XLA's
   dense ragged dot, which multiplies every row by every expert's weight, lost
   to every Mosaic config measured where the grouped GEMM's rule trusts them;
   XLA's attention with a soft cap or sinks writes the whole score matrix;
   XLA's FP8 dot lost to the FP8 kernel's rule wherever that fills its
-  waves). Empty where the platform config is not among ``cands``. Timing
+  waves), where every other candidate is trusted or the platform op is
+  XLA's. Empty where the platform config is not among ``cands``. Timing
   such a platform op is most of a first use's cost: XLA's dense ragged dot
   for Qwen3-235B-A22B's w13 at 3,300 tokens runs 111 ms a call against 1.2
   ms for the kernel (H200), and at Arctic's sizes it needs more memory than
@@ -471,12 +478,20 @@ def dominating(spec: Family, problem, cands: list, platform, hw: Hardware) -> li
   call) took 10.9-12.3 s at 3,000 rows (H100, H200)."""
   if platform is None or platform not in cands:
     return []
-  return [c for c in cands if c != platform and guard.trusted(spec, problem, c, platform, hw)]
+  others = [c for c in cands if c != platform]
+  trusted = [c for c in others if guard.trusted(spec, problem, c, platform, hw)]
+  # One trusted candidate suffices where the platform op is XLA's (its dense
+  # ragged dot, score matrix or autotuned FP8 dot: the costly ones to compile
+  # and run); cuDNN's kernels are cheap to time, and where a trust's measured
+  # margin is thin (cuDNN's sliding window, geomean 1.03-1.05x) timing them keeps the
+  # decision measured, so there every other candidate must be trusted.
+  if len(trusted) == len(others) or (trusted and spec.backend_of(platform).name == "xla"):
+    return trusted
+  return []
 
 
 def platform_dominated(spec: Family, problem, cands: list, platform, hw: Hardware) -> bool:
-  """Whether first use leaves the platform config untimed: some candidate
-  is trusted over it (:func:`dominating`)."""
+  """Whether first use leaves the platform config untimed (:func:`dominating`)."""
   return bool(dominating(spec, problem, cands, platform, hw))
 
 
@@ -507,13 +522,19 @@ def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
       out = measure_candidates(spec, problem, cands, plat if plat in cands else None,
                                anchors=anchors)
       failed = list(out.failed)
+      timed_platform = not anchors
       if out.config is None and anchors:
         # No trusted candidate ran here: the platform op after all, against
-        # the candidates that did.
+        # the candidates that did (timed again: a rare path).
         bad = [c for c, _ in failed]
         out = measure_candidates(spec, problem, [plat] + [c for c in cands if c not in bad],
                                  plat)
         failed += out.failed
+        timed_platform = True
+        if out.platform_us is None:
+          # Nor did the platform op: nothing here is known to be as fast, so
+          # the guarded answer stands.
+          out = Outcome(None, math.inf, None, [])
     except Exception as e:  # noqa: BLE001 - refinement never fails the user's call
       _warn(("measure", spec.name, type(e).__name__),
             f"wavetune_jax: first-use measurement of {spec.problem_key(problem)} failed "
@@ -533,6 +554,6 @@ def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
     st.put(problem, out.config, out.us, out.platform_us)
   vs = (f", {out.platform_us / out.us:.2f}x the platform op" if out.platform_us
         else f"; the platform op not timed: {len(anchors)} candidate(s) trusted over it"
-        if anchors
+        if not timed_platform
         else "")
   return out.config, out.us, f"measured on this GPU at first use ({len(cands)} candidates{vs})"

@@ -394,7 +394,10 @@ class WaveTunePolicy(Policy):
 
   def refined(self, problem, times: dict):
     """The config first-use refinement keeps (the fastest recorded among its
-    candidates), and how many it measures. A sweep holds one input mix: the
+    candidates, the platform config left out where :func:`refine.dominating`
+    leaves it untimed, the family's trust read with this machine's versions:
+    on a CPU no cuDNN, so XLA's dense ragged dot stays timed), and how many
+    it measures. A sweep holds one input mix: the
     decode replay does not apply the full-cache check first use makes
     (:meth:`Family.refine_mixes`), so it can keep configs that a GPU would not."""
     from wavetune_jax.runtime import refine
@@ -403,7 +406,13 @@ class WaveTunePolicy(Policy):
     timed = {c: times[c] for c in cands if c in times}
     if not timed:
       return self.select(problem), len(cands)
-    return refine.pick(timed, self.spec.platform_config(problem, self.hw)), len(cands)
+    plat = self.spec.platform_config(problem, self.hw)
+    anchors = refine.dominating(self.spec, problem, cands, plat, self.hw)
+    if anchors:   # the platform config untimed: a trusted candidate stands in
+      best = refine.choose({c: t for c, t in timed.items() if c != plat}, None, None, anchors)
+      if best is not None:
+        return best, len(cands) - 1
+    return refine.pick(timed, plat), len(cands)
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {

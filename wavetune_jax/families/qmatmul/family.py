@@ -161,9 +161,10 @@ class QMatmulFamily(Family):
     0.89-0.92x, and at 16 rows 0.98-1.25x, left to evidence.
 
     W8A8-FP8: the FP8 kernel over XLA's FP8 dot where its rule gives more
-    than a wave of 128 x 256 tiles (bands of 8): 1.10-1.72x on all 12 such
-    problems measured on an H100 (``benchmarks/fp8_gemm.py``); with fewer
-    tiles its margin was 0.97-1.22x, left to evidence. Where the rule gives
+    than a wave of 128 x 256 tiles (bands of 8; 3 stages, no K split): 1.10-1.72x
+    on all 12 such problems measured on an H100 (``benchmarks/fp8_gemm.py``);
+    with fewer tiles its margin was 0.97-1.22x, left to evidence (a banded
+    config at a wave or less is not trusted either). Where the rule gives
     128 x 192 tiles (an H200's rule, ``fp8.WIDE_TILES``): where their CTAs
     fill their waves at least :data:`WIDE_TRUSTED_FILL`, or fit one wave at
     least :data:`WIDE_TRUSTED_ONE_WAVE` full, and the rows fill their tiles
@@ -200,7 +201,13 @@ class QMatmulFamily(Family):
         ctas = row_tiles * -(-problem.n // 192)
         fill = ctas / (-(-ctas // hw.num_sms) * hw.num_sms)
         return fill >= (WIDE_TRUSTED_ONE_WAVE if ctas <= hw.num_sms else WIDE_TRUSTED_FILL)
-      return tile == (128, 256) and config.grid_width > 1
+      if tile != (128, 256) or config.num_stages != 3 or config.split_k != 1:
+        return False
+      # The rule's config past a wave of tiles (bands of 8), as measured; the
+      # band alone says nothing: the wave model ranks banded 128 x 256
+      # configs at a few hundred rows too.
+      sms = hw.num_sms if hw is not None else 132
+      return config.grid_width > 1 and -(-problem.m // 128) * -(-problem.n // 256) > sms
     if problem.w_dtype == INT4:
       return problem.m <= 64 or problem.n >= INT4_CHUNKED_MIN_N
     if problem.w_layout == "nk":
