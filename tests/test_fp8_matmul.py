@@ -190,26 +190,31 @@ def test_selection(m, want):
     QMATMUL.backend("mosaic").validate(kn, C(block_m=128, block_n=256, num_stages=3))
 
 
-def test_banded_128x256_is_trusted_only_past_a_wave_of_tiles():
-  """The trust over XLA's FP8 dot was measured on the rule's 128 x 256 config
-  past a wave of tiles (bands of 8, 3 stages, no K split); the wave model
-  ranks banded 128 x 256 configs at a few hundred rows too, where the H200
-  table's evidence had the kernel at 0.83x XLA's on a near shape: not
-  trusted there."""
-  band = C(block_m=128, block_n=256, num_stages=3, grid_width=8)
+def test_only_the_rules_config_is_trusted_over_xlas_fp8_dot():
+  """The trust over XLA's FP8 dot was measured on the rule's config (128 x
+  256 past a wave of tiles, bands of 8; an H200's 128 x 192 where they fill
+  their waves); the wave model ranks other configs of the same tiles too,
+  such as a banded 128 x 256 config at a few hundred rows, where the H200
+  table's evidence had the kernel at 0.83x XLA's on a near shape: none of
+  those is trusted."""
   xla = wt.XlaQMatmulConfig()
+  mosaic = QMATMUL.backend("mosaic")
 
   def p(m, n=4608, k=3584):
     return QMatmulProblem(m=m, n=n, k=k, dtype="float8_e4m3fn", w_dtype="float8_e4m3fn",
                           w_layout="nk")
+  band = C(block_m=128, block_n=256, num_stages=3, grid_width=8)
   for hw in (H100, wt.get_hardware("h200")):
     assert not QMATMUL.trusted_without_evidence(p(200), band, xla, hw=hw)      # 36 tiles
-    assert QMATMUL.trusted_without_evidence(p(7000), band, xla, hw=hw)         # 990 tiles
-    assert not QMATMUL.trusted_without_evidence(
-        p(7000), dataclasses.replace(band, split_k=2), xla, hw=hw)
-    assert not QMATMUL.trusted_without_evidence(
-        p(7000), dataclasses.replace(band, grid_width=1), xla, hw=hw)
-  assert QMATMUL.trusted_without_evidence(p(200, n=37888), band, xla, hw=H100)  # 296 tiles
+    rule = mosaic.heuristic(p(7000), hw)
+    assert QMATMUL.trusted_without_evidence(p(7000), rule, xla, hw=hw)
+    assert not QMATMUL.trusted_without_evidence(p(7000), rule, xla)            # no GPU named
+    for other in (dataclasses.replace(rule, grid_minor=0), dataclasses.replace(rule, split_k=2),
+                  dataclasses.replace(rule, grid_width=1)):
+      assert not QMATMUL.trusted_without_evidence(p(7000), other, xla, hw=hw)
+  assert mosaic.heuristic(p(7000), H100) == band   # the H100 rule's banded config
+  assert not QMATMUL.trusted_without_evidence(p(200), mosaic.heuristic(p(200), H100), xla,
+                                              hw=H100)
 
 
 def test_keys_and_problem_checks():

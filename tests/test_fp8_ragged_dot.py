@@ -335,9 +335,15 @@ def test_weight_only_rule_space_and_errors():
         assert rule in space and (rule.block_m, rule.block_n) == (64, 256)
         # Above 64 rows per expert: by expert where the work passes a wave.
         assert rule.grid_minor == (2 if m / g > 64 else 1)
-        # The rule's tiles are trusted without evidence (measured faster
-        # than XLA's op on every problem).
+        # The rule's config is trusted without evidence (measured faster
+        # than XLA's op on every problem); another of its tiles is not.
         assert wt.select(QRAGGED_DOT, p, H100).config == rule
+        xla = QRAGGED_DOT.platform_config(p, H100)
+        v = {"cudnn": "9.19.0"}
+        assert QRAGGED_DOT.trusted_without_evidence(p, rule, xla, hw=H100, versions=v)
+        assert not QRAGGED_DOT.trusted_without_evidence(p, rule, xla, versions=v)
+        other = dataclasses.replace(rule, grid_minor=3 - rule.grid_minor)
+        assert not QRAGGED_DOT.trusted_without_evidence(p, other, xla, hw=H100, versions=v)
   # One token of Mixtral's w2 (2 rows): 2 experts' tasks x 16 column tiles =
   # 32 CTAs, 4 splits fill a wave; 16 tokens (32 rows) fill it unsplit.
   assert weight_only.decode_config(2, 8, 4096, 14336, 132).split_k == 4

@@ -678,3 +678,32 @@ def test_a_cudnn_platform_is_timed_unless_every_candidate_is_trusted():
   assert not guard.trusted(ATTENTION, p, other, plat, h200)
   assert refine.dominating(ATTENTION, p, [plat, rule, other], plat, h200) == []
   assert refine.dominating(ATTENTION, p, [plat, rule], plat, h200) == [rule]
+
+
+def test_trust_stays_within_what_was_measured():
+  """Grouped GEMM: no region below 8 experts (the sweeps hold none; with 2 or
+  4 experts the dense form does only 2-4x the work). The persistent windowed
+  attention over cuDNN: windows of 128-4,096 keys, GQA groups of 2-8,
+  bfloat16."""
+  from wavetune_jax import ATTENTION, AttentionProblem
+  from wavetune_jax.families.attention import mosaic as fm
+  v = {"cudnn": "9.19.0"}
+  xla = wt.XlaRaggedDotConfig()
+  for g, want in ((4, False), (8, True)):
+    p = RaggedDotProblem(m=256 * g, g=g, k=4096, n=4096)
+    rule = RAGGED_DOT.heuristic(p, H100)
+    assert RAGGED_DOT.trusted_without_evidence(p, rule, xla, hw=H100, versions=v) == want
+  h200 = get_hardware("h200")
+  rule = fm.MosaicAttention.HEURISTIC
+
+  def trusted(**kw):
+    d = dict(batch=1, q_heads=32, kv_heads=8, q_len=16384, kv_len=16384, head_dim=128,
+             window_left=1024, window_right=0)
+    d.update(kw)
+    p = AttentionProblem(**d)
+    return guard.trusted(ATTENTION, p, rule, ATTENTION.platform_config(p, h200), h200)
+  assert trusted()
+  assert not trusted(window_left=8192)
+  assert not trusted(window_left=64)
+  assert not trusted(kv_heads=32)
+  assert not trusted(dtype="float16")

@@ -184,7 +184,9 @@ class AttentionFamily(Family):
     (``benchmarks/attention_options.py``, docs/results.md). And the kernel's
     rule config over cuDNN's sliding window where its persistent grid takes
     the window (:func:`~wavetune_jax.families.attention.mosaic.persistent_wins`:
-    measured on GQA groups and windows the table's sweep does not hold)."""
+    measured on GQA groups and windows the table's sweep does not hold), within
+    what was measured: windows of 128-4,096 keys, GQA groups of 2-8,
+    bfloat16."""
     from wavetune_jax.families.attention import mosaic
     from wavetune_jax.families.attention.cudnn import CudnnAttentionConfig
     from wavetune_jax.families.attention.xla import XlaAttentionConfig
@@ -192,8 +194,12 @@ class AttentionFamily(Family):
       return False
     if isinstance(platform, XlaAttentionConfig):
       return problem.soft_cap > 0 or problem.sinks
+    # As measured: windows of 128-4,096 keys, GQA groups of 2-8, bfloat16.
     return (isinstance(platform, CudnnAttentionConfig) and hw is not None
             and problem.windowed and config == mosaic.MosaicAttention.HEURISTIC
+            and 128 <= problem.window_left <= 4096
+            and 2 <= problem.q_heads // problem.kv_heads <= 8
+            and problem.dtype == "bfloat16"
             and mosaic.persistent_wins(problem, hw))
 
   def batched_call(self, axis_size: int, in_batched, arrays, op):

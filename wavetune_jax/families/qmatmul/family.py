@@ -163,8 +163,7 @@ class QMatmulFamily(Family):
     W8A8-FP8: the FP8 kernel over XLA's FP8 dot where its rule gives more
     than a wave of 128 x 256 tiles (bands of 8; 3 stages, no K split): 1.10-1.72x
     on all 12 such problems measured on an H100 (``benchmarks/fp8_gemm.py``);
-    with fewer tiles its margin was 0.97-1.22x, left to evidence (a banded
-    config at a wave or less is not trusted either). Where the rule gives
+    with fewer tiles its margin was 0.97-1.22x, left to evidence. Where the rule gives
     128 x 192 tiles (an H200's rule, ``fp8.WIDE_TILES``): where their CTAs
     fill their waves at least :data:`WIDE_TRUSTED_FILL`, or fit one wave at
     least :data:`WIDE_TRUSTED_ONE_WAVE` full, and the rows fill their tiles
@@ -183,11 +182,21 @@ class QMatmulFamily(Family):
     ``benchmarks/weight_only.py --weights int4``); from 65 to 128 rows (two
     chunks of 64, each reading the weight) where N >=
     :data:`INT4_CHUNKED_MIN_N`: 1.68-2.66x on those four of five weights at
-    128 rows, the fifth (N = 1,536) 1.03x, left to evidence."""
+    128 rows, the fifth (N = 1,536) 1.03x, left to evidence.
+
+    Except int4 (whose margins are 1.7-6.9x), only the rule's config
+    (``heuristic``) is trusted, on the GPU given, as measured: the wave model
+    ranks other configs of the same tiles too (a banded 128 x 256 config at
+    a few hundred rows, where the H200 table's evidence had the kernel at
+    0.83x XLA's on a near shape; a K split that leaves most SMs idle at
+    one row)."""
     from pallas_kernels.matmul.mosaic import MosaicMatmulConfig
     from wavetune_jax.families.qmatmul.backends import XlaQMatmulConfig
     if not (isinstance(config, MosaicMatmulConfig) and isinstance(platform, XlaQMatmulConfig)):
       return False
+    if problem.w_dtype != INT4 and (hw is None or config != self.backend("mosaic").heuristic(
+        problem, hw)):
+      return False  # only the rule's config was measured against XLA's
     if problem.w8a8:
       tile = (config.block_m, config.block_n)
       if tile == (128, 192):
@@ -201,19 +210,16 @@ class QMatmulFamily(Family):
         ctas = row_tiles * -(-problem.n // 192)
         fill = ctas / (-(-ctas // hw.num_sms) * hw.num_sms)
         return fill >= (WIDE_TRUSTED_ONE_WAVE if ctas <= hw.num_sms else WIDE_TRUSTED_FILL)
-      if tile != (128, 256) or config.num_stages != 3 or config.split_k != 1:
+      if tile != (128, 256) or config.split_k != 1 or problem.out_dtype != "bfloat16":
         return False
-      # The rule's config past a wave of tiles (bands of 8), as measured; the
-      # band alone says nothing: the wave model ranks banded 128 x 256
-      # configs at a few hundred rows too.
-      sms = hw.num_sms if hw is not None else 132
-      return config.grid_width > 1 and -(-problem.m // 128) * -(-problem.n // 256) > sms
+      # Past a wave of tiles (bands of 8), as measured.
+      return -(-problem.m // 128) * -(-problem.n // 256) > hw.num_sms
     if problem.w_dtype == INT4:
       return problem.m <= 64 or problem.n >= INT4_CHUNKED_MIN_N
     if problem.w_layout == "nk":
       return problem.m == 1 and problem.k >= NK_TRUSTED_MIN_K
     ctas = -(-problem.n // config.block_n) * config.split_k
-    return problem.m == 1 and hw is not None and ctas <= hw.num_sms
+    return problem.m == 1 and ctas <= hw.num_sms
 
   # --- problems ------------------------------------------------------------------------
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):

@@ -82,6 +82,10 @@ class RaggedDotFamily(Family):
   #: Experts from which any Mosaic config replaces XLA's dense ragged dot
   #: without table evidence, at any rows (:meth:`trusted_without_evidence`).
   TRUSTED_EXPERTS = 64
+  #: Experts below which nothing is trusted without evidence: the sweeps
+  #: hold 8 experts or more, and with 2 or 4 the dense form does only 2-4x
+  #: the work.
+  TRUSTED_MIN_EXPERTS = 8
   #: The cuDNN from which XLA lowers ``lax.ragged_dot`` to cuDNN's grouped
   #: GEMM instead of its dense form (openxla/xla PR 42313).
   CUDNN_GROUPED_GEMM = (9, 22)
@@ -108,7 +112,8 @@ class RaggedDotFamily(Family):
     (1.40x and 1.20x; other configs there lost, down to 0.94x); with 64
     experts or more 521 configs over 53 problems (1.22x) and 485 over 48
     (1.13x), where with 8 or 16 experts and 2 to 8 rows each some configs
-    and the rule lost (0.86-0.99x);
+    and the rule lost (0.86-0.99x); every region needs
+    :attr:`TRUSTED_MIN_EXPERTS` (the sweeps hold 8 experts or more);
     docs/results.md, "The guard past the sweeps' sizes" (``python3
     benchmarks/table_vs_sweep.py <sweep> <table> --trusted`` counts them on
     the sweeps as they are now). A cuDNN that cannot
@@ -118,6 +123,7 @@ class RaggedDotFamily(Family):
     from wavetune_jax.families.ragged_dot.mosaic import MosaicRaggedDotConfig
     from wavetune_jax.families.ragged_dot.xla import XlaRaggedDotConfig
     if not (isinstance(config, MosaicRaggedDotConfig) and isinstance(platform, XlaRaggedDotConfig)
+            and problem.g >= self.TRUSTED_MIN_EXPERTS
             and (problem.m >= self.TRUSTED_ROWS_PER_EXPERT * problem.g
                  or problem.g >= self.TRUSTED_EXPERTS
                  or 2 * problem.m <= problem.g
