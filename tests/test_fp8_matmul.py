@@ -212,6 +212,9 @@ def test_only_the_rules_config_is_trusted_over_xlas_fp8_dot():
     for other in (dataclasses.replace(rule, grid_minor=0), dataclasses.replace(rule, split_k=2),
                   dataclasses.replace(rule, grid_width=1)):
       assert not QMATMUL.trusted_without_evidence(p(7000), other, xla, hw=hw)
+    # float32 outputs: not measured against XLA's FP8 dot, even the rule's.
+    f32 = dataclasses.replace(p(7000), out_dtype="float32")
+    assert not QMATMUL.trusted_without_evidence(f32, mosaic.heuristic(f32, hw), xla, hw=hw)
   assert mosaic.heuristic(p(7000), H100) == band   # the H100 rule's banded config
   assert not QMATMUL.trusted_without_evidence(p(200), mosaic.heuristic(p(200), H100), xla,
                                               hw=H100)

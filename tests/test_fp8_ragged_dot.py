@@ -546,7 +546,7 @@ def test_trust_over_xla_needs_evidence_from_cudnn_9_22(monkeypatch):
     monkeypatch.setattr(versions, "current",
                         lambda c=cudnn: {"jax": "0.11.2", **({"cudnn": c} if c else {})})
     assert QRAGGED_DOT.trusted_without_evidence(p, rule, xla, hw=H100) == trusted, cudnn
-    assert refine.platform_dominated(QRAGGED_DOT, p, [xla, rule], xla, H100) == trusted
+    assert bool(refine.dominating(QRAGGED_DOT, p, [xla, rule], xla, H100)) == trusted
     assert QRAGGED_DOT.trusted_without_evidence(p, rule, xla, hw=H100,
                                                 versions={"cudnn": "9.22.1"}) is False
     assert QRAGGED_DOT.trusted_without_evidence(p, rule, xla, versions={"cudnn": "9"})

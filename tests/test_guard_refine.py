@@ -515,9 +515,9 @@ def test_refine_leaves_a_dominated_platform_op_untimed(measuring, monkeypatch, m
   assert ("platform op not timed" in sel.note) == (not timed)
   cands = refine.candidates(RAGGED_DOT, p, H100, selector._decider(RAGGED_DOT, H100), None)
   assert cands[0] == xla
-  assert refine.platform_dominated(RAGGED_DOT, p, cands, xla, H100) == (not timed)
-  assert not refine.platform_dominated(RAGGED_DOT, p, [xla], xla, H100)
-  assert not refine.platform_dominated(RAGGED_DOT, p, cands[1:], xla, H100)  # not measured
+  assert bool(refine.dominating(RAGGED_DOT, p, cands, xla, H100)) == (not timed)
+  assert not refine.dominating(RAGGED_DOT, p, [xla], xla, H100)
+  assert not refine.dominating(RAGGED_DOT, p, cands[1:], xla, H100)  # not measured
 
 
 def test_refine_times_the_platform_op_when_every_trusted_candidate_fails(measuring,
@@ -561,7 +561,7 @@ def test_a_decision_without_the_platform_timed_answers_only_where_trusted(measur
       assert len(calls) == 2 and calls[1][1][0] == xla
 
 
-def test_platform_dominated_reads_each_familys_trust():
+def test_dominating_reads_each_familys_trust():
   """Attention soft-capped: XLA's attention is the platform op, and the
   Mosaic kernel is trusted over it; not over cuDNN without the cap; GEMM
   trusts nothing; an override that raises counts as not trusted."""
@@ -572,12 +572,12 @@ def test_platform_dominated_reads_each_familys_trust():
   plat = ATTENTION.platform_config(p, H100)
   assert plat == XlaAttentionConfig()
   mosaic = ATTENTION.backend("mosaic").heuristic(p, H100)
-  assert refine.platform_dominated(ATTENTION, p, [plat, mosaic], plat, H100)
+  assert refine.dominating(ATTENTION, p, [plat, mosaic], plat, H100) == [mosaic]
   plain = dataclasses.replace(p, soft_cap=0.0)
   cudnn = ATTENTION.platform_config(plain, H100)
   assert cudnn != plat
-  assert not refine.platform_dominated(ATTENTION, plain, [cudnn, mosaic], cudnn, H100)
-  assert not refine.platform_dominated(MATMUL, MatmulProblem(m=8, n=8, k=8),
+  assert not refine.dominating(ATTENTION, plain, [cudnn, mosaic], cudnn, H100)
+  assert not refine.dominating(MATMUL, MatmulProblem(m=8, n=8, k=8),
                                        [XlaMatmulConfig(), TRITON], XlaMatmulConfig(), H100)
 
   class Raises(type(MATMUL)):
@@ -655,8 +655,11 @@ def test_choose_stands_a_trusted_candidate_in_for_the_untimed_platform():
   assert refine.choose(times, None, [{a: 100.0, b: 101.0, c: 90.0}], [a]) == c
   assert refine.choose(times, None, [{a: 100.0, b: 101.0, c: 99.0}], [a]) == a
   assert refine.choose({b: 90.0}, None, None, [a]) is None
-  assert refine.choose(times, None, None, [a, c]) == b   # the faster anchor stands in
   assert refine.choose(times, None, None, ()) == b       # no anchors: pick's fastest
+  # The faster anchor stands in: b is not 3% faster than c.
+  assert refine.choose({a: 100.0, c: 95.0, b: 93.0}, None, None, [a, c]) == c
+  with pytest.raises(ValueError, match="platform=None"):
+    refine.choose(times, a, None, [c])
 
 
 def test_a_cudnn_platform_is_timed_unless_every_candidate_is_trusted():
@@ -702,8 +705,8 @@ def test_trust_stays_within_what_was_measured():
     d.update(kw)
     p = AttentionProblem(**d)
     return guard.trusted(ATTENTION, p, rule, ATTENTION.platform_config(p, h200), h200)
-  assert trusted()
-  assert not trusted(window_left=8192)
-  assert not trusted(window_left=64)
+  assert trusted() and trusted(window_left=127) and trusted(window_left=4095)
+  assert not trusted(window_left=4096)          # 4,097 keys
+  assert not trusted(window_left=63)
   assert not trusted(kv_heads=32)
   assert not trusted(dtype="float16")

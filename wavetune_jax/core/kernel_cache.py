@@ -18,7 +18,8 @@ symbol ... kernel_mosaic_gpu"; so it is not on by default. The likely cause,
 read in JAX's source: such a process never imported
 ``jax.experimental.mosaic.gpu``, whose import tells the custom call where
 Mosaic GPU's host runtime library is; a loaded Mosaic kernel now imports it
-first (:func:`_mosaic_runtime`; not yet rerun on a GPU). The key holds the family,
+first (:func:`_mosaic_runtime`; since then the H200 runs that had failed
+pass; the H100 is not rerun yet). The key holds the family,
 backend, config, problem, options, operand types, platform, GPU, the JAX and
 jaxlib versions and a hash of this package's source, so an upgrade or an
 edited kernel gets new entries (old ones are never read again; delete the

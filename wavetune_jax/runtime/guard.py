@@ -61,15 +61,20 @@ class Rule:
   stale_win: float = 1.10
 
 
-def trusted(spec: Family, problem, config, platform, hw: Hardware) -> bool:
+def trusted(spec: Family, problem, config, platform, hw: Hardware,
+            versions: dict | None = None) -> bool:
   """``spec.trusted_without_evidence(problem, config, platform, hw=hw)``:
   whether the family's measured rule lets ``config`` replace ``platform``
   without evidence. False where the override raises (it must not fail the
   user's call); an override written before the hardware argument takes
-  three."""
+  three. ``versions``: the platform's (a replay's recorded ones), passed to
+  a rule that takes them; default this process's."""
   rule = spec.trusted_without_evidence
   try:
-    kw = {"hw": hw} if "hw" in inspect.signature(rule).parameters else {}
+    params = inspect.signature(rule).parameters
+    kw = {"hw": hw} if "hw" in params else {}
+    if versions is not None and "versions" in params:
+      kw["versions"] = versions
     return bool(rule(problem, config, platform, **kw))
   except Exception:  # noqa: BLE001 - a family's rule never fails the user's call
     return False

@@ -69,7 +69,6 @@ from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.runtime import guard
 
 __all__ = ["TOP_K", "ITERATIONS", "MARGIN", "candidates", "pick", "choose", "dominating",
-           "platform_dominated",
            "Store", "stats", "measure_candidates"]
 
 #: The wave model's candidates measured at first use (with the platform
@@ -432,7 +431,9 @@ def choose(times: dict, platform, other_mixes: list | None = None, anchors=()):
   is as fast as a config trusted over the platform op. None where no anchor
   ran (the caller then times the platform config)."""
   if anchors:
-    assert platform is None, "anchors stand in for an untimed platform config"
+    if platform is not None:
+      raise ValueError("refine.choose: anchors stand in for an untimed platform config; "
+                       "pass platform=None with them")
     ran = [c for c in anchors if c in times]
     if not ran:
       return None
@@ -488,11 +489,6 @@ def dominating(spec: Family, problem, cands: list, platform, hw: Hardware) -> li
   if len(trusted) == len(others) or (trusted and spec.backend_of(platform).name == "xla"):
     return trusted
   return []
-
-
-def platform_dominated(spec: Family, problem, cands: list, platform, hw: Hardware) -> bool:
-  """Whether first use leaves the platform config untimed (:func:`dominating`)."""
-  return bool(dominating(spec, problem, cands, platform, hw))
 
 
 def refine(spec: Family, problem, hw: Hardware, decider, base, folder):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import inspect
 import math
 import random
 import statistics
@@ -382,22 +381,20 @@ class WaveTunePolicy(Policy):
     plat = self.spec.platform_config(problem, self.hw)
     # As the selector's guard: the family's rule for problems without
     # evidence, with the sweep's versions standing for the platform's.
-    trusted = self.spec.trusted_without_evidence
-    params = inspect.signature(trusted).parameters
-    kw = {"hw": self.hw} if "hw" in params else {}
-    if "versions" in params:
-      kw["versions"] = self.platform_versions
-    return c if trusted(problem, c, plat, **kw) else plat
+    from wavetune_jax.runtime import guard as guard_lib
+    return c if guard_lib.trusted(self.spec, problem, c, plat, self.hw,
+                              versions=self.platform_versions) else plat
 
   def ranked(self, problem, k: int) -> list:
     return self.decider.ranked(problem, k)
 
   def refined(self, problem, times: dict):
     """The config first-use refinement keeps (the fastest recorded among its
-    candidates, the platform config left out where :func:`refine.dominating`
-    leaves it untimed, the family's trust read with this machine's versions:
-    on a CPU no cuDNN, so XLA's dense ragged dot stays timed), and how many
-    it measures. A sweep holds one input mix: the
+    candidates), and how many it measures. The replay times the platform
+    config always; first use leaves an XLA platform op untimed where a
+    candidate is trusted over it (:func:`refine.dominating`), the fastest
+    trusted candidate standing in, so there it can keep that candidate where
+    the replay keeps one faster than it by less than 3%. A sweep holds one input mix: the
     decode replay does not apply the full-cache check first use makes
     (:meth:`Family.refine_mixes`), so it can keep configs that a GPU would not."""
     from wavetune_jax.runtime import refine
@@ -406,13 +403,7 @@ class WaveTunePolicy(Policy):
     timed = {c: times[c] for c in cands if c in times}
     if not timed:
       return self.select(problem), len(cands)
-    plat = self.spec.platform_config(problem, self.hw)
-    anchors = refine.dominating(self.spec, problem, cands, plat, self.hw)
-    if anchors:   # the platform config untimed: a trusted candidate stands in
-      best = refine.choose({c: t for c, t in timed.items() if c != plat}, None, None, anchors)
-      if best is not None:
-        return best, len(cands) - 1
-    return refine.pick(timed, plat), len(cands)
+    return refine.pick(timed, self.spec.platform_config(problem, self.hw)), len(cands)
 
 
 POLICIES: dict[str, Callable[[], Policy]] = {

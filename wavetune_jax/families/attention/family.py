@@ -197,7 +197,7 @@ class AttentionFamily(Family):
     # As measured: windows of 128-4,096 keys, GQA groups of 2-8, bfloat16.
     return (isinstance(platform, CudnnAttentionConfig) and hw is not None
             and problem.windowed and config == mosaic.MosaicAttention.HEURISTIC
-            and 128 <= problem.window_left <= 4096
+            and 127 <= problem.window_left <= 4095   # 128-4,096 keys
             and 2 <= problem.q_heads // problem.kv_heads <= 8
             and problem.dtype == "bfloat16"
             and mosaic.persistent_wins(problem, hw))

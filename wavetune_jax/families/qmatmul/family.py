@@ -201,7 +201,7 @@ class QMatmulFamily(Family):
       tile = (config.block_m, config.block_n)
       if tile == (128, 192):
         from pallas_kernels.matmul.fp8 import WIDE_TILE_GPUS
-        if (hw is None or hw.device_key not in WIDE_TILE_GPUS or config.split_k != 1
+        if (hw.device_key not in WIDE_TILE_GPUS or config.split_k != 1
             or config.num_stages != 4 or problem.out_dtype != "bfloat16"):
           return False  # only what was measured
         row_tiles = -(-problem.m // 128)

@@ -135,7 +135,7 @@ class QRaggedDotFamily(Family):
     if problem.w8a8:
       return True
     # The rule's config, as measured (not any 64 x 256 config: the rule ran
-    # only 1.08-1.15x XLA's at 16 tokens).
+    # only 1.09-1.15x XLA's at 16 tokens on Mixtral's experts).
     return hw is not None and config == self.backend("mosaic").heuristic(problem, hw)
 
   # --- problems ------------------------------------------------------------------------
