@@ -18,7 +18,8 @@ first ``jax.jit(op).trace(...).lower().compile()`` and the first call
                    measured on the GPU and the decision is kept in the
                    parsed-table cache folder), empty caches (parsed tables,
                    lowered kernels, JAX's compilation cache); the trace's
-                   measuring is split out (``selector.refinement_stats()``)
+                   measuring is split out (``selector.refinement_stats()``),
+                   and by phase (compile, setup, check and time)
   wt, process 2    the same, with the caches process 1 filled: it should
                    measure nothing; the selection itself is timed once more
                    on its own (``wt.select`` under a fresh memo: the decision
@@ -305,12 +306,22 @@ def refinement_stats() -> dict | None:
 
 
 def stats_delta(before: dict | None, after: dict | None) -> dict | None:
-  """``after - before`` per key (None where either is not a number)."""
+  """``after - before`` per key (None where either is not a number); a dict
+  of numbers (refinement's seconds by measuring phase) per its keys, a key
+  ``before`` lacks counting from 0."""
   if before is None or after is None:
     return None
   num = (int, float)
-  return {k: (after[k] - before[k] if isinstance(after[k], num)
-              and isinstance(before.get(k), num) else None) for k in after}
+  out = {}
+  for k, v in after.items():
+    b = before.get(k)
+    if isinstance(v, num) and isinstance(b, num):
+      out[k] = v - b
+    elif isinstance(v, dict) and isinstance(b, dict):
+      out[k] = {kk: vv - b.get(kk, 0) for kk, vv in v.items() if isinstance(vv, num)}
+    else:
+      out[k] = None
+  return out
 
 
 def _cache_events():
@@ -421,6 +432,7 @@ def summarize(runs: list[dict]) -> list[dict]:
       out.append(dict(
           family=fam, problem=fields,
           wt_first_s=get(wt1, "total_s"), wt_measure_s=get(wt1, "refine", "seconds"),
+          wt_measure_phases=get(wt1, "refine", "phases"),
           wt_measured_1=get(wt1, "refine", "measured"),
           xla_first_s=get(cell["xla", 1], "total_s"),
           wt_second_s=get(wt2, "total_s"), xla_second_s=get(cell["xla", 2], "total_s"),
@@ -450,6 +462,10 @@ def format_table(summary: list[dict]) -> str:
                  f"{_s(x['xla_first_s']):>15} {_s(x['wt_second_s']):>16} "
                  f"{_s(x['xla_second_s']):>12} {m2:>13} {_s(x['select_us_2'], '{:.0f}'):>9} "
                  f"{x['backend'] or '-':>7}")
+    phases = x.get("wt_measure_phases")
+    if phases:
+      lines.append("  wt first use's measuring: " + ", ".join(
+          f"{k.replace('_', ' ')} {v:.2f} s" for k, v in phases.items()))
     lines += [f"  failed: {e}" for e in x["errors"]]
   return "\n".join(lines)
 

@@ -253,6 +253,17 @@ def test_stats_delta():
                          {"measured": 3, "seconds": 2.0, "reused": 1, "what": "y"}) == {
                              "measured": 2, "seconds": 1.5, "reused": 1, "what": None}
   assert fuc.stats_delta(None, {"measured": 1}) is None
+  # Refinement's seconds by measuring phase, per phase (new phases from 0).
+  assert fuc.stats_delta({"phases": {"compile": 1.0}},
+                         {"phases": {"compile": 3.5, "check_and_time": 2.0}}) == {
+                             "phases": {"compile": 2.5, "check_and_time": 2.0}}
+  row = dict(family="ragged_dot", problem=dict(m=24, g=4, k=32, n=64), wt_first_s=9.2,
+             wt_measure_s=7.6, wt_measure_phases={"compile": 5.0, "check_and_time": 2.5},
+             xla_first_s=2.4, wt_second_s=0.25, xla_second_s=0.14, measured_2=0,
+             select_us_2=226.0, backend="mosaic", errors=[])
+  table = fuc.format_table([row])
+  assert "wt first use's measuring: compile 5.00 s, check and time 2.50 s" in table
+  assert "measuring" not in fuc.format_table([dict(row, wt_measure_phases=None)]).split("\n")[-1]
 
 
 def test_kernel_cache_loads_mosaic_kernels_in_a_second_process_on_record():
