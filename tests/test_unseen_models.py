@@ -462,7 +462,13 @@ def test_report_of_the_v3_quantized_runs(capsys):
        ("qragged_dot: wt vs base 24.807x geomean, min 7.033x, 0 of 8 below 0.97x",)),
       ("qmatmul", "unseen_v3_auto_qmatmul_int4_h200.json",
        ("qmatmul: wt vs base 2.901x geomean, min 0.977x, 0 of 26 below 0.97x",
-        "qmatmul: wt_tables vs base 2.896x geomean, min 0.992x, 0 of 26 below 0.97x"))):
+        "qmatmul: wt_tables vs base 2.896x geomean, min 0.992x, 0 of 26 below 0.97x")),
+      # W8A8-FP8 at 7,000 rows after XLA's FP8 dot was left untimed where a
+      # trusted candidate stands in for it (25.8 and 28.7 s before).
+      ("qmatmul", "unseen_v3_auto_qmatmul_w8a8_standin_h200.json",
+       ("qmatmul: wt vs base 1.283x geomean, min 1.190x, 0 of 5 below 0.97x",
+        "first use of wt (trace, compile, first call): median 5.65 s, max 6.50 s over 5 "
+        "problems"))):
     assert _mod().main(["--families", fam, "--report", str(probes / name)]) == 0
     out = capsys.readouterr().out
     for line in lines:
