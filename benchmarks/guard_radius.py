@@ -45,6 +45,29 @@ def _geo(xs):
   return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
+def _without_micro_variants(candidates):
+  """``refine.candidates`` less the wave model's and the neighbours' configs
+  whose backend and macro fields (tile, split) an earlier candidate has."""
+  def wrapped(spec, problem, hw, decider, base, *, k=None):
+    k = refine_top_k() if k is None else k
+    out = candidates(spec, problem, hw, decider, base, k=k)
+    fixed = set(candidates(spec, problem, hw, decider, base, k=0))
+    keep, seen = [], set()
+    for c in out:
+      b = spec.backend_of(c)
+      macro = (b.name,) + tuple(getattr(c, f, None) for f in b.macro_fields)
+      if c in fixed or macro not in seen:
+        keep.append(c)
+        seen.add(macro)
+    return keep
+  return wrapped
+
+
+def refine_top_k() -> int:
+  from wavetune_jax.runtime import refine
+  return refine.TOP_K
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -54,9 +77,16 @@ def main(argv=None) -> int:
   ap.add_argument("--top-k", type=int, default=None,
                   help="the wave model's candidates refinement measures (default: the "
                        "library's)")
+  ap.add_argument("--drop-stage-variants", action="store_true",
+                  help="replay refinement without the model's candidates that differ from an "
+                       "earlier candidate only in micro fields (stages, order): each is one "
+                       "more kernel to compile at first use")
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
   fams = a.families.split(",")
+  if a.drop_stage_variants:
+    from wavetune_jax.runtime import refine
+    refine.candidates = _without_micro_variants(refine.candidates)
   per_rule = collections.defaultdict(lambda: collections.defaultdict(list))
   none = collections.defaultdict(list)
   recall = collections.defaultdict(list)
@@ -119,8 +149,9 @@ def main(argv=None) -> int:
           f"({mine.weight_radius}, {mine.size_radius}, {mine.win}): "
           + (f"safe, geomean {mine_t[0]:.3f}, min {mine_t[1]:.3f}" if mine_t else
              "NOT safe or not in the grid"))
+  k = a.top_k if a.top_k is not None else "each family's (refine.top_k)"
   print("\nrecall@k of the wave model (min over seeds) and refinement replayed (k="
-        f"{evaluate.WaveTunePolicy(top_k=a.top_k).top_k}, each family's rule; budget "
+        f"{k}, each family's rule; budget "
         f"{a.budget_fraction:g} of the training sweep):")
   print(f"{'sweep':<36}" + "".join(f"{'r@' + str(k):>7}" for k in evaluate.RECALL_K)
         + f"{'eff':>7}{'vs plat':>8}{'min':>7}{'<0.97':>6}{'cands':>6}")

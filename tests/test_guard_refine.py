@@ -710,3 +710,47 @@ def test_trust_stays_within_what_was_measured():
   assert not trusted(window_left=63)
   assert not trusted(kv_heads=32)
   assert not trusted(dtype="float16")
+
+
+def test_the_grouped_gemm_measures_the_models_top_two_at_first_use(capsys):
+  """Mosaic kernels compile one at a time, so the grouped GEMM's first use
+  measures the wave model's top 2 (``Family.refine_top_k``), the other
+  families the default 3; the replay (``benchmarks/guard_radius.py``) uses
+  the family's k, and its ``--drop-stage-variants`` leaves out the model's
+  configs that differ from an earlier candidate only in micro fields."""
+  assert refine.top_k(RAGGED_DOT) == 2
+  assert refine.top_k(MATMUL) == refine.top_k(DECODE) == refine.TOP_K == 3
+  asked = []
+
+  class Decider:
+    table = type("T", (), {"exact": {}, "entries": {}})()
+
+    def ranked(self, problem, k):
+      asked.append(k)
+      return []
+
+  p = RaggedDotProblem(m=2200, g=8, k=4096, n=28672)
+  refine.candidates(RAGGED_DOT, p, H100, Decider(), None)
+  refine.candidates(RAGGED_DOT, p, H100, Decider(), None, k=5)
+  assert asked == [2, 5]
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "guard_radius", os.path.join(ROOT, "benchmarks", "guard_radius.py"))
+  gr = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(gr)
+  cands = {}
+  original = refine.candidates
+  try:
+    for extra in ([], ["--top-k", "3"], ["--top-k", "3", "--drop-stage-variants"]):
+      assert gr.main(["--families", "ragged_dot", "--seeds", "0", *extra]) == 0
+      out = capsys.readouterr().out
+      rows = [ln.split() for ln in out.splitlines() if ln.startswith("nvidia_")
+              and ln.split()[1] == "ragged_dot"]
+      assert len(rows) == 2, out   # H100 and H200
+      assert all(r[-2] == "0" for r in rows)   # none below 0.97x the platform op
+      cands[" ".join(extra)] = [float(r[-1]) for r in rows]
+      refine.candidates = original
+  finally:
+    refine.candidates = original
+  k2, k3, drop = cands[""], cands["--top-k 3"], cands["--top-k 3 --drop-stage-variants"]
+  assert all(a < b for a, b in zip(k2, k3)) and all(a < b for a, b in zip(drop, k3))

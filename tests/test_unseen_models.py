@@ -468,6 +468,16 @@ def test_report_of_the_v3_quantized_runs(capsys):
       ("qmatmul", "unseen_v3_auto_qmatmul_w8a8_standin_h200.json",
        ("qmatmul: wt vs base 1.283x geomean, min 1.190x, 0 of 5 below 0.97x",
         "first use of wt (trace, compile, first call): median 5.65 s, max 6.50 s over 5 "
+        "problems")),
+      ("qmatmul", "unseen_v3_auto_qmatmul_int8_m5_h200.json",
+       ("qmatmul: wt vs base 1.011x geomean, min 0.977x, 0 of 64 below 0.97x",
+        "qmatmul: wt_tables vs base 1.002x geomean, min 0.957x, 1 of 64 below 0.97x")),
+      ("qmatmul", "unseen_v3_auto_qmatmul_w8a8_m5_h200.json",
+       ("qmatmul: wt vs base 1.104x geomean, min 0.976x, 0 of 32 below 0.97x",
+        "qmatmul: wt_tables vs base 1.003x geomean, min 0.970x, 1 of 32 below 0.97x")),
+      ("qmatmul", "unseen_v3_auto_qmatmul_w8a8_m450_h200.json",
+       ("qmatmul: wt vs base 1.000x geomean, min 0.977x, 0 of 16 below 0.97x",
+        "first use of wt (trace, compile, first call): median 3.23 s, max 16.18 s over 16 "
         "problems"))):
     assert _mod().main(["--families", fam, "--report", str(probes / name)]) == 0
     out = capsys.readouterr().out

@@ -305,6 +305,10 @@ class Family(abc.ABC):
   #: heuristic's config only when it predicts a gain larger than this, with a
   #: trusted prediction for the heuristic's config too.
   heuristic_margin: ClassVar[float | None] = None
+  #: The wave model's candidates first-use refinement measures at a new
+  #: problem (``None``: :data:`wavetune_jax.runtime.refine.TOP_K`); fewer
+  #: where each costs a kernel compile that does not overlap the others.
+  refine_top_k: ClassVar[int | None] = None
   #: What :meth:`baseline` runs, for tables and reports.
   baseline_name: ClassVar[str] = "XLA"
   #: Files recorded before configs named their backend: a config dict without

@@ -12,7 +12,9 @@ length and routing mixes their sweeps use):
 * the table's answer after the guard, the exact entry, the heuristic's config;
 * the own rule's config of each kernel backend the table holds no model of
   (a backend newer than the table);
-* the wave model's top :data:`TOP_K` configs (:meth:`Decider.ranked`).
+* the wave model's top :data:`TOP_K` configs (:meth:`Decider.ranked`;
+  :attr:`Family.refine_top_k` where the family sets it: the grouped GEMM's
+  2, :func:`top_k`).
 
 The platform config is left untimed where the family trusts every other
 candidate over it without evidence, or, where the platform op is XLA's, one
@@ -68,7 +70,7 @@ from wavetune_jax.core.family import Family
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.runtime import guard
 
-__all__ = ["TOP_K", "ITERATIONS", "MARGIN", "candidates", "pick", "choose", "dominating",
+__all__ = ["TOP_K", "top_k", "ITERATIONS", "MARGIN", "candidates", "pick", "choose", "dominating",
            "Store", "stats", "measure_candidates"]
 
 #: The wave model's candidates measured at first use (with the platform
@@ -105,9 +107,19 @@ def stats() -> dict:
   return {**_stats, "phases": dict(_stats["phases"])}
 
 
+def top_k(spec: Family) -> int:
+  """The wave model's candidates refinement measures for ``spec``'s problems
+  (:attr:`Family.refine_top_k`, else :data:`TOP_K`)."""
+  k = getattr(spec, "refine_top_k", None)
+  return TOP_K if k is None else k
+
+
 def candidates(spec: Family, problem, hw: Hardware, decider, base, *,
-               k: int = TOP_K) -> list:
-  """The configs refinement measures, platform config first (see module doc)."""
+               k: int | None = None) -> list:
+  """The configs refinement measures, platform config first (see module
+  doc; ``k``: the wave model's, default :func:`top_k`)."""
+  if k is None:
+    k = top_k(spec)
   out = []
   plat = spec.platform_config(problem, hw)
   if plat is not None:

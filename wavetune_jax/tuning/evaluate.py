@@ -345,6 +345,7 @@ class WaveTunePolicy(Policy):
                top_k: int | None = None):
     from wavetune_jax.runtime import refine
     self.guard = guard  # "default": the family's rule
+    self._top_k = top_k   # None: the family's (refine.top_k), known at fit
     self.top_k = refine.TOP_K if top_k is None else top_k
     self.heuristic_margin = heuristic_margin
     self.form = form
@@ -355,7 +356,9 @@ class WaveTunePolicy(Policy):
   def fit(self, ds, train, budget, rng):
     from wavetune_jax.runtime import selector
     from wavetune_jax.tuning import tuner as tuning
+    from wavetune_jax.runtime import refine
     self.spec, self.hw = ds.family, ds.hw
+    self.top_k = refine.top_k(ds.family) if self._top_k is None else self._top_k
     res = tuning.tune(ds.family, ds.hw, train, tuning.ReplayMeasurer(ds, train),
                       budget=budget, seed=rng.randrange(1 << 30), form=self.form,
                       distance_penalty=self.distance_penalty, trust=self.trust,
