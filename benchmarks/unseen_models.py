@@ -498,11 +498,21 @@ def resume(path: str, device_kind: str, model_set: str, policy: str) -> dict:
   return {**out, "set": model_set, "policy": policy}
 
 
+def _selected(row: dict):
+  """The config of ``row`` that today's selection, made without measuring,
+  can be compared with: a refined row's tables answer, else its config."""
+  if row.get("source") == "measured" and row.get("tables_config") is not None:
+    return row["tables_config"]
+  return row["config"]
+
+
 def report(paths, families, models: str) -> int:
   """Prints, per problem of the selected families and models (of either
   set), the last row of ``paths`` that ran the config the selector picks
   today under the files' policy (else its last row, marked ``older
-  selection``), and the per-family summary."""
+  selection``), and the per-family summary. A row first-use refinement
+  decided (source ``measured``) is compared by the tables' answer it
+  recorded: what a selection without a GPU can tell."""
   found: dict = {}
   kinds, policies = set(), set()
   for path in paths:
@@ -543,7 +553,7 @@ def report(paths, families, models: str) -> int:
       p = plan.get(key)
       today = (wt.get_family(key[0]).config_to_dict(wt.select(key[0], p, hw).config)
                if p is not None else None)
-      now = [r for r in rs if r["config"] == today]
+      now = [r for r in rs if _selected(r) == today]
       keep.append(now[-1] if now else rs[-1])
       if not now:
         older.append(key[1])

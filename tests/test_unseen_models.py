@@ -493,3 +493,17 @@ def test_report_of_the_v3_quantized_runs(capsys):
     out = capsys.readouterr().out
     for line in lines:
       assert line in out, line
+
+
+def test_a_refined_row_is_compared_by_its_tables_answer(capsys):
+  """A row first-use refinement decided ran a config a selection without a
+  GPU cannot reproduce; ``--report`` compares its recorded tables answer
+  instead, so refined rows are not all marked "older selection"."""
+  um = _mod()
+  assert um._selected({"source": "measured", "config": {"backend": "mosaic"},
+                       "tables_config": {"backend": "xla"}}) == {"backend": "xla"}
+  assert um._selected({"source": "tables", "config": {"backend": "xla"},
+                       "tables_config": {"backend": "mosaic"}}) == {"backend": "xla"}
+  path = ROOT / "data" / "probes" / "unseen_v3_auto_qmatmul_w8a8_m5_h200.json"
+  assert um.main(["--families", "qmatmul", "--report", str(path)]) == 0
+  assert "32 problems, 0 measured with an older selection" in capsys.readouterr().out
