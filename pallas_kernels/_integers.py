@@ -6,9 +6,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["INT32_MAX", "clipped_int32"]
+__all__ = ["INT32_MAX", "clipped_int32", "shape_and_dtype"]
 
 INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+def shape_and_dtype(x, *, name: str) -> tuple[tuple[int, ...], np.dtype]:
+  """``(shape, dtype)`` of an integer argument as given (a JAX or NumPy
+  array, a sequence), without converting it (JAX would narrow NumPy's 64-bit
+  integers to 32 bits).
+
+  Raises:
+    ValueError: ``x`` is not array-like (None, a dict, a string, a ragged
+      nested sequence); the message names the argument ``name``.
+  """
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    return tuple(x.shape), np.dtype(x.dtype)
+  try:
+    if x is None or isinstance(x, (str, bytes, dict, set)):
+      raise TypeError(f"a {type(x).__name__} is not an array")
+    try:
+      a = np.asarray(x)
+    except ValueError:
+      raise TypeError("a ragged nested sequence") from None
+    if a.dtype == object:
+      raise TypeError("not a rectangular array of numbers")
+  except TypeError as e:
+    raise ValueError(f"{name} must be an integer array; got {type(x).__name__} {x!r:.60} "
+                     f"({e})") from None
+  return a.shape, a.dtype
 
 
 def clipped_int32(x, hi: int, *, name: str, clip_narrow: bool = True) -> jax.Array:

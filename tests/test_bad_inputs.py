@@ -1591,3 +1591,100 @@ def test_cli_errors_are_one_line_naming_the_problem(case, capsys, tmp_path, tabl
   assert match in err[-1], err[-1]
   assert err[-1].startswith("wavetune") or err[-1].startswith("usage"), err[-1]
   assert not os.path.exists(files["out"])
+
+
+# === found by an audit of the public API ==========================================================
+
+
+@pytest.mark.parametrize("case", ["x", "sizes", "experts", "scales", "w8a8"])
+def test_vmap_of_quantized_ragged_dot(case):
+  """``jax.vmap`` folds the batch into one grouped GEMM, as ``wt.ragged_dot``
+  does (``lax.ragged_dot`` has no rule for batched group sizes): each batch
+  element equals the unbatched op."""
+  key = jax.random.PRNGKey(3)
+  x = jax.random.normal(key, (2, 20, 64), F32)
+  web = jax.random.normal(jax.random.PRNGKey(4), (2, 3, 64, 32), F32)
+  qs = [wt.quantize_weight(web[i], "int8") for i in range(2)]
+  qb, sb = jnp.stack([a for a, _ in qs]), jnp.stack([b for _, b in qs])
+  gsb = jnp.array([[5, 0, 12], [1, 19, 0]])
+  xb = x.astype(jnp.bfloat16)
+  op, args, axes = wt.quantized_ragged_dot, (xb, qb[0], sb[0], gsb[0]), (0, None, None, None)
+  if case == "sizes":
+    args, axes = (xb, qb[0], sb[0], gsb), (0, None, None, 0)
+  elif case == "experts":
+    args, axes = (xb, qb, sb, gsb), (0, 0, 0, 0)
+  elif case == "scales":
+    args, axes = (xb[0], qb[0], sb, gsb[0]), (None, None, 0, None)
+  elif case == "w8a8":
+    rows = [wt.quantize_rows(x[i]) for i in range(2)]
+    q8, s8 = wt.quantize_weight(web[0], "float8_e4m3fn")
+    op = lambda a, b, c, d, e: wt.quantized_ragged_dot(a, b, c, d, x_scales=e)
+    args = (jnp.stack([a for a, _ in rows]), q8, s8, gsb, jnp.stack([b for _, b in rows]))
+    axes = (0, None, None, 0, 0)
+  out = jax.jit(jax.vmap(op, in_axes=axes))(*args)
+  each = [op(*(a if ax is None else a[i] for a, ax in zip(args, axes))) for i in range(2)]
+  assert out.shape == (2, 20, 32)
+  np.testing.assert_array_equal(_f32(out), _f32(jnp.stack(each)))
+
+
+def test_vmap_over_an_empty_batch_of_grouped_gemms():
+  rhs = jnp.ones((3, 32, 16), jnp.bfloat16)
+  out = jax.vmap(wt.ragged_dot, in_axes=(0, None, None))(
+      jnp.zeros((0, 8, 32), jnp.bfloat16), rhs, jnp.array([3, 0, 5]))
+  assert out.shape == (0, 8, 16)
+  out = jax.vmap(wt.ragged_dot, in_axes=(None, None, 0))(
+      jnp.zeros((8, 32), jnp.bfloat16), rhs, jnp.zeros((0, 3), jnp.int32))
+  assert out.shape == (0, 8, 16)
+  q, s = wt.quantize_weight(jnp.ones((3, 64, 32)), "int8")
+  out = jax.vmap(wt.quantized_ragged_dot, in_axes=(0, None, None, None))(
+      jnp.zeros((0, 20, 64), jnp.bfloat16), q, s, jnp.array([5, 0, 12]))
+  assert out.shape == (0, 20, 32)
+
+
+@pytest.mark.parametrize("bad,why", [([[1], [2, 3]], "a ragged nested sequence"),
+                                     (None, "a NoneType is not an array"),
+                                     ({"a": 1}, "a dict is not an array")])
+def test_sizes_and_lengths_that_are_not_arrays(bad, why):
+  x = jnp.ones((8, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=f"group_sizes must be an integer array; got .*{why}"):
+    wt.ragged_dot(x, jnp.ones((3, 64, 32), jnp.bfloat16), bad)
+  q, s = wt.quantize_weight(jnp.ones((3, 64, 32)), "int8")
+  with pytest.raises(ValueError, match=f"group_sizes must be an integer array; got .*{why}"):
+    wt.quantized_ragged_dot(x, q, s, bad)
+  if bad is not None:   # (kv_lengths=None: no lengths)
+    a = jnp.ones((2, 8, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"kv_lengths must be an integer array; got .*{why}"):
+      wt.attention(a, a, a, kv_lengths=bad)
+
+
+def test_float16_windowed_attention_and_decode_on_a_cpu():
+  """XLA's CPU dot rejects float16 operands with a float32 result inside a
+  jit: XLA's masked attention (a window) computes float32 there."""
+  q = jax.random.normal(jax.random.PRNGKey(0), (1, 16, 2, 64), jnp.float16)
+  k = jax.random.normal(jax.random.PRNGKey(1), (1, 16, 2, 64), jnp.float16)
+  ref = jax.nn.dot_product_attention(*(_f32(a) for a in (q, k, k)), is_causal=True,
+                                     local_window_size=(4, 0))
+  for config in (None, {"backend": "xla"}):
+    out = jax.jit(lambda a, b: wt.attention(a, b, b, local_window_size=(4, 0),
+                                            config=config))(q, k)
+    assert out.dtype == jnp.float16
+    np.testing.assert_allclose(_f32(out), ref, atol=2e-3)
+  cache = jax.random.normal(jax.random.PRNGKey(2), (2, 32, 2, 64), jnp.float16)
+  q1 = jax.random.normal(jax.random.PRNGKey(3), (2, 1, 2, 64), jnp.float16)
+  out = wt.decode_attention(q1, cache, cache, local_window_size=(4, 0))
+  ref = jax.nn.dot_product_attention(_f32(q1), _f32(cache[:, 27:]), _f32(cache[:, 27:]))
+  np.testing.assert_allclose(_f32(out), ref, atol=2e-3)
+
+
+def test_autotune_flags_must_be_booleans():
+  for kw in ({"report": "yes"}, {"masks": 1}):
+    with pytest.raises(TypeError, match="must be True or False"):
+      wt.autotune(lambda x: x, **kw)
+
+
+def test_python_dash_m_runs_the_command():
+  for mod in ("wavetune_jax", "wavetune_jax.cli"):
+    r = subprocess.run([sys.executable, "-m", mod, "select", "--bogus"], capture_output=True,
+                       text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 2 and "wavetune select: error:" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr

@@ -99,6 +99,9 @@ def autotune(fn=None, *, report: bool = False, masks: bool = False):
     The transformed function. Its ``sites`` attribute holds the calls of its
     last trace (a list of :class:`Site`; ``print`` it for the table).
   """
+  for name, flag in (("report", report), ("masks", masks)):
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(f"wt.autotune: {name} must be True or False; got {flag!r}")
   if fn is None:
     return functools.partial(autotune, report=report, masks=masks)
   if not callable(fn):

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._integers import clipped_int32
+from pallas_kernels._integers import clipped_int32, shape_and_dtype
 
 __all__ = ["SUPPORTED_DTYPES", "MAX_HEAD_DIM", "ALIGNS", "check_qkv", "check_call",
            "check_lengths", "check_align"]
@@ -105,7 +105,7 @@ def check_lengths(kv_lengths, batch: int, kv_len: int):
   """
   if kv_lengths is None:
     return None
-  shape = np.shape(kv_lengths)
+  shape, _ = shape_and_dtype(kv_lengths, name="kv_lengths")
   if shape != (batch,):
     raise ValueError(f"kv_lengths must have shape [batch] = ({batch},); got {shape}")
   return clipped_int32(kv_lengths, kv_len, name="kv_lengths", clip_narrow=False)

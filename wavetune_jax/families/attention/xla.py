@@ -98,6 +98,13 @@ def masked_attention(problem: AttentionProblem, q, k, v, kv_lengths=None, sinks=
   v = jnp.where(seen, v, jnp.zeros((), v.dtype))
   if problem.soft_cap or sinks is not None:
     out = _capped_attention(q, k, v, ok, sinks, scale=scale, cap=problem.soft_cap)
+  elif q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+    # XLA's CPU dot rejects float16 operands with a float32 result, which
+    # JAX's masked attention asks for under a jit: float32 there (a CPU
+    # computes float16 products in float32 anyway).
+    f32 = lambda a: a.astype(jnp.float32)
+    out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), scale=scale, mask=ok[:, None],
+                                       implementation="xla").astype(q.dtype)
   else:
     out = jax.nn.dot_product_attention(q, k, v, scale=scale, mask=ok[:, None],
                                        implementation="xla")

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._integers import shape_and_dtype
 from pallas_kernels.ragged_dot.worklist import clip_sizes
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
@@ -17,7 +18,7 @@ from wavetune_jax.families.qmatmul.family import check_activation_scales
 from wavetune_jax.families.qragged_dot.problem import (DTYPES, W_LAYOUTS, WEIGHT_DTYPES,
                                                        QRaggedDotProblem)
 from wavetune_jax.families.ragged_dot import routing
-from wavetune_jax.families.ragged_dot.family import expert_weights
+from wavetune_jax.families.ragged_dot.family import expert_weights, fold_batch
 
 __all__ = ["QRaggedDotFamily"]
 
@@ -57,9 +58,7 @@ class QRaggedDotFamily(Family):
       raise ValueError(f"w_layout={w_layout!r} must be one of {W_LAYOUTS} (w as [G, K, N] "
                        f"or [G, N, K])")
     x, w, scales = operand("x", x), operand("w", w), operand("scales", scales)
-    gs_shape = np.shape(group_sizes)
-    gs_dtype = (group_sizes.dtype if hasattr(group_sizes, "dtype")
-                else np.asarray(group_sizes).dtype)
+    gs_shape, gs_dtype = shape_and_dtype(group_sizes, name="group_sizes")
     if x.ndim != 2:
       raise ValueError(f"x must have rank 2 ([M, K]); got x.shape={x.shape}")
     if w.ndim != 3:
@@ -98,6 +97,17 @@ class QRaggedDotFamily(Family):
       return Call(problem, arrays + (x_scales.astype(jnp.float32),), {},
                   ("scales", "group_sizes", "x_scales"))
     return Call(problem, arrays, {}, ("scales", "group_sizes"))
+
+  def batched_call(self, axis_size: int, in_batched, arrays, op):
+    """``jax.vmap`` of the op (``lax.ragged_dot`` has no rule for batched
+    group sizes): as the grouped GEMM's
+    (:func:`wavetune_jax.families.ragged_dot.family.fold_batch`), the
+    activations' row scales going with their rows and the weights' channel
+    scales with their experts."""
+    x, w, scales, sizes, *x_scales = arrays
+    xb, wb, sb, gb, *xsb = in_batched
+    return fold_batch(axis_size, (x, *x_scales), (xb, *xsb), sizes, gb, (w, scales), (wb, sb),
+                      lambda rows, experts, flat: op(rows[0], *experts, flat, *rows[1:]))
 
   def partition_rule(self, problem: QRaggedDotProblem):
     """N (the experts' columns) and K split, K partials summed (a channel's

@@ -11,6 +11,7 @@ import numpy as np
 
 from pallas_kernels.ragged_dot.reference import ragged_dot_reference
 from pallas_kernels.ragged_dot import worklist
+from pallas_kernels._integers import shape_and_dtype
 from pallas_kernels.ragged_dot.worklist import clip_sizes
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
@@ -43,6 +44,38 @@ def batched_reference(p: RaggedDotProblem, rows: int | None = None,
     return jnp.einsum("gmk,gkn->gmn", x, w, preferred_element_type=out)
   return batched, (jax.ShapeDtypeStruct((experts, per, p.k), dt),
                    jax.ShapeDtypeStruct((experts, p.k, p.n), dt))
+
+
+def fold_batch(axis_size: int, rows: tuple, rows_b: tuple, sizes, sizes_b: bool,
+               experts: tuple, experts_b: tuple, run):
+  """``jax.vmap`` of a grouped GEMM as one of ``B * M`` rows (the grouped
+  GEMM families' ``batched_call``): ``rows`` are per-row arrays (``[M, ...]``:
+  the activations, their scales), ``experts`` per-expert ones (``[G, ...]``:
+  the weights, their scales), each with the batch axis first where its flag
+  says. With no batched expert array the rows are ordered by group (one set
+  of experts), else by batch and group (the experts flattened to ``B * G``),
+  with a gather before and after
+  (:func:`~pallas_kernels.ragged_dot.worklist.batch_rows`). ``run(rows,
+  experts, sizes)`` computes the one GEMM, ``[B * M, N]``.
+
+  Returns:
+    ``[B, M, N]``.
+  """
+  lead = lambda a, b: a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+  rows = [lead(r, b) for r, b in zip(rows, rows_b)]
+  m = rows[0].shape[1]
+  sizes = lead(sizes, sizes_b)
+  shared = not any(experts_b)
+  if not shared:
+    experts = [lead(e, b) for e, b in zip(experts, experts_b)]
+    experts = [e.reshape((-1,) + e.shape[2:]) for e in experts]
+  dest, flat = worklist.batch_rows(sizes, m, shared_groups=shared)
+  dest = dest.reshape(-1)
+  src = jnp.zeros_like(dest).at[dest].set(jnp.arange(dest.shape[0], dtype=dest.dtype),
+                                          unique_indices=True)
+  y = run([r.reshape((-1,) + r.shape[2:])[src] for r in rows], list(experts), flat)
+  # (the last dimension named: a batch of none has no -1 to infer)
+  return y[dest].reshape(axis_size, m, y.shape[-1])
 
 
 class RaggedDotFamily(Family):
@@ -158,9 +191,7 @@ class RaggedDotFamily(Family):
     lhs, rhs = operand("lhs", lhs), operand("rhs", rhs)
     # group_sizes stays as given (NumPy's 64-bit integers included) until
     # clip_sizes clips it: jnp.asarray would wrap them to 32 bits.
-    gs_shape = np.shape(group_sizes)
-    gs_dtype = (group_sizes.dtype if hasattr(group_sizes, "dtype")
-                else np.asarray(group_sizes).dtype)
+    gs_shape, gs_dtype = shape_and_dtype(group_sizes, name="group_sizes")
     if lhs.ndim != 2:
       raise ValueError(f"lhs must have rank 2 ([M, K]); got lhs.shape={lhs.shape}")
     if rhs.ndim != 3:
@@ -200,17 +231,8 @@ class RaggedDotFamily(Family):
     """
     lhs, rhs, sizes = arrays
     lhs_b, rhs_b, sizes_b = in_batched
-    m, k = lhs.shape[-2:]
-    lhs = lhs if lhs_b else jnp.broadcast_to(lhs, (axis_size, m, k))
-    sizes = sizes if sizes_b else jnp.broadcast_to(sizes, (axis_size,) + sizes.shape)
-    dest, flat = worklist.batch_rows(sizes, m, shared_groups=not rhs_b)
-    dest = dest.reshape(-1)
-    src = jnp.zeros_like(dest).at[dest].set(jnp.arange(dest.shape[0], dtype=dest.dtype),
-                                            unique_indices=True)
-    if rhs_b:
-      rhs = rhs.reshape((-1,) + rhs.shape[2:])
-    y = op(lhs.reshape(-1, k)[src], rhs, flat)
-    return y[dest].reshape(axis_size, m, -1)
+    return fold_batch(axis_size, (lhs,), (lhs_b,), sizes, sizes_b, (rhs,), (rhs_b,),
+                      lambda rows, experts, flat: op(rows[0], experts[0], flat))
 
   def partition_rule(self, problem):
     """N (the experts' columns) and K split, K partials summed in float32;

@@ -1,0 +1,7 @@
+"""``python -m wavetune_jax.cli``: the ``wavetune`` command."""
+
+import sys
+
+from wavetune_jax.cli import main
+
+sys.exit(main())
