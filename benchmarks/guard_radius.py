@@ -48,8 +48,10 @@ def _geo(xs):
 def _without_micro_variants(candidates):
   """``refine.candidates`` less the wave model's and the neighbours' configs
   whose backend and macro fields (tile, split) an earlier candidate has."""
+  from wavetune_jax.runtime import refine
+
   def wrapped(spec, problem, hw, decider, base, *, k=None):
-    k = refine_top_k() if k is None else k
+    k = refine.top_k(spec) if k is None else k
     out = candidates(spec, problem, hw, decider, base, k=k)
     fixed = set(candidates(spec, problem, hw, decider, base, k=0))
     keep, seen = [], set()
@@ -61,11 +63,6 @@ def _without_micro_variants(candidates):
         seen.add(macro)
     return keep
   return wrapped
-
-
-def refine_top_k() -> int:
-  from wavetune_jax.runtime import refine
-  return refine.TOP_K
 
 
 def main(argv=None) -> int:

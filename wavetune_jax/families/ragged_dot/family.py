@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._integers import shape_and_dtype
 from pallas_kernels.ragged_dot.reference import ragged_dot_reference
 from pallas_kernels.ragged_dot import worklist
-from pallas_kernels._integers import shape_and_dtype
 from pallas_kernels.ragged_dot.worklist import clip_sizes
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
