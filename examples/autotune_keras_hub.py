@@ -4,8 +4,10 @@ transformed, logits compared, and on a GPU both timed (CUPTI).
 
 The models are built from Keras-Hub's own backbone classes with public
 configs and random weights (nothing is downloaded), with ``--layers`` of
-their layers. Needs ``pip install "wavetune-jax[clients]"`` (keras,
-keras-hub) and ``KERAS_BACKEND=jax`` (set here if unset).
+their layers. Needs ``pip install "wavetune-jax[clients]"`` (keras and
+the rest) and then ``pip install --no-deps keras-hub`` (its own
+dependencies pull in TensorFlow), and ``KERAS_BACKEND=jax`` (set here if
+unset).
 
     python3 examples/autotune_keras_hub.py --models llama3_8b,mixtral_8x7b --layers 4
     python3 examples/autotune_keras_hub.py --tiny                 # CPU: tiny configs
@@ -117,7 +119,8 @@ def main(argv=None) -> int:
   try:
     import keras_hub  # noqa: F401
   except ImportError:
-    print("needs keras and keras-hub: pip install 'wavetune-jax[clients]'", file=sys.stderr)
+    print("needs keras and keras-hub: pip install 'wavetune-jax[clients]' && "
+          "pip install --no-deps keras-hub", file=sys.stderr)
     return 2
   table = TINY if a.tiny else MODELS
   names = list(TINY) if a.tiny else a.models.split(",")

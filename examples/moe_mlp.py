@@ -4,7 +4,8 @@ router top-k -> sort the (token, expert) pairs by expert -> w13 (fused
 gate/up) -> SiLU(gate) * up -> w2 -> unsort -> weighted sum over the k
 experts of each token. The two expert GEMMs are the only difference between
 the two versions. On a GPU the script times both (CUPTI, whole jitted layer);
-on a CPU it runs a small layer and checks that the two agree.
+with ``--small`` (for a CPU) it runs a tiny layer and checks that the two
+agree (without it a CPU runs the full-sized layer, slowly).
 
     python3 examples/moe_mlp.py [--model mixtral_8x7b] [--tokens 1024 8192]
     python3 examples/moe_mlp.py --small          # CPU: tiny layer, both versions

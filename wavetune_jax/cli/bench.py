@@ -36,7 +36,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
       "times and checks only (small models).")
   m.add_argument("--model", choices=sorted(MODELS), default="llama3_8b",
                  help="decoder shapes (default: llama3_8b; llama3_2_1b, qwen2_5_1_5b and "
-                 "gemma_2_2b are outside the training suites; small, small_moe run on a CPU)")
+                 "gemma_2_2b are outside the training suites; small, small_moe, small_local run on a CPU)")
   m.add_argument("--layers", type=positive_int, default=None,
                  help="decoder layers (default: 4, or the model's for small models)")
   m.add_argument("--window", type=int, default=None, metavar="N",
