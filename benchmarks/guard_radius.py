@@ -81,9 +81,17 @@ def main(argv=None) -> int:
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
   fams = a.families.split(",")
+  from wavetune_jax.runtime import refine
+  original = refine.candidates
   if a.drop_stage_variants:
-    from wavetune_jax.runtime import refine
-    refine.candidates = _without_micro_variants(refine.candidates)
+    refine.candidates = _without_micro_variants(original)
+  try:
+    return _replay(a, fams)
+  finally:
+    refine.candidates = original
+
+
+def _replay(a, fams) -> int:
   per_rule = collections.defaultdict(lambda: collections.defaultdict(list))
   none = collections.defaultdict(list)
   recall = collections.defaultdict(list)

@@ -1651,15 +1651,18 @@ def test_sizes_and_lengths_that_are_not_arrays(bad, why):
   q, s = wt.quantize_weight(jnp.ones((3, 64, 32)), "int8")
   with pytest.raises(ValueError, match=f"group_sizes must be an integer array; got .*{why}"):
     wt.quantized_ragged_dot(x, q, s, bad)
-  if bad is not None:   # (kv_lengths=None: no lengths)
+  if bad is not None:   # (kv_lengths=None: no lengths; block_tables=None: no pages)
     a = jnp.ones((2, 8, 2, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match=f"kv_lengths must be an integer array; got .*{why}"):
       wt.attention(a, a, a, kv_lengths=bad)
+    pages = jnp.ones((4, 16, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"block_tables must be an integer array; got .*{why}"):
+      wt.decode_attention(a[:, :1], pages, pages, block_tables=bad)
 
 
 def test_float16_windowed_attention_and_decode_on_a_cpu():
   """XLA's CPU dot rejects float16 operands with a float32 result inside a
-  jit: XLA's masked attention (a window) computes float32 there."""
+  jit: XLA's attention (a window, or the xla backend) computes float32 there."""
   q = jax.random.normal(jax.random.PRNGKey(0), (1, 16, 2, 64), jnp.float16)
   k = jax.random.normal(jax.random.PRNGKey(1), (1, 16, 2, 64), jnp.float16)
   ref = jax.nn.dot_product_attention(*(_f32(a) for a in (q, k, k)), is_causal=True,
@@ -1674,10 +1677,21 @@ def test_float16_windowed_attention_and_decode_on_a_cpu():
   out = wt.decode_attention(q1, cache, cache, local_window_size=(4, 0))
   ref = jax.nn.dot_product_attention(_f32(q1), _f32(cache[:, 27:]), _f32(cache[:, 27:]))
   np.testing.assert_allclose(_f32(out), ref, atol=2e-3)
+  # XLA's backend without a window too: plain causal prefill, decode with lengths.
+  xla = {"backend": "xla"}
+  out = jax.jit(lambda a, b: wt.attention(a, b, b, config=xla))(q, k)
+  ref = jax.nn.dot_product_attention(*(_f32(a) for a in (q, k, k)), is_causal=True)
+  np.testing.assert_allclose(_f32(out), ref, atol=2e-3)
+  lens = jnp.array([5, 32])
+  out = jax.jit(lambda a, c: wt.decode_attention(a, c, c, kv_lengths=lens, config=xla))(q1, cache)
+  ref = jax.nn.dot_product_attention(_f32(q1), _f32(cache), _f32(cache),
+                                     key_value_seq_lengths=lens)
+  np.testing.assert_allclose(_f32(out), ref, atol=2e-3)
 
 
 def test_autotune_flags_must_be_booleans():
-  for kw in ({"report": "yes"}, {"masks": 1}):
+  wt.autotune(lambda x: x, report=1, masks=0)   # (0 and 1 pass, as flags often are)
+  for kw in ({"report": "yes"}, {"masks": 2}, {"report": None}):
     with pytest.raises(TypeError, match="must be True or False"):
       wt.autotune(lambda x: x, **kw)
 

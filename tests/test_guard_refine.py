@@ -749,7 +749,7 @@ def test_the_grouped_gemm_measures_the_models_top_two_at_first_use(capsys):
       assert len(rows) == 2, out   # H100 and H200
       assert all(r[-2] == "0" for r in rows)   # none below 0.97x the platform op
       cands[" ".join(extra)] = [float(r[-1]) for r in rows]
-      refine.candidates = original
+      assert refine.candidates is original   # (restored by the script)
   finally:
     refine.candidates = original
   k2, k3, drop = cands[""], cands["--top-k 3"], cands["--top-k 3 --drop-stage-variants"]

@@ -100,7 +100,7 @@ def autotune(fn=None, *, report: bool = False, masks: bool = False):
     last trace (a list of :class:`Site`; ``print`` it for the table).
   """
   for name, flag in (("report", report), ("masks", masks)):
-    if not isinstance(flag, (bool, np.bool_)):
+    if not (isinstance(flag, (bool, np.bool_)) or (isinstance(flag, int) and flag in (0, 1))):
       raise TypeError(f"wt.autotune: {name} must be True or False; got {flag!r}")
   if fn is None:
     return functools.partial(autotune, report=report, masks=masks)

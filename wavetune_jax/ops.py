@@ -135,6 +135,9 @@ def quantized_ragged_dot(x: jax.Array, w: jax.Array, scales: jax.Array, group_si
       ``w_layout="nk"``), a dict ``{"backend": name, **fields}``, or ``None``
       to let the selector choose.
 
+  ``jax.vmap`` over any of the arrays runs one grouped GEMM of
+  ``batch * M`` rows (rows and their scales reordered by group, and back).
+
   Returns:
     ``[M, N]`` array of ``out_dtype``.
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._integers import clipped_int32
+from pallas_kernels._integers import clipped_int32, shape_and_dtype
 from pallas_kernels.attention.common import check_call, check_lengths
 
 __all__ = ["check_pages", "check_block_tables", "table_int32", "clip_pages", "gather_pages",
@@ -58,13 +58,11 @@ def check_pages(q, k_pages, v_pages, block_tables) -> tuple[int, int, int]:
   if num_pages < 1 or page_size < 1:
     raise ValueError(f"the pages must hold at least one page of at least one row; got "
                      f"k.shape={k_pages.shape}")
-  shape = np.shape(block_tables)
+  shape, dtype = shape_and_dtype(block_tables, name="block_tables")
   batch = q.shape[0] if q.ndim >= 1 else None
   if len(shape) != 2 or shape[0] != batch:
     raise ValueError(f"block_tables must have shape [batch, max_pages] with batch={batch}; "
                      f"got block_tables.shape={shape}")
-  dtype = (block_tables.dtype if hasattr(block_tables, "dtype")
-           else np.asarray(block_tables).dtype)
   if dtype == np.bool_ or not jnp.issubdtype(dtype, jnp.integer):
     raise ValueError(f"block_tables must be integers; got block_tables.dtype={dtype}")
   return num_pages, page_size, shape[1]

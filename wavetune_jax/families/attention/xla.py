@@ -80,9 +80,20 @@ class XlaAttention(LibraryAttention):
     from wavetune_jax.families.attention.family import split_extra
     kv_lengths, sinks = split_extra(problem, extra)
     if kv_lengths is None and not problem.shifted and problem.plain:
-      return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=problem.causal,
-                                          implementation="xla")
+      return xla_attention(q, k, v, scale=scale, is_causal=problem.causal)
     return masked_attention(problem, q, k, v, kv_lengths, sinks, scale=scale)
+
+
+def xla_attention(q, k, v, **kw):
+  """``jax.nn.dot_product_attention(..., implementation="xla")``; on a CPU
+  (the process's default backend) float16 computes in float32: XLA's CPU
+  dot rejects float16 operands with a float32 result, which JAX's attention
+  asks for under a jit (a CPU computes float16 products in float32 anyway)."""
+  if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+    f32 = lambda a: a.astype(jnp.float32)
+    return jax.nn.dot_product_attention(f32(q), f32(k), f32(v), implementation="xla",
+                                        **kw).astype(q.dtype)
+  return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
 
 
 def masked_attention(problem: AttentionProblem, q, k, v, kv_lengths=None, sinks=None, *,
@@ -98,16 +109,8 @@ def masked_attention(problem: AttentionProblem, q, k, v, kv_lengths=None, sinks=
   v = jnp.where(seen, v, jnp.zeros((), v.dtype))
   if problem.soft_cap or sinks is not None:
     out = _capped_attention(q, k, v, ok, sinks, scale=scale, cap=problem.soft_cap)
-  elif q.dtype == jnp.float16 and jax.default_backend() == "cpu":
-    # XLA's CPU dot rejects float16 operands with a float32 result, which
-    # JAX's masked attention asks for under a jit: float32 there (a CPU
-    # computes float16 products in float32 anyway).
-    f32 = lambda a: a.astype(jnp.float32)
-    out = jax.nn.dot_product_attention(f32(q), f32(k), f32(v), scale=scale, mask=ok[:, None],
-                                       implementation="xla").astype(q.dtype)
   else:
-    out = jax.nn.dot_product_attention(q, k, v, scale=scale, mask=ok[:, None],
-                                       implementation="xla")
+    out = xla_attention(q, k, v, scale=scale, mask=ok[:, None])
   sees = jnp.any(ok, axis=2)[:, :, None, None]
   return jnp.where(sees, out, jnp.zeros((), out.dtype))
 

@@ -16,6 +16,7 @@ from pallas_kernels.decode import paging
 from wavetune_jax.core.family import Backend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.attention.cudnn import MIN_COMPUTE_CAPABILITY, _capability
+from wavetune_jax.families.attention.xla import masked_attention, xla_attention
 from wavetune_jax.families.decode.problem import DecodeProblem
 
 __all__ = ["XlaDecode", "XlaDecodeConfig", "CudnnDecode", "CudnnDecodeConfig",
@@ -76,7 +77,6 @@ def library_attention(p: DecodeProblem, implementation: str, q, k, v, kv_lengths
       return _cudnn_paged_attention(p, q, k, v, kv_lengths, block_tables, scale=scale)
     k, v = paging.gather_pages(k, block_tables), paging.gather_pages(v, block_tables)
   if not p.plain:
-    from wavetune_jax.families.attention.xla import masked_attention
     return masked_attention(as_attention(p), q, k, v, kv_lengths, sinks, scale=scale)
   if plain_mask(p):
     if kv_lengths is not None and implementation == "cudnn":
@@ -86,6 +86,8 @@ def library_attention(p: DecodeProblem, implementation: str, q, k, v, kv_lengths
     if safe and kv_lengths is not None:
       ok = jnp.arange(p.kv_len)[None, :] < kv_lengths[:, None]
       v = jnp.where(ok[:, :, None, None], v, jnp.zeros((), v.dtype))
+    if implementation == "xla":
+      return xla_attention(q, k, v, scale=scale, key_value_seq_lengths=kv_lengths)
     return jax.nn.dot_product_attention(q, k, v, scale=scale,
                                         key_value_seq_lengths=kv_lengths,
                                         implementation=implementation)
@@ -94,8 +96,7 @@ def library_attention(p: DecodeProblem, implementation: str, q, k, v, kv_lengths
   if safe:
     seen = jnp.any(ok, axis=1)[:, :, None, None]
     v = jnp.where(seen, v, jnp.zeros((), v.dtype))
-  out = jax.nn.dot_product_attention(q, k, v, scale=scale, mask=ok[:, None],
-                                     implementation="xla")
+  out = xla_attention(q, k, v, scale=scale, mask=ok[:, None])
   return jnp.where(jnp.any(ok, axis=2)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 

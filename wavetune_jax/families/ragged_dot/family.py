@@ -67,6 +67,7 @@ def fold_batch(axis_size: int, rows: tuple, rows_b: tuple, sizes, sizes_b: bool,
   sizes = lead(sizes, sizes_b)
   shared = not any(experts_b)
   if not shared:
+    # (an unbatched expert array next to a batched one is copied B times)
     experts = [lead(e, b) for e, b in zip(experts, experts_b)]
     experts = [e.reshape((-1,) + e.shape[2:]) for e in experts]
   dest, flat = worklist.batch_rows(sizes, m, shared_groups=shared)
