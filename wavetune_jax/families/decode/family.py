@@ -18,7 +18,7 @@ from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.decode.library import library_attention, plain_mask
 from wavetune_jax.families.decode.problem import MAX_Q_LEN, DecodeProblem
 from wavetune_jax.families.attention.family import (fold_vmap_into_batch, options_key,
-                                                     window_variants)
+                                                     query_heads, window_variants)
 from wavetune_jax.families.attention.problem import OPTION_DEFAULTS
 from wavetune_jax.families.matmul.family import operand
 from wavetune_jax.shapes import suite_entries
@@ -211,14 +211,14 @@ class DecodeFamily(Family):
     lengths and block tables, the heads split the queries and the pages;
     the pool of pages is whole on every batch shard (a table names pages
     anywhere in it), and a table's pages are gathered."""
-    sinks = ", (g r)" if problem.sinks else ""
+    h, sizes = query_heads(problem.group)
+    sinks = f", {h}" if problem.sinks else ""
     if problem.page_size:
-      return PartitionRule(f"b q (g r) d, n p g d, n p g d, b, b m{sinks} -> b q (g r) d",
-                           factor_sizes={"r": problem.group},
-                           replicated=("q", "n", "p", "m", "d"))
+      return PartitionRule(f"b q {h} d, n p g d, n p g d, b, b m{sinks} -> b q {h} d",
+                           factor_sizes=sizes, replicated=("q", "n", "p", "m", "d"))
     lengths = ", b" if problem.lengths else ""
-    return PartitionRule(f"b q (g r) d, b s g d, b s g d{lengths}{sinks} -> b q (g r) d",
-                         factor_sizes={"r": problem.group}, replicated=("q", "s", "d"))
+    return PartitionRule(f"b q {h} d, b s g d, b s g d{lengths}{sinks} -> b q {h} d",
+                         factor_sizes=sizes, replicated=("q", "s", "d"))
 
   # --- problems ------------------------------------------------------------------------
   def problems_from_suite(self, suite, *, weights=None, sizes=None, dtype="bfloat16"):
