@@ -320,6 +320,41 @@ def test_jit_retraces_when_the_policy_changes():
   np.testing.assert_allclose(np.asarray(y2), 64.0)
 
 
+def test_a_global_change_inside_a_scoped_block_retraces():
+  """``wt.set_policy`` inside a ``with`` block of another setting (or from
+  another thread) retraces as it does outside one: the jit cache keys the
+  global generation apart from the block's own state."""
+  import threading
+  traces = []
+
+  @jax.jit
+  def f(x, w):
+    traces.append(1)
+    return wt.matmul(x, w)
+
+  x, w = jnp.ones((8, 64), jnp.float32), jnp.ones((64, 32), jnp.float32)
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      with wt.use_config("attention", {"backend": "xla"}):
+        f(x, w)
+        wt.set_policy("fixed")
+        f(x, w)
+        assert len(traces) == 2
+        f(x, w)
+        assert len(traces) == 2
+      with wt.policy("heuristic"):
+        f(x, w)
+        assert len(traces) == 3
+        t = threading.Thread(target=wt.set_policy, args=("tables",))
+        t.start()
+        t.join()
+        f(x, w)
+        assert len(traces) == 4
+  finally:
+    wt.set_policy("auto")
+
+
 def test_replay_on_the_recorded_h200_sweep(tmp_path):
   """Real measurements: tune on the training split within 3% of its points,
   the table answers every held-out problem with a config of its space, and

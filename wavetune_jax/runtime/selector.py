@@ -318,7 +318,11 @@ _memo: dict = {}   # state token -> {(problem, family, hardware): Selection}
 _shipped: dict = {}   # (family, hardware) -> Decider | None
 _warned: set = set()
 
-_ctx = jax.make_user_context(default_value=0) if hasattr(jax, "make_user_context") else None
+# JAX's jit cache keys on both: the global generation (set globally, so a
+# global change retraces inside a scoped block too, and in other threads),
+# and this thread's scoped state (a ``with`` block's policy, pins, tables).
+_gctx = jax.make_user_context(default_value=0) if hasattr(jax, "make_user_context") else None
+_ctx = jax.make_user_context(default_value=()) if _gctx is not None else None
 
 
 def _token():
@@ -354,8 +358,8 @@ def _changed():
   """Global state changed: new generation, and jit caches keyed on it."""
   _global["generation"] += 1
   _memo.clear()
-  if _ctx is not None:
-    _ctx.set_global(_token())
+  if _gctx is not None:
+    _gctx.set_global(_global["generation"])
   else:  # pragma: no cover - JAX without user contexts
     jax.clear_caches()
 
@@ -367,7 +371,7 @@ def _scoped() -> Iterator[None]:
     yield
     jax.clear_caches()
     return
-  with _ctx(_token()):
+  with _ctx(_token()[1:]):
     yield
 
 
