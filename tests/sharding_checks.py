@@ -161,6 +161,25 @@ def sharded_jit_multi_head_attention():
 
 
 @check
+def explicit_mesh_runs_the_platform_op():
+  # Sharding in types: the kernels' wrappers take unsharded arrays, so the
+  # selector runs the platform op there, with one warning per family.
+  import warnings
+  mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  ref, ref_d = wt.attention(Q, K, K), wt.decode_attention(Q[:, :1], K, K)
+  with warnings.catch_warnings(record=True) as rec, jax.set_mesh(mesh):
+    warnings.simplefilter("always")
+    for spec in (P("a"), P()):
+      q, k = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (Q, K))
+      close(jax.jit(wt.attention)(q, k, k), ref, 2e-2)
+      close(jax.jit(wt.decode_attention)(q[:, :1], k, k), ref_d, 2e-2)
+    close(jax.jit(lambda a: wt.matmul(a, W))(jax.device_put(X, NamedSharding(mesh, P("a")))),
+          X @ W, 2e-2)
+  said = {str(r.message).split()[0] for r in rec if "explicit axes" in str(r.message)}
+  assert said == {"wavetune_jax.attention", "wavetune_jax.decode", "wavetune_jax.matmul"}, said
+
+
+@check
 def sharded_jit_ragged_dot():
   f = jax.jit(lambda a, b, c: wt.ragged_dot(a, b, c))
   ref = jax.lax.ragged_dot(LHS, RHS, GS)

@@ -467,3 +467,19 @@ except AssertionError:
     outs.append(r.stdout.splitlines())
   assert json.loads(outs[0][0]) == json.loads(outs[1][0])
   assert outs[1][1] == "new problems are decided"
+
+
+def test_a_home_relative_cache_folder_is_expanded(monkeypatch, tmp_path):
+  """``WAVETUNE_TABLE_CACHE='~/x'`` (quoted in a .env file or a container's
+  ENV, so the shell did not expand it) is the folder in the home directory,
+  not a folder named ``~``; so for ``WAVETUNE_TABLES``."""
+  from wavetune_jax.core.cache_folder import CacheFolder
+  from wavetune_jax.runtime import tables as tables_lib
+  monkeypatch.setenv("HOME", str(tmp_path))
+  monkeypatch.setenv("WAVETUNE_TEST_FOLDER", "~/wt_cache")
+  assert CacheFolder("WAVETUNE_TEST_FOLDER").get() == tmp_path / "wt_cache"
+  monkeypatch.setenv("WAVETUNE_TABLES", "~/mine")
+  assert tables_lib.default_path("matmul", "nvidia_h200") == str(
+      tmp_path / "mine" / "nvidia_h200" / "matmul.json")
+  assert tables_lib.user_path("matmul", "nvidia_h200") == str(
+      tmp_path / "mine" / "nvidia_h200" / "matmul.json")

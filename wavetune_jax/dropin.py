@@ -95,6 +95,13 @@ def autotune(fn=None, *, report: bool = False, masks: bool = False):
       call. Off by default: the check is a conditional per call, whose cost
       on a GPU is not measured yet.
 
+  Attention is seen as ``jax.nn.dot_product_attention`` called through
+  ``jax.nn`` while ``fn`` is traced: a name bound before the trace (``from
+  jax.nn import dot_product_attention``, a ``functools.partial`` of it) is
+  not seen, and its calls run as written. A sequence with
+  ``key_value_seq_lengths`` 0 gives zeros, where XLA's attention gives the
+  mean of the masked values (docs/design.md, "Drop-in").
+
   Returns:
     The transformed function. Its ``sites`` attribute holds the calls of its
     last trace (a list of :class:`Site`; ``print`` it for the table).

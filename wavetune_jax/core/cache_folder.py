@@ -22,7 +22,7 @@ class CacheFolder:
 
   def set(self, path: str | os.PathLike | None) -> None:
     with self._lock:
-      self.state["dir"] = None if path is None else pathlib.Path(path)
+      self.state["dir"] = None if path is None else pathlib.Path(path).expanduser()
       self.state["set"] = True
 
   def get(self) -> pathlib.Path | None:
@@ -30,5 +30,7 @@ class CacheFolder:
       return self.state["dir"]
     env = os.environ.get(self.env)
     if env is not None:
-      return None if env.strip().lower() in _OFF else pathlib.Path(env)
+      # (``~`` expanded: a quoted value in a .env file or a container's
+      # ENV reaches here unexpanded)
+      return None if env.strip().lower() in _OFF else pathlib.Path(env).expanduser()
     return self.default()

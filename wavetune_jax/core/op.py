@@ -116,7 +116,9 @@ def _local_call(family: Family, *args, config=None, _call: Call | None = None, *
     return call
   hw = hardware.current()
   varying = match_varying(*call.arrays)[1]
-  if hw.interpret and varying:
+  if config is None and partition.explicit_mesh():
+    config = _platform_under_explicit_mesh(family, call.problem, hw)
+  elif hw.interpret and varying:
     config = _shard_map_on_cpu(family, call.problem, config, hw)
   backend, config = choose(family, call.problem, config, hw)
   fn = functools.partial(backend.run, call.problem, config, interpret=hw.interpret,
@@ -129,6 +131,33 @@ def _local_call(family: Family, *args, config=None, _call: Call | None = None, *
     fn = functools.partial(kernel_cache.call, fn, parts=parts)
     return _forward_only(family.name, lambda *xs: fn(xs), *call.arrays)
   return _forward_only(family.name, fn, *call.arrays)
+
+
+def _platform_under_explicit_mesh(family: Family, problem, hw):
+  """The config under a mesh with explicit axes: the platform op (XLA's or
+  cuDNN's, which take sharded types), with one warning. The kernels' own
+  wrappers (row grouping, work lists) and Pallas's interpret mode do not
+  take arrays whose types carry a sharding, and the ops take such inputs as
+  they come (no partitioning rule runs there); a pinned config is run as
+  given."""
+  plat = family.platform_config(problem, hw)
+  ok = [b for b in family.available(hw) if b.interpret_in_shard_map or not hw.interpret]
+  if plat is None or family.backend_of(plat) not in ok or not family.supports(plat, hw):
+    libs = [b for b in family.available(hw) if b.interpret_in_shard_map]
+    if not libs:
+      raise ValueError(f"no {family.name} backend runs under a mesh with explicit axes here")
+    plat = libs[0].config_cls()
+  key = ("explicit", family.name)
+  if key not in _warned_explicit:
+    _warned_explicit.add(key)
+    warnings.warn(f"wavetune_jax.{family.name} under a mesh with explicit axes: running the "
+                  f"{family.backend_of(plat).name} backend, the platform op (the kernels "
+                  f"take unsharded arrays; inside jax.shard_map they run per shard)",
+                  stacklevel=4)
+  return plat
+
+
+_warned_explicit: set = set()
 
 
 def _shard_map_on_cpu(family: Family, problem, config, hw):

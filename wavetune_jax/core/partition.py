@@ -11,7 +11,8 @@ replication: Shardy gathers them, the documented fallback.
 
 Not wrapped: a single device, and calls inside ``jax.shard_map`` (already
 per-shard: the kernels declare how their outputs vary) or under a mesh with
-explicit axes (sharding in types), where the op takes its inputs as they come.
+explicit axes (sharding in types), where the op takes its inputs as they come
+(and runs the platform op: ``core.op._platform_under_explicit_mesh``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,16 @@ class PartitionRule:
       names = d.strip("()").split()
       out[names[0]] = math.prod(self.factor_sizes[n] for n in names[1:])
     return out
+
+
+def explicit_mesh() -> bool:
+  """Whether the op is traced under a mesh with explicit axes (sharding in
+  types), outside ``shard_map``."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if getattr(mesh, "manual_axes", ()):
+    return False
+  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+  return explicit is not None and any(t == explicit for t in getattr(mesh, "axis_types", ()) or ())
 
 
 def _manual_or_explicit() -> bool:

@@ -404,8 +404,8 @@ def user_dir() -> str:
 def user_path(family: str, device_key: str) -> str:
   """Where ``wavetune tune`` writes a table by default: in ``$WAVETUNE_TABLES``
   when it is set, else in :func:`user_dir`."""
-  return os.path.join(os.environ.get("WAVETUNE_TABLES") or user_dir(), device_key,
-                      f"{family}.json")
+  folder = os.path.expanduser(os.environ.get("WAVETUNE_TABLES") or user_dir())
+  return os.path.join(folder, device_key, f"{family}.json")
 
 
 def default_path(family: str, device_key: str) -> str:
@@ -415,7 +415,7 @@ def default_path(family: str, device_key: str) -> str:
   name = os.path.join(device_key, f"{family}.json")
   env = os.environ.get("WAVETUNE_TABLES")
   if env:
-    return os.path.join(env, name)
+    return os.path.join(os.path.expanduser(env), name)
   user = os.path.join(user_dir(), name)
   return user if os.path.isfile(user) else os.path.join(shipped_dir(), name)
 
