@@ -1702,3 +1702,51 @@ def test_python_dash_m_runs_the_command():
                        text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2 and "wavetune select: error:" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", "int4"])
+def test_a_non_finite_weight_makes_its_channel_nan_whatever_the_width(dtype):
+  """NaN or an infinity in a column (an int4 group) gives that column a NaN
+  scale, so its outputs are NaN and the other columns are untouched (XLA's
+  max had dropped a NaN at 16 columns or more, clipping the column's finite
+  values to the scale of 1)."""
+  kw = {"layout": "nk", "group_size": 128} if dtype == "int4" else {}
+  for n in (8, 32):
+    w = jax.random.normal(jax.random.PRNGKey(0), (256, n)) * 1000
+    w = w.at[0, 0].set(jnp.nan).at[3, 1].set(jnp.inf)
+    q, scales = wt.quantize_weight(w, dtype, **kw)
+    s = np.asarray(scales).reshape(-1, n)
+    assert np.isnan(s[0, 0]) and np.isnan(s[0, 1]), s[:, :3]
+    assert np.all(np.isfinite(s[:, 2:])) and np.all(s[:, 2:] > 1.0)
+    y = _f32(wt.quantized_matmul(jnp.ones((4, 256), jnp.bfloat16), q, scales,
+                                 w_layout=kw.get("layout", "kn")))
+    assert np.all(np.isnan(y[:, :2])) and np.all(np.isfinite(y[:, 2:]))
+  x = jax.random.normal(jax.random.PRNGKey(1), (3, 64)) * 1000
+  _, xs = wt.quantize_rows(x.at[0, 5].set(jnp.nan))
+  assert np.isnan(xs[0]) and np.all(np.isfinite(xs[1:]))
+
+
+def test_quantizing_nothing():
+  q, s = wt.quantize_weight(jnp.ones((0, 32)), "int8")
+  assert q.shape == (0, 32) and np.all(np.asarray(s) == 1.0)
+  q, s = wt.quantize_rows(jnp.ones((5, 0)))
+  assert q.shape == (5, 0) and np.all(np.asarray(s) == 1.0)
+
+
+def test_a_config_naming_only_its_backend_is_the_backends_rule():
+  """``config={"backend": "mosaic"}``: the backend's own rule for the problem
+  (its class defaults do not fit every problem's shared memory); on a
+  machine where it cannot run, that is the error."""
+  from wavetune_jax.core import op as op_lib
+  from wavetune_jax.families.qmatmul.problem import QMatmulProblem
+  fam = wt.get_family("qmatmul")
+  p = QMatmulProblem(m=64, n=4096, k=4096, dtype="float8_e4m3fn",
+                     w_dtype="float8_e4m3fn", w_layout="nk")
+  h100 = wt.get_hardware("h100")
+  backend, config = op_lib.choose(fam, p, {"backend": "mosaic"}, hw=h100)
+  assert config == backend.heuristic(p, h100)
+  x8, xs = wt.quantize_rows(jnp.ones((4, 256)))
+  w8, s8 = wt.quantize_weight(jnp.ones((256, 128)), "float8_e4m3fn", layout="nk")
+  with pytest.raises(ValueError, match="cannot run here: no GPU"):
+    wt.quantized_matmul(x8, w8, s8, x_scales=xs, w_layout="nk",
+                        config={"backend": "mosaic"})

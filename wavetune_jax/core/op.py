@@ -27,8 +27,9 @@ __all__ = ["tuned_call", "choose"]
 
 def choose(family: Family, problem, config=None, hw: hardware.Hardware | None = None):
   """``(backend, config)`` for ``problem``: ``config`` as given (a config or a
-  dict), else the selector's decision; validated for ``hw`` (default: the
-  hardware the ops run on).
+  dict; a dict naming only its ``"backend"`` is that backend's rule for the
+  problem, where it has one), else the selector's decision; validated for
+  ``hw`` (default: the hardware the ops run on).
 
   Raises:
     ValueError: a config of another family, invalid for the problem, beyond
@@ -40,7 +41,8 @@ def choose(family: Family, problem, config=None, hw: hardware.Hardware | None = 
   if config is None:
     config = selector.select(family, problem, hw).config
   else:
-    config = family.coerce_config(config)
+    rule = _rule_of(family, problem, config, hw)
+    config = family.coerce_config(config) if rule is None else rule
   backend = family.backend_of(config)
   family.validate(problem, config, hw)
   if not backend.runs_on(hw):
@@ -48,6 +50,17 @@ def choose(family: Family, problem, config=None, hw: hardware.Hardware | None = 
                      f"{hw.name if not hw.interpret else 'no GPU'} "
                      f"({'the backend has no interpret mode' if hw.interpret else 'unsupported GPU'})")
   return backend, config
+
+
+def _rule_of(family: Family, problem, config, hw):
+  """For ``config={"backend": name}`` (no fields), that backend's rule for
+  ``problem`` (its defaults may not fit every problem or GPU); else None."""
+  if not (isinstance(config, dict) and set(config) == {"backend"}):
+    return None
+  try:   # (an unknown backend: coerce_config says what is wrong)
+    return family.backend(config["backend"]).heuristic(problem, hw)
+  except ValueError:
+    return None
 
 
 def tuned_call(family: Family, *args, config=None, **kwargs) -> jax.Array:

@@ -19,6 +19,16 @@ FP8_MAX = 448.0  # float8_e4m3fn
 INT4_MAX = 7.0
 
 
+def _scales(a: jax.Array, axis: int, top: float) -> jax.Array:
+  """``max|a| / top`` along ``axis``: 1 where that is 0 (zeros, or nothing
+  to reduce), NaN where a value is NaN or infinite, so that the whole
+  channel (row, group) dequantizes to NaN, as a product with it would be
+  (XLA's ``max`` does not pass NaN through the same way at every size)."""
+  amax = jnp.max(jnp.abs(a), axis=axis, initial=0.0)
+  finite = jnp.all(jnp.isfinite(a), axis=axis)
+  return jnp.where(finite, jnp.where(amax > 0, amax / top, 1.0), jnp.nan)
+
+
 def quantize_weight(w: jax.Array, dtype: str = "int8", layout: str = "kn",
                     group_size: int = 128) -> tuple[jax.Array, jax.Array]:
   """``w [K, N]`` -> ``(w_q, scales [N])`` with ``w ~ w_q * scales``, ``w_q``
@@ -35,8 +45,9 @@ def quantize_weight(w: jax.Array, dtype: str = "int8", layout: str = "kn",
   Symmetric, one scale per output channel (column): ``scales = max|w[:, n]|
   / 127`` for int8 (values rounded to nearest, in [-127, 127]) or ``/ 448``
   for float8_e4m3fn (cast, round to nearest even). A column of zeros gets
-  scale 1. The dequantized weight's error is at most half a step of its
-  column: ``scales / 2`` for int8.
+  scale 1; a column holding NaN or an infinity gets a NaN scale (the
+  column's outputs are NaN). The dequantized weight's error is at most half
+  a step of its column: ``scales / 2`` for int8.
 
   ``dtype="int4"`` (W4A16; a ``[K, N]`` weight, ``layout="nk"``): a scale
   per ``group_size`` values of K of each channel, ``scales [K //
@@ -60,8 +71,7 @@ def quantize_weight(w: jax.Array, dtype: str = "int8", layout: str = "kn",
     return _quantize_int4(w, layout, group_size)
   top = INT8_MAX if name == "int8" else FP8_MAX
   w32 = w.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(w32), axis=-2)
-  scales = jnp.where(amax > 0, amax / top, 1.0)
+  scales = _scales(w32, -2, top)
   v = w32 / scales[..., None, :]
   if name == "int8":
     wq = jnp.clip(jnp.round(v), -INT8_MAX, INT8_MAX).astype(jnp.int8)
@@ -90,8 +100,7 @@ def _quantize_int4(w, layout: str, group_size: int) -> tuple[jax.Array, jax.Arra
     raise ValueError(f"group_size={group_size!r} must be a positive divisor of K={k}")
   group_size = g
   w32 = w.astype(jnp.float32).reshape(k // group_size, group_size, n)
-  amax = jnp.max(jnp.abs(w32), axis=1)  # [K // group, N]
-  scales = jnp.where(amax > 0, amax / INT4_MAX, 1.0)
+  scales = _scales(w32, 1, INT4_MAX)  # [K // group, N]
   q = jnp.clip(jnp.round(w32 / scales[:, None, :]), -INT4_MAX, INT4_MAX)
   return q.reshape(k, n).T.astype(jnp.int4), scales.astype(jnp.float32)
 
@@ -113,7 +122,8 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   with ``x ~ x_q * x_scales[:, None]``: symmetric per-row (per-token)
   quantization of activations, ``x_scales = max|x[m, :]| / 448``, the form
   W8A8-FP8 ``quantized_matmul`` takes. Runs in XLA (one fused pass over
-  ``x``), inside ``jit`` before each GEMM. A row of zeros gets scale 1.
+  ``x``), inside ``jit`` before each GEMM. A row of zeros gets scale 1; a
+  row holding NaN or an infinity a NaN scale (its outputs are NaN).
 
   Raises:
     ValueError: ``x`` not a rank-2 floating array.
@@ -122,8 +132,7 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   if x.ndim != 2 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"x must be a [M, K] floating array; got {x.shape} {x.dtype}")
   x32 = x.astype(jnp.float32)
-  amax = jnp.max(jnp.abs(x32), axis=1)
-  scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+  scales = _scales(x32, 1, FP8_MAX)
   xq = jnp.clip(x32 / scales[:, None], -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
   return xq, scales.astype(jnp.float32)
 
