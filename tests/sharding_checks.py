@@ -2,6 +2,7 @@
 CPU devices (XLA_FLAGS must be set before JAX starts). Prints one line per
 check: ``OK <name>`` or ``FAIL <name>: <why>``."""
 
+import contextlib
 import os
 import sys
 import traceback
@@ -145,15 +146,22 @@ def sharded_jit_attention_batch_and_heads():
 
 @check
 def sharded_jit_multi_head_attention():
-  # One query head per KV head: the rule's heads are one factor (a compound
-  # with a factor of size 1 failed Shardy's verifier, even replicated).
+  # One query head per KV head, or one KV head: the rule's heads are one
+  # factor (a compound with a factor of size 1 failed Shardy's verifier,
+  # even on replicated inputs).
   mha = rnd(6, (4, 32, 4, 64), jnp.bfloat16)
   ref = wt.attention(mha, mha, mha)
   ref_d = wt.decode_attention(mha[:, :1], mha, mha)
+  mqa = rnd(7, (4, 32, 1, 64), jnp.bfloat16)
+  ref_q = wt.attention(mha, mqa, mqa)
+  ref_qd = wt.decode_attention(mha[:, :1], mqa, mqa)
   for spec in (P("a"), P(None, None, "b"), P()):
     m = put(mha, spec)
     close(jax.jit(lambda a: wt.attention(a, a, a))(m), ref, 1e-6)
     close(jax.jit(lambda a: wt.decode_attention(a[:, :1], a, a))(m), ref_d, 1e-6)
+    kv = put(mqa, P("a") if spec == P("a") else P())
+    close(jax.jit(lambda a, b: wt.attention(a, b, b))(m, kv), ref_q, 1e-6)
+    close(jax.jit(lambda a, b: wt.decode_attention(a[:, :1], b, b))(m, kv), ref_qd, 1e-6)
   sinks = jnp.zeros((4,), jnp.float32)
   m = put(mha, P(None, None, "b"))
   close(jax.jit(lambda a: wt.attention(a, a, a, sinks=sinks))(m),
@@ -161,9 +169,9 @@ def sharded_jit_multi_head_attention():
 
 
 @check
-def explicit_mesh_runs_the_platform_op():
+def explicit_mesh_runs_xlas_op():
   # Sharding in types: the kernels' wrappers take unsharded arrays, so the
-  # selector runs the platform op there, with one warning per family.
+  # op runs XLA's there, with one warning per family; a pin runs as given.
   import warnings
   mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
   ref, ref_d = wt.attention(Q, K, K), wt.decode_attention(Q[:, :1], K, K)
@@ -177,6 +185,19 @@ def explicit_mesh_runs_the_platform_op():
           X @ W, 2e-2)
   said = {str(r.message).split()[0] for r in rec if "explicit axes" in str(r.message)}
   assert said == {"wavetune_jax.attention", "wavetune_jax.decode", "wavetune_jax.matmul"}, said
+  # A kernel's config, given or pinned: a clear error; XLA's pinned runs.
+  with jax.set_mesh(mesh):
+    x = jax.device_put(X, P())
+    for ctx, kw in ((contextlib.nullcontext(), {"config": TRITON_MM}),
+                    (wt.use_config("matmul", TRITON_MM), {})):
+      with ctx:
+        try:
+          jax.jit(lambda a: wt.matmul(a, W, **kw))(x)
+          raise AssertionError("a Triton config ran under explicit axes")
+        except ValueError as e:
+          assert "cannot run under a mesh with explicit axes" in str(e), e
+    with wt.use_config("matmul", {"backend": "xla"}):
+      close(jax.jit(lambda a: wt.matmul(a, W))(x), X @ W, 2e-2)
 
 
 @check

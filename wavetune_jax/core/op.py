@@ -129,8 +129,8 @@ def _local_call(family: Family, *args, config=None, _call: Call | None = None, *
     return call
   hw = hardware.current()
   varying = match_varying(*call.arrays)[1]
-  if config is None and partition.explicit_mesh():
-    config = _platform_under_explicit_mesh(family, call.problem, hw)
+  if partition.explicit_mesh():
+    config = _under_explicit_mesh(family, config, hw)
   elif hw.interpret and varying:
     config = _shard_map_on_cpu(family, call.problem, config, hw)
   backend, config = choose(family, call.problem, config, hw)
@@ -146,28 +146,34 @@ def _local_call(family: Family, *args, config=None, _call: Call | None = None, *
   return _forward_only(family.name, fn, *call.arrays)
 
 
-def _platform_under_explicit_mesh(family: Family, problem, hw):
-  """The config under a mesh with explicit axes: the platform op (XLA's or
-  cuDNN's, which take sharded types), with one warning. The kernels' own
-  wrappers (row grouping, work lists) and Pallas's interpret mode do not
-  take arrays whose types carry a sharding, and the ops take such inputs as
-  they come (no partitioning rule runs there); a pinned config is run as
-  given."""
-  plat = family.platform_config(problem, hw)
-  ok = [b for b in family.available(hw) if b.interpret_in_shard_map or not hw.interpret]
-  if plat is None or family.backend_of(plat) not in ok or not family.supports(plat, hw):
-    libs = [b for b in family.available(hw) if b.interpret_in_shard_map]
-    if not libs:
-      raise ValueError(f"no {family.name} backend runs under a mesh with explicit axes here")
-    plat = libs[0].config_cls()
+def _under_explicit_mesh(family: Family, config, hw):
+  """The config under a mesh with explicit axes (sharding in types), where
+  the ops take their inputs as they come (no partitioning rule runs there):
+  XLA's op, the one that takes sharded types (the kernels' own wrappers, row
+  grouping and work lists, and Pallas's interpret mode do not, and JAX's
+  cuDNN attention gives its output no sharding outside ``shard_map``), with
+  one warning. A library config given or pinned (XLA's, cuDNN's) runs as
+  given; a kernel's is a clear error (run it inside ``jax.shard_map``)."""
+  from wavetune_jax.runtime import selector
+  given = config if config is not None else selector.pinned(family)
+  if given is not None:
+    backend = family.backend_of(family.coerce_config(given))
+    if not backend.interpret_in_shard_map:
+      raise ValueError(
+          f"a {backend.name} {family.name} config cannot run under a mesh with explicit "
+          f"axes: the kernels take unsharded arrays; run the op inside jax.shard_map, or "
+          f"leave the config out (XLA's op runs)")
+    return config
+  xla = [b for b in family.available(hw) if b.name == "xla"]
+  if not xla:
+    raise ValueError(f"no {family.name} backend runs under a mesh with explicit axes here")
   key = ("explicit", family.name)
   if key not in _warned_explicit:
     _warned_explicit.add(key)
-    warnings.warn(f"wavetune_jax.{family.name} under a mesh with explicit axes: running the "
-                  f"{family.backend_of(plat).name} backend, the platform op (the kernels "
-                  f"take unsharded arrays; inside jax.shard_map they run per shard)",
-                  stacklevel=4)
-  return plat
+    warnings.warn(f"wavetune_jax.{family.name} under a mesh with explicit axes: running XLA's "
+                  f"op (the kernels take unsharded arrays; inside jax.shard_map they run "
+                  f"per shard)", stacklevel=4)
+  return xla[0].config_cls()
 
 
 _warned_explicit: set = set()

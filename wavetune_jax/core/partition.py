@@ -12,7 +12,7 @@ replication: Shardy gathers them, the documented fallback.
 Not wrapped: a single device, and calls inside ``jax.shard_map`` (already
 per-shard: the kernels declare how their outputs vary) or under a mesh with
 explicit axes (sharding in types), where the op takes its inputs as they come
-(and runs the platform op: ``core.op._platform_under_explicit_mesh``).
+(and runs XLA's op: ``core.op._under_explicit_mesh``).
 """
 
 from __future__ import annotations

@@ -334,9 +334,20 @@ def _token():
     return cached
   tok = (gen, _local.policy,
          tuple(sorted((k, repr(v)) for k, v in _local.pinned.items())),
-         tuple(sorted((k, id(v)) for k, v in _local.tables.items())))
+         tuple(sorted((k, _serial(v)) for k, v in _local.tables.items())))
   _local.token = tok
   return tok
+
+
+_serials = itertools.count(1)
+
+
+def _serial(table) -> int:
+  """A table's number for the jit cache key, never reused (an ``id`` is,
+  once the table is freed: a later table there would hit a stale trace)."""
+  if table is None:
+    return 0
+  return table.__dict__.setdefault("_wt_serial", next(_serials))
 
 
 def _context_changed():
@@ -570,6 +581,12 @@ def decision_stats() -> tuple[int, float]:
   under the ``exhaustive`` policy, its measurements). The memoized path is
   not counted."""
   return _decided[0], _decided[1]
+
+
+def pinned(spec: Family):
+  """The config ``wt.use_config`` pins for ``spec`` here (this thread's
+  block, else the global pin), or None."""
+  return _local.pinned.get(spec.name, _global["pinned"].get(spec.name))
 
 
 def _select(spec: Family, problem, hw: Hardware) -> Selection:

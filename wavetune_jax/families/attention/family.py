@@ -90,13 +90,16 @@ def fold_vmap_into_batch(axis_size: int, in_batched, arrays, op):
   return y.reshape((axis_size, batch) + y.shape[1:])
 
 
-def query_heads(group: int) -> tuple[str, dict]:
+def query_heads(group: int, kv_heads: int) -> tuple[str, dict]:
   """The query heads in a partition rule and their factor sizes: the KV
   heads ``g``, each with ``r = group`` query heads, ``(g r)``; ``g`` where
-  each KV head has one query head (Shardy rejects a factor of size 1 in a
-  compound dimension: multi-head attention under ``jax.jit`` on several
-  devices failed to lower)."""
-  return ("(g r)", {"r": group}) if group > 1 else ("g", {})
+  each KV head has one query head, ``r`` where there is one KV head (Shardy
+  rejects a factor of size 1 in a compound dimension: multi-head and
+  multi-query attention under ``jax.jit`` on several devices failed to
+  lower)."""
+  if group > 1 and kv_heads > 1:
+    return "(g r)", {"r": group}
+  return ("r", {}) if group > 1 else ("g", {})
 
 
 def options_key(p) -> str:
@@ -219,7 +222,7 @@ class AttentionFamily(Family):
     """Batch and heads split (a query head with its KV head: the KV heads
     are the factor ``g``, each with ``r`` query heads); the sequence and
     head_dim are gathered: a kernel needs every key of its query rows."""
-    h, sizes = query_heads(problem.q_heads // problem.kv_heads)
+    h, sizes = query_heads(problem.q_heads // problem.kv_heads, problem.kv_heads)
     lengths = ", b" if problem.lengths else ""
     sinks = f", {h}" if problem.sinks else ""
     return PartitionRule(f"b q {h} d, b s g d, b s g d{lengths}{sinks} -> b q {h} d",

@@ -211,7 +211,7 @@ class DecodeFamily(Family):
     lengths and block tables, the heads split the queries and the pages;
     the pool of pages is whole on every batch shard (a table names pages
     anywhere in it), and a table's pages are gathered."""
-    h, sizes = query_heads(problem.group)
+    h, sizes = query_heads(problem.group, problem.kv_heads)
     sinks = f", {h}" if problem.sinks else ""
     if problem.page_size:
       return PartitionRule(f"b q {h} d, n p g d, n p g d, b, b m{sinks} -> b q {h} d",
