@@ -157,12 +157,9 @@ def _under_explicit_mesh(family: Family, config, hw):
   from wavetune_jax.runtime import selector
   given = config if config is not None else selector.pinned(family)
   if given is not None:
-    backend = family.backend_of(family.coerce_config(given))
-    if not backend.interpret_in_shard_map:
-      raise ValueError(
-          f"a {backend.name} {family.name} config cannot run under a mesh with explicit "
-          f"axes: the kernels take unsharded arrays; run the op inside jax.shard_map, or "
-          f"leave the config out (XLA's op runs)")
+    _library_only(family, given, "under a mesh with explicit axes: the kernels take "
+                  "unsharded arrays; run the op inside jax.shard_map, or leave the config "
+                  "out (XLA's op runs)")
     return config
   xla = [b for b in family.available(hw) if b.name == "xla"]
   if not xla:
@@ -179,17 +176,22 @@ def _under_explicit_mesh(family: Family, config, hw):
 _warned_explicit: set = set()
 
 
+def _library_only(family: Family, config, where: str) -> None:
+  """Raises where ``config`` is a kernel's (not XLA's or cuDNN's op), which
+  cannot run ``where`` (the message's end)."""
+  backend = family.backend_of(family.coerce_config(config))
+  if not backend.interpret_in_shard_map:
+    raise ValueError(f"a {backend.name} {family.name} config cannot run {where}")
+
+
 def _shard_map_on_cpu(family: Family, problem, config, hw):
   """The config inside ``shard_map`` on a CPU: Pallas interpret mode cannot
   run there, so the first backend that can (XLA's op) is used."""
   ok = [b for b in family.available(hw) if b.interpret_in_shard_map]
   if config is not None:
-    backend = family.backend_of(family.coerce_config(config))
-    if not backend.interpret_in_shard_map:
-      raise ValueError(
-          f"a {backend.name} {family.name} config cannot run inside jax.shard_map on a "
-          f"CPU: Pallas interpret mode does not support values that vary over mesh "
-          f"axes; use {[b.name for b in ok] or 'a GPU'} or check_vma=False")
+    _library_only(family, config, f"inside jax.shard_map on a CPU: Pallas interpret mode "
+                  f"does not support values that vary over mesh axes; use "
+                  f"{[b.name for b in ok] or 'a GPU'} or check_vma=False")
     return config
   if not ok:
     raise ValueError(f"no {family.name} backend runs inside jax.shard_map on a CPU")
