@@ -11,6 +11,12 @@ against the float32 reference on a balanced router's sizes):
 * ``op``: ``wt.ragged_dot`` with XLA's config pinned (the op as it runs);
 * ``clip``: ``lax.ragged_dot`` on ``jnp.clip(sizes, 0, M)`` alone.
 
+Then, per problem, the op on sizes a router never gives (negative ones,
+sums past ``M``, one group of all the rows and more), each backend pinned
+(XLA's ragged dot and the Mosaic kernel's rule), against the reference on
+the clipped sizes: the op's semantics hold on the GPU with nothing in front
+of XLA's dense ragged dot.
+
     python3 benchmarks/ragged_dot_xla_sizes.py [--problems G,M,K,N ...] [--json out.json]
 """
 
@@ -62,10 +68,51 @@ def main(argv=None) -> int:
     print(f"{f'{g} x {m}, {k}, {n}':<26}{us[0]:9.1f}{us[1]:9.1f}{us[2]:9.1f}"
           f"{us[0] / us[1]:8.3f}{us[0] / us[2]:9.3f}  {bad}", flush=True)
     rows.append({"problem": [g, m, k, n], "us": dict(zip(("lax", "op", "clip"), us))})
+  checks = check_sizes(a.problems or PROBLEMS)
   if a.json:
     with open(a.json, "w") as f:
-      json.dump({"device_kind": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
-  return 0
+      json.dump({"device_kind": jax.devices()[0].device_kind, "rows": rows, "checks": checks},
+                f, indent=1)
+  return 0 if all(c["ok"] for c in checks) else 1
+
+
+def odd_sizes(g: int, m: int) -> dict:
+  """Sizes a router never gives, by name (int32 ``[g]``)."""
+  ramp = [(-1) ** i * (m // 2 + i) for i in range(g)]
+  return {"negative and past M": ramp,
+          "each M": [m] * g,
+          "past M in the middle": [m // 3] * (g // 2) + [m] + [1] * (g - g // 2 - 1),
+          "one short, then past": [m - 1, -m] + [m] * (g - 2)}
+
+
+def check_sizes(problems) -> list[dict]:
+  """The op (XLA's config and the Mosaic rule's, pinned) on :func:`odd_sizes`
+  against the float32 reference on the clipped sizes."""
+  out = []
+  print(f"\n{'G x M, K, N':<26}{'sizes':<24}{'backend':<9}{'rel err':>10}{'tol':>9}")
+  for g, m, k, n in problems:
+    p = RaggedDotProblem(m=m, g=g, k=k, n=n)
+    x, w, _ = RAGGED_DOT.inputs(p, jax.random.PRNGKey(1))
+    tol = RAGGED_DOT.tolerance(p)
+    for name, sizes in odd_sizes(g, m).items():
+      sizes = jnp.asarray(sizes, jnp.int32)
+      ref = RAGGED_DOT.reference(p, x, w, sizes)
+      for backend in ("xla", "mosaic"):
+        try:
+          y = jax.jit(lambda x, w, s, b=backend: wt.ragged_dot(x, w, s, config={"backend": b}))(
+              x, w, sizes)
+          err = profiler.rel_error(y, ref)
+        except Exception as e:  # noqa: BLE001 - reported, the run goes on
+          print(f"{f'{g} x {m}, {k}, {n}':<26}{name:<24}{backend:<9} failed: {e}"[:200])
+          out.append({"problem": [g, m, k, n], "sizes": name, "backend": backend, "ok": False,
+                      "error": str(e)[:500]})
+          continue
+        ok = err <= tol
+        print(f"{f'{g} x {m}, {k}, {n}':<26}{name:<24}{backend:<9}{err:10.2e}{tol:9.1e}"
+              f"{'' if ok else '  WRONG'}", flush=True)
+        out.append({"problem": [g, m, k, n], "sizes": name, "backend": backend, "ok": ok,
+                    "rel_err": err})
+  return out
 
 
 if __name__ == "__main__":

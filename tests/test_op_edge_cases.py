@@ -85,6 +85,33 @@ def test_ragged_dot_reference_follows_the_contract(sizes):
   _close(ragged_dot_reference(lhs, rhs, gs, jnp.float32, block_rows=8), want)
 
 
+@pytest.mark.parametrize("sizes", SIZES)
+def test_xla_on_a_gpu_takes_each_size_clipped_and_nothing_more(sizes, monkeypatch):
+  """Where XLA's ragged dot is its dense form (a GPU with a cuDNN older than
+  9.22), the op hands it the sizes each clipped to ``[0, M]`` (an
+  elementwise op XLA fuses into its consumer), no running sum in front:
+  sizes summing past M are the groups cut at row M all the same (the CPU's
+  lax.ragged_dot stands in for the GPU's dense form here; the GPU's own on
+  the same sizes: ``benchmarks/ragged_dot_xla_sizes.py``). Elsewhere the
+  running sum is saturated first."""
+  from wavetune_jax.families.ragged_dot import xla as xla_backend
+  from wavetune_jax.families.ragged_dot.problem import RaggedDotProblem
+  lhs, rhs = _ragged_operands()
+  p = RaggedDotProblem(m=lhs.shape[0], g=rhs.shape[0], k=lhs.shape[1], n=rhs.shape[2],
+                       dtype="float32")
+  gs = jnp.asarray(sizes, jnp.int32)
+  bound = wt.get_family("ragged_dot").bind(lhs, rhs, gs)
+  clipped = bound.arrays[2]
+  np.testing.assert_array_equal(clipped, np.clip(np.asarray(sizes, np.int64), 0, p.m))
+  backend = xla_backend.XlaRaggedDot()
+  for below, cumsums in ((True, False), (False, True), (None, True)):
+    monkeypatch.setattr(xla_backend, "cudnn_below", lambda bound, below=below: below)
+    run = functools.partial(backend.run, p, xla_backend.XlaRaggedDotConfig(), interpret=False)
+    _close(run(lhs, rhs, clipped), _ragged_ref(lhs, rhs, sizes))
+    text = str(jax.make_jaxpr(run)(lhs, rhs, clipped))
+    assert ("cumsum" in text or "reduce_sum" in text or "min" in text) == cumsums, text
+
+
 def test_clip_sizes_saturates_without_overflow():
   m = 2**30 + 3  # partial sums of sizes <= m still pass int32 as a + b
   got = np.asarray(clip_sizes(jnp.asarray([m, m, -1, m], jnp.int32), m))

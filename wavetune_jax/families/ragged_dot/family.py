@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels._integers import shape_and_dtype
+from pallas_kernels._integers import clipped_int32, shape_and_dtype
 from pallas_kernels.ragged_dot.reference import ragged_dot_reference
 from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.worklist import clip_sizes
@@ -17,6 +17,7 @@ from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.matmul.family import _out_dtype, operand
 from wavetune_jax.families.ragged_dot import routing
+from wavetune_jax.families.ragged_dot import xla as xla_backend
 from wavetune_jax.families.ragged_dot.problem import DTYPES, RaggedDotProblem
 from wavetune_jax.shapes import suite_entries
 
@@ -122,7 +123,7 @@ class RaggedDotFamily(Family):
   TRUSTED_MIN_EXPERTS = 8
   #: The cuDNN from which XLA lowers ``lax.ragged_dot`` to cuDNN's grouped
   #: GEMM instead of its dense form (openxla/xla PR 42313).
-  CUDNN_GROUPED_GEMM = (9, 22)
+  CUDNN_GROUPED_GEMM = xla_backend.CUDNN_GROUPED_GEMM
   #: First use measures the wave model's top 2, not 3: its candidates are
   #: Mosaic kernels, which compile one at a time (about 2 s each on an H200;
   #: 6.0 s of a new problem's 6.5 s of measuring), and in the held-out
@@ -215,9 +216,13 @@ class RaggedDotFamily(Family):
       # What lax.ragged_dot gives: an empty result, or zeros.
       return jnp.zeros((m, n), out)
     problem = RaggedDotProblem(m=m, g=g, k=k, n=n, dtype=lhs.dtype.name, out_dtype=out.name)
-    # Every backend gets sizes in [0, M] summing to at most M (the documented
-    # contract; lax.ragged_dot leaves other sizes undefined).
-    return Call(problem, (lhs, rhs, clip_sizes(group_sizes, m)), {})
+    # Every backend gets int32 sizes in [0, M] (an elementwise clip, which
+    # XLA fuses into its consumer) and computes with them as summing to at
+    # most M (the documented contract; lax.ragged_dot leaves other sizes
+    # undefined): the kernels' work lists saturate the running sum
+    # themselves, XLA's dense ragged dot needs nothing more
+    # (XlaRaggedDot.run), so the op adds no kernel in front of XLA's.
+    return Call(problem, (lhs, rhs, clipped_int32(group_sizes, m, name="group_sizes")), {})
 
   def batched_call(self, axis_size: int, in_batched, arrays, op):
     """``jax.vmap`` of the op (``lax.ragged_dot`` has no batching rule for
@@ -232,6 +237,9 @@ class RaggedDotFamily(Family):
     """
     lhs, rhs, sizes = arrays
     lhs_b, rhs_b, sizes_b = in_batched
+    m = lhs.shape[-2]
+    # batch_rows takes sizes summing to at most M (bind clips each only)
+    sizes = (jax.vmap if sizes_b else lambda f: f)(lambda s: clip_sizes(s, m))(sizes)
     return fold_batch(axis_size, (lhs,), (lhs_b,), sizes, sizes_b, (rhs,), (rhs_b,),
                       lambda rows, experts, flat: op(rows[0], experts[0], flat))
 

@@ -9,13 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels._integers import INT32_MAX
+from pallas_kernels.ragged_dot.worklist import clip_sizes
 from wavetune_jax.core.family import OneConfigBackend
+from wavetune_jax.core.versions import cudnn_below
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.ragged_dot.problem import RaggedDotProblem
 
 __all__ = ["XlaRaggedDot", "XlaRaggedDotConfig"]
 
 NOMINAL_M, NOMINAL_N, NOMINAL_K = 64, 128, 64
+#: The cuDNN from which XLA lowers ``lax.ragged_dot`` to cuDNN's grouped GEMM
+#: instead of its dense form (openxla/xla PR 42313).
+CUDNN_GROUPED_GEMM = (9, 22)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,13 +54,22 @@ class XlaRaggedDot(OneConfigBackend):
 
   def run(self, p: RaggedDotProblem, config, lhs, rhs, group_sizes, *,
           interpret: bool = False):
+    # The op's sizes are each in [0, M] (Family.bind). XLA's dense ragged dot
+    # (a GPU's, with a cuDNN older than 9.22) gives row r to the group whose
+    # running sum first passes r: with no size negative and no sum
+    # overflowing int32, sizes summing past M are already the groups cut at
+    # row M, and the op adds nothing in front of it. Elsewhere (cuDNN's
+    # grouped GEMM, a CPU, sums that could overflow) the running sum is
+    # saturated at M first.
+    if interpret or p.g * p.m > INT32_MAX or not cudnn_below(CUDNN_GROUPED_GEMM):
+      group_sizes = clip_sizes(group_sizes, p.m)
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes,
                              preferred_element_type=jnp.dtype(p.out_dtype))
     if not interpret:
       return out  # a GPU's ragged dot writes zeros past the groups itself
     # On the CPU, rows past sum(group_sizes) are made exactly zero: its dense
     # form of lax.ragged_dot multiplies them by every expert's weight (NaN
-    # there gives NaN). The sizes are clipped (Family.bind): the sum is at
-    # most M. (Not on a GPU: there it would be a pass over the whole output.)
+    # there gives NaN). (Not on a GPU: there it would be a pass over the
+    # whole output.)
     rows = jnp.arange(p.m, dtype=group_sizes.dtype)[:, None]
     return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
