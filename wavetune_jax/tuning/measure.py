@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import jax
 
 from wavetune_jax.core.family import Family
-from wavetune_jax.tuning.profiler import Measurement, Profiler
+from wavetune_jax.tuning.profiler import Measurement, Profiler, compile_totals
 
 __all__ = ["baseline_candidates", "baseline_impls", "measure_points"]
 
@@ -55,6 +55,7 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
   """
   phases = phase_seconds if phase_seconds is not None else {}
   t0 = time.perf_counter()
+  sums0 = compile_totals()
   cands, kits, shapes, alts = [], [], {}, []
   for p, configs in work:
     # (impl, config, fn, input shapes: None for the problem's own inputs)
@@ -77,6 +78,7 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
     done = prof.parallel(jobs + kits)
     compiled, kit_of = done[:len(jobs)], _split_kits(done[len(jobs):], n_alt)
     phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - t0
+    _add_sums(phases, sums0)
     yield from _check_and_time(family, prof, work, cands, compiled, kit_of, phases,
                                repeat_best)
     return
@@ -91,8 +93,19 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
     loud = iter(prof.parallel([j for j, q in zip(jobs, pallas) if not q]))
     compiled = [next(quiet) if q else next(loud) for q in pallas]
     phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - t0
+    _add_sums(phases, sums0)
     yield from _check_and_time(family, prof, work, cands, compiled, kit_of, phases,
                                repeat_best)
+
+
+def _add_sums(phases: dict, before: dict) -> None:
+  """Adds the compile phase's seconds summed over its programs and threads
+  (:func:`~wavetune_jax.tuning.profiler.compile_totals`, since ``before``)
+  as ``"lowering_summed"`` and ``"compiling_summed"``: next to the phase's
+  wall seconds they show how much the threads overlapped."""
+  after = compile_totals()
+  for k in ("lowering", "compiling"):
+    phases[f"{k}_summed"] = phases.get(f"{k}_summed", 0.0) + after[k] - before[k]
 
 
 def _split_kits(done: list, n_alt: list) -> list:

@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import math
 import os
+import threading
 import time
 import warnings
 from typing import Callable, Iterator, Sequence
@@ -97,16 +98,44 @@ def _err_parts(out, ref):
 _NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
 
 
+_totals_lock = threading.Lock()
+_totals = {"lowering": 0.0, "compiling": 0.0}
+
+
+def compile_totals() -> dict:
+  """Seconds this process has spent in the profiler's compiles, summed over
+  its programs and threads: ``lowering`` (tracing and lowering to the module
+  XLA compiles, Python) and ``compiling`` (XLA's compile, a Mosaic GPU
+  kernel's own compile to a cubin inside it). Threads overlap them, so the
+  sums may pass the wall time; a diagnostic (``benchmarks/first_use_cost.py``)."""
+  with _totals_lock:
+    return dict(_totals)
+
+
+def _count(kind: str, since: float) -> float:
+  now = time.perf_counter()
+  with _totals_lock:
+    _totals[kind] += now - since
+  return now
+
+
 def _compile_quiet(fn, *shapes, options=None):
+  t = time.perf_counter()
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    lowered = jax.jit(fn).lower(*shapes)
-    if options and jax.default_backend() == "gpu":
-      try:
-        return lowered.compile(options)
-      except Exception:  # noqa: BLE001 - an XLA without the option: compile plainly
-        pass
-    return lowered.compile()
+    try:
+      lowered = jax.jit(fn).lower(*shapes)
+    finally:
+      t = _count("lowering", t)
+    try:
+      if options and jax.default_backend() == "gpu":
+        try:
+          return lowered.compile(options)
+        except Exception:  # noqa: BLE001 - an XLA without the option: compile plainly
+          pass
+      return lowered.compile()
+    finally:
+      _count("compiling", t)
 
 
 def kit_setup(spec, problem, key):
