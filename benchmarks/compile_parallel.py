@@ -49,12 +49,6 @@ def parse_args(argv=None):
   return a
 
 
-def _lower(prof, fn, args):
-  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
-  buf = jax.ShapeDtypeStruct((profiler.FLUSH_BYTES // 4,), jax.numpy.float32)
-  return jax.jit(prof.timed_fn(fn)).lower(buf, *shapes)
-
-
 def main(argv=None):
   a = parse_args(argv)
   spec = get_family(a.family)
@@ -78,7 +72,7 @@ def main(argv=None):
     prof = profiler.Profiler(threads=threads)
     fns = [spec.build(p, c) for c in configs]
     t0 = time.perf_counter()
-    lowered = prof.parallel([functools.partial(_lower, prof, f, args) for f in fns])
+    lowered = prof.parallel([functools.partial(prof.lower, f, args) for f in fns])
     t1 = time.perf_counter()
     compiled = prof.parallel([lo.compile for lo in lowered if not isinstance(lo, BaseException)])
     t2 = time.perf_counter()

@@ -1,5 +1,7 @@
 """The profiler's ahead-of-time problem kit (CPU)."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,6 +71,12 @@ class _CpuProfiler(profiler.Profiler):
 
   def _buf(self):
     return jnp.zeros((8,), jnp.float32)
+
+  def lower(self, fn, args):   # one step here: compile does both
+    return fn, args
+
+  def compile_lowered(self, lowered):
+    return self.compile(*lowered)[0]
 
   def compile(self, fn, args):
     problem, config = fn.problem_config
@@ -327,3 +335,41 @@ def test_refinement_times_decode_on_full_caches_too(monkeypatch):
   assert out.config == xla and out.platform_us == 10.0
   assert [c for c, _ in out.failed] == [a]
   assert (a, True) not in prof.timed and (b, True) in prof.timed
+
+
+def test_compile_pipelined_lowers_in_one_thread_and_compiles_each_once_lowered():
+  """Lowering (Python) runs in one thread, one job after another; each job
+  compiles in the pool as soon as it is lowered, while the next lowers.
+  Results keep the jobs' order, a failure (lowering or compiling) is
+  recorded in its place, and the other tasks run alongside."""
+  import threading
+  events = []
+
+  class P(profiler.Profiler):
+    def lower(self, fn, args):
+      events.append(("lower", fn, threading.get_ident(), time.perf_counter()))
+      if fn == "bad":
+        raise ValueError("cannot lower")
+      time.sleep(0.05)
+      return fn
+
+    def compile_lowered(self, lowered):
+      events.append(("compile", lowered, threading.get_ident(), time.perf_counter()))
+      if lowered == "fails":
+        raise RuntimeError("cannot compile")
+      time.sleep(0.3)
+      return lowered.upper()
+
+  done, others = P(threads=4).compile_pipelined(
+      [("a", ()), ("bad", ()), ("fails", ()), ("b", ())], [lambda: 1, lambda: 1 / 0])
+  assert [d[0] for d in (done[0], done[3])] == ["A", "B"]
+  assert isinstance(done[1][0], ValueError) and isinstance(done[2][0], RuntimeError)
+  assert all(s >= 0 for _, s in done)
+  assert others[0] == 1 and isinstance(others[1], ZeroDivisionError)
+  lowers = [e for e in events if e[0] == "lower"]
+  assert [e[1] for e in lowers] == ["a", "bad", "fails", "b"]
+  assert len({e[2] for e in lowers}) == 1
+  at = {(e[0], e[1]): e[3] for e in events}
+  # "a" compiled while "b" was still to be lowered, in another thread
+  assert at[("compile", "a")] < at[("lower", "b")]
+  assert {e[2] for e in events if e[0] == "compile"} - {lowers[0][2]}

@@ -72,11 +72,10 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
                  for f in (family.refine_mixes(p) if mixes and configs else ())])
   n_alt = [len(a) for a in alts]
   kits += [k for a in alts for k in a]
-  jobs = [functools.partial(prof.compile_timed, fn, own or shapes[p])
-          for (p, _), fns in zip(work, cands) for _, _, fn, own in fns]
+  jobs = [(fn, own or shapes[p]) for (p, _), fns in zip(work, cands) for _, _, fn, own in fns]
   if prof.gpu_lock is None:
-    done = prof.parallel(jobs + kits)
-    compiled, kit_of = done[:len(jobs)], _split_kits(done[len(jobs):], n_alt)
+    compiled, done = prof.compile_pipelined(jobs, kits)
+    kit_of = _split_kits(done, n_alt)
     phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - t0
     _add_sums(phases, sums0)
     yield from _check_and_time(family, prof, work, cands, compiled, kit_of, phases,
@@ -87,10 +86,10 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
   # autotuners run kernels) compile, and everything is timed, under the lock.
   pallas = [impl == "pallas" and family.backend_of(c).kernel_cache
             for fns in cands for impl, c, _, _ in fns]
-  done = prof.parallel([j for j, q in zip(jobs, pallas) if q] + kits)
-  quiet, kit_of = iter(done[:sum(pallas)]), _split_kits(done[sum(pallas):], n_alt)
+  done, kits_done = prof.compile_pipelined([j for j, q in zip(jobs, pallas) if q], kits)
+  quiet, kit_of = iter(done), _split_kits(kits_done, n_alt)
   with prof.on_gpu():
-    loud = iter(prof.parallel([j for j, q in zip(jobs, pallas) if not q]))
+    loud = iter(prof.compile_pipelined([j for j, q in zip(jobs, pallas) if not q])[0])
     compiled = [next(quiet) if q else next(loud) for q in pallas]
     phases["compile"] = phases.get("compile", 0.0) + time.perf_counter() - t0
     _add_sums(phases, sums0)

@@ -119,23 +119,33 @@ def _count(kind: str, since: float) -> float:
   return now
 
 
-def _compile_quiet(fn, *shapes, options=None):
+def _lower_quiet(fn, *shapes):
   t = time.perf_counter()
-  with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    try:
-      lowered = jax.jit(fn).lower(*shapes)
-    finally:
-      t = _count("lowering", t)
-    try:
+  try:
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", category=DeprecationWarning)
+      return jax.jit(fn).lower(*shapes)
+  finally:
+    _count("lowering", t)
+
+
+def _compile_lowered(lowered, options=None):
+  t = time.perf_counter()
+  try:
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", category=DeprecationWarning)
       if options and jax.default_backend() == "gpu":
         try:
           return lowered.compile(options)
         except Exception:  # noqa: BLE001 - an XLA without the option: compile plainly
           pass
       return lowered.compile()
-    finally:
-      _count("compiling", t)
+  finally:
+    _count("compiling", t)
+
+
+def _compile_quiet(fn, *shapes, options=None):
+  return _compile_lowered(_lower_quiet(fn, *shapes), options)
 
 
 def kit_setup(spec, problem, key):
@@ -298,14 +308,65 @@ class Profiler:
       return flush(buf), fn(*args)
     return f
 
+  def lower(self, fn: Callable, args: Sequence):
+    """Lowers ``timed_fn(fn)`` for arrays or shapes ``args``."""
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    buf = jax.ShapeDtypeStruct((FLUSH_BYTES // 4,), jnp.float32)
+    return _lower_quiet(self.timed_fn(fn), buf, *shapes)
+
+  def compile_lowered(self, lowered):
+    """The executable of :meth:`lower`'s result."""
+    return _compile_lowered(lowered)
+
   def compile(self, fn: Callable, args: Sequence) -> tuple[object, float]:
     """Lowers and compiles ``timed_fn(fn)`` for arrays or shapes ``args``;
     returns (executable, seconds)."""
     t0 = time.perf_counter()
-    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
-    buf = jax.ShapeDtypeStruct((FLUSH_BYTES // 4,), jnp.float32)
-    exe = _compile_quiet(self.timed_fn(fn), buf, *shapes)
+    exe = self.compile_lowered(self.lower(fn, args))
     return exe, time.perf_counter() - t0
+
+  def compile_pipelined(self, jobs: Sequence[tuple[Callable, Sequence]],
+                        others: Sequence[Callable[[], object]] = ()) -> tuple[list, list]:
+    """``(executable, seconds)`` of :meth:`compile` for each ``(fn, args)``
+    of ``jobs`` (``(exception, seconds)`` where it failed), and the
+    tasks ``others``, in :attr:`threads` threads. One thread lowers the
+    jobs one after another and hands each to the pool to compile as soon as
+    it is lowered: lowering is Python, so threads lowering together only
+    share the GIL, and every lowering would end near the last one's end
+    before any compile began (a Mosaic GPU kernel lowers in about 0.3-0.6 s
+    and compiles in about 1 s on an H200's host; docs/results.md, "Compile
+    parallelism"). ``others`` start first. Returns ``(job results, other
+    results)``, a task's exception in its place, as :meth:`parallel`."""
+    def job(task):
+      try:
+        return task()
+      except Exception as e:  # noqa: BLE001 - any failure is recorded
+        return e
+
+    def finish(lowered, t0):
+      try:
+        return self.compile_lowered(lowered), time.perf_counter() - t0
+      except Exception as e:  # noqa: BLE001 - a failed config is recorded, not fatal
+        return e, time.perf_counter() - t0
+
+    with concurrent.futures.ThreadPoolExecutor(max(2, self.threads)) as pool:
+      rest = [pool.submit(job, t) for t in others]
+
+      def lower_all():
+        out = []
+        for fn, args in jobs:
+          t0 = time.perf_counter()
+          try:
+            lowered = self.lower(fn, args)
+          except Exception as e:  # noqa: BLE001 - a failed config is recorded, not fatal
+            out.append((e, time.perf_counter() - t0))
+            continue
+          out.append(pool.submit(finish, lowered, t0))
+        return out
+
+      lowered = pool.submit(lower_all).result()
+      done = [x.result() if isinstance(x, concurrent.futures.Future) else x for x in lowered]
+      return done, [f.result() for f in rest]
 
   @staticmethod
   def compile_kit(spec, problem, candidate: Callable | None = None) -> ProblemKit:
@@ -343,14 +404,6 @@ class Profiler:
 
     with concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
       return list(pool.map(job, tasks))
-
-  def compile_timed(self, fn: Callable, shapes: Sequence) -> tuple[object, float]:
-    """:meth:`compile`, returning ``(exception, seconds)`` on failure."""
-    t0 = time.perf_counter()
-    try:
-      return self.compile(fn, shapes)
-    except Exception as e:  # noqa: BLE001 - a failed config is recorded, not fatal
-      return e, time.perf_counter() - t0
 
   def time_compiled(self, exe, args: Sequence, out_bytes: int) -> list[float]:
     """Per-call microseconds of ``exe`` (flush kernels excluded)."""
@@ -438,7 +491,7 @@ class Profiler:
     # (compiling a baseline) launches kernels of its own, which CUPTI would
     # otherwise record inside a candidate's timing window.
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
-    compiled = self.parallel([functools.partial(self.compile_timed, f, shapes) for f in fns])
+    compiled, _ = self.compile_pipelined([(f, shapes) for f in fns])
     for i, (exe, compile_s) in enumerate(compiled):
       yield i, self.check_and_time(exe, compile_s, args, reference, tolerance, out_bytes, kit)
       compiled[i] = None
