@@ -451,6 +451,21 @@ def test_report_of_the_v3_run(capsys):
   by_lib = {r["lib"]: r for run in fu["runs"] if run["stage"] == 1 for r in run["rows"]}
   assert round(by_lib["xla"]["total_s"], 2) == 51.12
   assert round(by_lib["wt"]["total_s"], 2) == 7.53
+  # With the later calls (the GEMMs at 7,000 rows of six models, StarCoder2's
+  # attention at batch 5): the table's GEMM and attention rows.
+  later = [probes / f"unseen_v3_auto_{n}_h200.json"
+           for n in ("matmul_m7000", "matmul_m7000_b", "matmul_m7000_c", "attention_starcoder2")]
+  assert _mod().main(["--report", *map(str, files + later)]) == 0
+  out = capsys.readouterr().out
+  for line in ("matmul: wt vs base 1.015x geomean, min 0.987x, 0 of 93 below 0.97x",
+               "matmul: wt_tables vs base 0.999x geomean, min 0.962x, 2 of 93 below 0.97x",
+               "attention: wt vs base 1.021x geomean, min 0.977x, 0 of 32 below 0.97x",
+               "attention: wt_tables vs base 0.994x geomean, min 0.887x, 3 of 32 below 0.97x"):
+    assert line in out, line
+  m7000 = [r for f in later[:3] for r in json.loads(f.read_text())["rows"]]
+  assert len(m7000) == 24 and {r["config"]["backend"] for r in m7000} == {"xla"}
+  speed = [r["us"]["base"] / r["us"]["wt"] for r in m7000]
+  assert (round(min(speed), 3), round(max(speed), 3)) == (0.996, 1.015)
 
 
 def test_report_of_the_v3_quantized_runs(capsys):
