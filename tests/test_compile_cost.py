@@ -33,3 +33,35 @@ def test_compile_cost_small(tmp_path):
   # lowered) by the second.
   wt_cold, wt_warm = (r["rows"][-1]["kernel_cache"] for r in runs[2:])
   assert wt_warm["misses"] == 0 and wt_warm["loads"] == wt_cold["misses"], (wt_cold, wt_warm)
+
+
+def test_compile_parallel_args_and_recorded_mosaic_runs(capsys):
+  """``benchmarks/compile_parallel.py``: its argument errors, and the H200
+  runs of docs/results.md ("Compile parallelism"): Mosaic GPU kernels
+  compile 2.6-3.3x faster a config in 3 threads than in one, their
+  lowering does not overlap; JAX's persistent cache changes nothing."""
+  import pathlib
+  import re
+  import pytest
+  from bench_module import load_benchmark
+  mod = load_benchmark("compile_parallel")
+  for bad in (["--backend", "cudnn", "--family", "ragged_dot"], ["--threads", "0"],
+              ["--family", "conv"]):
+    with pytest.raises(SystemExit):
+      mod.parse_args(bad)
+    assert "error:" in capsys.readouterr().err
+  probes = pathlib.Path(__file__).parent.parent / "data" / "probes"
+  pat = re.compile(r"(\d+) thread\(s\): .* lowering ([\d.]+), compiling ([\d.]+)")
+
+  def runs(text):
+    return [(int(t), float(lo), float(c)) for t, lo, c in pat.findall(text)]
+
+  ratio = {}
+  for kernel in ("ragged_dot", "matmul", "attention"):
+    (t3, lo3, c3), (t1, lo1, c1) = runs(
+        (probes / f"compile_parallel_mosaic_{kernel}_h200.txt").read_text())
+    assert (t3, t1) == (3, 1)
+    ratio[kernel] = round(c1 / c3, 1)
+  assert ratio == {"ragged_dot": 2.6, "matmul": 2.7, "attention": 3.3}
+  cached = runs((probes / "compile_parallel_mosaic_caches_h200.txt").read_text())
+  assert [c for t, _, c in cached if t == 3] == [0.419, 0.411, 0.789]

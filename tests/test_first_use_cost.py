@@ -304,3 +304,32 @@ def test_first_use_is_mostly_compiling_on_record(capsys):
     rows = {r["family"]: r for r in json.load(f)["summary"]}
   assert round(rows["ragged_dot"]["wt_first_s"], 2) == 7.88
   assert round(rows["ragged_dot"]["xla_first_s"], 2) == 2.21
+
+
+@pytest.mark.parametrize("name,lines", [
+    ("first_use_rd_sums_h200.json",
+     ["ragged_dot m=2200 g=8 k=4096 n=28672                                     7.50 [6.20]"
+      "            2.20",
+      "compile 5.68 s, lowering summed 6.06 s, compiling summed 6.42 s, setup 0.32 s, "
+      "check and time 0.17 s"]),
+    ("first_use_rd_tables_h200.json",
+     ["ragged_dot m=2200 g=8 k=4096 n=28672                                     2.04 [0.00]"
+      "            2.03"]),
+    ("first_use_attn_decode_h200.json",
+     ["compile 1.93 s, setup 0.01 s, check and time 0.35 s",
+      "compile 2.46 s, setup 0.01 s, check and time 0.51 s"]),
+    ("first_use_pipelined_h200.json",
+     ["compile 1.36 s, lowering summed 0.35 s, compiling summed 2.64 s",
+      "compile 1.92 s, lowering summed 0.66 s, compiling summed 5.00 s",
+      "compile 2.20 s, lowering summed 1.30 s, compiling summed 6.79 s",
+      "compile 6.17 s, lowering summed 2.74 s, compiling summed 10.70 s"]),
+    ("first_use_rd_nokc_h200.json",
+     ["compile 6.39 s, lowering summed 2.99 s, compiling summed 11.40 s"]),
+])
+def test_first_use_by_phase_on_record(name, lines, capsys):
+  """docs/results.md ("On an H200", "Where the compile phase goes"): the
+  recorded H200 runs as the script prints them."""
+  assert fuc.main(["--from-json", os.path.join(ROOT, "data", "e2e", name)]) == 0
+  out = capsys.readouterr().out
+  for line in lines:
+    assert line in out, line

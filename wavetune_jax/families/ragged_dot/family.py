@@ -125,8 +125,8 @@ class RaggedDotFamily(Family):
   #: GEMM instead of its dense form (openxla/xla PR 42313).
   CUDNN_GROUPED_GEMM = xla_backend.CUDNN_GROUPED_GEMM
   #: First use measures the wave model's top 2, not 3: its candidates are
-  #: Mosaic kernels, which compile one at a time (about 2 s each on an H200;
-  #: 6.0 s of a new problem's 6.5 s of measuring), and in the held-out
+  #: Mosaic kernels, each about 2 s of a first use on an H200 (6.0 s of a
+  #: new problem's 6.5 s of measuring was compiling), and in the held-out
   #: replay of both GPUs' sweeps (``benchmarks/guard_radius.py --top-k 2``,
   #: seeds 0-4) k = 2 measures 3.2 configs against 4.0-4.1 and keeps 0.997-0.998
   #: of the oracle against 0.998-0.999, none below the platform op.
