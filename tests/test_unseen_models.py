@@ -499,6 +499,9 @@ def test_report_of_the_v3_quantized_runs(capsys):
       ("qmatmul", "unseen_v3_auto_qmatmul_w8a8_m5_h200.json",
        ("qmatmul: wt vs base 1.104x geomean, min 0.976x, 0 of 32 below 0.97x",
         "qmatmul: wt_tables vs base 1.003x geomean, min 0.970x, 1 of 32 below 0.97x")),
+      ("qmatmul", "unseen_v3_auto_qmatmul_int8_m450_h200.json",
+       ("qmatmul: wt vs base 0.999x geomean, min 0.978x, 0 of 35 below 0.97x",
+        "qmatmul: wt_tables vs base 1.001x geomean, min 0.973x, 0 of 35 below 0.97x")),
       ("qmatmul", "unseen_v3_auto_qmatmul_w8a8_m450_h200.json",
        ("qmatmul: wt vs base 1.000x geomean, min 0.977x, 0 of 16 below 0.97x",
         "first use of wt (trace, compile, first call): median 3.23 s, max 16.18 s over 16 "
