@@ -128,7 +128,7 @@ def test_gpu_backend_logs_checks_and_resumes(tmp_path, monkeypatch):
     assert us == (None if c == bad else pytest.approx(synthetic_us(p, c)))
   phases = backend.phase_seconds
   assert set(phases) == {"compile", "setup", "check_and_time", "lowering_summed",
-                         "compiling_summed"}
+                         "compiling_summed", "compiling_candidates_summed"}
   # every program compiled lowers and compiles; threads may overlap them
   assert phases["lowering_summed"] > 0 and phases["compiling_summed"] > 0
   _, rows = sweep.read_sweep(log_path)

@@ -100,10 +100,11 @@ def measure_points(family: Family, prof: Profiler, work: Sequence[tuple], *,
 def _add_sums(phases: dict, before: dict) -> None:
   """Adds the compile phase's seconds summed over its programs and threads
   (:func:`~wavetune_jax.tuning.profiler.compile_totals`, since ``before``)
-  as ``"lowering_summed"`` and ``"compiling_summed"``: next to the phase's
-  wall seconds they show how much the threads overlapped."""
+  as ``"lowering_summed"``, ``"compiling_summed"`` and, of the latter,
+  ``"compiling_candidates_summed"``: next to the phase's wall seconds they
+  show how much the threads overlapped, and which programs took the time."""
   after = compile_totals()
-  for k in ("lowering", "compiling"):
+  for k in ("lowering", "compiling", "compiling_candidates"):
     phases[f"{k}_summed"] = phases.get(f"{k}_summed", 0.0) + after[k] - before[k]
 
 

@@ -99,15 +99,18 @@ _NO_AUTOTUNE = {"xla_gpu_autotune_level": 0}
 
 
 _totals_lock = threading.Lock()
-_totals = {"lowering": 0.0, "compiling": 0.0}
+_totals = {"lowering": 0.0, "compiling": 0.0, "compiling_candidates": 0.0}
 
 
 def compile_totals() -> dict:
   """Seconds this process has spent in the profiler's compiles, summed over
   its programs and threads: ``lowering`` (tracing and lowering to the module
   XLA compiles, Python) and ``compiling`` (XLA's compile, a Mosaic GPU
-  kernel's own compile to a cubin inside it). Threads overlap them, so the
-  sums may pass the wall time; a diagnostic (``benchmarks/first_use_cost.py``)."""
+  kernel's own compile to a cubin inside it), and of those
+  ``compiling_candidates`` (the candidates', :meth:`Profiler.compile_lowered`;
+  the rest are the problems' inputs, references and checks). Threads overlap
+  them, so the sums may pass the wall time; a diagnostic
+  (``benchmarks/first_use_cost.py``)."""
   with _totals_lock:
     return dict(_totals)
 
@@ -316,7 +319,11 @@ class Profiler:
 
   def compile_lowered(self, lowered):
     """The executable of :meth:`lower`'s result."""
-    return _compile_lowered(lowered)
+    t = time.perf_counter()
+    try:
+      return _compile_lowered(lowered)
+    finally:
+      _count("compiling_candidates", t)
 
   def compile(self, fn: Callable, args: Sequence) -> tuple[object, float]:
     """Lowers and compiles ``timed_fn(fn)`` for arrays or shapes ``args``;
