@@ -336,7 +336,7 @@ class Profiler:
                         others: Sequence[Callable[[], object]] = ()) -> tuple[list, list]:
     """``(executable, seconds)`` of :meth:`compile` for each ``(fn, args)``
     of ``jobs`` (``(exception, seconds)`` where it failed), and the
-    tasks ``others``, in :attr:`threads` threads. One thread lowers the
+    tasks ``others``, in :attr:`threads` threads (at least 2). One thread lowers the
     jobs one after another and hands each to the pool to compile as soon as
     it is lowered: lowering is Python, so threads lowering together only
     share the GIL, and every lowering would end near the last one's end
