@@ -4,7 +4,9 @@ The op is ``wt.ragged_dot``.
 
 The work list (:mod:`pallas_kernels.ragged_dot.worklist`) is built from the
 group sizes on the device by small XLA ops before each grouped GEMM: the
-family's clip of the sizes, then the row tasks. Its running sums are masked
+row tasks, which saturate the sizes' running sum themselves (the op clips
+each size in front of them, an elementwise op; this script still times
+``clip_sizes`` in front, as the op ran when these lists were measured). Its running sums are masked
 reductions or ``cumsum``s, and each task reads its group's values by one
 telescoping reduction or by ``searchsorted`` and gathers (the module's
 ``MASKED_SUMS_FROM`` and ``TELESCOPED_FROM`` pick by the number of groups):

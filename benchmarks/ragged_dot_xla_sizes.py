@@ -1,10 +1,10 @@
 """What the op's handling of the group sizes costs in front of XLA's ragged dot.
 
-``wt.ragged_dot`` clips the group sizes before any backend runs (each to
-``[0, M]``, the running sum saturated at ``M``: ``worklist.clip_sizes``), so
-every backend sees the same groups. Where the selector keeps XLA's ragged dot
-(few experts at decode sizes) those small XLA ops run in front of it on
-every call. Per problem, on one GPU (CUPTI, L2 flushed, each output checked
+``wt.ragged_dot`` clips each group size to ``[0, M]`` before any backend
+runs; in front of XLA's dense ragged dot (a GPU with a cuDNN older than
+9.22) that elementwise clip is all (it once also saturated the running sum
+at ``M``, a few small XLA ops). Where the selector keeps XLA's ragged dot
+(few experts at decode sizes) it runs on every call. Per problem, on one GPU (CUPTI, L2 flushed, each output checked
 against the float32 reference on a balanced router's sizes):
 
 * ``lax``: ``lax.ragged_dot`` on the sizes as given (what a user writes);
@@ -70,9 +70,14 @@ def main(argv=None) -> int:
     rows.append({"problem": [g, m, k, n], "us": dict(zip(("lax", "op", "clip"), us))})
   checks = check_sizes(a.problems or PROBLEMS)
   if a.json:
+    from wavetune_jax.core import versions
+    from wavetune_jax.families.ragged_dot import xla as xla_backend
     with open(a.json, "w") as f:
-      json.dump({"device_kind": jax.devices()[0].device_kind, "rows": rows, "checks": checks},
-                f, indent=1)
+      json.dump({"device_kind": jax.devices()[0].device_kind, "versions": versions.current(),
+                 # True: the op put no running sum in front of XLA's ragged dot
+                 "elementwise_clip_only": xla_backend.cudnn_below(
+                     xla_backend.CUDNN_GROUPED_GEMM) is True,
+                 "rows": rows, "checks": checks}, f, indent=1)
   return 0 if all(c["ok"] for c in checks) else 1
 
 
@@ -85,9 +90,13 @@ def odd_sizes(g: int, m: int) -> dict:
           "one short, then past": [m - 1, -m] + [m] * (g - 2)}
 
 
-def check_sizes(problems) -> list[dict]:
-  """The op (XLA's config and the Mosaic rule's, pinned) on :func:`odd_sizes`
-  against the float32 reference on the clipped sizes."""
+def check_sizes(problems, backends=None) -> list[dict]:
+  """The op (XLA's config and the Mosaic rule's, pinned; on a GPU those it
+  has) on :func:`odd_sizes` against the float32 reference on the clipped
+  sizes."""
+  if backends is None:
+    has = {b.name for b in RAGGED_DOT.available(wt.detect())}
+    backends = [b for b in ("xla", "mosaic") if b in has]
   out = []
   print(f"\n{'G x M, K, N':<26}{'sizes':<24}{'backend':<9}{'rel err':>10}{'tol':>9}")
   for g, m, k, n in problems:
@@ -97,7 +106,7 @@ def check_sizes(problems) -> list[dict]:
     for name, sizes in odd_sizes(g, m).items():
       sizes = jnp.asarray(sizes, jnp.int32)
       ref = RAGGED_DOT.reference(p, x, w, sizes)
-      for backend in ("xla", "mosaic"):
+      for backend in backends:
         try:
           y = jax.jit(lambda x, w, s, b=backend: wt.ragged_dot(x, w, s, config={"backend": b}))(
               x, w, sizes)

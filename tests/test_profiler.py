@@ -350,7 +350,7 @@ def test_compile_pipelined_lowers_in_one_thread_and_compiles_each_once_lowered()
       events.append(("lower", fn, threading.get_ident(), time.perf_counter()))
       if fn == "bad":
         raise ValueError("cannot lower")
-      time.sleep(0.05)
+      time.sleep(0.2)
       return fn
 
     def compile_lowered(self, lowered):
@@ -364,7 +364,8 @@ def test_compile_pipelined_lowers_in_one_thread_and_compiles_each_once_lowered()
       [("a", ()), ("bad", ()), ("fails", ()), ("b", ())], [lambda: 1, lambda: 1 / 0])
   assert [d[0] for d in (done[0], done[3])] == ["A", "B"]
   assert isinstance(done[1][0], ValueError) and isinstance(done[2][0], RuntimeError)
-  assert all(s >= 0 for _, s in done)
+  # a job's seconds are its lowering and compile, not its wait for a thread
+  assert all(0 <= s < 1.5 for _, s in done)
   assert others[0] == 1 and isinstance(others[1], ZeroDivisionError)
   lowers = [e for e in events if e[0] == "lower"]
   assert [e[1] for e in lowers] == ["a", "bad", "fails", "b"]

@@ -1320,6 +1320,36 @@ def test_xla_sizes_benchmark_args_and_recorded_run(capsys):
   assert (round(min(extra), 1), round(max(extra), 1)) == (0.9, 5.6)
 
 
+def test_xla_sizes_benchmark_checks_odd_sizes_on_the_no_running_sum_path(monkeypatch, capsys):
+  """The benchmark's odd-size check, run on a CPU through the path a GPU
+  with cuDNN older than 9.22 takes (XLA's ragged dot on sizes each clipped,
+  no running sum; the CPU's lax.ragged_dot standing in for the GPU's dense
+  form): every kind right, and a wrong path would be caught (sizes handed
+  over unclipped give wrong rows)."""
+  from bench_module import load_benchmark
+  from wavetune_jax.families.ragged_dot import xla as xla_backend
+  from wavetune_jax.families.ragged_dot.xla import XlaRaggedDot
+  mod = load_benchmark("ragged_dot_xla_sizes")
+  monkeypatch.setattr(xla_backend, "cudnn_below", lambda bound: True)
+  run = XlaRaggedDot.run
+
+  def on_a_gpu(self, p, config, lhs, rhs, sizes, *, interpret=False):
+    return run(self, p, config, lhs, rhs, sizes, interpret=False)
+  monkeypatch.setattr(XlaRaggedDot, "run", on_a_gpu)
+  checks = mod.check_sizes([(4, 24, 16, 8)], backends=("xla",))
+  assert len(checks) == 4 and all(c["ok"] for c in checks), checks
+  # the same check fails where the op's clip is taken away
+  from wavetune_jax.core.family import Call
+  bind = RAGGED_DOT.bind
+
+  def unclipped(lhs, rhs, group_sizes, **kw):
+    call = bind(lhs, rhs, group_sizes, **kw)
+    return Call(call.problem, (lhs, rhs, group_sizes), {})
+  monkeypatch.setattr(RAGGED_DOT, "bind", unclipped)
+  assert not all(c["ok"] for c in mod.check_sizes([(4, 24, 16, 8)], backends=("xla",)))
+  capsys.readouterr()
+
+
 def test_xla_sizes_benchmark_run_since_the_elementwise_clip():
   """The H200 run since the op hands XLA's ragged dot each size clipped and
   nothing more (docs/results.md): 0.964-1.015x ``lax.ragged_dot``, the op

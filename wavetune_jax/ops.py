@@ -310,7 +310,9 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dt
       ``lax.ragged_dot``; sizes that sum past ``M`` are clipped at ``M`` and
       negative sizes count as 0 (``lax.ragged_dot`` leaves both undefined):
       each size is clipped to ``[0, M]`` in its own dtype, so a uint32
-      ``4294967295`` is ``M``, not -1. Rows past the sum are exactly zero,
+      ``4294967295`` is ``M``, not -1. (The XLA backend on a GPU decides how
+      by the cuDNN of the process that traces: trace a program exported or
+      compiled ahead of time on a machine of the cuDNN it will run with.) Rows past the sum are exactly zero,
       whatever ``lhs`` and ``rhs`` hold, on the Pallas backends and on the
       XLA backend on a CPU (on a GPU the XLA backend is ``lax.ragged_dot`` as
       XLA lowers it, with nothing added). NaN or Inf in one

@@ -10,7 +10,8 @@ of 10 rows costs one task, not two, wherever it starts.
 The rows past ``sum(group_sizes)`` form one more group, the *tail*, whose
 tasks store zeros (what ``lax.ragged_dot`` returns there). Group sizes past
 ``M`` in total are clipped at ``M``; negative sizes count as 0
-(:func:`clip_sizes`, which every backend's sizes go through).
+(:func:`clip_sizes`: the work lists saturate the running sum themselves,
+whatever sizes they are given).
 
 Everything is computed from ``group_sizes`` at run time by a few small XLA
 ops, vectorised (no loop over the groups), into one int32 array

@@ -103,7 +103,10 @@ def stats() -> dict:
   """``{"measured": problems measured by this process, "seconds": wall
   seconds they took, "reused": decisions read from the store, "dropped":
   candidates that failed, "phases": wall seconds by measuring phase
-  (compile, setup, check_and_time)}``."""
+  (compile, setup, check_and_time) and, of the compile phase, its
+  programs' lowering and XLA-compile seconds summed over them (and over
+  the threads that overlap them: lowering_summed, compiling_summed,
+  compiling_candidates_summed)}``."""
   return {**_stats, "phases": dict(_stats["phases"])}
 
 
@@ -405,7 +408,9 @@ def measure_candidates(spec: Family, problem, configs: list, platform,
 
   from wavetune_jax.tuning import measure
   prof = _profiler()
-  prof.threads = min(8, len(configs))
+  # A thread for each program measuring compiles: the candidates, and the
+  # problem's inputs and reference, and each mix's (lowering has its own)
+  prof.threads = min(8, len(configs) + 1 + len(spec.refine_mixes(problem)))
   try:
     with jax.ensure_compile_time_eval():
       rows = list(measure.measure_points(spec, prof, [(problem, configs)], mixes=True,

@@ -107,8 +107,9 @@ def compile_totals() -> dict:
   its programs and threads: ``lowering`` (tracing and lowering to the module
   XLA compiles, Python) and ``compiling`` (XLA's compile, a Mosaic GPU
   kernel's own compile to a cubin inside it), and of those
-  ``compiling_candidates`` (the candidates', :meth:`Profiler.compile_lowered`;
-  the rest are the problems' inputs, references and checks). Threads overlap
+  ``compiling_candidates`` (the programs timed: candidates, baselines;
+  :meth:`Profiler.compile_lowered`; the rest are the problems' inputs,
+  references and checks). Threads overlap
   them, so the sums may pass the wall time; a diagnostic
   (``benchmarks/first_use_cost.py``)."""
   with _totals_lock:
@@ -122,12 +123,21 @@ def _count(kind: str, since: float) -> float:
   return now
 
 
-def _lower_quiet(fn, *shapes):
+@contextlib.contextmanager
+def _quiet_compiles():
+  """Filters deprecation warnings while programs lower and compile. Python's
+  warning filters are the process's: a pool's calling thread holds this
+  around the whole pool (threads that each entered and left it would
+  restore each other's filters out of order)."""
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    yield
+
+
+def _lower_program(fn, *shapes):
   t = time.perf_counter()
   try:
-    with warnings.catch_warnings():
-      warnings.filterwarnings("ignore", category=DeprecationWarning)
-      return jax.jit(fn).lower(*shapes)
+    return jax.jit(fn).lower(*shapes)
   finally:
     _count("lowering", t)
 
@@ -135,20 +145,18 @@ def _lower_quiet(fn, *shapes):
 def _compile_lowered(lowered, options=None):
   t = time.perf_counter()
   try:
-    with warnings.catch_warnings():
-      warnings.filterwarnings("ignore", category=DeprecationWarning)
-      if options and jax.default_backend() == "gpu":
-        try:
-          return lowered.compile(options)
-        except Exception:  # noqa: BLE001 - an XLA without the option: compile plainly
-          pass
-      return lowered.compile()
+    if options and jax.default_backend() == "gpu":
+      try:
+        return lowered.compile(options)
+      except Exception:  # noqa: BLE001 - an XLA without the option: compile plainly
+        pass
+    return lowered.compile()
   finally:
     _count("compiling", t)
 
 
-def _compile_quiet(fn, *shapes, options=None):
-  return _compile_lowered(_lower_quiet(fn, *shapes), options)
+def _compile_program(fn, *shapes, options=None):
+  return _compile_lowered(_lower_program(fn, *shapes), options)
 
 
 def kit_setup(spec, problem, key):
@@ -315,7 +323,7 @@ class Profiler:
     """Lowers ``timed_fn(fn)`` for arrays or shapes ``args``."""
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
     buf = jax.ShapeDtypeStruct((FLUSH_BYTES // 4,), jnp.float32)
-    return _lower_quiet(self.timed_fn(fn), buf, *shapes)
+    return _lower_program(self.timed_fn(fn), buf, *shapes)
 
   def compile_lowered(self, lowered):
     """The executable of :meth:`lower`'s result."""
@@ -329,20 +337,22 @@ class Profiler:
     """Lowers and compiles ``timed_fn(fn)`` for arrays or shapes ``args``;
     returns (executable, seconds)."""
     t0 = time.perf_counter()
-    exe = self.compile_lowered(self.lower(fn, args))
+    with _quiet_compiles():
+      exe = self.compile_lowered(self.lower(fn, args))
     return exe, time.perf_counter() - t0
 
   def compile_pipelined(self, jobs: Sequence[tuple[Callable, Sequence]],
                         others: Sequence[Callable[[], object]] = ()) -> tuple[list, list]:
     """``(executable, seconds)`` of :meth:`compile` for each ``(fn, args)``
-    of ``jobs`` (``(exception, seconds)`` where it failed), and the
-    tasks ``others``, in :attr:`threads` threads (at least 2). One thread lowers the
-    jobs one after another and hands each to the pool to compile as soon as
-    it is lowered: lowering is Python, so threads lowering together only
-    share the GIL, and every lowering would end near the last one's end
-    before any compile began (a Mosaic GPU kernel lowers in about 0.3-0.6 s
-    and compiles in about 1 s on an H200's host; docs/results.md, "Compile
-    parallelism"). ``others`` start first. Returns ``(job results, other
+    of ``jobs`` (``(exception, seconds)`` where it failed; the seconds are
+    its lowering and its compile, not its wait for a thread), and the tasks
+    ``others``. One thread of its own lowers the jobs one after another and
+    hands each to :attr:`threads` threads to compile as soon as it is
+    lowered, where ``others`` run too: lowering is Python, so threads
+    lowering together only share the GIL, and every lowering would end near
+    the last one's end before any compile began (a Mosaic GPU kernel lowers
+    in about 0.3-0.6 s and compiles in about 1 s on an H200's host;
+    docs/results.md, "Compile parallelism"). Returns ``(job results, other
     results)``, a task's exception in its place, as :meth:`parallel`."""
     def job(task):
       try:
@@ -350,14 +360,16 @@ class Profiler:
       except Exception as e:  # noqa: BLE001 - any failure is recorded
         return e
 
-    def finish(lowered, t0):
+    def finish(lowered, lower_s):
+      t0 = time.perf_counter()
       try:
-        return self.compile_lowered(lowered), time.perf_counter() - t0
+        return self.compile_lowered(lowered), lower_s + time.perf_counter() - t0
       except Exception as e:  # noqa: BLE001 - a failed config is recorded, not fatal
-        return e, time.perf_counter() - t0
+        return e, lower_s + time.perf_counter() - t0
 
-    with concurrent.futures.ThreadPoolExecutor(max(2, self.threads)) as pool:
-      rest = [pool.submit(job, t) for t in others]
+    with _quiet_compiles(), \
+        concurrent.futures.ThreadPoolExecutor(max(1, self.threads)) as pool, \
+        concurrent.futures.ThreadPoolExecutor(1) as lowering:
 
       def lower_all():
         out = []
@@ -368,11 +380,15 @@ class Profiler:
           except Exception as e:  # noqa: BLE001 - a failed config is recorded, not fatal
             out.append((e, time.perf_counter() - t0))
             continue
-          out.append(pool.submit(finish, lowered, t0))
+          out.append(pool.submit(finish, lowered, time.perf_counter() - t0))
         return out
 
-      lowered = pool.submit(lower_all).result()
-      done = [x.result() if isinstance(x, concurrent.futures.Future) else x for x in lowered]
+      # (the lowering is queued first: it feeds the compiles; others wait
+      # for a compile thread, not for the lowering)
+      lowered = lowering.submit(lower_all)
+      rest = [pool.submit(job, t) for t in others]
+      done = [x.result() if isinstance(x, concurrent.futures.Future) else x
+              for x in lowered.result()]
       return done, [f.result() for f in rest]
 
   @staticmethod
@@ -395,9 +411,9 @@ class Profiler:
     out_bytes = 4 * math.prod(ref_s.shape)
     n = max(1, out_bytes // 4)
     return ProblemKit(
-        setup=_compile_quiet(setup, key, options=_NO_AUTOTUNE),
-        check=_compile_quiet(_err_parts, out_s, ref_s),
-        poison=_compile_quiet(lambda: jnp.full((n,), jnp.nan, jnp.float32)),
+        setup=_compile_program(setup, key, options=_NO_AUTOTUNE),
+        check=_compile_program(_err_parts, out_s, ref_s),
+        poison=_compile_program(lambda: jnp.full((n,), jnp.nan, jnp.float32)),
         out_bytes=out_bytes, compile_s=time.perf_counter() - t0)
 
   def parallel(self, tasks: Sequence[Callable[[], object]]) -> list:
@@ -409,7 +425,7 @@ class Profiler:
       except Exception as e:  # noqa: BLE001 - any failure is recorded
         return e
 
-    with concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
+    with _quiet_compiles(), concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
       return list(pool.map(job, tasks))
 
   def time_compiled(self, exe, args: Sequence, out_bytes: int) -> list[float]:

@@ -411,7 +411,7 @@ def tune(spec: Family, hw: Hardware, pool: Sequence, measurer, *, budget: int | 
   phases = getattr(measurer, "phase_seconds", None)
   if phases:
     prov["phase_seconds"] = {k: round(v, 1) for k, v in phases.items()}
-    say("GPU tune wall seconds by phase: "
+    say("GPU tune seconds by phase (wall; *_summed: over programs and threads): "
         + ", ".join(f"{k} {v:.0f}" for k, v in phases.items()))
   prov.update(provenance or {})
   points = [(p, c, us) for (p, c), us in measured.items()]

@@ -192,7 +192,8 @@ class RaggedDotFamily(Family):
     """Checks ``lhs [M, K]``, ``rhs [G, K, N]`` and ``group_sizes [G]``."""
     lhs, rhs = operand("lhs", lhs), operand("rhs", rhs)
     # group_sizes stays as given (NumPy's 64-bit integers included) until
-    # clip_sizes clips it: jnp.asarray would wrap them to 32 bits.
+    # clipped_int32 clips it in its own dtype: jnp.asarray would wrap them
+    # to 32 bits.
     gs_shape, gs_dtype = shape_and_dtype(group_sizes, name="group_sizes")
     if lhs.ndim != 2:
       raise ValueError(f"lhs must have rank 2 ([M, K]); got lhs.shape={lhs.shape}")

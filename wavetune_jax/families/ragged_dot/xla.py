@@ -60,7 +60,9 @@ class XlaRaggedDot(OneConfigBackend):
     # overflowing int32, sizes summing past M are already the groups cut at
     # row M, and the op adds nothing in front of it. Elsewhere (cuDNN's
     # grouped GEMM, a CPU, sums that could overflow) the running sum is
-    # saturated at M first.
+    # saturated at M first. The cuDNN is the tracing process's: a program
+    # exported or compiled ahead of time for a machine with a newer cuDNN
+    # takes the first path (ops.ragged_dot's docstring).
     if interpret or p.g * p.m > INT32_MAX or not cudnn_below(CUDNN_GROUPED_GEMM):
       group_sizes = clip_sizes(group_sizes, p.m)
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes,
