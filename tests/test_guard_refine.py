@@ -754,3 +754,21 @@ def test_the_grouped_gemm_measures_the_models_top_two_at_first_use(capsys):
     refine.candidates = original
   k2, k3, drop = cands[""], cands["--top-k 3"], cands["--top-k 3 --drop-stage-variants"]
   assert all(a < b for a, b in zip(k2, k3)) and all(a < b for a, b in zip(drop, k3))
+
+
+def test_first_use_says_at_info_when_it_measures_and_what_it_kept(measuring, caplog):
+  """The ``wavetune_jax`` logger at INFO: one line as a first use starts
+  measuring (the problem, the GPU, the candidates, where the decision is
+  kept) and one when it is done; a later use of the stored decision says
+  nothing."""
+  import logging
+  calls, result, _ = measuring
+  p = MatmulProblem(m=1100, n=4096, k=2048)
+  with caplog.at_level(logging.INFO, logger="wavetune_jax"), wt.policy("refine"):
+    wt.select("matmul", p, H100)
+    wt.select("matmul", p, H100)
+  lines = [r.getMessage() for r in caplog.records if r.name == "wavetune_jax"]
+  assert len(calls) == 1 and len(lines) == 2, lines
+  assert lines[0].startswith(f"wavetune_jax: first use of matmul {MATMUL.problem_key(p)} on ")
+  assert "measuring" in lines[0] and "refined-matmul-" in lines[0]
+  assert lines[1].startswith("wavetune_jax: first use of matmul") and " us in " in lines[1]

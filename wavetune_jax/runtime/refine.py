@@ -57,6 +57,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import os
 import tempfile
@@ -69,6 +70,10 @@ from wavetune_jax.core import versions
 from wavetune_jax.core.family import Family
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.runtime import guard
+
+#: Says, at INFO, when a first use measures and what it kept
+#: (``logging.getLogger("wavetune_jax").setLevel(logging.INFO)``).
+_log = logging.getLogger("wavetune_jax")
 
 __all__ = ["TOP_K", "top_k", "ITERATIONS", "MARGIN", "candidates", "pick", "choose", "dominating",
            "Store", "stats", "measure_candidates"]
@@ -531,6 +536,9 @@ def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
       _stats["reused"] += 1
       return hit[0], hit[1], "measured on this GPU at first use (stored)"
     t0 = time.perf_counter()
+    _log.info("wavetune_jax: first use of %s %s on %s: measuring %d candidates (kept in %s)",
+              spec.name, spec.problem_key(problem), hw.name, len(cands),
+              st.path or "this process only")
     try:
       out = measure_candidates(spec, problem, cands, plat if plat in cands else None,
                                anchors=anchors)
@@ -562,6 +570,11 @@ def refine(spec: Family, problem, hw: Hardware, decider, base, folder):
       _warn(("dropped", spec.name), f"wavetune_jax: first-use measurement dropped "
                                     f"{len(failed)} {spec.name} candidate(s) of "
                                     f"{spec.problem_key(problem)} that failed ({names})")
+    _log.info("wavetune_jax: first use of %s %s: %s in %.1f s", spec.name,
+              spec.problem_key(problem),
+              "kept the table's answer" if out.config is None else
+              f"kept {spec.config_to_dict(out.config)} at {out.us:.1f} us",
+              time.perf_counter() - t0)
     if out.config is None:
       return None
     st.put(problem, out.config, out.us, out.platform_us)

@@ -40,7 +40,6 @@ import atexit
 import contextlib
 import dataclasses
 import itertools
-import logging
 import os
 import threading
 import time
@@ -66,7 +65,6 @@ __all__ = ["POLICIES", "Selection", "select", "set_policy", "policy", "use_confi
 POLICIES = ("auto", "refine", "tables", "heuristic", "fixed", "exhaustive")
 _BLOCK = 64  # size buckets evaluated together for a new weight
 
-_log = logging.getLogger("wavetune_jax")
 
 
 @dataclasses.dataclass(frozen=True)
