@@ -37,9 +37,10 @@ dequantized operands, and the timing are the same.
 Needs tokamax (and its dependencies) importable; on a machine without
 network, install its wheels with ``pip install --no-index --no-deps --target``.
 tokamax 0.0.12 calls ``plgpu.kernel(out_shape=..., scratch_shapes=...)``,
-which JAX 0.11 renamed to ``out_type`` / ``scratch_types``; where the
-installed JAX has the new names, :func:`jax_compat` renames the arguments
-(and says so) so that its kernels compile unchanged.
+which JAX 0.11 renamed to ``out_type`` / ``scratch_types``, and
+``plgpu.untile_ref`` / ``unswizzle_ref``, which JAX 0.10.2 deleted;
+:func:`jax_compat` adapts the installed JAX (and says so) so that its
+kernels compile unchanged.
 
     python3 benchmarks/ragged_dot_tokamax.py [--quick] [--weights bf16|int8] [--json out.json]
 """
@@ -94,16 +95,27 @@ def tokamax_qarray(w, scales):
 
 
 def jax_compat() -> bool:
-  """Renames tokamax's ``plgpu.kernel`` arguments to this JAX's names where
-  they differ; True if it did."""
+  """Adapts this JAX to what tokamax 0.0.12's kernels call, where it differs;
+  True if it changed anything: ``plgpu.kernel``'s ``out_shape`` /
+  ``scratch_shapes`` arguments renamed to this JAX's ``out_type`` /
+  ``scratch_types``, and ``plgpu.untile_ref`` / ``plgpu.unswizzle_ref``
+  (deleted from Pallas in JAX 0.10.2: its quantized kernel's epilogue uses
+  them) put back as the ``transform_ref`` calls they were."""
   import inspect
 
+  from jax._src.pallas.mosaic_gpu import core as mgpu_core
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
+  changed = False
+  for name, transform in (("untile_ref", "UntilingTransform"), ("unswizzle_ref", "UnswizzleRef")):
+    if not hasattr(plgpu, name) and hasattr(mgpu_core, transform):
+      cls = getattr(mgpu_core, transform)
+      setattr(plgpu, name, lambda ref, arg, cls=cls: plgpu.transform_ref(ref, cls(arg)))
+      changed = True
   params = inspect.signature(plgpu.kernel).parameters
   if (getattr(plgpu.kernel, "_renamed_for_tokamax", False) or "out_shape" in params
       or "out_type" not in params):
-    return False
+    return changed
   kernel = plgpu.kernel
 
   @functools.wraps(kernel)
@@ -189,8 +201,9 @@ def main(argv=None) -> int:
   print(dev.device_kind, "jax", jax.__version__, "tokamax",
         importlib.metadata.version("tokamax"), flush=True)
   if jax_compat():
-    print("plgpu.kernel(out_shape=, scratch_shapes=) renamed to this JAX's out_type=, "
-          "scratch_types= for tokamax", flush=True)
+    print("this JAX adapted to tokamax's kernels (plgpu.kernel's out_shape=, scratch_shapes= "
+          "renamed to out_type=, scratch_types=; plgpu.untile_ref, unswizzle_ref put back "
+          "where missing)", flush=True)
   weights = load_suite("train")["grouped_gemm"]["weights"]
   prof = profiler.Profiler(iterations=a.iterations)
   out = {"device_kind": dev.device_kind, "jax": jax.__version__, "weights": a.weights,

@@ -526,6 +526,9 @@ def test_tokamax_benchmark_without_tokamax_and_kernel_renames(monkeypatch, capsy
     seen.update(out_type=out_type, scratch_types=scratch_types, grid=grid)
 
   monkeypatch.setattr(plgpu, "kernel", new_kernel)
+  for name in ("untile_ref", "unswizzle_ref"):   # (gone after the test either way)
+    monkeypatch.setattr(plgpu, name, None, raising=False)
+    monkeypatch.delattr(plgpu, name)
   assert mod.jax_compat() and not mod.jax_compat()  # once
   plgpu.kernel(None, out_shape="o", scratch_shapes="s", grid=(2,))
   assert seen == {"out_type": "o", "scratch_types": "s", "grid": (2,)}
@@ -535,6 +538,15 @@ def test_tokamax_benchmark_without_tokamax_and_kernel_renames(monkeypatch, capsy
 
   monkeypatch.setattr(plgpu, "kernel", old_kernel)
   assert not mod.jax_compat() and plgpu.kernel is old_kernel
+  # plgpu.untile_ref / unswizzle_ref, which tokamax's quantized kernel calls,
+  # are back as the transforms they applied
+  from jax._src.pallas.mosaic_gpu import core as mgpu_core
+  applied = []
+  monkeypatch.setattr(plgpu, "transform_ref", lambda ref, t: applied.append((ref, t)))
+  plgpu.untile_ref("r", (8, 64))
+  plgpu.unswizzle_ref("r", 128)
+  assert applied == [("r", mgpu_core.UntilingTransform((8, 64))),
+                     ("r", mgpu_core.UnswizzleRef(128))]
 
 
 def test_tokamax_benchmark_int8_weights_as_tokamax_takes_them():
