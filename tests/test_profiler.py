@@ -374,3 +374,30 @@ def test_compile_pipelined_lowers_in_one_thread_and_compiles_each_once_lowered()
   # "a" compiled while "b" was still to be lowered, in another thread
   assert at[("compile", "a")] < at[("lower", "b")]
   assert {e[2] for e in events if e[0] == "compile"} - {lowers[0][2]}
+
+
+def test_compile_pipelined_lowering_never_waits_for_the_other_tasks():
+  """The lowering has a thread of its own: with every compile thread busy
+  with a slow other task (a problem's inputs and reference), the jobs still
+  lower at once, and each compiles in the next free thread."""
+  import threading
+  starts = {}
+
+  class P(profiler.Profiler):
+    def lower(self, fn, args):
+      starts["lower " + fn] = time.perf_counter()
+      time.sleep(0.05)
+      return fn
+
+    def compile_lowered(self, lowered):
+      starts["compile " + lowered] = time.perf_counter()
+      time.sleep(0.05)
+      return lowered
+
+  t0 = time.perf_counter()
+  slow = threading.Event()
+  done, _ = P(threads=1).compile_pipelined([("a", ()), ("b", ())],
+                                          [lambda: slow.wait(1.0)])
+  assert [d[0] for d in done] == ["a", "b"]
+  # both lowered while the slow task held the only compile thread
+  assert starts["lower b"] - t0 < 0.5 and starts["compile a"] - t0 >= 0.9
