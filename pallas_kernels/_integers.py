@@ -9,6 +9,28 @@ import numpy as np
 __all__ = ["INT32_MAX", "clipped_int32", "shape_and_dtype"]
 
 INT32_MAX = int(np.iinfo(np.int32).max)
+_INT64 = np.iinfo(np.int64)
+
+
+def _from_sequence(x, name: str):
+  """A (nested) Python sequence as a NumPy array, its integers clipped to
+  int64's range first: Python integers have no width, and past int64 the
+  clip to ``[0, hi]`` that follows gives what it would give on the exact
+  values (NumPy would make them floats or objects). Booleans among them are
+  an error (booleans are not integers here), as are traced values (a
+  sequence of them is not one array)."""
+  def walk(v):
+    if isinstance(v, (list, tuple)):
+      return [walk(u) for u in v]
+    if isinstance(v, (bool, np.bool_)):
+      raise ValueError(f"{name} must be integers; got a boolean ({v!r}) in a sequence")
+    if isinstance(v, jax.core.Tracer):
+      raise ValueError(f"{name}: a sequence of traced values is not an array; pass them "
+                       f"as one (jnp.stack)")
+    if isinstance(v, (int, np.integer)):
+      return max(min(int(v), int(_INT64.max)), int(_INT64.min))
+    return v
+  return np.asarray(walk(x))
 
 
 def shape_and_dtype(x, *, name: str) -> tuple[tuple[int, ...], np.dtype]:
@@ -26,8 +48,10 @@ def shape_and_dtype(x, *, name: str) -> tuple[tuple[int, ...], np.dtype]:
     if x is None or isinstance(x, (str, bytes, dict, set)):
       raise TypeError(f"a {type(x).__name__} is not an array")
     try:
-      a = np.asarray(x)
-    except ValueError:
+      a = _from_sequence(x, name) if isinstance(x, (list, tuple)) else np.asarray(x)
+    except ValueError as e:
+      if str(e).startswith(name):
+        raise
       raise TypeError("a ragged nested sequence") from None
     if a.dtype == object:
       raise TypeError("not a rectangular array of numbers")
@@ -65,10 +89,10 @@ def clipped_int32(x, hi: int, *, name: str, clip_narrow: bool = True) -> jax.Arr
   hi = min(int(hi), INT32_MAX)
   xp = jnp if isinstance(x, jax.Array) else np
   if xp is np:
-    x = np.asarray(x)
+    x = _from_sequence(x, name) if isinstance(x, (list, tuple)) else np.asarray(x)
   if x.dtype == np.bool_ or not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"{name} must be integers; got {name}.dtype={x.dtype}")
-  info = np.iinfo(x.dtype)
+  info = jnp.iinfo(x.dtype)   # (NumPy's knows no int4 or int2)
   if info.min < -INT32_MAX - 1 or info.max > INT32_MAX:
     # uint32, int64, uint64: 0 and hi fit the dtype; clip there, then cast.
     x = xp.clip(x, 0, hi)

@@ -130,6 +130,9 @@ WIDE_SIZES = [
     np.array([255, 3, 2], np.uint8),
     np.array([-32768, 9, 4], np.int16),
     [2**40, 1, 2],                             # a Python list
+    [2**63, 1, 2],                             # past int64 (NumPy: floats)
+    [2**64, -(2**70), 5],                      # (NumPy: objects)
+    (7, 2**100, 1),                            # a tuple
 ]
 
 
@@ -139,6 +142,28 @@ def test_ragged_dot_sizes_of_every_integer_width_are_clipped(backend, sizes):
   lhs, rhs = _ragged_operands()
   y = wt.ragged_dot(lhs, rhs, sizes, config={"backend": backend})
   _close(y, _ragged_ref(lhs, rhs, sizes))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", ["int4", "uint4", "int2"])
+def test_ragged_dot_sizes_of_sub_byte_integers(backend, dtype):
+  """JAX's 4- and 2-bit integers are integers too (NumPy's iinfo knows none)."""
+  lhs, rhs = _ragged_operands()
+  info = jnp.iinfo(dtype)
+  sizes = [info.max, info.min, 1]
+  y = wt.ragged_dot(lhs, rhs, jnp.asarray(sizes, dtype), config={"backend": backend})
+  _close(y, _ragged_ref(lhs, rhs, sizes))
+
+
+def test_sequences_of_sizes_with_booleans_or_traced_values_are_clear_errors():
+  lhs, rhs = _ragged_operands()
+  with pytest.raises(ValueError, match="boolean"):
+    wt.ragged_dot(lhs, rhs, [True, 2, 3])
+  with pytest.raises(ValueError, match="sequence of traced values.*jnp.stack"):
+    jax.jit(lambda a, b, c: wt.ragged_dot(lhs, rhs, [a, b, c]))(3, 1, 2)
+  # one array of traced values is fine
+  _close(jax.jit(lambda a, b, c: wt.ragged_dot(lhs, rhs, jnp.stack([a, b, c])))(3, 1, 2),
+         _ragged_ref(lhs, rhs, [3, 1, 2]))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

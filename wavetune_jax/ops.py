@@ -121,7 +121,8 @@ def quantized_ragged_dot(x: jax.Array, w: jax.Array, scales: jax.Array, group_si
     w: ``[G, K, N]`` int8 or float8_e4m3fn expert weights (``[G, N, K]``
       with ``w_layout="nk"``; W8A8 takes e4m3).
     scales: ``[G, N]`` floating point (used as float32).
-    group_sizes: ``[G]`` integers (a traced array is fine).
+    group_sizes: ``[G]`` integers (a traced array is fine), as
+      :func:`ragged_dot`'s.
     x_scales: ``[M]`` floating point, one per row; only with e4m3 ``x``.
     w_layout: ``"kn"`` (default) or ``"nk"``: each expert's weight
       transposed, K contiguous, the layout FP8 tensor cores read; the Mosaic
@@ -305,13 +306,17 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dt
   Args:
     lhs: ``[M, K]`` bfloat16, float16 or float32.
     rhs: ``[G, K, N]`` of the same dtype.
-    group_sizes: ``[G]`` integers of any width (booleans are not integers).
+    group_sizes: ``[G]`` integers of any width (booleans are not integers),
+      an array or a sequence of Python integers.
       Rows past ``sum(group_sizes)`` come out as zeros, as with
       ``lax.ragged_dot``; sizes that sum past ``M`` are clipped at ``M`` and
       negative sizes count as 0 (``lax.ragged_dot`` leaves both undefined):
       each size is clipped to ``[0, M]`` in its own dtype, so a uint32
-      ``4294967295`` is ``M``, not -1. (The XLA backend on a GPU decides how
-      by the cuDNN of the process that traces: trace a program exported or
+      ``4294967295`` is ``M``, not -1. NumPy 64-bit sizes passed as an
+      argument of ``jax.jit`` or ``jax.vmap`` reach the op already narrowed
+      to 32 bits by JAX (unless ``jax_enable_x64``): give such sizes to the
+      op itself, or clip them first. (The XLA backend on a GPU decides how
+      to clip by the cuDNN of the process that traces: trace a program exported or
       compiled ahead of time on a machine of the cuDNN it will run with.) Rows past the sum are exactly zero,
       whatever ``lhs`` and ``rhs`` hold, on the Pallas backends and on the
       XLA backend on a CPU (on a GPU the XLA backend is ``lax.ragged_dot`` as
@@ -328,7 +333,9 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dt
       ``{"backend": name, **fields}``; ``None`` lets the selector choose.
 
   ``jax.vmap`` over any of the arrays runs one grouped GEMM of
-  ``batch * M`` rows (rows reordered by group, and back).
+  ``batch * M`` rows (rows reordered by group, and back). The op is forward
+  only: ``jax.grad`` and ``jax.jvp`` raise (differentiate through
+  ``lax.ragged_dot``).
 
   Returns:
     ``[M, N]`` array of ``out_dtype``.

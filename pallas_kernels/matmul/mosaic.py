@@ -151,19 +151,21 @@ def smem_bytes(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
   return ring + 2 * slots * EPI_TILE * EPI_TILE * out_itemsize + _BARRIER_BYTES
 
 
-def check_shapes(m: int, n: int, k: int, dtype, out_dtype, config: MosaicMatmulConfig) -> None:
-  """Raises ``ValueError`` unless the kernel runs ``[m, k] @ [k, n]`` with ``config``."""
+def check_shapes(m: int, n: int, k: int, dtype, out_dtype, config: MosaicMatmulConfig, *,
+                 kernel: str = "Mosaic GPU GEMM") -> None:
+  """Raises ``ValueError`` unless the kernel runs ``[m, k] @ [k, n]`` with
+  ``config`` (``kernel``: its name in the messages)."""
   if jnp.dtype(dtype).name not in DTYPES:
-    raise ValueError(f"the Mosaic GPU GEMM takes {DTYPES}; got {jnp.dtype(dtype).name}")
+    raise ValueError(f"the {kernel} takes {DTYPES}; got {jnp.dtype(dtype).name}")
   if jnp.dtype(out_dtype).name not in ("bfloat16", "float16", "float32"):
-    raise ValueError(f"the Mosaic GPU GEMM writes bfloat16, float16 or float32; got "
+    raise ValueError(f"the {kernel} writes bfloat16, float16 or float32; got "
                      f"{jnp.dtype(out_dtype).name}")
   if n % NK_MULTIPLE or k % NK_MULTIPLE:
-    raise ValueError(f"the Mosaic GPU GEMM needs N and K multiples of {NK_MULTIPLE} (TMA "
+    raise ValueError(f"the {kernel} needs N and K multiples of {NK_MULTIPLE} (TMA "
                      f"tiles global memory by {NK_MULTIPLE} columns); got N={n}, K={k} "
                      f"(use a Triton or XLA config)")
   if m > M_MULTIPLE and m % M_MULTIPLE:
-    raise ValueError(f"the Mosaic GPU GEMM needs M a multiple of {M_MULTIPLE} or below it "
+    raise ValueError(f"the {kernel} needs M a multiple of {M_MULTIPLE} or below it "
                      f"(TMA tiles global memory by {M_MULTIPLE} rows); got M={m} (use a "
                      f"Triton or XLA config)")
   k_blocks = -(-k // BLOCK_K)

@@ -345,7 +345,7 @@ def check_shapes(m: int, n: int, k: int, dtype, out_dtype, config) -> None:
   (any ``m``: rows are padded to a multiple of 8 for the loads)."""
   gemm.check_shapes(_round8(m), n, k, dtype, out_dtype, gemm.MosaicMatmulConfig(
       block_m=128 if config.block_m == TRIPLE_M else config.block_m, block_n=config.block_n,
-      num_stages=config.num_stages, split_k=config.split_k))
+      num_stages=config.num_stages, split_k=config.split_k), kernel="Mosaic GPU grouped GEMM")
 
 
 def _round8(m: int) -> int:
