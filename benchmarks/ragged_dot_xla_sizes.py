@@ -4,8 +4,9 @@
 runs; in front of XLA's dense ragged dot (a GPU with a cuDNN older than
 9.22) that elementwise clip is all (it once also saturated the running sum
 at ``M``, a few small XLA ops). Where the selector keeps XLA's ragged dot
-(few experts at decode sizes) it runs on every call. Per problem, on one GPU (CUPTI, L2 flushed, each output checked
-against the float32 reference on a balanced router's sizes):
+(few experts at decode sizes) it runs on every call. Per problem, on one
+GPU (CUPTI, L2 flushed, each output checked against the float32 reference
+on a balanced router's sizes):
 
 * ``lax``: ``lax.ragged_dot`` on the sizes as given (what a user writes);
 * ``op``: ``wt.ragged_dot`` with XLA's config pinned (the op as it runs);

@@ -316,8 +316,9 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dt
       argument of ``jax.jit`` or ``jax.vmap`` reach the op already narrowed
       to 32 bits by JAX (unless ``jax_enable_x64``): give such sizes to the
       op itself, or clip them first. (The XLA backend on a GPU decides how
-      to clip by the cuDNN of the process that traces: trace a program exported or
-      compiled ahead of time on a machine of the cuDNN it will run with.) Rows past the sum are exactly zero,
+      to clip by the cuDNN of the process that traces: trace a program
+      exported or compiled ahead of time on a machine of the cuDNN it will
+      run with.) Rows past the sum are exactly zero,
       whatever ``lhs`` and ``rhs`` hold, on the Pallas backends and on the
       XLA backend on a CPU (on a GPU the XLA backend is ``lax.ragged_dot`` as
       XLA lowers it, with nothing added). NaN or Inf in one

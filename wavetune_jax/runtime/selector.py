@@ -66,7 +66,6 @@ POLICIES = ("auto", "refine", "tables", "heuristic", "fixed", "exhaustive")
 _BLOCK = 64  # size buckets evaluated together for a new weight
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Selection:
   """A decision: the config and where it came from."""
