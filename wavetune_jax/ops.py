@@ -307,7 +307,8 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dt
     lhs: ``[M, K]`` bfloat16, float16 or float32.
     rhs: ``[G, K, N]`` of the same dtype.
     group_sizes: ``[G]`` integers of any width (booleans are not integers),
-      an array or a sequence of Python integers.
+      an array or a sequence of Python integers (as an argument of
+      ``jax.jit``, an array: each item of a list would be traced apart).
       Rows past ``sum(group_sizes)`` come out as zeros, as with
       ``lax.ragged_dot``; sizes that sum past ``M`` are clipped at ``M`` and
       negative sizes count as 0 (``lax.ragged_dot`` leaves both undefined):
