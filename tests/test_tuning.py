@@ -508,3 +508,27 @@ def test_select_restores_the_collector_when_a_decision_fails(monkeypatch, wave_t
       selector.select(MATMUL, MatmulProblem(m=3, n=256, k=256), HW)
   selector.clear()
   assert gc.isenabled()
+
+
+def test_get_policy_reads_the_policy_in_force():
+  """``wt.get_policy()``: the innermost ``wt.policy`` block's, else the global
+  one (``"auto"`` unless set); another thread sees only the global one."""
+  import threading
+  before = wt.get_policy()
+  assert before in wt.POLICIES
+  try:
+    wt.set_policy("tables")
+    assert wt.get_policy() == "tables"
+    with wt.policy("heuristic"):
+      assert wt.get_policy() == "heuristic"
+      seen = []
+      t = threading.Thread(target=lambda: seen.append(wt.get_policy()))
+      t.start()
+      t.join()
+      assert seen == ["tables"]
+      with wt.policy("fixed"):
+        assert wt.get_policy() == "fixed"
+      assert wt.get_policy() == "heuristic"
+    assert wt.get_policy() == "tables"
+  finally:
+    wt.set_policy(before)

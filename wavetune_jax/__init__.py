@@ -20,8 +20,8 @@ from wavetune_jax.families.ragged_dot import (MosaicRaggedDotConfig, RaggedDotPr
                                               TritonRaggedDotConfig, XlaRaggedDotConfig)
 from wavetune_jax.ops import (attention, decode_attention, matmul, quantized_matmul,
                              quantized_ragged_dot, ragged_dot)
-from wavetune_jax.runtime.selector import (POLICIES, load_tables, policy, select, set_policy,
-                                           use_config, use_tables)
+from wavetune_jax.runtime.selector import (POLICIES, get_policy, load_tables, policy, select,
+                                           set_policy, use_config, use_tables)
 from wavetune_jax.runtime.tables import TableError
 
 __version__ = "0.2.0"
@@ -81,6 +81,7 @@ __all__ = [
     "registered",
     "select",
     "set_policy",
+    "get_policy",
     "use_config",
     "use_tables",
 ]

@@ -58,7 +58,7 @@ from wavetune_jax.runtime import refine as refine_lib
 from wavetune_jax.runtime import table_cache
 from wavetune_jax.runtime import tables as tables_lib
 
-__all__ = ["POLICIES", "Selection", "select", "set_policy", "policy", "use_config",
+__all__ = ["POLICIES", "Selection", "select", "set_policy", "get_policy", "policy", "use_config",
            "load_tables", "use_tables", "active_table", "clear", "Decider",
            "decision_stats", "refinement_stats"]
 
@@ -395,6 +395,13 @@ def set_policy(name: str) -> None:
   _changed()
 
 
+def get_policy() -> str:
+  """The selection policy in force in this thread (``POLICIES``): the
+  innermost :func:`policy` block's, else :func:`set_policy`'s (``"auto"``
+  unless set)."""
+  return _local.policy or _global["policy"]
+
+
 @contextlib.contextmanager
 def policy(name: str) -> Iterator[None]:
   """Selection policy inside a ``with`` block (this thread)."""
@@ -590,7 +597,7 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
   pinned = _local.pinned.get(spec.name, _global["pinned"].get(spec.name))
   if pinned is not None:
     return Selection(pinned, "explicit")
-  pol = _local.policy or _global["policy"]
+  pol = get_policy()
   if pol == "fixed":
     config = spec.default(problem)
     if not spec.supports(config, hw):
