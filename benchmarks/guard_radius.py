@@ -12,7 +12,7 @@ safe rule with the highest geomean. Also prints recall@k of the wave model
 and the refinement replay with the default rule. CPU only, about a minute.
 
     python3 benchmarks/guard_radius.py [--seeds 0 1 2 3 4] [--budget-fraction 0.03]
-        [--top-k 3] [--json out.json]
+        [--top-k 3] [--drop-stage-variants] [--skip-confident RATIO] [--json out.json]
 """
 
 from __future__ import annotations
@@ -65,6 +65,45 @@ def _without_micro_variants(candidates):
   return wrapped
 
 
+def _predictions(decider, problem) -> dict:
+  """The wave model's predicted us for each config of ``problem``'s space
+  (trusted predictions, else its extrapolations; configs it cannot predict
+  left out)."""
+  import numpy as np
+  spec = decider.spec
+  size = np.array([spec.size_of(problem)])
+  configs, valid, g, l, aux = spec.decision_arrays(problem, size, decider.hw)
+  out = {}
+  for trusted in (True, False):
+    if not configs:
+      break
+    pred = np.where(valid, decider.table.predict_arrays(configs, g, l, aux, trusted=trusted),
+                    np.inf)[0]
+    for c, t in zip(configs, pred):
+      if np.isfinite(t) and c not in out:
+        out[c] = float(t)
+  return out
+
+
+def _skipping_confident(candidates, ratio: float):
+  """``refine.candidates`` that measures nothing (the table's answer stands)
+  where the wave model predicts the table's answer faster than every other
+  candidate by ``ratio`` or more, each of them predicted."""
+  def wrapped(spec, problem, hw, decider, base, *, k=None):
+    out = candidates(spec, problem, hw, decider, base, k=k)
+    if decider is None or base is None or len(out) < 2:
+      return out
+    pred = _predictions(decider, problem)
+    others = [c for c in out if c != base]
+    skip = base in pred and all(c in pred and pred[c] >= ratio * pred[base] for c in others)
+    SKIPPED[spec.name].append(skip)
+    return [base] if skip else out
+  return wrapped
+
+
+SKIPPED = collections.defaultdict(list)   # family -> [skipped?] per replayed first use
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
@@ -78,13 +117,22 @@ def main(argv=None) -> int:
                   help="replay refinement without the model's candidates that differ from an "
                        "earlier candidate only in micro fields (stages, order): each is one "
                        "more kernel to compile at first use")
+  ap.add_argument("--skip-confident", type=float, default=None, metavar="RATIO",
+                  help="replay refinement measuring nothing where the wave model predicts "
+                       "the table's answer at least RATIO times faster than every other "
+                       "candidate (an experiment; not the library's)")
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
+  if a.skip_confident is not None and a.skip_confident < 1:
+    ap.error("--skip-confident must be >= 1")
   fams = a.families.split(",")
   from wavetune_jax.runtime import refine
   original = refine.candidates
   if a.drop_stage_variants:
     refine.candidates = _without_micro_variants(original)
+  if a.skip_confident is not None:
+    refine.candidates = _skipping_confident(refine.candidates, a.skip_confident)
+  SKIPPED.clear()
   try:
     return _replay(a, fams)
   finally:
@@ -168,6 +216,9 @@ def _replay(a, fams) -> int:
         f"{_geo([x['vs_platform_geomean'] for x in ref]):8.3f}"
         f"{min(x['vs_platform_min'] for x in ref):7.3f}"
         f"{sum(x['below_097'] for x in ref):6d}{sum(x['candidates'] for x in ref) / len(ref):6.1f}")
+  if a.skip_confident is not None:
+    print(f"\nfirst uses that measured nothing (--skip-confident {a.skip_confident:g}): " +
+          ", ".join(f"{f} {sum(v)} of {len(v)}" for f, v in sorted(SKIPPED.items())))
   if a.json:
     with open(a.json, "w") as f:
       json.dump({"rules": [{"rule": vars(r), "below_097": b, "geomean": g,
