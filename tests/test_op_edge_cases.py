@@ -460,3 +460,17 @@ def test_vmap_folds_into_the_batch(backend):
     _close(jax.vmap(pg)(q, kp, vp, lens, table), each(pg, q, kp, vp, lens, table), 1e-2)
     _close(jax.vmap(pg, in_axes=(0, None, None, 0, 0))(q, kp[1], vp[1], lens, table),
            each(lambda a, n, t: pg(a, kp[1], vp[1], n, t), q, lens, table), 1e-2)
+
+
+@pytest.mark.parametrize("config", [{"backend": "nope"}, {"backend": "triton", "block_z": 4},
+                                    "not a config"])
+def test_a_bad_config_is_an_error_on_empty_arrays_too(config):
+  """Empty operands compute nothing, but a config naming no backend or with
+  wrong fields is the same error as where there is work."""
+  with pytest.raises(ValueError):
+    wt.ragged_dot(jnp.ones((0, 4)), jnp.ones((2, 4, 8)), jnp.zeros((2,), jnp.int32),
+                  config=config)
+  with pytest.raises(ValueError):
+    wt.matmul(jnp.ones((0, 4)), jnp.ones((4, 8)), config=config)
+  # a good one, or the backend's name alone, still gives the empty result
+  assert wt.matmul(jnp.ones((0, 4)), jnp.ones((4, 8)), config={"backend": "xla"}).shape == (0, 8)

@@ -72,7 +72,13 @@ def tuned_call(family: Family, *args, config=None, **kwargs) -> jax.Array:
   """
   call = family.bind(*args, **kwargs)
   if not isinstance(call, Call):
-    return call  # nothing to compute (empty arrays)
+    # Nothing to compute (empty arrays); a config that names no backend or
+    # has wrong fields is still the error it is where there is work.
+    if isinstance(config, dict) and set(config) == {"backend"}:
+      family.backend(config["backend"])
+    elif config is not None:
+      family.coerce_config(config)
+    return call
   if family.batched_call is not None:
     return _with_vmap_rule(family, call, config, kwargs)
   return _bound_call(family, call, config, kwargs)
