@@ -540,7 +540,8 @@ def from_json(d, family: Family, hw: Hardware | None, where: str = "table") -> T
                        f"kernel; this is revision {now}: retune")
   device_key = _require(d, "device_key", str, where)
   if hw is not None and device_key != hw.device_key:
-    raise TableError(f"{where} is for {_short(device_key)}, this GPU is {hw.device_key!r}")
+    raise TableError(f"{where} is for {_short(device_key)}, not for {hw.device_key!r} (the "
+                     f"GPU it is loaded for)")
   num_sms = _require(d, "num_sms", int, where)
   if not 1 <= num_sms <= _MAX_SMS:
     raise TableError(f"{where}: num_sms={_short(num_sms)} must be in [1, {_MAX_SMS}]")
