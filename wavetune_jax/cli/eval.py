@@ -43,7 +43,9 @@ def format_table(results, facts) -> str:
                    f"{x(r.vs_platform_min)}, {r.below_097} below 0.97x)")
   lines.append("")
   lines.append("efficiency = t_oracle / t_policy on held-out shapes; <=5%: share within 5% "
-               "of the oracle; meas./GPU s: profiling the policy needed; cold/memo: median "
+               "of the oracle; miss: held-out problems where the policy's config has no "
+               "recorded time (scored at that problem's slowest); meas./GPU s: profiling "
+               "the policy needed; cold/memo: median "
                f"decision time; vs {base} / min: geomean and slowest speed of the chosen "
                f"configs over {base}; "
                "vs dflt*: geomean speedup over the fixed default where the default is > 10% "
