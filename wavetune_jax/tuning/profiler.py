@@ -123,6 +123,15 @@ def _count(kind: str, since: float) -> float:
   return now
 
 
+def _recorded(task: Callable[[], object]):
+  """``task()``, or its exception in its place (a failed compile is recorded,
+  never fatal)."""
+  try:
+    return task()
+  except Exception as e:  # noqa: BLE001 - any failure is recorded
+    return e
+
+
 @contextlib.contextmanager
 def _quiet_compiles():
   """Filters deprecation warnings while programs lower and compile. Python's
@@ -354,12 +363,6 @@ class Profiler:
     in about 0.3-0.6 s and compiles in about 1 s on an H200's host;
     docs/results.md, "Compile parallelism"). Returns ``(job results, other
     results)``, a task's exception in its place, as :meth:`parallel`."""
-    def job(task):
-      try:
-        return task()
-      except Exception as e:  # noqa: BLE001 - any failure is recorded
-        return e
-
     def finish(lowered, lower_s):
       t0 = time.perf_counter()
       try:
@@ -386,7 +389,7 @@ class Profiler:
       # (the lowering is queued first: it feeds the compiles; others wait
       # for a compile thread, not for the lowering)
       lowered = lowering.submit(lower_all)
-      rest = [pool.submit(job, t) for t in others]
+      rest = [pool.submit(_recorded, t) for t in others]
       done = [x.result() if isinstance(x, concurrent.futures.Future) else x
               for x in lowered.result()]
       return done, [f.result() for f in rest]
@@ -419,14 +422,8 @@ class Profiler:
   def parallel(self, tasks: Sequence[Callable[[], object]]) -> list:
     """Runs ``tasks`` in :attr:`threads` threads; a task's exception is
     returned in its place (a failed compile is recorded, never fatal)."""
-    def job(task):
-      try:
-        return task()
-      except Exception as e:  # noqa: BLE001 - any failure is recorded
-        return e
-
     with _quiet_compiles(), concurrent.futures.ThreadPoolExecutor(self.threads) as pool:
-      return list(pool.map(job, tasks))
+      return list(pool.map(_recorded, tasks))
 
   def time_compiled(self, exe, args: Sequence, out_bytes: int) -> list[float]:
     """Per-call microseconds of ``exe`` (flush kernels excluded)."""
