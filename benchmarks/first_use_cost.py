@@ -51,6 +51,8 @@ import sys
 import tempfile
 import time
 
+from model_before_after import apply_patches, parse_patch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -199,6 +201,8 @@ def build_plan(a, root: str, base_env: dict) -> list[dict]:
                 "--problems-json", json.dumps(a.problems[family], separators=(",", ":"))]
         if lib == "wt":
           argv += ["--policy", a.policy]
+          for text in a.set:
+            argv += ["--set", text]
         procs.append(dict(family=family, lib=lib, stage=stage, caches=caches, env=env,
                           argv=argv))
   return procs
@@ -351,6 +355,7 @@ def worker(a) -> None:
   family = a.families[0]
   if a.lib == "wt":
     wt.set_policy(a.policy)
+    apply_patches(a.patches)
   # JAX's backend and compile path start here, untimed.
   jax.block_until_ready(jax.jit(lambda x: x + 1)(jnp.zeros(8, jnp.float32)))
   rows = []
@@ -485,6 +490,9 @@ def parse_args(argv=None):
   ap.add_argument("--policy", default="refine",
                   help="selection policy of the wavetune processes (default: refine)")
   ap.add_argument("--json", metavar="PATH", help="write the processes' rows and the summary here")
+  ap.add_argument("--set", action="append", default=[], metavar="module:NAME=value",
+                  help="set a constant of wavetune's code in the wavetune processes "
+                       "(repeatable), e.g. wavetune_jax.runtime.refine:KIT_THREADS=0")
   ap.add_argument("--no-kernel-cache", dest="kernel_cache", action="store_false",
                   help="lower wavetune's Pallas kernels in every process (kernel cache off)")
   ap.add_argument("--timeout", type=int, default=150, metavar="S",
@@ -512,6 +520,10 @@ def parse_args(argv=None):
   if len(set(fams)) != len(fams):
     _fail(f"--families {a.families!r}: a family given twice")
   a.families = fams
+  try:
+    a.patches = [parse_patch(text, "--set") for text in a.set]
+  except ValueError as e:
+    _fail(str(e))
   if a.timeout < 1:
     _fail(f"--timeout {a.timeout}: must be >= 1 second")
   if a.budget < 1:
@@ -588,10 +600,12 @@ def main(argv=None) -> int:
   dev = next((r["device"] for r in runs if "device" in r), None)
   print(f"\n{dev}, JAX {next((r['jax'] for r in runs if 'jax' in r), '?')}, policy "
         f"{a.policy}, kernel cache {'on' if a.kernel_cache else 'off'}, "
+        f"{''.join(f'set {t}, ' for t in a.set)}"
         f"{time.perf_counter() - t_all:.0f} s in all")
   if a.json:
     with open(a.json, "w") as f:
-      json.dump({"policy": a.policy, "kernel_cache": a.kernel_cache, "problems": a.problems,
+      json.dump({"policy": a.policy, "kernel_cache": a.kernel_cache, "set": a.set,
+                 "problems": a.problems,
                  "runs": runs, "summary": summary}, f, indent=1)
     print(f"wrote {a.json}")
   bad = [x for x in summary if not x["ok"]]

@@ -30,35 +30,41 @@ import time
 from pathlib import Path
 
 
-def parse_patch(text: str) -> tuple[str, str, object]:
-  """``module:NAME=value`` -> (module, NAME, value of NAME's present type)."""
+def parse_patch(text: str, option: str = "--before") -> tuple[str, str, object]:
+  """``module:NAME=value`` -> (module, NAME, value of NAME's present type);
+  ``option`` names the command-line option in the errors."""
   try:
     where, value = text.split("=", 1)
     module, name = where.split(":", 1)
   except ValueError:
-    raise ValueError(f"--before takes module:NAME=value, got {text!r}") from None
+    raise ValueError(f"{option} takes module:NAME=value, got {text!r}") from None
   try:
     mod = importlib.import_module(module)
   except ImportError as e:
-    raise ValueError(f"--before {text!r}: cannot import {module!r} ({e})") from None
+    raise ValueError(f"{option} {text!r}: cannot import {module!r} ({e})") from None
   if not hasattr(mod, name):
-    raise ValueError(f"--before {text!r}: {module} has no {name}")
+    raise ValueError(f"{option} {text!r}: {module} has no {name}")
   old = getattr(mod, name)
   if not isinstance(old, (bool, int, float, str)):
-    raise ValueError(f"--before {text!r}: {module}.{name} is a {type(old).__name__}; only "
+    raise ValueError(f"{option} {text!r}: {module}.{name} is a {type(old).__name__}; only "
                      "numbers and strings can be set")
   try:
     new = (value.lower() in ("1", "true") if isinstance(old, bool) else type(old)(value))
   except ValueError:
-    raise ValueError(f"--before {text!r}: {value!r} is not a {type(old).__name__} like "
+    raise ValueError(f"{option} {text!r}: {value!r} is not a {type(old).__name__} like "
                      f"{module}.{name} = {old!r}") from None
   return module, name, new
 
 
-def _child(patches: list, bench_args: list) -> int:
+def apply_patches(patches: list) -> None:
+  """Sets each ``(module, NAME, value)`` of :func:`parse_patch`, saying so."""
   for module, name, value in patches:
     setattr(importlib.import_module(module), name, value)
     print(f"set {module}.{name} = {value!r}", flush=True)  # the log says what ran
+
+
+def _child(patches: list, bench_args: list) -> int:
+  apply_patches(patches)
   from wavetune_jax.cli import main
   return main(["bench", "model", *bench_args])
 

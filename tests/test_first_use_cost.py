@@ -186,6 +186,10 @@ def test_summary_and_table_of_recorded_rows(tmp_path, capsys):
     (["--timeout", "0"], "--timeout 0: must be >= 1"),
     (["--budget", "0"], "--budget 0: must be >= 1"),
     (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--set", "KIT_THREADS=0"], "--set takes module:NAME=value, got 'KIT_THREADS=0'"),
+    (["--set", "wavetune_jax.runtime.refine:NO_SUCH=1"], "wavetune_jax.runtime.refine has no "
+                                                         "NO_SUCH"),
+    (["--set", "wavetune_jax.runtime.refine:KIT_THREADS=one"], "'one' is not a int"),
     (["--policy", "fastest"], "--policy 'fastest': this wavetune_jax's policies are"),
     (["--from-json", "/nonexistent/run.json"], "--from-json /nonexistent/run.json: not a "
                                                "recorded run"),
@@ -198,15 +202,31 @@ def test_argument_errors_are_one_line(argv, says):
   assert msg.startswith("first_use_cost.py: error: ") and says in msg, msg
 
 
+def test_set_reaches_the_wavetune_processes_only(tmp_path):
+  a = fuc.parse_args(["--families", "matmul", "--set", "wavetune_jax.runtime.refine:KIT_THREADS=0",
+                      "--set", "wavetune_jax.runtime.refine:COMPILE_THREADS=3"])
+  assert a.patches == [("wavetune_jax.runtime.refine", "KIT_THREADS", 0),
+                       ("wavetune_jax.runtime.refine", "COMPILE_THREADS", 3)]
+  procs = fuc.build_plan(a, str(tmp_path), {})
+  for p in procs:
+    sets = [p["argv"][i + 1] for i, x in enumerate(p["argv"]) if x == "--set"]
+    assert sets == (a.set if p["lib"] == "wt" else []), p
+  worker = fuc.parse_args(procs[-1]["argv"][2:])
+  assert worker.worker and worker.patches == a.patches
+
+
 def test_cpu_run_of_one_family(tmp_path):
   """The four processes run, report and are summarized; process 2 of each
   library reads what process 1 left (XLA's compile from the persistent cache,
   wavetune's tables from the table cache) and measures nothing."""
   out_json = tmp_path / "run.json"
+  patch = "wavetune_jax.runtime.refine:KIT_THREADS=0"
   out = _run("--families", "matmul", "--problem", "matmul:m=24,n=64,k=32", "--work-dir",
-             str(tmp_path / "work"), "--json", str(out_json))
+             str(tmp_path / "work"), "--json", str(out_json), "--set", patch)
   assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  assert f"set {patch}, " in out.stdout
   rec = json.loads(out_json.read_text())
+  assert rec["set"] == [patch]
   runs = {(r["lib"], r["stage"]): r for r in rec["runs"]}
   assert sorted(runs) == [("wt", 1), ("wt", 2), ("xla", 1), ("xla", 2)]
   rows = {k: r["rows"][0] for k, r in runs.items()}

@@ -89,6 +89,14 @@ ITERATIONS = 5
 #: a Triton GEMM measured faster than XLA's at ~10 us ran at 0.93x of it in
 #: a later timing (docs/results.md, "Never slower").
 MARGIN = 0.03
+#: Most threads compiling at first use (a Mosaic GPU kernel's compile runs in
+#: parallel threads; its lowering, Python, has a thread of its own).
+COMPILE_THREADS = 8
+#: Threads for each of the other programs measuring compiles (the problem's
+#: inputs and reference, and each input mix's), besides one per candidate;
+#: 0 leaves them waiting for a candidate's thread (docs/results.md, "Where
+#: the compile phase goes").
+KIT_THREADS = 1
 #: Longest wait for another process's measurement before giving up (the
 #: table's answer then stands).
 LOCK_WAIT_S = 120.0
@@ -415,7 +423,8 @@ def measure_candidates(spec: Family, problem, configs: list, platform,
   prof = _profiler()
   # A thread for each program measuring compiles: the candidates, and the
   # problem's inputs and reference, and each mix's (lowering has its own)
-  prof.threads = min(8, len(configs) + 1 + len(spec.refine_mixes(problem)))
+  prof.threads = min(COMPILE_THREADS, len(configs)
+                     + KIT_THREADS * (1 + len(spec.refine_mixes(problem))))
   try:
     with jax.ensure_compile_time_eval():
       rows = list(measure.measure_points(spec, prof, [(problem, configs)], mixes=True,
