@@ -25,7 +25,8 @@ first ``jax.jit(op).trace(...).lower().compile()`` and the first call
                    on its own (``wt.select`` under a fresh memo: the decision
                    read back from the store)
 
-Each library and family has cache folders of its own, so no process warms
+Each library and family has cache folders of its own (the CUDA driver's
+compute cache among them, ``CUDA_CACHE_PATH``), so no process warms
 another's; a process starts JAX's backend with a trivial jit before timing,
 so the numbers are the shape's cost, not the process's start-up. The
 subprocesses run this script with ``--worker`` and print their rows as JSON;
@@ -183,8 +184,11 @@ def build_plan(a, root: str, base_env: dict) -> list[dict]:
   for family in a.families:
     for lib in LIBS:
       d = os.path.join(root, family, lib)
-      caches = {"jax": os.path.join(d, "jax_cache")}
-      env = {"XLA_FLAGS": _xla_flags(base_env.get("XLA_FLAGS", ""))}
+      # (the CUDA driver's compute cache too: kept per machine otherwise,
+      # it can hold a second of cuDNN's compile from an earlier run)
+      caches = {"jax": os.path.join(d, "jax_cache"), "cuda": os.path.join(d, "cuda_cache")}
+      env = {"XLA_FLAGS": _xla_flags(base_env.get("XLA_FLAGS", "")),
+             "CUDA_CACHE_PATH": caches["cuda"]}
       if lib == "wt":
         caches["tables"] = os.path.join(d, "table_cache")
         env["WAVETUNE_TABLE_CACHE"] = caches["tables"]

@@ -67,6 +67,7 @@ def test_plan_shares_caches_between_a_librarys_two_processes_only(tmp_path):
   for p in procs:
     # XLA's default autotune level is timed; other flags are kept.
     assert p["env"]["XLA_FLAGS"] == "--xla_dump_to=/x"
+    assert p["env"]["CUDA_CACHE_PATH"] == p["caches"]["cuda"]
     if p["lib"] == "wt":
       assert p["env"]["WAVETUNE_TABLE_CACHE"] == p["caches"]["tables"]
       assert p["env"]["WAVETUNE_KERNEL_CACHE"] == p["caches"]["kernels"]
@@ -345,6 +346,22 @@ def test_first_use_is_mostly_compiling_on_record(capsys):
       "compile 6.17 s, lowering summed 2.74 s, compiling summed 10.70 s"]),
     ("first_use_rd_nokc_h200.json",
      ["compile 6.39 s, lowering summed 2.99 s, compiling summed 11.40 s"]),
+    # a thread for each kit (on a fresh machine), then without and with it
+    ("first_use_threads_h200.json",
+     ["compile 1.75 s, lowering summed 0.42 s, compiling summed 3.36 s",
+      "compile 2.55 s, lowering summed 0.81 s, compiling summed 7.07 s",
+      "compile 2.69 s, lowering summed 1.84 s, compiling summed 6.96 s",
+      "compile 5.05 s, lowering summed 2.44 s, compiling summed 9.56 s"]),
+    ("first_use_kit0_h200.json",
+     ["compile 1.60 s, lowering summed 0.42 s, compiling summed 3.03 s",
+      "compile 2.13 s, lowering summed 0.68 s, compiling summed 5.16 s",
+      "compile 2.24 s, lowering summed 1.61 s, compiling summed 6.29 s",
+      "compile 4.31 s, lowering summed 2.13 s, compiling summed 7.80 s"]),
+    ("first_use_kit1_h200.json",
+     ["compile 1.31 s, lowering summed 0.30 s, compiling summed 2.85 s",
+      "compile 1.85 s, lowering summed 0.56 s, compiling summed 5.01 s",
+      "compile 2.10 s, lowering summed 1.43 s, compiling summed 5.91 s",
+      "compile 5.93 s, lowering summed 2.43 s, compiling summed 11.81 s"]),
 ])
 def test_first_use_by_phase_on_record(name, lines, capsys):
   """docs/results.md ("On an H200", "Where the compile phase goes"): the
@@ -353,3 +370,23 @@ def test_first_use_by_phase_on_record(name, lines, capsys):
   out = capsys.readouterr().out
   for line in lines:
     assert line in out, line
+
+
+def test_kit_threads_runs_on_record():
+  """docs/results.md ("A thread for each kit"): the runs with and without
+  the kit threads, their first-use and XLA seconds, and the second run's
+  XLA attention and decode compiled from a cache outside the run."""
+  runs = {}
+  for name in ("first_use_threads_h200", "first_use_kit0_h200", "first_use_kit1_h200"):
+    with open(os.path.join(ROOT, "data", "e2e", name + ".json")) as f:
+      rec = json.load(f)
+    runs[name] = {r["family"]: (round(r["wt_first_s"], 2), round(r["xla_first_s"], 2))
+                  for r in rec["summary"]}
+    assert rec.get("set", []) == (["wavetune_jax.runtime.refine:KIT_THREADS=0"]
+                                  if name.endswith("kit0_h200") else []), name
+  assert runs["first_use_threads_h200"] == {"matmul": (2.32, 0.78), "attention": (3.13, 1.01),
+                                            "decode": (4.21, 0.58), "ragged_dot": (6.82, 2.31)}
+  assert runs["first_use_kit0_h200"] == {"matmul": (2.09, 0.64), "attention": (2.56, 1.35),
+                                         "decode": (3.67, 0.67), "ragged_dot": (6.11, 2.08)}
+  assert runs["first_use_kit1_h200"] == {"matmul": (1.80, 0.52), "attention": (2.25, 0.15),
+                                         "decode": (3.41, 0.12), "ragged_dot": (7.82, 2.06)}

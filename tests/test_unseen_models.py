@@ -493,6 +493,12 @@ def test_report_of_the_v3_quantized_runs(capsys):
        ("qmatmul: wt vs base 1.283x geomean, min 1.190x, 0 of 5 below 0.97x",
         "first use of wt (trace, compile, first call): median 5.65 s, max 6.50 s over 5 "
         "problems")),
+      # All 32 (the stand-in run's five and three runs resuming its file).
+      ("qmatmul", "unseen_v3_auto_qmatmul_w8a8_m7000_h200.json",
+       ("qmatmul: wt vs base 1.404x geomean, min 0.998x, 0 of 32 below 0.97x",
+        "qmatmul: wt_tables vs base 1.271x geomean, min 0.997x, 0 of 32 below 0.97x",
+        "first use of wt (trace, compile, first call): median 5.64 s, max 21.30 s over 32 "
+        "problems")),
       ("qmatmul", "unseen_v3_auto_qmatmul_int8_m5_h200.json",
        ("qmatmul: wt vs base 1.011x geomean, min 0.977x, 0 of 64 below 0.97x",
         "qmatmul: wt_tables vs base 1.002x geomean, min 0.957x, 1 of 64 below 0.97x")),
@@ -561,3 +567,43 @@ def test_the_grouped_gemms_top_two_holds_what_refinement_took_on_unseen_models(m
         lost[r["label"]] = round(r["us"]["wt_tables"] / r["us"]["wt"], 3)
   assert (seen, in3) == (36, 29)
   assert lost == {"deepseek_v2_lite.w2 tokens=4500": 1.019, "hunyuan_a13b.w13 tokens=3300": 1.022}
+
+
+def test_w8a8_at_7000_rows_refinement_over_the_guard_on_record():
+  """docs/results.md (v3, "All 32 W8A8-FP8 GEMMs at 7,000 rows"): the FP8
+  kernel on 29 at 1.17-2.20x; XLA's FP8 dot on GPT-2 XL's three GEMMs of K
+  1,600 (the kernel's K blocks are 128 deep); the tables alone keep XLA's
+  on five GEMMs of N <= 2,048 that refinement ran 1.47-2.20x, where the H200
+  table's anchor 4,096 x 1,280 x 8,192 has every kernel config slower than
+  XLA's FP8 dot."""
+  import json
+
+  from pallas_kernels.matmul import fp8
+  with open(ROOT / "data" / "probes" / "unseen_v3_auto_qmatmul_w8a8_m7000_h200.json") as f:
+    rows = json.load(f)["rows"]
+  assert len(rows) == 32
+  speed = {r["label"]: r["us"]["base"] / r["us"]["wt"] for r in rows}
+  kernel = [r for r in rows if r["config"]["backend"] == "mosaic"]
+  assert len(kernel) == 29
+  assert (round(min(speed[r["label"]] for r in kernel), 2),
+          round(max(speed[r["label"]] for r in kernel), 2)) == (1.17, 2.20)
+  xla = sorted(r["label"] for r in rows if r["config"]["backend"] != "mosaic")
+  assert xla == ["gpt2_xl.o M=7000 w8a8", "gpt2_xl.qkv M=7000 w8a8", "gpt2_xl.up M=7000 w8a8"]
+  for r in rows:
+    k = int(r["problem"].split(":")[0].split("x")[2])
+    assert (k % fp8.BLOCK_K != 0) == (r["label"] in xla), r["label"]
+  guarded = [r for r in rows if r["tables_config"]["backend"] != "mosaic"
+             and r["config"]["backend"] == "mosaic"]
+  assert sorted(r["label"].split()[0] for r in guarded) == [
+      "gemma_3_1b.down", "gemma_3_1b.o", "gemma_3_1b.qkv", "smollm3_3b.down", "smollm3_3b.o"]
+  assert all(r["tables_source"] == "guard" for r in guarded)
+  assert all(int(r["problem"].split("x")[1]) <= 2048 for r in guarded)
+  assert (round(min(speed[r["label"]] for r in guarded), 2),
+          round(max(speed[r["label"]] for r in guarded), 2)) == (1.47, 2.20)
+  with open(ROOT / "tables" / "nvidia_h200" / "qmatmul.json") as f:
+    anchors = [a for a in json.load(f)["anchors"]
+               if (a["problem"]["m"], a["problem"]["n"], a["problem"]["k"]) == (4096, 1280, 8192)]
+  xla_us = [a["us"] for a in anchors if a["config"]["backend"] == "xla"]
+  kernel_us = [a["us"] for a in anchors if a["config"]["backend"] == "mosaic"]
+  assert [round(u, 1) for u in xla_us] == [65.2] and len(kernel_us) == 5
+  assert (round(min(kernel_us), 1), round(max(kernel_us), 1)) == (87.1, 95.2)
