@@ -256,7 +256,10 @@ def test_attention_forms_replaced(form):
 @pytest.mark.parametrize("kw, reason", [
     ({"mask": jnp.ones((2, 4, 32, 32), bool)}, "masks=True"),
     ({"bias": jnp.zeros((2, 4, 32, 32), jnp.bfloat16)}, "bias given"),
-    ({"local_window_size": 8, "is_causal": True}, "local_window_size given"),
+    ({"local_window_size": 8, "mask": jnp.ones((2, 4, 32, 32), bool)},
+     "mask given with local_window_size"),
+    ({"local_window_size": (2.5, 0)}, "is not an int or a pair of ints"),
+    ({"local_window_size": (-1, 0), "is_causal": True}, "has a negative side"),
     ({"query_seq_lengths": jnp.array([3, 32], jnp.int32)}, "query_seq_lengths given"),
 ])
 def test_attention_kept_with_reason(kw, reason):
@@ -266,6 +269,65 @@ def test_attention_kept_with_reason(kw, reason):
   assert_close(out, jax.jit(f)(q, k, v), tol=0)
   assert len(sites) == 1, sites  # XLA's attention equations are not looked at again
   assert not sites[0].replaced and reason in sites[0].reason, sites
+
+
+@pytest.mark.parametrize("case", ["causal", "causal int", "two-sided", "lengths", "decode",
+                                  "np ints", "rank3"])
+def test_attention_windows_replaced(case):
+  """``local_window_size`` goes to ``wt.attention`` with the window, aligned
+  top-left as JAX aligns it, at any query count."""
+  lengths = jnp.array([30, 9], jnp.int32)
+  q, k, v = attn_case(32, 32)
+  kw = {"causal": dict(local_window_size=(5, 0), is_causal=True),
+        "causal int": dict(local_window_size=6, is_causal=True),
+        "two-sided": dict(local_window_size=(4, 3)),
+        "lengths": dict(local_window_size=(40, 0), is_causal=True,
+                        key_value_seq_lengths=lengths),
+        "decode": dict(local_window_size=(8, 8), key_value_seq_lengths=lengths),
+        "np ints": dict(local_window_size=(np.int64(5), np.int32(1))),
+        "rank3": dict(local_window_size=(7, 0), is_causal=True)}[case]
+  if case == "decode":
+    q = q[:, :2]
+  if case == "rank3":
+    f = lambda q, k, v: jax.nn.dot_product_attention(q[0], k[0], v[0], **kw)
+  else:
+    f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw)
+  out, sites = run(f, q, k, v)
+  assert_close(out, jax.jit(f)(q, k, v))
+  assert [(s.op, s.replaced) for s in sites] == [("attention", True)], sites
+  checked = "checked at run time" in sites[0].backend
+  assert checked == ("key_value_seq_lengths" in kw), sites
+
+
+@pytest.mark.parametrize("lengths, replaced_result", [([30, 9], True), ([30, 2], False),
+                                                      ([0, 32], False), ([99, -4], False)])
+def test_a_window_whose_queries_see_no_key_runs_the_call_as_written(lengths, replaced_result):
+  """With key lengths, a query past ``length + left`` sees no key: XLA's
+  attention gives it the mean of all values, the op zeros, so the call runs
+  as written there (a run-time check); without lengths the call is kept
+  where more queries than ``kv + left`` are asked."""
+  q, k, v = attn_case(32, 32)
+  lens = jnp.array(lengths, jnp.int32)
+  f = lambda q, k, v, n: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                      local_window_size=(24, 0),
+                                                      key_value_seq_lengths=n)
+  out, sites = run(f, q, k, v, lens)
+  assert [s.replaced for s in sites] == [True], sites
+  want = jax.jit(f)(q, k, v, lens)
+  # The original call's own result where it runs (so exactly equal).
+  assert_close(out, want, tol=0.02 if replaced_result else 0)
+  from wavetune_jax import dropin
+  ok = dropin._window_rows_see_keys(lens, 32, 32, 24)
+  assert bool(ok) == replaced_result
+  if replaced_result:
+    assert_close(out, wt.attention(q, k, v, causal=True, local_window_size=(24, 0),
+                                   kv_lengths=lens))
+  # Static: 40 queries over 8 keys with 4 back leave queries 12-39 with none.
+  q2, k2, v2 = attn_case(40, 8)
+  g = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, local_window_size=(4, 4))
+  out, sites = run(g, q2, k2, v2)
+  assert not sites[0].replaced and "with no key" in sites[0].reason, sites
+  assert_close(out, jax.jit(g)(q2, k2, v2), tol=0)
 
 
 def band_mask(lengths, t, s, heads=1, bottom_right=False):

@@ -100,7 +100,10 @@ def autotune(fn=None, *, report: bool = False, masks: bool = False):
   jax.nn import dot_product_attention``, a ``functools.partial`` of it) is
   not seen, and its calls run as written. A sequence with
   ``key_value_seq_lengths`` 0 gives zeros, where XLA's attention gives the
-  mean of the masked values (docs/design.md, "Drop-in").
+  mean of the masked values (docs/design.md, "Drop-in"). A call with
+  ``local_window_size`` runs ``wt.attention`` with the window (JAX's
+  top-left alignment), under a run-time check that every query sees a key
+  where ``key_value_seq_lengths`` are given.
 
   Returns:
     The transformed function. Its ``sites`` attribute holds the calls of its
@@ -560,7 +563,7 @@ def _attention(sites, original, *args, **kwargs):
   if isinstance(plan, str):
     sites.append(Site("attention", where, shapes, False, reason=plan))
     return _kept(original, *args, **kwargs)
-  op, causal, pattern = plan
+  op, causal, pattern, window = plan
   rank3 = q.ndim == 3
   if rank3:
     q, k, v = q[None], k[None], v[None]
@@ -569,9 +572,10 @@ def _attention(sites, original, *args, **kwargs):
   lengths, mask = named.get("key_value_seq_lengths"), named.get("mask")
   from wavetune_jax import ops
   fn = ops.decode_attention if op == "decode_attention" else ops.attention
+  opts = {} if window is None else {"local_window_size": window}
 
   def tuned(a, b, c, lens):
-    return fn(a, b, c, causal=causal, scale=scale, kv_lengths=lens)
+    return fn(a, b, c, causal=causal, scale=scale, kv_lengths=lens, **opts)
 
   def orig(a, b, c, *extra):  # the call as written, on these arrays
     kw = {key: x for key, x in kwargs.items() if key not in _DPA_KEYS}
@@ -581,6 +585,11 @@ def _attention(sites, original, *args, **kwargs):
     return original(a, b, c, **kw)
 
   def run(a, b, c, *extra):
+    if window is not None and extra:
+      # Every query must see a key: XLA's attention gives a query with
+      # none the mean of all values, the op zeros.
+      ok = _window_rows_see_keys(extra[0], a.shape[1], b.shape[1], window[0])
+      return jax.lax.cond(ok, lambda: tuned(a, b, c, extra[0]), lambda: orig(a, b, c, *extra))
     if mask is None:
       return tuned(a, b, c, extra[0] if extra else None)
     lens, ok = _mask_as_lengths(extra[0], a.shape[0], a.shape[1], b.shape[1], pattern)
@@ -592,12 +601,14 @@ def _attention(sites, original, *args, **kwargs):
       out = _same_derivative(orig, run, q, k, v, *extra)
     backend = _backend_of(op, (q, k, v), causal=causal,
                           kv_lengths=jnp.zeros((q.shape[0],), jnp.int32)
-                          if mask is not None or lengths is not None else None)
+                          if mask is not None or lengths is not None else None, **opts)
   except (ValueError, TypeError, NotImplementedError) as e:
     sites.append(Site(op, where, shapes, False, reason=f"the op rejects it: {_one_line(e)}"))
     return _kept(original, *args, **kwargs)
   if mask is not None:
     backend += f" (when the mask is {pattern} with key lengths, checked at run time)"
+  elif window is not None and lengths is not None:
+    backend += " (when every query sees a key of its window, checked at run time)"
   sites.append(Site(op, where, shapes, True, backend=backend))
   return out[0] if rank3 else out
 
@@ -612,9 +623,9 @@ def _kept(original, *args, **kwargs):
 def _attention_plan(named, q, k, v, masks: bool):
   """``(op, causal, mask pattern)`` for a call the ops reproduce, else the
   reason it is kept."""
-  for key in ("bias", "query_seq_lengths", "local_window_size"):
+  for key in ("bias", "query_seq_lengths"):
     if named.get(key) is not None:
-      return f"{key} given (the ops take causal masks and key lengths)"
+      return f"{key} given (the ops take causal masks, windows and key lengths)"
   if named.get("return_residual"):
     return "return_residual=True"
   known = set(_DPA_KEYS) | {"scale", "is_causal", "key_value_seq_lengths", "implementation",
@@ -638,10 +649,22 @@ def _attention_plan(named, q, k, v, masks: bool):
   causal = bool(causal)
   t, s = q.shape[-3], k.shape[-3]
   mask = named.get("mask")
+  window = named.get("local_window_size")
+  if window is not None:
+    # wt.attention aligns a window top-left, as JAX does, at any query count.
+    if mask is not None:
+      return "mask given with local_window_size"
+    window = _window_pair(window)
+    if isinstance(window, str):
+      return window
+    if t > s + window[0]:
+      return (f"local_window_size {window} leaves queries past key {s} + {window[0]} with no "
+              "key (XLA's attention gives them the mean of the values)")
+    return "attention", causal, None, window
   if mask is None:
     if not causal and t <= 64:
-      return "decode_attention", False, None
-    return "attention", causal, None
+      return "decode_attention", False, None, None
+    return "attention", causal, None, None
   # A mask: replaced where it is, at run time, causal + key lengths (a
   # prefill) or the bottom-right causal band of a cache (a decode step);
   # any other mask runs the original call.
@@ -654,10 +677,31 @@ def _attention_plan(named, q, k, v, masks: bool):
   if any(d not in (1, full) for d, full in zip(mask.shape, (q.shape[0], q.shape[2], t, s))):
     return "mask given of another shape"
   if t == s:
-    return "attention", True, "causal"
+    return "attention", True, "causal", None
   if t <= 64:
-    return "decode_attention", True, "the bottom-right causal band"
+    return "decode_attention", True, "the bottom-right causal band", None
   return "mask given, of more than 64 queries over a longer cache"
+
+
+def _window_pair(window):
+  """``(left, right)`` Python ints of a ``local_window_size`` as JAX reads
+  it (an int ``w`` is ``(w, w)``), else the reason the call is kept."""
+  pair = (window, window) if isinstance(window, (int, np.integer)) else window
+  if (not isinstance(pair, (tuple, list)) or len(pair) != 2
+      or not all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+                 for x in pair)):
+    return f"local_window_size {window!r} is not an int or a pair of ints"
+  if min(pair) < 0:
+    return f"local_window_size {window!r} has a negative side (the ops take sides >= 0)"
+  return int(pair[0]), int(pair[1])
+
+
+def _window_rows_see_keys(lengths, t: int, s: int, left: int):
+  """Whether, under a top-left window of ``left`` keys back, every query of
+  every sequence sees a key: query ``t - 1`` sees none past ``length +
+  left``, and a sequence of no key none."""
+  n = jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, s)
+  return jnp.all(n >= max(1, t - left))
 
 
 def _mask_as_lengths(mask, batch, t, s, pattern):
