@@ -57,8 +57,16 @@ def test_bad_shapes(xs, ws, match):
 def test_bad_dtypes():
   with pytest.raises(ValueError, match="x.dtype=int8 is not supported"):
     wt.matmul(jnp.ones((4, 4), jnp.int8), jnp.ones((4, 4), jnp.int8))
-  with pytest.raises(ValueError, match="must be the same"):
+  with pytest.raises(ValueError, match="must be the same$"):
     wt.matmul(jnp.ones((4, 4), jnp.bfloat16), jnp.ones((4, 4), jnp.float32))
+  # Quantized operands: the error names the quantized op.
+  for xd, wd in [("bfloat16", "int8"), ("bfloat16", "int4"), ("float8_e4m3fn", "float8_e4m3fn"),
+                 ("int8", "int8")]:
+    with pytest.raises(ValueError, match=r"with their scales: wt\.quantized_matmul\)$"):
+      wt.matmul(jnp.ones((4, 4), xd), jnp.ones((4, 4), wd))
+  with pytest.raises(ValueError, match=r"with their scales: wt\.quantized_ragged_dot\)$"):
+    wt.ragged_dot(jnp.ones((4, 4), jnp.bfloat16), jnp.ones((2, 4, 4), jnp.int8),
+                  jnp.array([2, 2], jnp.int32))
 
 
 @pytest.mark.parametrize("fields,match", [

@@ -128,13 +128,15 @@ def quantized_ragged_dot(x: jax.Array, w: jax.Array, scales: jax.Array, group_si
       transposed, K contiguous, the layout FP8 tensor cores read; the Mosaic
       FP8 kernel needs it (``quantize_weight(w, "float8_e4m3fn",
       layout="nk")`` on the ``[G, K, N]`` weights); with ``"kn"`` W8A8 runs
-      on XLA.
+      on XLA. The Mosaic weight-only kernel reads ``"kn"``; with ``"nk"``
+      weight-only runs on XLA.
     out_dtype: bfloat16, float16 or float32 (default ``x.dtype``;
       bfloat16 for e4m3 ``x``).
     config: ``XlaQRaggedDotConfig()`` (XLA's ragged dot with the scales
-      after), ``MosaicRaggedDotConfig`` (the Mosaic FP8 kernel: W8A8 with
-      ``w_layout="nk"``), a dict ``{"backend": name, **fields}``, or ``None``
-      to let the selector choose.
+      after), ``MosaicRaggedDotConfig`` (the Mosaic kernels: W8A8 with
+      ``w_layout="nk"`` on FP8 tensor cores, weight-only with ``"kn"``, each
+      8-bit block converted before a 16-bit wgmma), a dict ``{"backend":
+      name, **fields}``, or ``None`` to let the selector choose.
 
   ``jax.vmap`` over any of the arrays runs one grouped GEMM of
   ``batch * M`` rows (rows and their scales reordered by group, and back).

@@ -41,6 +41,15 @@ def operand(name: str, value) -> jax.Array:
                      f"({why})") from None
 
 
+def quantized_hint(op: str, *dtypes) -> str:
+  """``"; ... use op"`` where any of ``dtypes`` is an 8- or 4-bit type (a
+  quantized weight or FP8 activations), else ``""``: the error's pointer to
+  the quantized ops."""
+  if any(jnp.dtype(d).itemsize == 1 or jnp.dtype(d).name in ("int4", "uint4") for d in dtypes):
+    return f" (8- and 4-bit weights and FP8 activations, with their scales: {op})"
+  return ""
+
+
 def check_operands(x, w) -> None:
   """Ranks and inner dimensions of ``x [M, K] @ w [K, N]`` (one-line errors)."""
   if x.ndim != 2:
@@ -99,11 +108,12 @@ class MatmulFamily(Family):
     """Checks ``x [M, K]`` and ``w [K, N]``; the problem of ``x @ w``."""
     x, w = operand("x", x), operand("w", w)
     check_operands(x, w)
+    hint = quantized_hint("wt.quantized_matmul", x.dtype, w.dtype)
     if x.dtype != w.dtype:
-      raise ValueError(f"x.dtype={x.dtype} and w.dtype={w.dtype} must be the same")
+      raise ValueError(f"x.dtype={x.dtype} and w.dtype={w.dtype} must be the same{hint}")
     if x.dtype not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
       raise ValueError(f"x.dtype={x.dtype} is not supported; use one of "
-                       f"{[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}")
+                       f"{[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}{hint}")
     out = _out_dtype(x.dtype, out_dtype)
     (m, k), n = x.shape, w.shape[1]
     if m == 0 or n == 0 or k == 0:

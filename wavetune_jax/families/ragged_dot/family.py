@@ -15,7 +15,7 @@ from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.worklist import clip_sizes
 from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
-from wavetune_jax.families.matmul.family import _out_dtype, operand
+from wavetune_jax.families.matmul.family import _out_dtype, operand, quantized_hint
 from wavetune_jax.families.ragged_dot import routing
 from wavetune_jax.families.ragged_dot import xla as xla_backend
 from wavetune_jax.families.ragged_dot.problem import DTYPES, RaggedDotProblem
@@ -207,10 +207,12 @@ class RaggedDotFamily(Family):
                        f"rhs.shape[0]); got group_sizes.shape={gs_shape}")
     if gs_dtype == np.bool_ or not jnp.issubdtype(gs_dtype, jnp.integer):
       raise ValueError(f"group_sizes must be integers; got {gs_dtype}")
+    hint = quantized_hint("wt.quantized_ragged_dot", lhs.dtype, rhs.dtype)
     if lhs.dtype != rhs.dtype:
-      raise ValueError(f"lhs.dtype={lhs.dtype} and rhs.dtype={rhs.dtype} must be the same")
+      raise ValueError(f"lhs.dtype={lhs.dtype} and rhs.dtype={rhs.dtype} must be the "
+                       f"same{hint}")
     if lhs.dtype.name not in DTYPES:
-      raise ValueError(f"lhs.dtype={lhs.dtype} is not supported; use one of {DTYPES}")
+      raise ValueError(f"lhs.dtype={lhs.dtype} is not supported; use one of {DTYPES}{hint}")
     out = _out_dtype(lhs.dtype, out_dtype)
     (m, k), (g, _, n) = lhs.shape, rhs.shape
     if m == 0 or n == 0 or k == 0 or g == 0:
