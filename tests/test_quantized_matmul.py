@@ -864,3 +864,36 @@ def test_weight_only_benchmark_configs_and_arguments(capsys):
     with pytest.raises(SystemExit):
       wo.main(argv)
     assert msg in capsys.readouterr().err
+
+
+def test_bench_model_vs_bf16(tmp_path, capsys):
+  """``--vs-bf16``: XLA + cuDNN on the same random weights before
+  quantization, as one more setting, and every setting against it."""
+  import json
+
+  from wavetune_jax.cli import bench
+  from wavetune_jax.cli.main import main
+  out = tmp_path / "bench.json"
+  assert main(["bench", "model", "--model", "small", "--layers", "1", "--prompt", "8",
+               "--decode-batch", "2", "--cache", "16", "--ops", "tables", "--weights", "int8",
+               "--vs-bf16", "--json", str(out)]) == 0
+  got = json.loads(out.read_text())
+  assert got["vs_bf16"] is True
+  rows = {(r["setting"], r["kind"]): r for r in got["rows"]}
+  assert sorted({s for s, _ in rows}) == ["tables", "xla", "xla-bf16"]
+  for kind in ("prefill", "decode"):
+    # bf16 against the int8 model: the weights' rounding, not a wrong result
+    assert 1e-3 < rows[("xla-bf16", kind)]["rel_diff_vs_xla"] < 0.1, rows
+  assert main(["bench", "model", "--model", "small", "--vs-bf16"]) == 2
+  assert "--vs-bf16 needs --weights int8" in capsys.readouterr().err
+  # The summary against both bases, on recorded times.
+  rec = [dict(setting=s, kind="decode", length=16, batch=b, us=us)
+         for s, b, us in [("xla", 1, 30.0), ("tables", 1, 20.0), ("xla-bf16", 1, 40.0),
+                          ("xla", 8, 60.0), ("tables", 8, 30.0), ("xla-bf16", 8, 90.0)]]
+  capsys.readouterr()
+  bench._summary(rec, ["xla", "tables", "xla-bf16"], "contiguous KV cache")
+  lines = capsys.readouterr().out.splitlines()
+  assert lines == [
+      "TPOT (contiguous KV cache) tables vs xla: geomean 1.732x, min 1.500x, max 2.000x",
+      "TPOT (contiguous KV cache) xla vs xla-bf16: geomean 1.414x, min 1.333x, max 1.500x",
+      "TPOT (contiguous KV cache) tables vs xla-bf16: geomean 2.449x, min 2.000x, max 3.000x"]

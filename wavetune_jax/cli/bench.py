@@ -84,6 +84,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  "[N, K] weights with a scale per 128 values of K (xla: the weight "
                  "dequantized, then XLA's GEMM); under int8 / fp8 / int4 expert weights "
                  "stay bf16 unless --quantize-experts (int8 / fp8)")
+  m.add_argument("--vs-bf16", action="store_true",
+                 help="with --weights other than bf16, also run XLA + cuDNN on the model's "
+                 "bf16 weights (setting xla-bf16: the same random weights before "
+                 "quantization) and report every setting against it too")
   m.add_argument("--quantize-lm-head", action="store_true",
                  help="with --weights int8 / fp8 / int4 / w8a8, the LM head's weight too "
                  "(weight-only, in the format's weight dtype; by default it stays bf16)")
@@ -118,6 +122,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   m.add_argument("--plot", metavar="PNG", type=output_file,
                  help="TTFT against prompt length (matplotlib)")
   m.set_defaults(func=_bench_model)
+
+
+#: The setting ``--vs-bf16`` adds: XLA + cuDNN on the unquantized weights.
+BF16_SETTING = "xla-bf16"
 
 
 def _settings(text: str):
@@ -180,6 +188,11 @@ def _bench_model(a) -> int:
   if a.quantize_experts and a.weights not in ("int8", "fp8"):
     raise CliError("--quantize-experts needs --weights int8 or fp8 (w8a8 quantizes the "
                    "experts already)")
+  if a.vs_bf16 and a.weights == "bf16":
+    raise CliError("--vs-bf16 needs --weights int8, fp8, int4 or w8a8 (the bf16 model is the "
+                   "xla setting already)")
+  if a.vs_bf16:
+    settings = settings + [BF16_SETTING]
   if a.weight_layout and a.weights == "bf16":
     raise CliError("--weight-layout is for --weights int8, fp8, int4 or w8a8")
   if a.weight_layout == "kn" and a.weights in ("w8a8", "int4"):
@@ -205,9 +218,9 @@ def _bench_model(a) -> int:
   wts += ", dense weights [N, K]" if a.weight_layout == "nk" or a.weights == "int4" else ""
   print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers{attn}{wts}, "
         f"{layout}, settings {','.join(settings)}", flush=True)
-  params = M.quantize_params(M.init(jax.random.PRNGKey(0), cfg), cfg, a.weights,
-                             lm_head=a.quantize_lm_head, experts=a.quantize_experts,
-                             layout=a.weight_layout)
+  raw = M.init(jax.random.PRNGKey(0), cfg)
+  params = M.quantize_params(raw, cfg, a.weights, lm_head=a.quantize_lm_head,
+                             experts=a.quantize_experts, layout=a.weight_layout)
   rows = []
   work = ([("prefill", s, a.batch) for s in a.prompt]
           + [("decode", c, b) for b in a.decode_batch for c in a.cache])
@@ -231,10 +244,13 @@ def _bench_model(a) -> int:
       extra = (kc, kc, *tables, _filled(a.cache_fill, cfg, batch, length),
                jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab))
     # One flat list of arrays: the profiler times f(*arrays).
-    args, tree = jax.tree_util.tree_flatten((params,) + extra)
+    flat = {False: jax.tree_util.tree_flatten((params,) + extra)}
+    if a.vs_bf16:
+      flat[True] = jax.tree_util.tree_flatten((raw,) + extra)
     ref = None
     for name in settings:
-      ops = M.make_ops(name)
+      args, tree = flat[name == BF16_SETTING]
+      ops = M.make_ops("xla" if name == BF16_SETTING else name)
       if kind == "prefill" and page_size:
         step = functools.partial(M.paged_prefill, cfg=cfg, ops=ops, page_size=page_size)
       elif kind == "prefill":
@@ -288,7 +304,7 @@ def _bench_model(a) -> int:
           json.dump({"device": jax.devices()[0].device_kind, "model": cfg.name,
                      "layers": cfg.layers, "window": cfg.window,
                      "global_every": cfg.global_every, "soft_cap": cfg.soft_cap,
-                     "sinks": cfg.sinks, "weights": a.weights,
+                     "sinks": cfg.sinks, "weights": a.weights, "vs_bf16": a.vs_bf16,
                      "quantized_lm_head": a.quantize_lm_head,
                      "quantized_experts": a.quantize_experts,
                      "weight_layout": (None if a.weights == "bf16" else a.weight_layout
@@ -313,7 +329,10 @@ def _bench_model(a) -> int:
       # An MoE's routing, and W8A8's per-token e4m3 rounding of every GEMM's
       # input, turn a 16-bit difference upstream (another attention kernel)
       # into steps of their own size.
-      if err > (25e-2 if cfg.experts else 15e-2 if a.weights == "w8a8" else 5e-2):
+      # The bf16 model differs from the quantized one by the quantization
+      # (a few percent); a wrong result is off by about 1.
+      if err > (25e-2 if cfg.experts or name == BF16_SETTING else 15e-2
+                if a.weights == "w8a8" else 5e-2):
         raise CliError(f"{name} differs from xla by {err:.3g} ({kind}, length {length})")
   _summary(rows, settings, layout)
   if a.plot:
@@ -371,21 +390,26 @@ def _configure_xla(a) -> None:
 
 
 def _summary(rows, settings, layout: str) -> None:
+  """Each setting's speed over xla's (and over xla-bf16's, where it ran),
+  per row kind: geomean, min and max."""
   import numpy as np
-  for kind in ("prefill", "decode"):
-    base = {(r["length"], r["batch"]): r["us"] for r in rows
-            if r["kind"] == kind and r["setting"] == "xla" and r["us"]}
-    if not base:
-      continue
-    for name in settings[1:]:
-      ratio = [base[(r["length"], r["batch"])] / r["us"] for r in rows
-               if r["kind"] == kind and r["setting"] == name and r["us"]
-               and (r["length"], r["batch"]) in base]
-      if ratio:
-        where = f" ({layout})" if kind == "decode" else ""
-        print(f"{'TTFT' if kind == 'prefill' else 'TPOT'}{where} {name} vs xla: geomean "
-              f"{float(np.exp(np.mean(np.log(ratio)))):.3f}x, min {min(ratio):.3f}x, "
-              f"max {max(ratio):.3f}x", flush=True)
+  for base_name in ("xla", BF16_SETTING):
+    for kind in ("prefill", "decode"):
+      base = {(r["length"], r["batch"]): r["us"] for r in rows
+              if r["kind"] == kind and r["setting"] == base_name and r["us"]}
+      if not base:
+        continue
+      for name in settings:
+        if name in (base_name, BF16_SETTING):
+          continue
+        ratio = [base[(r["length"], r["batch"])] / r["us"] for r in rows
+                 if r["kind"] == kind and r["setting"] == name and r["us"]
+                 and (r["length"], r["batch"]) in base]
+        if ratio:
+          where = f" ({layout})" if kind == "decode" else ""
+          print(f"{'TTFT' if kind == 'prefill' else 'TPOT'}{where} {name} vs {base_name}: "
+                f"geomean {float(np.exp(np.mean(np.log(ratio)))):.3f}x, min "
+                f"{min(ratio):.3f}x, max {max(ratio):.3f}x", flush=True)
 
 
 def _plot(rows, settings, path: str, model: str) -> None:
