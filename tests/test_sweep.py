@@ -310,3 +310,45 @@ def test_forget_drops_the_swept_backends_and_baseline_of_the_given_problems(tmp_
   # Timing rows stay unique after rows went (their key is not a row count).
   timing = [r["key"] for r in rows if r["impl"] == "timing"]
   assert len(timing) == len(set(timing)) == 3
+
+
+def test_report_states_the_oracle_over_the_batched_gemm_rows():
+  """A grouped-GEMM sweep's ``baseline_batched`` rows (cuBLAS's batched GEMM
+  on the same rows per expert): the report gives the oracle's speed over
+  them, computed here from the raw rows of the recorded H200 sweep."""
+  import collections
+  import math
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                      "sweeps", "nvidia_h200", "ragged_dot_bfloat16.jsonl.gz")
+  _, rows = sweep.read_sweep(path)
+  best, batched, xla = collections.defaultdict(lambda: math.inf), {}, {}
+  for r in rows:
+    if r["status"] != "ok":
+      continue
+    key = r["key"].split("|")[0]  # the problem's part of the row's key
+    if r["impl"] == "pallas":
+      best[key] = min(best[key], r["median_us"])
+    elif r["impl"] == "baseline_batched":
+      batched[key] = r["median_us"]
+    elif r["impl"] == "baseline":
+      xla[key] = r["median_us"]
+  over = [batched[k] / best[k] for k in batched if k in best]
+  both = [min(batched[k], xla[k]) / best[k] for k in batched if k in best and k in xla]
+  g = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))
+  text = report.render(path)
+  line = next(x for x in text.splitlines() if x.startswith("oracle over baseline_batched:"))
+  assert line == (f"oracle over baseline_batched: {g(over):.3f}x geomean ({min(over):.3f}x to "
+                  f"{max(over):.3f}x) over {len(over)} problems; over the faster of it and "
+                  f"XLA: {g(both):.3f}x ({min(both):.3f}x to {max(both):.3f}x)"), line
+  assert len(over) == 187
+  # docs/results.md ("The H200 sweep with order 2 and the batched-GEMM rows")
+  assert (f"{g(over):.3f}", f"{min(over):.3f}", f"{max(over):.3f}") == ("0.872", "0.471",
+                                                                       "1.579")
+  assert all(batched[k] <= xla[k] for k in batched)  # the faster of the two on every one
+  assert g(both) == pytest.approx(g(over))
+  h100 = report.render(path.replace("nvidia_h200", "nvidia_h100_80gb_hbm3"))
+  assert ("oracle over baseline_batched: 0.920x geomean (0.525x to 1.638x) over 195 problems"
+          in h100)
+  assert "oracle over baseline_batched_padded: 1.142x geomean" in h100
+  assert "oracle over baseline_batched_padded: 1.068x geomean" in text
+  assert "vs default -," in text  # the grouped GEMM has no default config

@@ -30,6 +30,9 @@ class ProblemSummary:
   wall_s: float | None
   n_missing: int = 0  # configs of the spec's space with no row (sweep cut short)
   backend_us: dict = dataclasses.field(default_factory=dict)  # backend -> its best time
+  # Other reference ops a sweep timed (``baseline_<name>`` rows: the grouped
+  # GEMM's cuBLAS batched GEMM on the same rows, ...) -> their time.
+  other_baselines_us: dict = dataclasses.field(default_factory=dict)
 
 
 def hardware_of(header: dict) -> hardware.Hardware:
@@ -85,7 +88,9 @@ def summarize(header: dict, rows: list[dict]) -> tuple[list[ProblemSummary], dic
         if ok else None,
         wall_s=sum(walls) if walls else None,
         n_missing=sum(c not in seen for c in sweep.swept_space(spec, p, hw)),
-        backend_us=_best_by_backend(spec, times)))
+        backend_us=_best_by_backend(spec, times),
+        other_baselines_us={r["impl"][len("baseline_"):]: r["median_us"] for r in rs
+                            if r["impl"].startswith("baseline_") and r["status"] == "ok"}))
   facts = {"failures": dict(failures), "first_errors": errors,
            "repeat_median_rel_diff": statistics.median(repeat_diffs) if repeat_diffs else None,
            "repeat_pairs": len(repeat_diffs)}
@@ -98,6 +103,25 @@ def _best_by_backend(spec, times: dict) -> dict:
     name = spec.backend_of(c).name
     best[name] = min(best.get(name, math.inf), t)
   return best
+
+
+def _other_baselines(summaries, baseline_name: str) -> list[str]:
+  """A line per other reference op the sweep timed (``baseline_<name>``
+  rows): the oracle's speed over it, and over the faster of it and the
+  platform op, geomean (min to max) over the problems with both."""
+  lines = []
+  for b in sorted({b for s in summaries for b in s.other_baselines_us}):
+    with_b = [s for s in summaries if s.oracle_us and s.other_baselines_us.get(b)]
+    over = [s.other_baselines_us[b] / s.oracle_us for s in with_b]
+    both = [min(s.other_baselines_us[b], s.baseline_us) / s.oracle_us for s in with_b
+            if s.baseline_us]
+    line = (f"oracle over baseline_{b}: {_geomean(over):.3f}x geomean ({min(over):.3f}x to "
+            f"{max(over):.3f}x) over {len(over)} problems")
+    if both:
+      line += (f"; over the faster of it and {baseline_name}: {_geomean(both):.3f}x "
+               f"({min(both):.3f}x to {max(both):.3f}x)")
+    lines.append(line)
+  return lines
 
 
 def _geomean(xs):
@@ -170,9 +194,12 @@ def render(path: str, *, plot: str | None = None, on_truncated=None) -> str:
       of_oracle = _geomean([s.oracle_us / s.backend_us[b] for s in with_b])
       lines.append(f"best {b} config: {vs_base:.3f}x {spec.baseline_name}, {of_oracle:.3f} of "
                    f"the oracle (geomean over {len(with_b)} problems), the oracle of {wins}")
-  lines.append(f"geomean speedup of the oracle: vs {spec.baseline_name} {vs_xla:.3f}x, "
-               f"vs default "
-               f"{vs_default:.3f}x, vs heuristic {vs_heur:.3f}x")
+  def x(v):  # a family with no default config (or no such times) has no geomean
+    return "-" if math.isnan(v) else f"{v:.3f}x"
+
+  lines.append(f"geomean speedup of the oracle: vs {spec.baseline_name} {x(vs_xla)}, "
+               f"vs default {x(vs_default)}, vs heuristic {x(vs_heur)}")
+  lines += _other_baselines(summaries, spec.baseline_name)
   if walls:
     lines.append(f"GPU seconds: {sum(walls):.0f} total, {statistics.median(walls):.1f} "
                  f"median per problem")
