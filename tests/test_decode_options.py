@@ -377,7 +377,7 @@ def test_pinned_configs_that_cannot_run_the_options_are_clear_errors():
   q, k, v = _qkv()
   with pytest.raises(ValueError, match="no sliding window, logit soft-capping or sinks"):
     wt.decode_attention(q, k, v, logit_soft_cap=3.0, config={"backend": "triton"})
-  with pytest.raises(ValueError, match="no sliding window over per-sequence lengths"):
+  with pytest.raises(ValueError, match="aligns a sliding window at the first key"):
     wt.decode_attention(q, k, v, local_window_size=8, config={"backend": "cudnn"})
 
 

@@ -205,8 +205,9 @@ class CudnnDecode(_Library):
 
   def _why_not(self, p: DecodeProblem, hw) -> str | None:
     if not p.plain:
-      return ("cuDNN's decode attention in JAX has no sliding window over per-sequence "
-              "lengths, no soft-capping and no sinks (use a Mosaic or XLA config)")
+      return ("cuDNN's attention in JAX aligns a sliding window at the first key, where a "
+              "decode step's window ends at each sequence's own length, and takes no "
+              "soft-capping or sinks (use a Mosaic or XLA config)")
     if p.head_dim % 8 or p.head_dim > 256:
       return f"cuDNN attention needs head_dim a multiple of 8 up to 256; got {p.head_dim}"
     if p.paged and cudnn_paged_reason():
