@@ -496,7 +496,7 @@ def parse_args(argv=None):
   ap.add_argument("--json", metavar="PATH", help="write the processes' rows and the summary here")
   ap.add_argument("--set", action="append", default=[], metavar="module:NAME=value",
                   help="set a constant of wavetune's code in the wavetune processes "
-                       "(repeatable), e.g. wavetune_jax.runtime.refine:KIT_THREADS=0")
+                       "(repeatable), e.g. wavetune_jax.runtime.refine:KIT_THREADS=1")
   ap.add_argument("--no-kernel-cache", dest="kernel_cache", action="store_false",
                   help="lower wavetune's Pallas kernels in every process (kernel cache off)")
   ap.add_argument("--timeout", type=int, default=150, metavar="S",

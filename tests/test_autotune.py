@@ -260,6 +260,8 @@ def test_attention_forms_replaced(form):
      "mask given with local_window_size"),
     ({"local_window_size": (2.5, 0)}, "is not an int or a pair of ints"),
     ({"local_window_size": (-1, 0), "is_causal": True}, "has a negative side"),
+    # where the selector answers XLA's attention (on a CPU, always)
+    ({"local_window_size": (4, 0), "is_causal": True}, "the selector answers XLA's attention"),
     ({"query_seq_lengths": jnp.array([3, 32], jnp.int32)}, "query_seq_lengths given"),
 ])
 def test_attention_kept_with_reason(kw, reason):
@@ -271,9 +273,18 @@ def test_attention_kept_with_reason(kw, reason):
   assert not sites[0].replaced and reason in sites[0].reason, sites
 
 
+@pytest.fixture
+def kernel_chosen(monkeypatch):
+  """The selector's answer as on a GPU that runs a window kernel (on a CPU
+  it answers XLA's attention, and a windowed call is kept): the op itself
+  still runs here (on XLA's backend), so its result is checked."""
+  from wavetune_jax import dropin
+  monkeypatch.setattr(dropin, "_backend_of", lambda *a, **k: "mosaic")
+
+
 @pytest.mark.parametrize("case", ["causal", "causal int", "two-sided", "lengths", "decode",
                                   "np ints", "rank3"])
-def test_attention_windows_replaced(case):
+def test_attention_windows_replaced(case, kernel_chosen):
   """``local_window_size`` goes to ``wt.attention`` with the window, aligned
   top-left as JAX aligns it, at any query count."""
   lengths = jnp.array([30, 9], jnp.int32)
@@ -284,7 +295,7 @@ def test_attention_windows_replaced(case):
         "lengths": dict(local_window_size=(40, 0), is_causal=True,
                         key_value_seq_lengths=lengths),
         "decode": dict(local_window_size=(8, 8), key_value_seq_lengths=lengths),
-        "np ints": dict(local_window_size=(np.int64(5), np.int32(1))),
+        "np ints": dict(local_window_size=(np.int64(5), np.int32(1))),  # JAX unpacks a pair
         "rank3": dict(local_window_size=(7, 0), is_causal=True)}[case]
   if case == "decode":
     q = q[:, :2]
@@ -301,7 +312,8 @@ def test_attention_windows_replaced(case):
 
 @pytest.mark.parametrize("lengths, replaced_result", [([30, 9], True), ([30, 2], False),
                                                       ([0, 32], False), ([99, -4], False)])
-def test_a_window_whose_queries_see_no_key_runs_the_call_as_written(lengths, replaced_result):
+def test_a_window_whose_queries_see_no_key_runs_the_call_as_written(lengths, replaced_result,
+                                                                   kernel_chosen):
   """With key lengths, a query past ``length + left`` sees no key: XLA's
   attention gives it the mean of all values, the op zeros, so the call runs
   as written there (a run-time check); without lengths the call is kept
@@ -328,6 +340,24 @@ def test_a_window_whose_queries_see_no_key_runs_the_call_as_written(lengths, rep
   out, sites = run(g, q2, k2, v2)
   assert not sites[0].replaced and "with no key" in sites[0].reason, sites
   assert_close(out, jax.jit(g)(q2, k2, v2), tol=0)
+
+
+def test_windowed_calls_jax_rejects_are_kept(kernel_chosen):
+  """A bare NumPy integer window (JAX unpacks it and fails) and a right side
+  under ``implementation="cudnn"`` without a causal mask (JAX's cuDNN path
+  refuses it) are left to the call as written, which raises as JAX does."""
+  q, k, v = attn_case(32, 32)
+  for kw, reason in (({"local_window_size": np.int64(3)}, "is not an int or a pair"),
+                     ({"local_window_size": (4, 2), "implementation": "cudnn"},
+                      "implementation='cudnn' with a right window side")):
+    t = wt.autotune(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw))
+    with pytest.raises((TypeError, ValueError)):
+      jax.jit(t)(q, k, v)
+    with pytest.raises((TypeError, ValueError)):  # as the call as written does
+      jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **kw))(q, k, v)
+    from wavetune_jax import dropin
+    plan = dropin._attention_plan(dict(kw, query=q, key=k, value=v), q, k, v, False)
+    assert isinstance(plan, str) and reason in plan, plan
 
 
 def band_mask(lengths, t, s, heads=1, bottom_right=False):

@@ -884,6 +884,15 @@ def test_bench_model_vs_bf16(tmp_path, capsys):
   for kind in ("prefill", "decode"):
     # bf16 against the int8 model: the weights' rounding, not a wrong result
     assert 1e-3 < rows[("xla-bf16", kind)]["rel_diff_vs_xla"] < 0.1, rows
+  # int4 (the LM head too): the bf16 model differs by more than any setting's
+  # bound, and is recorded, not checked (it is XLA's own run).
+  out4 = tmp_path / "bench4.json"
+  assert main(["bench", "model", "--model", "small", "--layers", "8", "--prompt", "8",
+               "--decode-batch", "2", "--cache", "16", "--ops", "xla", "--weights", "int4",
+               "--quantize-lm-head", "--vs-bf16", "--json", str(out4)]) == 0
+  diffs = [r["rel_diff_vs_xla"] for r in json.loads(out4.read_text())["rows"]
+           if r["setting"] == "xla-bf16"]
+  assert len(diffs) == 2 and max(diffs) > 0.25, diffs
   assert main(["bench", "model", "--model", "small", "--vs-bf16"]) == 2
   assert "--vs-bf16 needs --weights int8" in capsys.readouterr().err
   # The summary against both bases, on recorded times.

@@ -10,9 +10,11 @@ the wavetune ops where the ops compute exactly the same thing:
   the right (``x @ w``, ``jnp.einsum("btd,dnh->btnh", x, w)``), so both
   reshape to ``[M, K] x [K, N]`` without a copy -> :func:`wavetune_jax.matmul`;
 - ``ragged_dot_general`` in ``lax.ragged_dot``'s form -> :func:`wavetune_jax.ragged_dot`;
-- ``jax.nn.dot_product_attention`` without a bias, a mask or a window ->
+- ``jax.nn.dot_product_attention`` without a bias or a mask ->
   :func:`wavetune_jax.attention`, or :func:`wavetune_jax.decode_attention` for
-  up to 64 queries that see every valid key.
+  up to 64 queries that see every valid key (with a window:
+  :func:`wavetune_jax.attention`, where the selector answers a kernel, not
+  XLA's attention).
 
 Attention is intercepted at the API (``jax.nn.dot_product_attention`` is
 swapped while ``fn`` is traced, for this thread only): in a jaxpr, XLA's form
@@ -102,8 +104,9 @@ def autotune(fn=None, *, report: bool = False, masks: bool = False):
   ``key_value_seq_lengths`` 0 gives zeros, where XLA's attention gives the
   mean of the masked values (docs/design.md, "Drop-in"). A call with
   ``local_window_size`` runs ``wt.attention`` with the window (JAX's
-  top-left alignment), under a run-time check that every query sees a key
-  where ``key_value_seq_lengths`` are given.
+  top-left alignment) where the selector answers a kernel for it (else it
+  is kept: XLA's attention is the call as written), under a run-time check
+  that every query sees a key where ``key_value_seq_lengths`` are given.
 
   Returns:
     The transformed function. Its ``sites`` attribute holds the calls of its
@@ -567,6 +570,18 @@ def _attention(sites, original, *args, **kwargs):
   rank3 = q.ndim == 3
   if rank3:
     q, k, v = q[None], k[None], v[None]
+  if window is not None:
+    # A window the selector leaves to XLA's attention: the call as written
+    # is that, without the op's masking and run-time check.
+    chosen = _backend_of(op, (q, k, v), causal=causal, local_window_size=window,
+                         kv_lengths=None if named.get("key_value_seq_lengths") is None
+                         else jnp.zeros((q.shape[0],), jnp.int32))
+    if chosen in ("xla", "?"):
+      sites.append(Site(op, where, shapes, False, reason=(
+          f"local_window_size {window}: the selector answers XLA's attention here (the "
+          "call as written)" if chosen == "xla" else
+          f"local_window_size {window}: no backend could be selected")))
+      return _kept(original, *args, **kwargs)
   scale = named.get("scale")
   scale = None if scale is None else float(scale)
   lengths, mask = named.get("key_value_seq_lengths"), named.get("mask")
@@ -621,8 +636,8 @@ def _kept(original, *args, **kwargs):
 
 
 def _attention_plan(named, q, k, v, masks: bool):
-  """``(op, causal, mask pattern)`` for a call the ops reproduce, else the
-  reason it is kept."""
+  """``(op, causal, mask pattern, window)`` for a call the ops reproduce
+  (``window``: ``(left, right)`` or None), else the reason it is kept."""
   for key in ("bias", "query_seq_lengths"):
     if named.get(key) is not None:
       return f"{key} given (the ops take causal masks, windows and key lengths)"
@@ -657,6 +672,11 @@ def _attention_plan(named, q, k, v, masks: bool):
     window = _window_pair(window)
     if isinstance(window, str):
       return window
+    impl = named.get("implementation")
+    if (impl == "cudnn" and window[1] != 0
+        and not (causal and named.get("key_value_seq_lengths") is None)):
+      return ("implementation='cudnn' with a right window side (JAX's cuDNN path takes a "
+              "left window only)")
     if t > s + window[0]:
       return (f"local_window_size {window} leaves queries past key {s} + {window[0]} with no "
               "key (XLA's attention gives them the mean of the values)")
@@ -685,8 +705,10 @@ def _attention_plan(named, q, k, v, masks: bool):
 
 def _window_pair(window):
   """``(left, right)`` Python ints of a ``local_window_size`` as JAX reads
-  it (an int ``w`` is ``(w, w)``), else the reason the call is kept."""
-  pair = (window, window) if isinstance(window, (int, np.integer)) else window
+  it (a Python int ``w`` is ``(w, w)``; a pair of integers is unpacked),
+  else the reason the call is kept (the call as written then raises JAX's
+  own error where it has one)."""
+  pair = (window, window) if isinstance(window, int) else window
   if (not isinstance(pair, (tuple, list)) or len(pair) != 2
       or not all(isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
                  for x in pair)):

@@ -221,6 +221,7 @@ def _bench_model(a) -> int:
   raw = M.init(jax.random.PRNGKey(0), cfg)
   params = M.quantize_params(raw, cfg, a.weights, lm_head=a.quantize_lm_head,
                              experts=a.quantize_experts, layout=a.weight_layout)
+  raw = raw if a.vs_bf16 else None  # (the bf16 weights held only where they run)
   rows = []
   work = ([("prefill", s, a.batch) for s in a.prompt]
           + [("decode", c, b) for b in a.decode_batch for c in a.cache])
@@ -329,10 +330,11 @@ def _bench_model(a) -> int:
       # An MoE's routing, and W8A8's per-token e4m3 rounding of every GEMM's
       # input, turn a 16-bit difference upstream (another attention kernel)
       # into steps of their own size.
-      # The bf16 model differs from the quantized one by the quantization
-      # (a few percent); a wrong result is off by about 1.
-      if err > (25e-2 if cfg.experts or name == BF16_SETTING else 15e-2
-                if a.weights == "w8a8" else 5e-2):
+      # (The bf16 model is XLA's own, not checked: it differs from the
+      # quantized one by the quantization, 4-bit rounding alone by 20-38%
+      # in the small model.)
+      if name != BF16_SETTING and err > (25e-2 if cfg.experts else 15e-2
+                                         if a.weights == "w8a8" else 5e-2):
         raise CliError(f"{name} differs from xla by {err:.3g} ({kind}, length {length})")
   _summary(rows, settings, layout)
   if a.plot:

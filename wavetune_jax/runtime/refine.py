@@ -94,9 +94,11 @@ MARGIN = 0.03
 COMPILE_THREADS = 8
 #: Threads for each of the other programs measuring compiles (the problem's
 #: inputs and reference, and each input mix's), besides one per candidate;
-#: 0 leaves them waiting for a candidate's thread (docs/results.md, "Where
-#: the compile phase goes").
-KIT_THREADS = 1
+#: 0 leaves them waiting for a candidate's thread. 1 did not shorten first
+#: use on an H200 (the grouped GEMM's compile phase 4.31 s with 0, 5.05 and
+#: 5.93 s with 1, one run each; docs/results.md, "Where the compile phase
+#: goes").
+KIT_THREADS = 0
 #: Longest wait for another process's measurement before giving up (the
 #: table's answer then stands).
 LOCK_WAIT_S = 120.0
@@ -421,8 +423,8 @@ def measure_candidates(spec: Family, problem, configs: list, platform,
 
   from wavetune_jax.tuning import measure
   prof = _profiler()
-  # A thread for each program measuring compiles: the candidates, and the
-  # problem's inputs and reference, and each mix's (lowering has its own)
+  # A thread for each candidate measuring compiles (and KIT_THREADS for the
+  # problem's inputs and reference and each mix's; lowering has its own)
   prof.threads = min(COMPILE_THREADS, len(configs)
                      + KIT_THREADS * (1 + len(spec.refine_mixes(problem))))
   try:

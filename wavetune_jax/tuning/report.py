@@ -113,6 +113,8 @@ def _other_baselines(summaries, baseline_name: str) -> list[str]:
   for b in sorted({b for s in summaries for b in s.other_baselines_us}):
     with_b = [s for s in summaries if s.oracle_us and s.other_baselines_us.get(b)]
     over = [s.other_baselines_us[b] / s.oracle_us for s in with_b]
+    if not over:  # (no problem with both: every config failed there)
+      continue
     both = [min(s.other_baselines_us[b], s.baseline_us) / s.oracle_us for s in with_b
             if s.baseline_us]
     line = (f"oracle over baseline_{b}: {_geomean(over):.3f}x geomean ({min(over):.3f}x to "
