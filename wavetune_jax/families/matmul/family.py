@@ -42,9 +42,9 @@ def operand(name: str, value) -> jax.Array:
 
 
 def quantized_hint(op: str, *dtypes) -> str:
-  """``"; ... use op"`` where any of ``dtypes`` is an 8- or 4-bit type (a
-  quantized weight or FP8 activations), else ``""``: the error's pointer to
-  the quantized ops."""
+  """``" (... : op)"`` where any of ``dtypes`` is an 8- or 4-bit type (a
+  quantized weight or FP8 activations; not bool), else ``""``: an error's
+  pointer to the quantized ops."""
   if any((jnp.dtype(d).itemsize == 1 and jnp.dtype(d) != jnp.bool_)
          or jnp.dtype(d).name in ("int4", "uint4") for d in dtypes):
     return f" (8- and 4-bit weights and FP8 activations, with their scales: {op})"
