@@ -309,6 +309,10 @@ class Family(abc.ABC):
   #: problem (``None``: :data:`wavetune_jax.runtime.refine.TOP_K`); fewer
   #: where each costs a kernel compile that does not overlap the others.
   refine_top_k: ClassVar[int | None] = None
+  #: First-use refinement also measures the config of each platform backend
+  #: besides :meth:`platform_config`'s (decode: XLA's attention next to
+  #: cuDNN's), so what it keeps is as fast as the faster of them.
+  refine_all_platforms: ClassVar[bool] = False
   #: What :meth:`baseline` runs, for tables and reports.
   baseline_name: ClassVar[str] = "XLA"
   #: Files recorded before configs named their backend: a config dict without

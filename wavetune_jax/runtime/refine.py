@@ -8,7 +8,9 @@ against the float32 reference) and on synthetic inputs of the problem's
 shapes and dtypes (``Family.inputs``; decode and the grouped GEMM on the
 length and routing mixes their sweeps use):
 
-* the platform config (:meth:`Family.platform_config`);
+* the platform config (:meth:`Family.platform_config`), and where the
+  family sets :attr:`Family.refine_all_platforms` (decode) every other
+  platform backend's config (XLA's attention next to cuDNN's);
 * the table's answer after the guard, the exact entry, the heuristic's config;
 * the own rule's config of each kernel backend the table holds no model of
   (a backend newer than the table);
@@ -157,6 +159,9 @@ def candidates(spec: Family, problem, hw: Hardware, decider, base, *,
   # is measured through its own rule, so first use can find it where it wins.
   held = set() if decider is None else {dict(v).get("backend") for v in decider.table.entries}
   for b in spec.available(hw):
+    if b.platform and spec.refine_all_platforms:
+      out += list(b.space(problem, hw))[:1]  # the other platform ops (one config each)
+      continue
     if b.platform or b.name in held:
       continue
     try:

@@ -75,6 +75,11 @@ class DecodeFamily(Family):
   # 0.983, the heuristic alone 0.988 / 0.982. The tables add exact entries.
   heuristic_margin = 3.0
   baseline_name = "cuDNN"
+  #: XLA's decode attention beat cuDNN's on a model outside the suites
+  #: (Gemma-3-1B, head_dim 256, batch 3: 11.7 against 14.9 us on an H200;
+  #: docs/results.md, v3), where the sweeps (head_dim 128) never show it:
+  #: first use measures both, at the cost of one XLA compile.
+  refine_all_platforms = True
   evidence_categorical = ("head_dim", "q_len", "page_size")
   # The guard's rule: held-out replays of both GPUs' sweeps (5 splits;
   # benchmarks/guard_radius.py, docs/design.md "The guard").
