@@ -47,6 +47,10 @@ def main(argv=None):
                        "faster of it and lax.ragged_dot, what a well-built grouped GEMM "
                        "gets) by rows per expert, and each problem of >= 128 rows per "
                        "expert below 0.95x the batched GEMM")
+  ap.add_argument("--per-problem", action="store_true",
+                  help="with --vs-batched, every problem: the batched GEMM, lax.ragged_dot, "
+                       "the faster of the two (what a well-built grouped GEMM gets) and the "
+                       "table's choice over it")
   ap.add_argument("--trusted", action="store_true",
                   help="grouped GEMM: the Mosaic configs of the sweep where the guard trusts "
                        "the kernel without evidence, and the slowest against XLA, per region")
@@ -115,8 +119,9 @@ def _report(a, ds):
     print(f"efficiency vs the oracle of the configs that run without {a.without}: geomean "
           f"{_geo(here):.3f}, min {min(here):.3f}; problems without options (no window, "
           f"soft cap or sinks): {_geo(plain):.3f}, min {min(plain):.3f}, {len(plain)} problems")
+  g = _geo(dflt)  # (a family with no default config: no such speed)
   print(f"speed vs {spec.baseline_name} {_geo(xla):.3f}x (min {min(xla, default=math.nan):.3f}x), "
-        f"vs fixed default {_geo(dflt):.3f}x")
+        f"vs fixed default {'-' if math.isnan(g) else f'{g:.3f}x'}")
   print(f"answered by: {dict(src)}")
   if a.per_backend:
     _per_backend(ds)
@@ -156,8 +161,10 @@ def _report(a, ds):
   for name, v in sorted(extra.items()):
     print(f"speed vs {name} ({len(v)} problems where it ran): table {_geo([a for a, _ in v]):.2f}x, "
           f"oracle {_geo([b for _, b in v]):.2f}x")
+  if a.per_problem and not a.vs_batched:
+    raise SystemExit("table_vs_sweep.py: --per-problem goes with --vs-batched")
   if a.vs_batched:
-    _vs_batched(ds, chosen, chosen_cfg, a.sweep)
+    _vs_batched(ds, chosen, chosen_cfg, a.sweep, per_problem=a.per_problem)
   if a.trusted:
     if spec.name != "ragged_dot":
       raise SystemExit("table_vs_sweep.py: --trusted is for the ragged_dot family")
@@ -344,10 +351,10 @@ def _trusted_regions(ds) -> None:
 BINS = ((0, 16), (16, 128), (128, 512), (512, math.inf))
 
 
-def _vs_batched(ds, chosen: dict, chosen_cfg, path: str) -> None:
+def _vs_batched(ds, chosen: dict, chosen_cfg, path: str, *, per_problem: bool = False) -> None:
   """Speed of the chosen configs against the sweep's ``baseline_batched``
-  rows, by rows per expert (the issue's targets: >= 0.95x from 128 rows per
-  expert, >= 1.0x from 512)."""
+  rows, by rows per expert (the targets: >= 0.95x from 128 rows per expert,
+  >= 1.0x from 512); with ``per_problem``, each problem's line too."""
   spec = ds.family
   if spec.name != "ragged_dot":
     raise SystemExit("table_vs_sweep.py: --vs-batched is for the ragged_dot family")
@@ -388,6 +395,16 @@ def _vs_batched(ds, chosen: dict, chosen_cfg, path: str) -> None:
           + ", ".join(f"{spec.problem_key(p)} {t:.0f} (batched {b:.0f})" for t, b, p in fast[:3]))
   _order2_over_before(ds)
   _tile_height_by_expert(ds)
+  if per_problem:
+    print("every problem (us, CUPTI medians of the sweep): rows per expert, the batched GEMM "
+          "(uniform routing), lax.ragged_dot, the faster of the two (what a well-built "
+          "grouped GEMM gets), the table's choice and its speed over that")
+    for p in sorted((p for p in ds.problems if p in batched),
+                    key=lambda p: (p.g, p.k, p.n, p.m)):
+      lax_us = ds.baseline.get(p, math.inf)
+      best = ("batched", batched[p]) if batched[p] <= lax_us else ("lax.ragged_dot", lax_us)
+      print(f"  {spec.problem_key(p):<38} {p.m / min(p.g, p.m):7.0f} {batched[p]:10.1f} "
+            f"{lax_us:10.1f}  {best[0]:<14} {chosen[p]:10.1f}  {best[1] / chosen[p]:.3f}x")
   if low:
     print(f"problems of >= 128 rows per expert below 0.95x the batched GEMM ({len(low)}): "
           f"table / oracle speed, the chosen config")

@@ -352,3 +352,37 @@ def test_report_states_the_oracle_over_the_batched_gemm_rows():
   assert "oracle over baseline_batched_padded: 1.142x geomean" in h100
   assert "oracle over baseline_batched_padded: 1.068x geomean" in text
   assert "vs default -," in text  # the grouped GEMM has no default config
+
+
+def test_table_vs_sweep_per_problem_reproduces_the_recorded_lists():
+  """``table_vs_sweep.py --vs-batched --per-problem`` on the sweeps and
+  tables on record gives the files in data/probes (docs/results.md, "The
+  H200 sweep with order 2 and the batched-GEMM rows"), and the faster of the
+  batched GEMM and lax.ragged_dot is the batched GEMM but on one H100 problem."""
+  import importlib.util
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  script = os.path.join(root, "benchmarks", "table_vs_sweep.py")
+  for key, short in (("nvidia_h200", "h200"), ("nvidia_h100_80gb_hbm3", "h100")):
+    out = subprocess.run(
+        [sys.executable, script, f"data/sweeps/{key}/ragged_dot_bfloat16.jsonl.gz",
+         f"tables/{key}/ragged_dot.json", "--vs-batched", "--per-problem"], cwd=root,
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=root,
+                                                  JAX_PLATFORMS="cpu"), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    recorded = open(os.path.join(root, "data", "probes",
+                                 f"ragged_dot_vs_batched_per_problem_{short}.txt")).read()
+    per = lambda text: text.split("every problem")[1].split("\nproblems of")[0]
+    assert per(out.stdout) == per(recorded), key
+    lines = [ln.split() for ln in per(recorded).splitlines()[1:] if ln.startswith("  ")]
+    assert len(lines) == {"h200": 187, "h100": 195}[short]
+    lax = [ln[0] for ln in lines if ln[4] == "lax.ragged_dot"]
+    assert lax == ([] if short == "h200" else ["128x8x4096x28672:bfloat16:bfloat16"]), lax
+  spec = importlib.util.spec_from_file_location("table_vs_sweep", script)
+  assert spec is not None
+  with pytest.raises(SystemExit, match="--per-problem goes with --vs-batched"):
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main([os.path.join(root, "data/sweeps/nvidia_h200/ragged_dot_bfloat16.jsonl.gz"),
+              os.path.join(root, "tables/nvidia_h200/ragged_dot.json"), "--per-problem"])
