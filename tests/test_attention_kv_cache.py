@@ -90,7 +90,12 @@ def test_op_rejects_bad_options():
     wt.attention(q, k, v, kv_lengths=jnp.ones((2,)))
   with pytest.raises(ValueError, match="causal_align"):
     wt.attention(q, k, v, causal_align="bottom")
-  with pytest.raises(ValueError, match="no per-sequence KV lengths"):
+  # The Mosaic kernel takes KV lengths and either alignment (on a GPU: here
+  # the pinned config is refused for want of one, not for the lengths).
+  p = AttentionProblem(batch=2, q_heads=2, kv_heads=2, q_len=8, kv_len=16, head_dim=64,
+                       lengths=True, causal_align="bottom_right")
+  ATTENTION.backend("mosaic").validate(p, wt.MosaicAttentionConfig(), get_hardware("h100"))
+  with pytest.raises(ValueError, match="no GPU"):
     wt.attention(q, k, v, kv_lengths=jnp.ones((2,), jnp.int32),
                  config=wt.MosaicAttentionConfig())
 

@@ -142,8 +142,13 @@ def _problem(**kw):
 
 @pytest.mark.parametrize("kw,backend,mosaic", [
     (dict(window_left=1024), "CudnnAttentionConfig", True),
-    (dict(window_left=1024, window_right=0, causal=False), "CudnnAttentionConfig", False),
-    (dict(window_left=4, window_right=4, causal=False), "XlaAttentionConfig", False),
+    (dict(window_left=1024, window_right=0, causal=False), "CudnnAttentionConfig", True),
+    # Two-sided: cuDNN does not run it, the Mosaic kernel reads the band only.
+    (dict(window_left=4, window_right=4, causal=False), "MosaicAttentionConfig", True),
+    (dict(window_left=1024, lengths=True), "MosaicAttentionConfig", True),
+    (dict(window_left=1024, causal_align="bottom_right", q_len=8192), "CudnnAttentionConfig",
+     True),  # (q_len == kv_len, no lengths: not shifted, cuDNN's window)
+    (dict(lengths=True), "MosaicAttentionConfig", True),  # plain: the lengths rule
     (dict(soft_cap=50.0), "MosaicAttentionConfig", True),
     (dict(window_left=512, sinks=True), "MosaicAttentionConfig", True),
     (dict(soft_cap=50.0, q_len=100, causal=False), "MosaicAttentionConfig", True),
@@ -159,7 +164,7 @@ def test_selector_offers_only_backends_that_run_the_options(kw, backend, mosaic)
     with wt.policy(policy):
       assert type(wt.select("attention", p, "h100").config).__name__ == backend
   hw = wt.get_hardware("h100")
-  assert not wt.ATTENTION.backend("triton").space(p, hw)
+  assert bool(wt.ATTENTION.backend("triton").space(p, hw)) == p.plain
   assert bool(wt.ATTENTION.backend("mosaic").space(p, hw, prune=False)) == mosaic
 
 
@@ -167,34 +172,167 @@ def test_pinned_config_that_cannot_run_the_options_is_a_clear_error():
   q, k, v = _qkv(b=1, t=16)
   with pytest.raises(ValueError, match="no sliding window, logit soft-capping or sinks"):
     wt.attention(q, k, v, local_window_size=4, config=wt.TritonAttentionConfig())
-  with pytest.raises(ValueError, match="sliding window only with causal=True"):
-    wt.attention(q, k, v, local_window_size=4, causal=False, config={"backend": "mosaic"})
   with pytest.raises(ValueError, match="soft-capping and no sinks"):
     wt.attention(q, k, v, logit_soft_cap=3.0, config={"backend": "cudnn"})
 
 
 @pytest.mark.parametrize("kw", [dict(soft_cap=50.0), dict(window_left=100),
                                 dict(window_left=300, soft_cap=20.0, sinks=True),
-                                dict(sinks=True)])
+                                dict(sinks=True), dict(lengths=True),
+                                dict(lengths=True, window_left=100, sinks=True),
+                                dict(causal=False, window_left=64, window_right=200),
+                                dict(causal=False, window_right=30, lengths=True),
+                                dict(causal_align="bottom_right", lengths=True),
+                                dict(causal_align="bottom_right", window_left=50, q_len=300),
+                                dict(window_left=100, persistent=True)])
 def test_mosaic_kernel_with_options_lowers_for_cuda(kw, monkeypatch):
-  # The GPU checks are benchmarks/attention_options.py (docs/results.md).
+  # The GPU checks are benchmarks/attention_options.py and
+  # benchmarks/attention_band.py (docs/results.md).
   from pallas_kernels.attention import mosaic as kernel
   monkeypatch.setattr(kernel, "check_device", lambda: None)
   kw = dict(kw)
   with_sinks = kw.pop("sinks", False)
+  with_lengths = kw.pop("lengths", False)
+  q_len = kw.pop("q_len", 777)
+  if kw.get("persistent"):
+    kw["num_sms"] = 4
 
-  def f(q, k, v, *s):
-    return kernel.attention(q, k, v, config=kernel.MosaicAttentionConfig(), causal=True,
-                            sinks=s[0] if s else None, **kw)
-  args = (jax.ShapeDtypeStruct((1, 777, 8, 128), jnp.bfloat16),
-          jax.ShapeDtypeStruct((1, 777, 4, 128), jnp.bfloat16),
-          jax.ShapeDtypeStruct((1, 777, 4, 128), jnp.bfloat16))
+  def f(q, k, v, *extra):
+    extra = list(extra)
+    lens = extra.pop(0) if with_lengths else None
+    return kernel.attention(q, k, v, config=kernel.MosaicAttentionConfig(),
+                            **{"causal": True, **kw},
+                            sinks=extra[0] if extra else None, kv_lengths=lens)
+  args = (jax.ShapeDtypeStruct((2, q_len, 8, 128), jnp.bfloat16),
+          jax.ShapeDtypeStruct((2, 777, 4, 128), jnp.bfloat16),
+          jax.ShapeDtypeStruct((2, 777, 4, 128), jnp.bfloat16))
+  args += (jax.ShapeDtypeStruct((2,), jnp.int32),) if with_lengths else ()
   args += (jax.ShapeDtypeStruct((8,), jnp.float32),) if with_sinks else ()
   jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-  with pytest.raises(ValueError, match="only with causal=True"):
-    kernel.attention(jnp.zeros((1, 8, 2, 64), jnp.bfloat16), jnp.zeros((1, 8, 2, 64),
-                     jnp.bfloat16), jnp.zeros((1, 8, 2, 64), jnp.bfloat16),
-                     config=kernel.MosaicAttentionConfig(), causal=False, window_left=3)
+
+
+def test_mosaic_kernel_band_rejects_bad_window_and_lengths(monkeypatch):
+  from pallas_kernels.attention import mosaic as kernel
+  monkeypatch.setattr(kernel, "check_device", lambda: None)
+  x = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+  cfg = kernel.MosaicAttentionConfig()
+  with pytest.raises(ValueError, match="window_left=-2 must be a Python int >= -1"):
+    kernel.attention(x, x, x, config=cfg, window_left=-2)
+  with pytest.raises(ValueError, match="window_right=1.5"):
+    kernel.attention(x, x, x, config=cfg, causal=False, window_right=1.5)
+  with pytest.raises(ValueError, match=r"kv_lengths must have shape \[batch\]"):
+    kernel.attention(x, x, x, config=cfg, kv_lengths=jnp.zeros((3,), jnp.int32))
+  with pytest.raises(ValueError, match="causal_align"):
+    kernel.attention(x, x, x, config=cfg, causal_align="middle")
+
+
+def _band_cases():
+  rng = np.random.default_rng(0)
+  cases = []
+  for _ in range(60):
+    causal = bool(rng.integers(2))
+    align = ("top_left", "bottom_right")[int(rng.integers(2))]
+    kv_len = int(rng.integers(1, 700))
+    q_len = int(rng.integers(1, 700))
+    if causal and align == "top_left":
+      q_len = min(q_len, kv_len)
+    left = int(rng.choice([-1, 0, 1, 37, 64, 127, 128, 300, 1000]))
+    right = -1 if causal else int(rng.choice([-1, 0, 5, 64, 200, 1000]))
+    lengths = rng.integers(0, kv_len + 1, size=3) if rng.integers(2) else None
+    cases.append((causal, align, q_len, kv_len, left, right, lengths,
+                  int(rng.choice([64, 128])), int(rng.choice([64, 128]))))
+  # Hand-picked: an empty sequence, q_len > kv_len bottom-right, a window of 0.
+  cases += [(True, "bottom_right", 300, 100, -1, -1, np.array([0, 100, 7]), 64, 64),
+            (True, "top_left", 256, 256, 0, -1, None, 64, 128),
+            (False, "top_left", 500, 120, 20, 20, np.array([120, 1, 60]), 128, 64)]
+  return cases
+
+
+@pytest.mark.parametrize("case", _band_cases())
+def test_mosaic_band_plan_reads_every_seen_key_and_masks_only_edges(case):
+  """The banded kernel's plan, replayed on the host: each program's KV
+  blocks hold every key its rows see; a warpgroup's unmasked blocks hold
+  only keys every one of its rows sees; the masked blocks apply exactly
+  ``valid_keys``; and the online softmax over the plan's blocks, in the
+  kernel's order, with a row that sees no key giving 0, equals the
+  float32 reference."""
+  from pallas_kernels.attention import mosaic as kernel
+  from pallas_kernels.attention.common import valid_keys
+  causal, align, q_len, kv_len, left, right, lengths, block_q, block_k = case
+  batch = 3
+  window = None if (left, right) == (-1, -1) else (left, right)
+  ok = np.asarray(valid_keys(None if lengths is None else jnp.asarray(lengths, jnp.int32),
+                             kv_len, q_len, causal=causal, causal_align=align, batch=batch,
+                             window=window))
+  rng = np.random.default_rng(1)
+  scores = rng.normal(size=(batch, q_len, kv_len)).astype(np.float32)
+  values = rng.normal(size=(batch, kv_len)).astype(np.float32)
+  band = dict(block_kv=block_k, causal=causal, left=left, right=-1 if causal else right)
+  wg_rows = block_q // 2
+  q_pad = -(-q_len // 8) * 8
+  kv_pad = -(-kv_len // 8) * 8
+  for b in range(batch):
+    seq_len = kv_len if lengths is None else int(lengths[b])
+    shift = seq_len - q_len if align == "bottom_right" else 0
+    for tile in range(-(-q_pad // block_q)):
+      q0 = tile * block_q + shift
+      start, t_end = (int(x) for x in kernel.tile_kv_blocks(q0, q0 + block_q - 1, seq_len,
+                                                            **band))
+      # (No block at all where every row's window starts past the keys.)
+      assert 0 <= start <= t_end and (t_end == start or t_end <= -(-kv_pad // block_k))
+      for wg in range(2):
+        r0 = tile * block_q + wg * wg_rows
+        e1, e2, end = (int(x) for x in kernel.kv_block_plan(
+            r0 + shift, r0 + shift + wg_rows - 1, start, seq_len, **band))
+        assert start <= e1 <= e2 <= end <= t_end
+        rows = np.arange(r0, min(r0 + wg_rows, q_len))
+        if not len(rows):
+          continue
+        seen = ok[b, rows]
+        cols = np.nonzero(seen.any(axis=0))[0]
+        if len(cols):  # every seen key is in a block this warpgroup reads
+          assert start * block_k <= cols.min() and cols.max() < end * block_k
+        # Unmasked blocks: every row (the padding rows too) sees every key.
+        for blk in range(e1, e2):
+          keys = np.arange(blk * block_k, (blk + 1) * block_k)
+          assert keys.max() < seq_len
+          pos_all = np.arange(r0, r0 + wg_rows) + shift
+          assert np.asarray(kernel.band_mask(pos_all[:, None], keys[None, :], seq_len,
+                                             causal=causal, left=band["left"],
+                                             right=band["right"])).all()
+        # The kernel's loop over [start, end): masked, unmasked, masked.
+        m = np.full(len(rows), -1e30, np.float32)
+        l = np.zeros(len(rows), np.float32)
+        acc = np.zeros(len(rows), np.float32)
+        for blk in range(start, end):
+          keys = np.arange(blk * block_k, (blk + 1) * block_k)
+          inside = keys < kv_len
+          s = np.where(inside[None, :], scores[b][rows][:, np.minimum(keys, kv_len - 1)], 0.0)
+          vals = np.where(inside, values[b][np.minimum(keys, kv_len - 1)], 0.0)
+          if not e1 <= blk < e2:
+            mask = np.asarray(kernel.band_mask((rows + shift)[:, None], keys[None, :],
+                                               seq_len, causal=causal, left=band["left"],
+                                               right=band["right"]))
+            np.testing.assert_array_equal(mask[:, inside], seen[:, keys[inside]])
+            if causal and lengths is None:  # the kernel leaves out j < seq_len there
+              loose = np.asarray(kernel.band_mask((rows + shift)[:, None], keys[None, :], None,
+                                                  causal=True, left=band["left"], right=-1))
+              np.testing.assert_array_equal(loose[:, inside], mask[:, inside])
+            s = np.where(mask, s, -np.inf)
+          m_new = np.maximum(m, s.max(axis=1))
+          alpha = np.exp(m - m_new)
+          p = np.exp(s - m_new[:, None])
+          l = l * alpha + p.sum(axis=1)
+          acc = acc * alpha + p @ vals
+          m = m_new
+        out = acc / np.maximum(l, 1.0)
+        ref_s = np.where(seen, scores[b][rows], -np.inf)
+        ref_m = ref_s.max(axis=1, initial=-np.inf)
+        ref_p = np.where(seen, np.exp(ref_s - np.where(np.isfinite(ref_m), ref_m, 0)[:, None]),
+                         0.0)
+        ref = np.where(seen.any(axis=1), ref_p @ values[b] / np.maximum(ref_p.sum(axis=1),
+                                                                        1e-30), 0.0)
+        np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
 
 
 def test_problem_key_and_fields():

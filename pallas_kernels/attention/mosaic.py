@@ -39,18 +39,22 @@ K/V buffers, wgmma, one producer warpgroup and two consumer warpgroups of
   32 such as 96, else 32 bytes), so wgmma and TMA run on the rows as they are,
   with no padding of ``head_dim``;
 * logit soft-capping (``tanh`` of the fp32 scores), attention sinks (each
-  row's running max starts at its head's sink logit and its sum at 1) and a
-  causal left window (a program starts at the KV block of its first row's
-  first key; only the blocks at the window's edge and the diagonal are
-  masked);
+  row's running max starts at its head's sink logit and its sum at 1);
+* sliding windows (a left side, a right side or both, with or without the
+  causal mask), per-sequence KV lengths and the bottom-right causal
+  alignment: each consumer warpgroup reads the KV blocks its rows' keys
+  span (:func:`kv_block_plan`), and masks only the blocks at the edges of
+  that band (the window's sides, the diagonal, a sequence's last key);
+  the interior blocks run unmasked;
 * the checks raise ``ValueError`` with what to change.
 
 Layout ``[batch, seq, heads, head_dim]``, grouped-query attention read in place,
-causal masking aligned top-left as in ``jax.nn.dot_product_attention``.
+causal masking aligned top-left as in ``jax.nn.dot_product_attention``, or
+bottom-right.
 
 Requirements (checked by :func:`check_shapes`): an NVIDIA GPU of compute
 capability 9.0; bfloat16 or float16; ``head_dim`` a multiple of 16 in
-[64, 256]; causal only with ``q_len <= kv_len``.
+[64, 256]; a top-left causal mask only with ``q_len <= kv_len``.
 """
 
 from __future__ import annotations
@@ -66,12 +70,12 @@ from jax import lax
 from pallas_kernels._launch import (SMEM_LIMIT, check_ints, item_grid, local_items,
                                      match_varying, out_struct, persistent_ctas,
                                      require_compute_capability)
-from pallas_kernels.attention.common import check_call
+from pallas_kernels.attention.common import check_align, check_call, check_lengths
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "COMPUTE_CAPABILITY", "HEAD_DIM_MAX", "HEAD_DIM_MIN",
            "HEAD_DIM_MULTIPLE", "NO_INTERPRET", "NUM_WARPS", "SEQ_MULTIPLE",
-           "MosaicAttentionConfig", "attention", "check_device", "check_shapes",
-           "smem_bytes", "swizzle_bytes"]
+           "MosaicAttentionConfig", "attention", "band_mask", "check_device", "check_shapes",
+           "key_bounds", "kv_block_plan", "smem_bytes", "swizzle_bytes", "tile_kv_blocks"]
 
 #: The GPUs the kernel runs on (wgmma and TMA: Hopper).
 COMPUTE_CAPABILITY = "9.0"
@@ -163,7 +167,8 @@ def check_device() -> None:
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttentionConfig,
               causal: bool = True, scale: float | None = None, soft_cap: float = 0.0,
-              window_left: int = -1, sinks: jax.Array | None = None,
+              window_left: int = -1, window_right: int = -1, sinks: jax.Array | None = None,
+              kv_lengths: jax.Array | None = None, causal_align: str = "top_left",
               persistent: bool = False, num_sms: int | None = None) -> jax.Array:
   """Flash attention forward with the Mosaic GPU kernel (Hopper only).
 
@@ -175,10 +180,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttenti
     causal: mask keys after the query (top-left aligned).
     scale: softmax scale (default ``1 / sqrt(head_dim)``).
     soft_cap: above 0, the scaled scores ``s`` become ``cap * tanh(s / cap)``.
-    window_left: with ``causal``, query ``i`` sees keys ``j >= i -
-      window_left`` only; a program skips the KV blocks left of its first
-      row's window. -1: no window.
+    window_left, window_right: query position ``i`` sees keys ``i -
+      window_left <= j <= i + window_right`` only (-1: that side unbounded;
+      under ``causal`` the right side is the diagonal). A program reads the
+      KV blocks of its rows' windows only.
     sinks: ``[q_heads]`` float32 logits added to each softmax's denominator.
+    kv_lengths: ``[batch]`` int32, each sequence's valid keys (clipped to
+      ``[0, kv_len]``); a program reads no KV block past its sequence's
+      length. A query row that sees no key gives zeros.
+    causal_align: ``"top_left"`` (query ``i`` at key position ``i``) or
+      ``"bottom_right"`` (at ``i + L - q_len``, ``L`` the sequence's valid
+      keys: new queries at the end of a cache); it places the causal
+      diagonal and the window.
     persistent: at most one CTA per SM, each walking its share of the
       programs (a query head's ``block_q`` rows of one sequence) in launch
       order: the producer streams the next program's K/V blocks into the
@@ -198,9 +211,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttenti
   scale = check_call(q, k, v, scale)
   if q.shape[1] == 0 or q.shape[0] == 0 or q.shape[2] == 0:
     return jnp.zeros(q.shape, q.dtype)
-  check_shapes(q.shape, k.shape, q.dtype, causal=bool(causal))
-  if window_left >= 0 and not causal:
-    raise ValueError("the Mosaic GPU attention kernel runs a window only with causal=True")
+  bottom_right = check_align(causal_align) == "bottom_right"
+  check_shapes(q.shape, k.shape, q.dtype, causal=bool(causal) and not bottom_right)
+  for name, w in (("window_left", window_left), ("window_right", window_right)):
+    if isinstance(w, bool) or not isinstance(w, int) or w < -1:
+      raise ValueError(f"{name}={w!r} must be a Python int >= -1 (-1: unbounded)")
+  kv_lengths = check_lengths(kv_lengths, q.shape[0], k.shape[1])
   if soft_cap and scale <= 0:
     raise ValueError(f"the Mosaic GPU attention kernel soft-caps only with scale > 0; "
                      f"got scale={scale}")
@@ -210,10 +226,75 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttenti
   has_sinks = sinks is not None
   sinks = (jnp.zeros((q.shape[2],), jnp.float32) if sinks is None
            else jnp.asarray(sinks, jnp.float32))
-  return _attention(q, k, v, sinks, block_q=config.block_q, block_k=config.block_k,
-                    num_stages=config.num_stages, causal=bool(causal), scale=scale,
-                    soft_cap=float(soft_cap), window_left=int(window_left),
-                    has_sinks=has_sinks, ctas=ctas)
+  return _attention(q, k, v, sinks, kv_lengths, block_q=config.block_q,
+                    block_k=config.block_k, num_stages=config.num_stages, causal=bool(causal),
+                    scale=scale, soft_cap=float(soft_cap), window_left=int(window_left),
+                    window_right=-1 if causal else int(window_right),
+                    bottom_right=bottom_right, has_sinks=has_sinks, ctas=ctas)
+
+
+def key_bounds(pos, seq_len, *, causal: bool, left: int, right: int):
+  """``(lo, hi)``: the keys ``lo <= j <= hi`` query position ``pos`` sees
+  (``hi < lo``: none) among a sequence's ``seq_len`` valid keys, under the
+  causal mask and a ``(left, right)`` window (-1: a side unbounded). Traced
+  or Python integers."""
+  lo = jnp.maximum(pos - left, 0) if left >= 0 else jnp.int32(0)
+  hi = jnp.asarray(seq_len, jnp.int32) - 1
+  if causal:
+    hi = jnp.minimum(hi, pos)
+  if right >= 0:
+    hi = jnp.minimum(hi, pos + right)
+  return lo, hi
+
+
+def band_mask(pos, j, seq_len, *, causal: bool, left: int, right: int):
+  """Whether key ``j`` is seen at query position ``pos`` (arrays of one
+  shape): ``j < seq_len`` and, as they apply, ``j <= pos``, ``pos - left <=
+  j``, ``j <= pos + right`` (the mask of
+  :func:`pallas_kernels.attention.common.valid_keys`). ``seq_len`` None:
+  the caller knows ``j < seq_len`` holds wherever the rest does."""
+  mask = None if seq_len is None else j < seq_len
+  if causal:
+    mask = j <= pos if mask is None else mask & (j <= pos)
+  if left >= 0:
+    mask = mask & (j >= pos - left)
+  if right >= 0:
+    mask = mask & (j <= pos + right)
+  return mask
+
+
+def _cdiv_nonneg(x, d: int):
+  """``ceil(max(x, 0) / d)`` of an int32."""
+  return lax.div(jnp.maximum(x, 0) + (d - 1), jnp.int32(d))
+
+
+def tile_kv_blocks(q0, q1, seq_len, *, block_kv: int, causal: bool, left: int, right: int):
+  """``(start, end)``: the KV blocks a program of query positions ``q0..q1``
+  reads (every key of any of its rows lies in them; ``end == start``: none).
+  Key bounds grow with the position, so the first row bounds the start and
+  the last row the end."""
+  lo, _ = key_bounds(q0, seq_len, causal=causal, left=left, right=right)
+  _, hi = key_bounds(q1, seq_len, causal=causal, left=left, right=right)
+  start = lax.div(lo, jnp.int32(block_kv))
+  return start, jnp.maximum(_cdiv_nonneg(hi + 1, block_kv), start)
+
+
+def kv_block_plan(r0, r1, start, seq_len, *, block_kv: int, causal: bool, left: int,
+                  right: int):
+  """``(e1, e2, end)`` for a consumer warpgroup of query positions
+  ``r0..r1`` in a program whose KV blocks start at ``start``: blocks
+  ``[start, e1)`` are masked (the window's left edge; rows whose keys start
+  later see none of them), ``[e1, e2)`` hold keys every row sees (no mask),
+  ``[e2, end)`` are masked (the diagonal, the right side, the sequence's
+  last key); from ``end`` to the program's end this warpgroup's rows see
+  no key."""
+  lo_last, _ = key_bounds(r1, seq_len, causal=causal, left=left, right=right)
+  _, hi_first = key_bounds(r0, seq_len, causal=causal, left=left, right=right)
+  _, hi_last = key_bounds(r1, seq_len, causal=causal, left=left, right=right)
+  end = jnp.maximum(_cdiv_nonneg(hi_last + 1, block_kv), start)
+  e1 = jnp.clip(_cdiv_nonneg(lo_last, block_kv), start, end)
+  e2 = jnp.clip(lax.div(jnp.maximum(hi_first + 1, 0), jnp.int32(block_kv)), e1, end)
+  return e1, e2, end
 
 
 def _pad_seq(x, multiple: int):
@@ -223,18 +304,22 @@ def _pad_seq(x, multiple: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "block_k", "num_stages", "causal",
-                                             "scale", "soft_cap", "window_left", "has_sinks",
-                                             "ctas"))
-def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: int,
-               causal: bool, scale: float, soft_cap: float = 0.0, window_left: int = -1,
+                                             "scale", "soft_cap", "window_left", "window_right",
+                                             "bottom_right", "has_sinks", "ctas"))
+def _attention(q, k, v, sinks=None, kv_lengths=None, *, block_q: int, block_k: int,
+               num_stages: int, causal: bool, scale: float, soft_cap: float = 0.0,
+               window_left: int = -1, window_right: int = -1, bottom_right: bool = False,
                has_sinks: bool = False, ctas: int = 0):
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
 
   if sinks is None:
     sinks = jnp.zeros((q.shape[2],), jnp.float32)  # read only where has_sinks
+  has_lengths = kv_lengths is not None
+  if kv_lengths is None:
+    kv_lengths = jnp.zeros((q.shape[0],), jnp.int32)  # read only where has_lengths
 
-  check_shapes(q.shape, k.shape, q.dtype, causal=causal)
+  check_shapes(q.shape, k.shape, q.dtype, causal=causal and not bottom_right)
   q_len = q.shape[1]
   # Lengths that are not multiples of 8 rows: pad (the keys past kv_seq_len
   # are masked below; the query rows past q_len are sliced off the output).
@@ -262,7 +347,17 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
     c, pre = scale * _LOG2E, None
   else:
     c, pre = _LOG2E, scale
-  windowed = window_left >= 0
+  if causal:
+    window_right = -1  # the diagonal bounds the right side
+  windowed = window_left >= 0 or window_right >= 0
+  # The banded kernel: a window, KV lengths or the bottom-right alignment.
+  # Each program reads the KV blocks its rows' keys span (tile_kv_blocks)
+  # and each warpgroup masks only the edges of its band (kv_block_plan); a
+  # row may see no key (its output is then 0). Plain causal and non-causal
+  # calls keep the loops below with static bounds.
+  banded = windowed or has_lengths or bottom_right
+  band = dict(block_kv=block_k, causal=causal, left=window_left, right=window_right)
+  causal_mask = causal  # (kv_loop's own `causal` is the plain kernel's diagonal mask)
   # Programs (work items) in launch order: query heads fastest (the heads of
   # a GQA group, which share K/V, run together), then query tiles, then
   # sequences. One CTA per item, or (persistent) at most ``ctas`` CTAs, CTA
@@ -281,7 +376,7 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
 
   iota = functools.partial(plgpu.broadcasted_iota, jnp.int32, layout=plgpu.Layout.WGMMA)
 
-  def kernel(q_ref, k_ref, v_ref, sinks_ref, out_ref, scoped):
+  def kernel(q_ref, k_ref, v_ref, sinks_ref, lens_ref, out_ref, scoped):
     cta = lax.axis_index("cta")
     smem_buffers, buffer_barriers, consumed_barriers, schedule_barrier = scoped
     wg_idx = lax.axis_index("wg")
@@ -291,9 +386,18 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
     # This CTA's items: cta, cta + grid_ctas, ... below items.
     n_local = local_items(cta, items, grid_ctas)
 
+    def seq_of(batch):
+      """A sequence's valid keys and the key position of its query row 0."""
+      if has_lengths:
+        seq_len = jnp.clip(lens_ref[batch], 0, kv_seq_len)
+      else:
+        seq_len = jnp.int32(kv_seq_len)
+      shift = seq_len - q_len if bottom_right else jnp.int32(0)
+      return seq_len, shift
+
     def plan(n):
       """The ``n``-th item of this CTA: its sequence, query head, query tile,
-      first KV step and KV steps to read."""
+      first KV step and the step past its last."""
       i = cta + n * grid_ctas
       q_head = lax.rem(i, jnp.int32(num_q_heads))
       rest = lax.div(i, jnp.int32(num_q_heads))
@@ -301,16 +405,15 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
       batch = lax.div(rest, jnp.int32(num_q_tiles))
       if causal:
         q_tile = num_q_tiles - 1 - q_tile  # the longest programs first
+      if banded:
+        seq_len, shift = seq_of(batch)
+        q0 = q_tile * block_q + shift
+        kv_start, block_max_kv_steps = tile_kv_blocks(q0, q0 + block_q - 1, seq_len, **band)
+      elif causal:
+        kv_start = 0  # (a Python int: the plain kernel's loops are as before)
         block_max_kv_steps = kv_steps_to((q_tile + 1) * block_q)
       else:
-        block_max_kv_steps = num_kv_steps
-      # The first KV step: under a window, the block of the tile's first
-      # row's first key (every step before it is out of every row's window).
-      if windowed:
-        kv_start = lax.div(jnp.maximum(q_tile * block_q - window_left, 0),
-                           jnp.array(block_kv, jnp.int32))
-      else:
-        kv_start = 0  # (a Python int: the plain kernel's loops are as before)
+        kv_start, block_max_kv_steps = 0, num_kv_steps
       return batch, q_head, q_tile, kv_start, block_max_kv_steps
 
     def perform_schedule_barrier():
@@ -324,7 +427,7 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
 
     def ring_slot(g, kv_step, kv_start):
       # g: ring steps this CTA took before the item (0 without persistence).
-      return lax.rem(g + kv_step - kv_start if (windowed or persistent) else kv_step,
+      return lax.rem(g + kv_step - kv_start if (banded or persistent) else kv_step,
                      jnp.array(max_concurrent_steps, jnp.int32))
 
     @pl.when(wg_idx < 2)
@@ -349,7 +452,12 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
         qo_smem = qo_smem2.at[buf]
         q_seq_base = q_tile * block_q + wg_idx * wg_rows
 
-        if causal:
+        if banded:
+          seq_len, shift = seq_of(batch)
+          row0 = q_seq_base + shift  # this warpgroup's first row's key position
+          edge_end, full_kv_steps, kv_steps = kv_block_plan(
+              row0, row0 + wg_rows - 1, kv_start, seq_len, **band)
+        elif causal:
           kv_steps = kv_steps_to(q_seq_base + wg_rows)
         else:
           kv_steps = block_max_kv_steps
@@ -370,9 +478,10 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
           m0 = jnp.broadcast_to(sinks_ref[q_head] * _LOG2E, (wg_rows,))
           l0 = jnp.full((wg_rows,), 1, dtype=jnp.float32)
         else:
-          # Finite under a window: a row whose first blocks are all out of its
-          # window keeps alpha = 1 and p = 0 there (-inf - -inf would be NaN).
-          m0 = jnp.full((wg_rows,), -1e30 if windowed else -jnp.inf, dtype=jnp.float32)
+          # Finite in the banded kernel: a row whose first blocks are all out
+          # of its band keeps alpha = 1 and p = 0 there (-inf - -inf would be
+          # NaN).
+          m0 = jnp.full((wg_rows,), -1e30 if banded else -jnp.inf, dtype=jnp.float32)
           l0 = jnp.full((wg_rows,), 0, dtype=jnp.float32)
         m_i = plgpu.layout_cast(m0, plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(l0, plgpu.Layout.WGMMA.reduce(1))
@@ -385,7 +494,8 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
 
         pl.when(wg_idx == 1)(perform_schedule_barrier)
 
-        def kv_loop(kv_step, carry, causal: bool = False, kv_tail: bool = False):
+        def kv_loop(kv_step, carry, causal: bool = False, kv_tail: bool = False,
+                    banded_step: bool = False):
           acc, m_i, l_i = carry
           slot = slot_of(kv_step)
 
@@ -404,12 +514,21 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
             q_ids = iota((wg_rows, block_kv), 0)
             kv_ids = iota((wg_rows, block_kv), 1)
             mask = (q_ids + q_seq_base) >= (kv_ids + kv_step * block_kv)
-            if windowed:
-              mask = mask & ((kv_ids + kv_step * block_kv) >= (q_ids + q_seq_base - window_left))
             qk = jnp.where(mask, qk, -jnp.inf)
           if kv_tail:
             kv_ids = iota((wg_rows, block_kv), 1)
             qk = jnp.where(kv_ids + kv_step * block_kv < kv_seq_len, qk, -jnp.inf)
+          if banded_step:
+            # Key j of row r (key position pos = r + shift) is seen where
+            # j < seq_len and, as they apply, j <= pos, pos - left <= j,
+            # j <= pos + right.
+            pos = iota((wg_rows, block_kv), 0) + row0
+            j = iota((wg_rows, block_kv), 1) + kv_step * block_kv
+            # (Causal without KV lengths: j <= pos < kv_len for every row
+            # stored, so the length's compare is left out.)
+            qk = jnp.where(band_mask(pos, j, None if causal_mask and not has_lengths
+                                     else seq_len, causal=causal_mask, left=window_left,
+                                     right=window_right), qk, -jnp.inf)
 
           # m is kept scaled by c, so p takes one FMA per score.
           m_ij = jnp.maximum(m_i, qk.max(axis=1) * c)
@@ -445,7 +564,28 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
           plgpu.barrier_arrive(v_consumed_barriers.at[slot])
           return acc, m_i, l_i
 
-        if not causal:
+        def epilogue_kv_loop(kv_step, _):
+          # Drains the pipeline when this warpgroup finishes before the other.
+          slot = slot_of(kv_step)
+          if persistent:
+            # Every load's barrier is waited once by each warpgroup, so
+            # that their phases stay in step for the next items.
+            plgpu.barrier_wait(k_barriers.at[slot])
+          plgpu.barrier_arrive(k_consumed_barriers.at[slot])
+          if persistent:
+            plgpu.barrier_wait(v_barriers.at[slot])
+          plgpu.barrier_arrive(v_consumed_barriers.at[slot])
+          perform_schedule_barrier()
+          perform_schedule_barrier()
+
+        if banded:
+          band_loop = functools.partial(kv_loop, banded_step=True)
+          acc, m_i, l_i = lax.fori_loop(kv_start, edge_end, band_loop, (acc, m_i, l_i))
+          acc, m_i, l_i = lax.fori_loop(edge_end, full_kv_steps, kv_loop, (acc, m_i, l_i))
+          load_next_q()
+          acc, m_i, l_i = lax.fori_loop(full_kv_steps, kv_steps, band_loop, (acc, m_i, l_i))
+          lax.fori_loop(kv_steps, block_max_kv_steps, epilogue_kv_loop, None)
+        elif not causal:
           full_steps = num_kv_steps - kv_ragged
           acc, m_i, l_i = lax.fori_loop(0, full_steps, kv_loop, (acc, m_i, l_i))
           load_next_q()
@@ -455,42 +595,21 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
                                         functools.partial(kv_loop, kv_tail=True),
                                         (acc, m_i, l_i))
         else:
-          def epilogue_kv_loop(kv_step, _):
-            # Drains the pipeline when this warpgroup finishes before the other.
-            slot = slot_of(kv_step)
-            if persistent:
-              # Every load's barrier is waited once by each warpgroup, so
-              # that their phases stay in step for the next items.
-              plgpu.barrier_wait(k_barriers.at[slot])
-            plgpu.barrier_arrive(k_consumed_barriers.at[slot])
-            if persistent:
-              plgpu.barrier_wait(v_barriers.at[slot])
-            plgpu.barrier_arrive(v_consumed_barriers.at[slot])
-            perform_schedule_barrier()
-            perform_schedule_barrier()
-
           causal_kv_loop = functools.partial(kv_loop, causal=True)
           full_kv_steps = jnp.minimum(lax.div(q_seq_base, jnp.array(block_kv, jnp.int32)),
                                       kv_steps)
-          if windowed:
-            # The blocks at the window's left edge (masked), those inside every
-            # row's window and left of the diagonal (unmasked), the diagonal.
-            bk = jnp.array(block_kv, jnp.int32)
-            inside = lax.div(jnp.maximum(q_seq_base + wg_rows - 1 - window_left, 0) + bk - 1,
-                             bk)
-            edge_end = jnp.minimum(jnp.maximum(inside, kv_start), kv_steps)
-            acc, m_i, l_i = lax.fori_loop(kv_start, edge_end, causal_kv_loop, (acc, m_i, l_i))
-            full_kv_steps = jnp.maximum(edge_end, full_kv_steps)
-            acc, m_i, l_i = lax.fori_loop(edge_end, full_kv_steps, kv_loop, (acc, m_i, l_i))
-          else:
-            # Unmasked blocks, then the diagonal blocks.
-            acc, m_i, l_i = lax.fori_loop(0, full_kv_steps, kv_loop, (acc, m_i, l_i))
+          # Unmasked blocks, then the diagonal blocks.
+          acc, m_i, l_i = lax.fori_loop(0, full_kv_steps, kv_loop, (acc, m_i, l_i))
           load_next_q()
           acc, m_i, l_i = lax.fori_loop(full_kv_steps, kv_steps, causal_kv_loop,
                                         (acc, m_i, l_i))
           lax.fori_loop(kv_steps, block_max_kv_steps, epilogue_kv_loop, None)
         pl.when(wg_idx == 0)(perform_schedule_barrier)
 
+        if banded:
+          # A row that saw no key has l = 0 (and acc = 0): its output is 0.
+          # Any other row's sum is at least 1 (its max's own term).
+          l_i = jnp.maximum(l_i, 1.0)
         acc /= lax.broadcast_in_dim(l_i, (wg_rows, head_dim), [0])
         qo_smem[...] = acc.astype(dtype)
         plgpu.commit_smem()
@@ -539,7 +658,7 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
       else:
         stream_item(jnp.int32(0), 0)
 
-  def entry(q_ref, k_ref, v_ref, sinks_ref, out_ref):
+  def entry(q_ref, k_ref, v_ref, sinks_ref, lens_ref, out_ref):
     compute_wgs = 2
     swizzle_b = swizzle_bytes(head_dim, jnp.dtype(dtype).itemsize)
     tiling = plgpu.TilingTransform((8, swizzle_b // jnp.dtype(dtype).itemsize))
@@ -551,7 +670,7 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
     v_scratch = plgpu.SMEM((max_concurrent_steps, block_kv, head_dim), dtype,
                            transforms=(tiling, swizzle))
     pl.run_scoped(
-        lambda *args: kernel(q_ref, k_ref, v_ref, sinks_ref, out_ref, args),
+        lambda *args: kernel(q_ref, k_ref, v_ref, sinks_ref, lens_ref, out_ref, args),
         (qo_scratch, k_scratch, v_scratch),
         (
             plgpu.Barrier(num_barriers=max_concurrent_steps),
@@ -563,7 +682,7 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
         collective_axes="wg",
     )
 
-  (q, k, v, sinks), axes = match_varying(q, k, v, sinks)
+  (q, k, v, sinks, kv_lengths), axes = match_varying(q, k, v, sinks, kv_lengths)
   out = plgpu.kernel(
       entry,
       out_type=out_struct(q.shape, dtype, axes),
@@ -572,5 +691,5 @@ def _attention(q, k, v, sinks=None, *, block_q: int, block_k: int, num_stages: i
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(q, k, v, sinks)
+  )(q, k, v, sinks, kv_lengths)
   return out if out.shape[1] == q_len else out[:, :q_len]

@@ -189,11 +189,17 @@ class AttentionFamily(Family):
     return problem.plain
 
   def trusted_without_evidence(self, problem: AttentionProblem, config, platform, hw=None) -> bool:
-    """The Mosaic kernel over XLA's attention where the problem soft-caps or
-    has sinks (cuDNN runs neither, so XLA's attention is the platform op): no
-    table holds such problems, and XLA writes the whole score matrix. On an
-    H100 the kernel ran 6.5-72x faster than it on every such problem measured
-    (``benchmarks/attention_options.py``, docs/results.md). And the kernel's
+    """The Mosaic kernel over XLA's attention where the problem soft-caps,
+    has sinks or a window (XLA's attention is the platform op where cuDNN
+    runs none of them: a window with KV lengths, the bottom-right alignment
+    or a right side): no table holds such problems, and XLA writes the whole
+    score matrix where the kernel reads a window's blocks. On an H100 the
+    kernel ran 6.5-72x faster than it on every soft-capped or sink problem
+    measured (``benchmarks/attention_options.py``), and on an H200 29-72x on
+    every such window (``benchmarks/attention_band.py``; docs/results.md).
+    Also its rule config on KV lengths or the bottom-right alignment without
+    an option (:func:`~wavetune_jax.families.attention.mosaic.lengths_rule`:
+    6.8-12.6x XLA's attention on an H200). And the kernel's
     rule config over cuDNN's sliding window where its persistent grid takes
     the window (:func:`~wavetune_jax.families.attention.mosaic.persistent_wins`:
     measured on GQA groups and windows the table's sweep does not hold), within
@@ -205,7 +211,9 @@ class AttentionFamily(Family):
     if not isinstance(config, mosaic.MosaicAttentionConfig):
       return False
     if isinstance(platform, XlaAttentionConfig):
-      return problem.soft_cap > 0 or problem.sinks
+      return (problem.soft_cap > 0 or problem.sinks or problem.windowed
+              or (hw is not None and config == mosaic.MosaicAttention.HEURISTIC
+                  and mosaic.lengths_rule(problem, hw)))
     # As measured: windows of 128-4,096 keys, GQA groups of 2-8, bfloat16.
     return (isinstance(platform, CudnnAttentionConfig) and hw is not None
             and problem.windowed and config == mosaic.MosaicAttention.HEURISTIC

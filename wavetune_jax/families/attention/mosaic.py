@@ -13,7 +13,8 @@ from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.attention.problem import AttentionProblem, coords, next_pow2
 from wavetune_jax.families.attention.triton import TritonAttention
 
-__all__ = ["PERSISTENT_WINDOW_GPUS", "MosaicAttention", "MosaicAttentionConfig", "pads",
+__all__ = ["PERSISTENT_WINDOW_GPUS", "MosaicAttention", "MosaicAttentionConfig", "cudnn_runs",
+           "lengths_rule", "pads",
            "persistent_grid", "persistent_runs", "persistent_wins", "runs_rule_config",
            "triton_recompute",
            "wins_above_one_wave", "would_pad"]
@@ -61,15 +62,15 @@ def persistent_grid(p: AttentionProblem, c: MosaicAttentionConfig, device_key: s
   share of the programs; the kernel keeps one CTA per program where there
   are no more programs than SMs): on the GPUs of
   :data:`PERSISTENT_WINDOW_GPUS`, under a causal window of at most half the
-  keys, where nearly every program reads the window's blocks, so a static
-  share of them stays balanced, and where the second Q/O tile fits in
+  keys without KV lengths, where nearly every program reads the window's
+  blocks, so a static share of them stays balanced, and where the second Q/O tile fits in
   shared memory (not at head_dim 256). Measured on an H200
   (``benchmarks/attention_persistent.py``, docs/results.md "A persistent
   grid for windowed prefill"). Under a plain causal mask the programs'
   lengths run from one block to all of them, which the hardware's
   scheduling of CTAs balances and a static share would not."""
   if (device_key not in PERSISTENT_WINDOW_GPUS or not p.causal or p.window_left < 0
-      or 2 * (p.window_left + 1) > p.kv_len):
+      or p.lengths or 2 * (p.window_left + 1) > p.kv_len):
     return False
   return kernel.smem_bytes(block_q=c.block_q, block_k=c.block_k, num_stages=c.num_stages,
                            head_dim=p.head_dim, itemsize=p.itemsize,
@@ -129,8 +130,7 @@ class MosaicAttention(Backend):
   def _runs_shape(p: AttentionProblem) -> bool:
     return (p.head_dim % kernel.HEAD_DIM_MULTIPLE == 0
             and kernel.HEAD_DIM_MIN <= p.head_dim <= kernel.HEAD_DIM_MAX
-            and not (p.causal and p.q_len > p.kv_len) and not p.lengths and not p.shifted
-            and (not p.windowed or p.causal))
+            and not (p.causal and not p.shifted and p.q_len > p.kv_len))
 
   def smem_bytes(self, problem: AttentionProblem, c: MosaicAttentionConfig) -> int:
     return kernel.smem_bytes(block_q=c.block_q, block_k=c.block_k, num_stages=c.num_stages,
@@ -169,23 +169,16 @@ class MosaicAttention(Backend):
     padding of lengths that are not multiples of 8): each length is decided
     on its own."""
     p = problem
-    return 1 if (p.head_dim % kernel.HEAD_DIM_MULTIPLE == 0
-                 and kernel.HEAD_DIM_MIN <= p.head_dim <= kernel.HEAD_DIM_MAX
-                 and not p.lengths and not p.shifted and (not p.windowed or p.causal)) else None
+    return 1 if self._runs_shape(p) else None
 
   def validate(self, problem: AttentionProblem, config: MosaicAttentionConfig,
                hw: Hardware | None = None) -> None:
     if not isinstance(config, MosaicAttentionConfig):
       raise ValueError(f"config must be a MosaicAttentionConfig; got {config!r}")
     p = problem
-    if p.lengths or p.shifted:
-      raise ValueError("the Mosaic GPU attention kernel has no per-sequence KV lengths and "
-                       "no bottom-right causal alignment yet (use a Triton or XLA config)")
-    if p.windowed and not p.causal:
-      raise ValueError("the Mosaic GPU attention kernel runs a sliding window only with "
-                       "causal=True (use the XLA config)")
     kernel.check_shapes((p.batch, p.q_len, p.q_heads, p.head_dim),
-                        (p.batch, p.kv_len, p.kv_heads, p.head_dim), p.dtype, causal=p.causal)
+                        (p.batch, p.kv_len, p.kv_heads, p.head_dim), p.dtype,
+                        causal=p.causal and not p.shifted)
     if hw is not None and self.smem_bytes(p, config) > hw.smem_per_block:
       raise ValueError(
           f"config {config} needs {self.smem_bytes(p, config)} bytes of shared "
@@ -228,11 +221,16 @@ class MosaicAttention(Backend):
       return None
     if narrow_window(p) and not persistent_runs(p, c, hw):
       c = self.NARROW
-    if p.soft_cap or p.sinks:
-      # cuDNN runs neither; the kernel ran 6.5-72x faster than XLA's attention
-      # (the other backend that does) on an H100 (benchmarks/attention_options.py).
+    if p.soft_cap or p.sinks or (p.windowed and not cudnn_runs(p, hw)):
+      # cuDNN runs neither soft-capping nor sinks, nor a window with KV
+      # lengths, the bottom-right alignment or a right side: XLA's attention
+      # is the other backend that does. The kernel ran 6.5-72x faster than it
+      # on an H100 with soft caps and sinks (benchmarks/attention_options.py)
+      # and reads only a window's blocks (benchmarks/attention_band.py).
       return next((x for x in (c, self.OPTIONS_NARROW) if x in self.space(p, hw, prune=False)),
                   None)
+    if (p.lengths or p.shifted) and not lengths_rule(p, hw):
+      return None  # the Triton kernel's rule
     if p.q_len < c.block_q or pads(p):
       return None
     if p.batch * p.q_heads * -(-p.q_len // c.block_q) >= hw.num_sms // 2:
@@ -256,12 +254,34 @@ class MosaicAttention(Backend):
     if interpret:
       raise NotImplementedError(kernel.NO_INTERPRET)
     from wavetune_jax.families.attention.family import split_extra
-    _, sinks = split_extra(problem, extra)  # (no KV lengths: validate refuses them)
+    kv_lengths, sinks = split_extra(problem, extra)
     return kernel.attention(q, k, v, config=config, causal=problem.causal, scale=scale,
                             soft_cap=problem.soft_cap, window_left=problem.window_left,
-                            sinks=sinks,
+                            window_right=problem.window_right, sinks=sinks,
+                            kv_lengths=kv_lengths, causal_align=problem.causal_align,
                             persistent=persistent_grid(problem, config,
                                                        hardware.current().device_key))
+
+
+def lengths_rule(p: AttentionProblem, hw: Hardware) -> bool:
+  """Where the kernel's rule config answers a call with KV lengths or the
+  bottom-right alignment and no option (which the cuDNN backend does not
+  run, so XLA's attention is the platform op): the plain rule's reach (its
+  128-row programs fill at least half the SMs, no padding of the lengths).
+  On an H200 (``benchmarks/attention_band.py``) it ran 1.36x and 1.50x the
+  Triton kernel's rule and 12.6x and 6.8x XLA's attention (lengths at 8,192
+  tokens; a 2,048-token chunk at the end of an 8,192-key cache)."""
+  c = MosaicAttention.HEURISTIC
+  return (p.plain and (p.lengths or p.shifted) and p.q_len >= c.block_q and not pads(p)
+          and p.batch * p.q_heads * -(-p.q_len // c.block_q) >= hw.num_sms // 2
+          and c in _MOSAIC.space(p, hw))
+
+
+def cudnn_runs(p: AttentionProblem, hw: Hardware | None = None) -> bool:
+  """Whether the cuDNN backend runs ``p`` (its window: causal or a left side
+  only, no KV lengths, no bottom-right alignment)."""
+  from wavetune_jax.families.attention.cudnn import CudnnAttention
+  return CudnnAttention()._why_not(p, hw) is None
 
 
 def pads(p: AttentionProblem) -> bool:
