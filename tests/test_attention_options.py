@@ -640,3 +640,47 @@ def test_persistent_modes_check_on_record_passed():
   assert len(lines) == 5 and all(ln.rstrip().endswith(" ok") for ln in lines)
   errs = [float(ln.split("rel. error")[1].split()[0]) for ln in lines]
   assert 2.0e-3 <= min(errs) and max(errs) < 2.25e-3
+
+
+def _load_rows(name):
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "data", "probes", name)) as f:
+    return json.load(f)["rows"], open(os.path.join(root, "docs", "results.md")).read()
+
+
+def test_band_kernel_numbers_in_the_docs():
+  rows, docs = _load_rows("attention_band_h200.json")
+  assert len(rows) == 18
+  assert all(r["status"] == "ok" for row in rows for r in row["times"].values())
+  for row in (r for r in rows if r["timed"]):
+    t = {k: v["us"] for k, v in row["times"].items()}
+    cells = [f"{t['wt']:,.1f}", f"{t['mosaic']:,.1f}", f"{t['mosaic64']:,.1f}",
+             f"{t['xla']:,.1f}"] + ([f"{t['triton']:,.1f}"] if "triton" in t else [])
+    line = next(ln for ln in docs.splitlines() if ln.startswith("|") and cells[0] in ln
+                and cells[3] in ln)
+    for c in cells:
+      assert c in line, (row["name"], c)
+    speed = t["xla"] / t["wt"]
+    assert (f"{speed:.1f}x" in line or f"{speed:.2f}x" in line), (row["name"], speed)
+
+
+def test_dropin_window_numbers_in_the_docs():
+  for name in ("dropin_attention_band_h200.json", "dropin_attention_lengths_h200.json"):
+    rows, docs = _load_rows(name)
+    for row in rows:
+      w, t = row["as_written"]["us"], row["autotune"]["us"]
+      assert row["as_written"]["status"] == row["autotune"]["status"] == "ok"
+      if row["name"] == "w1024 causal, key lengths" and "band" in name:
+        continue  # (the lengths file has the later run of it)
+      assert f"{w:,.1f}" in docs, row["name"]
+      assert f"{t:,.1f}" in docs, row["name"]
+
+
+def test_dropin_benchmark_dry_run_on_cpu(capsys):
+  from bench_module import load_benchmark
+  mod = load_benchmark("dropin_attention")
+  assert mod.main(["--dry-run", "--only", "w128"]) == 0
+  out = capsys.readouterr().out
+  assert "w128 causal b4" in out and "local_window_size (128, 0)" in out
+  with pytest.raises(SystemExit):
+    mod.main(["--only", "no such problem"])

@@ -193,8 +193,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
       ``MosaicAttentionConfig``) or a dict ``{"backend": name, **fields}``;
       ``None`` lets the selector choose. With a window, soft-capping or
       sinks: cuDNN runs a window (causal, or a right side of 0) without the
-      other two, the Mosaic kernel soft-capping, sinks and causal windows,
-      XLA's attention any of them; the Triton kernel none.
+      other two, KV lengths or the bottom-right alignment; the Mosaic kernel
+      and XLA's attention any of them, with lengths and either alignment; the
+      Triton kernel none.
 
   Returns:
     ``[batch, q_len, q_heads, head_dim]`` of ``q.dtype``.
@@ -206,9 +207,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
       ``kv_lengths`` not ``[batch]`` integers; an unknown ``causal_align``; a
       negative or non-int window, a cap that is not a finite float > 0,
       ``sinks`` not ``[q_heads]`` real numbers; or a config that cannot run
-      this problem here (the Mosaic backend has no KV lengths or bottom-right
-      alignment yet, and windows only under a causal mask; the Triton backend
-      has no window, soft-capping or sinks).
+      this problem here (the cuDNN backend has no KV lengths, bottom-right
+      alignment or two-sided window; the Triton backend has no window,
+      soft-capping or sinks; the Mosaic backend needs a Hopper GPU).
   """
   return tuned_call(ATTENTION, q, k, v, causal=causal, scale=scale, kv_lengths=kv_lengths,
                     causal_align=causal_align, local_window_size=local_window_size,
