@@ -8,7 +8,8 @@ Mosaic kernel at 128 x 128 and 128 x 64 tiles, the Triton kernel where it
 runs the problem (no window) and XLA's attention. ``--check`` first runs
 the edge cases (empty sequences, rows that see no key, windows past the
 sequence, GQA, head_dim 256, sinks and soft caps, the persistent grid),
-checked only.
+checked only. Wherever a problem has KV lengths, K holds NaN and V Inf and
+NaN past each length (what a cache may hold there).
 
     python3 benchmarks/attention_band.py [--check] [--only NAME] [--iterations 10] [--json out.json]
 """
@@ -84,6 +85,10 @@ def _arrays(b, t, s, h, kvh, d, opts, seed=0):
   kw = {k_: v_ for k_, v_ in opts.items() if k_ not in ("lengths", "sinks")}
   if "lengths" in opts:
     kw["kv_lengths"] = jnp.asarray(opts["lengths"], jnp.int32)
+    # Past each length a cache may hold anything: NaN in K, Inf and NaN in V.
+    past = (jnp.arange(s)[None, :] >= kw["kv_lengths"][:, None])[:, :, None, None]
+    k = jnp.where(past, jnp.nan, k).astype(k.dtype)
+    v = jnp.where(past, jnp.where(jnp.arange(d) % 2 == 0, jnp.inf, jnp.nan), v).astype(v.dtype)
   if opts.get("sinks"):
     kw["sinks"] = jax.random.normal(ks, (h,), jnp.float32)
   return (q, k, v), kw

@@ -3,8 +3,10 @@ diagonal aligned to the end of each sequence (decode, chunked prefill).
 
 The Triton kernel runs in interpret mode against the float32 reference, with
 NaN in K and V past every sequence's length (it must not reach the output);
-XLA's backend implements the same mask; the Mosaic backend refuses both
-options with a clear error.
+XLA's backend implements the same mask. The Mosaic kernel, which takes both
+on a Hopper GPU, has no interpret mode: its plan is replayed on the host in
+``test_attention_options.py`` and it is checked on a GPU, with NaN and Inf
+past the lengths, by ``benchmarks/attention_band.py --check``.
 """
 
 import itertools

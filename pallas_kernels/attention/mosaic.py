@@ -211,12 +211,18 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: MosaicAttenti
   scale = check_call(q, k, v, scale)
   if q.shape[1] == 0 or q.shape[0] == 0 or q.shape[2] == 0:
     return jnp.zeros(q.shape, q.dtype)
-  bottom_right = check_align(causal_align) == "bottom_right"
+  kv_lengths = check_lengths(kv_lengths, q.shape[0], k.shape[1])
+  # The alignment matters only where the queries do not start at key 0.
+  bottom_right = (check_align(causal_align) == "bottom_right"
+                  and (kv_lengths is not None or q.shape[1] != k.shape[1]))
   check_shapes(q.shape, k.shape, q.dtype, causal=bool(causal) and not bottom_right)
   for name, w in (("window_left", window_left), ("window_right", window_right)):
     if isinstance(w, bool) or not isinstance(w, int) or w < -1:
       raise ValueError(f"{name}={w!r} must be a Python int >= -1 (-1: unbounded)")
-  kv_lengths = check_lengths(kv_lengths, q.shape[0], k.shape[1])
+  # A side at least as long as every key position reaches is unbounded (and
+  # the kernel's int32 positions stay in range).
+  reach = q.shape[1] + k.shape[1] + SEQ_MULTIPLE
+  window_left, window_right = (-1 if w >= reach else w for w in (window_left, window_right))
   if soft_cap and scale <= 0:
     raise ValueError(f"the Mosaic GPU attention kernel soft-caps only with scale > 0; "
                      f"got scale={scale}")
@@ -474,8 +480,13 @@ def _attention(q, k, v, sinks=None, kv_lengths=None, *, block_q: int, block_k: i
         plgpu.barrier_wait(q_barriers.at[buf])
 
         if has_sinks:
-          # The sink's exp(sink - m) starts the denominator (m kept scaled by c).
-          m0 = jnp.broadcast_to(sinks_ref[q_head] * _LOG2E, (wg_rows,))
+          # The sink's exp(sink - m) starts the denominator (m kept scaled by c;
+          # in the banded kernel at least -1e30: a sink of -inf must not give
+          # -inf - -inf where a row's first blocks are all masked).
+          m0 = sinks_ref[q_head] * _LOG2E
+          if banded:
+            m0 = jnp.maximum(m0, -1e30)
+          m0 = jnp.broadcast_to(m0, (wg_rows,))
           l0 = jnp.full((wg_rows,), 1, dtype=jnp.float32)
         else:
           # Finite in the banded kernel: a row whose first blocks are all out
@@ -524,8 +535,9 @@ def _attention(q, k, v, sinks=None, kv_lengths=None, *, block_q: int, block_k: i
             # j <= pos + right.
             pos = iota((wg_rows, block_kv), 0) + row0
             j = iota((wg_rows, block_kv), 1) + kv_step * block_kv
-            # (Causal without KV lengths: j <= pos < kv_len for every row
-            # stored, so the length's compare is left out.)
+            # (Causal without KV lengths: j <= pos < kv_len for every row of
+            # the output, so the length's compare is left out; padded query
+            # rows, sliced off, see zero-filled keys.)
             qk = jnp.where(band_mask(pos, j, None if causal_mask and not has_lengths
                                      else seq_len, causal=causal_mask, left=window_left,
                                      right=window_right), qk, -jnp.inf)
@@ -551,6 +563,18 @@ def _attention(q, k, v, sinks=None, kv_lengths=None, *, block_q: int, block_k: i
           else:
             end_softmax_barriers()
             l_i += p.sum(axis=1)
+
+          if banded_step and has_lengths:
+            # Values at or past the sequence's length may be NaN or Inf (0 *
+            # NaN is NaN in P V): zero those rows of the block. Both warpgroups
+            # do it before their own P V; they write the same bits (the value
+            # read, or zero), so neither undoes the other.
+            @pl.when((kv_step + 1) * block_kv > seq_len)
+            def _zero_past_length():
+              vb = v_smem.at[slot]
+              rows_k = iota((block_kv, head_dim), 0) + kv_step * block_kv
+              vb[...] = jnp.where(rows_k < seq_len, vb[...], jnp.zeros((), dtype))
+              plgpu.commit_smem()
 
           def compute_pv(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_smem.at[slot])

@@ -63,9 +63,10 @@ class CudnnAttention(LibraryAttention):
     hmax = self.head_dim_max(hw)
     if p.head_dim % 8 or p.head_dim > hmax:
       return f"cuDNN attention needs head_dim a multiple of 8 up to {hmax}; got {p.head_dim}"
-    if p.lengths or p.shifted:
+    if (p.lengths or p.shifted
+        or (p.windowed and p.causal_align == "bottom_right" and p.q_len != p.kv_len)):
       return ("the cuDNN backend takes no per-sequence KV lengths and no bottom-right "
-              "causal alignment (use a Triton or XLA config)")
+              "alignment (use a Triton or XLA config)")
     if p.soft_cap or p.sinks:
       return ("the cuDNN backend (jax.nn.dot_product_attention) takes no logit soft-capping "
               "and no sinks (use the XLA config)")
