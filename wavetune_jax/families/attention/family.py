@@ -195,11 +195,11 @@ class AttentionFamily(Family):
     or a right side): no table holds such problems, and XLA writes the whole
     score matrix where the kernel reads a window's blocks. On an H100 the
     kernel ran 6.5-72x faster than it on every soft-capped or sink problem
-    measured (``benchmarks/attention_options.py``), and on an H200 29-72x on
+    measured (``benchmarks/attention_options.py``), and on an H200 27-69x on
     every such window (``benchmarks/attention_band.py``; docs/results.md).
     Also its rule config on KV lengths or the bottom-right alignment without
     an option (:func:`~wavetune_jax.families.attention.mosaic.lengths_rule`:
-    6.8-12.6x XLA's attention on an H200). And the kernel's
+    6.9-12.8x XLA's attention on an H200). And the kernel's
     rule config over cuDNN's sliding window where its persistent grid takes
     the window (:func:`~wavetune_jax.families.attention.mosaic.persistent_wins`:
     measured on GQA groups and windows the table's sweep does not hold), within

@@ -268,8 +268,8 @@ def lengths_rule(p: AttentionProblem, hw: Hardware) -> bool:
   bottom-right alignment and no option (which the cuDNN backend does not
   run, so XLA's attention is the platform op): the plain rule's reach (its
   128-row programs fill at least half the SMs, no padding of the lengths).
-  On an H200 (``benchmarks/attention_band.py``) it ran 1.36x and 1.50x the
-  Triton kernel's rule and 12.6x and 6.8x XLA's attention (lengths at 8,192
+  On an H200 (``benchmarks/attention_band.py``) it ran 1.38x and 1.51x the
+  Triton kernel's rule and 12.8x and 6.9x XLA's attention (lengths at 8,192
   tokens; a 2,048-token chunk at the end of an 8,192-key cache)."""
   c = MosaicAttention.HEURISTIC
   return (p.plain and (p.lengths or p.shifted) and p.q_len >= c.block_q and not pads(p)
