@@ -695,3 +695,18 @@ def test_dropin_benchmark_dry_run_on_cpu(capsys):
   assert "w128 causal b4" in out and "local_window_size (128, 0)" in out
   with pytest.raises(SystemExit):
     mod.main(["--only", "no such problem"])
+
+
+@pytest.mark.parametrize("gpu", ["h100", "h200"])
+def test_lengths_are_answered_by_the_rules_not_the_plain_model(gpu):
+  # No sweep holds KV lengths: the tables' models (fitted on plain problems)
+  # do not answer them; the Mosaic kernel's rule does where it reaches (here
+  # the model had picked a Triton config, which the guard then refused for
+  # XLA's attention).
+  for align, kv in (("top_left", 512), ("bottom_right", 1024)):
+    p = AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=512, kv_len=kv, head_dim=64,
+                         lengths=True, causal_align=align)
+    assert not wt.ATTENTION.modelled(p)
+    with wt.policy("tables"):
+      sel = wt.select("attention", p, gpu)
+    assert sel.config == wt.MosaicAttentionConfig(block_q=128, block_k=128, num_stages=2)

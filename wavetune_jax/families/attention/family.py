@@ -185,8 +185,10 @@ class AttentionFamily(Family):
     0.90-0.94x cuDNN, and the rule already picks the oracle's backend on
     every window of 128-1,024 (docs/results.md, "Windows in the sweeps and
     tables"). Window measurements make exact entries and evidence; soft
-    caps and sinks are measured by no sweep (the backends' rules answer)."""
-    return problem.plain
+    caps and sinks are measured by no sweep (the backends' rules answer), nor
+    are KV lengths or the bottom-right alignment (the rules answer: the
+    Mosaic kernel's where it reaches, else Triton's under the guard)."""
+    return problem.plain and not (problem.lengths or problem.shifted)
 
   def trusted_without_evidence(self, problem: AttentionProblem, config, platform, hw=None) -> bool:
     """The Mosaic kernel over XLA's attention where the problem soft-caps,
