@@ -45,6 +45,13 @@ PROBLEMS = [
      dict(causal=True, lengths=[8192, 5000])),
     ("chunk bottom-right (no window)", 1, 2048, 8192, 32, 8, 128,
      dict(causal=True, causal_align="bottom_right")),
+    # Where the rule reaches at its smallest (its programs fill half the SMs).
+    ("small lengths 512", 1, 512, 512, 32, 8, 64, dict(causal=True, lengths=[400])),
+    ("small chunk 512 over 1024 bottom-right + lengths", 1, 512, 1024, 32, 8, 64,
+     dict(causal=True, causal_align="bottom_right", lengths=[900])),
+    ("small lengths 256, b8", 8, 256, 256, 16, 16, 128,
+     dict(causal=True, lengths=[256, 200, 100, 1, 256, 255, 128, 64])),
+    ("lengths d256", 2, 2048, 2048, 16, 8, 256, dict(causal=True, lengths=[2048, 1500])),
 ]
 #: Checked only.
 EDGES = [
