@@ -703,10 +703,12 @@ def test_lengths_are_answered_by_the_rules_not_the_plain_model(gpu):
   # do not answer them; the Mosaic kernel's rule does where it reaches (here
   # the model had picked a Triton config, which the guard then refused for
   # XLA's attention).
-  for align, kv in (("top_left", 512), ("bottom_right", 1024)):
-    p = AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=512, kv_len=kv, head_dim=64,
+  # 128 x 64 tiles over at most 512 keys, and at head_dim 256.
+  for align, kv, d, bk in (("top_left", 512, 64, 64), ("bottom_right", 1024, 64, 128),
+                           ("top_left", 2048, 256, 64)):
+    p = AttentionProblem(batch=1, q_heads=32, kv_heads=8, q_len=512, kv_len=kv, head_dim=d,
                          lengths=True, causal_align=align)
     assert not wt.ATTENTION.modelled(p)
     with wt.policy("tables"):
       sel = wt.select("attention", p, gpu)
-    assert sel.config == wt.MosaicAttentionConfig(block_q=128, block_k=128, num_stages=2)
+    assert sel.config == wt.MosaicAttentionConfig(block_q=128, block_k=bk, num_stages=2), p

@@ -201,7 +201,7 @@ class AttentionFamily(Family):
     every such window (``benchmarks/attention_band.py``; docs/results.md).
     Also its rule config on KV lengths or the bottom-right alignment without
     an option (:func:`~wavetune_jax.families.attention.mosaic.lengths_rule`:
-    6.9-12.8x XLA's attention on an H200). And the kernel's
+    4.2-12.8x XLA's attention on an H200). And the kernel's
     rule config over cuDNN's sliding window where its persistent grid takes
     the window (:func:`~wavetune_jax.families.attention.mosaic.persistent_wins`:
     measured on GQA groups and windows the table's sweep does not hold), within
@@ -214,8 +214,7 @@ class AttentionFamily(Family):
       return False
     if isinstance(platform, XlaAttentionConfig):
       return (problem.soft_cap > 0 or problem.sinks or problem.windowed
-              or (hw is not None and config == mosaic.MosaicAttention.HEURISTIC
-                  and mosaic.lengths_rule(problem, hw)))
+              or (hw is not None and config == mosaic.lengths_rule(problem, hw)))
     # As measured: windows of 128-4,096 keys, GQA groups of 2-8, bfloat16.
     return (isinstance(platform, CudnnAttentionConfig) and hw is not None
             and problem.windowed and config == mosaic.MosaicAttention.HEURISTIC

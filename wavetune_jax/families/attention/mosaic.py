@@ -229,8 +229,8 @@ class MosaicAttention(Backend):
       # and reads only a window's blocks (benchmarks/attention_band.py).
       return next((x for x in (c, self.OPTIONS_NARROW) if x in self.space(p, hw, prune=False)),
                   None)
-    if (p.lengths or p.shifted) and not lengths_rule(p, hw):
-      return None  # the Triton kernel's rule
+    if p.lengths or p.shifted:
+      return lengths_rule(p, hw)  # (None: the Triton kernel's rule)
     if p.q_len < c.block_q or pads(p):
       return None
     if p.batch * p.q_heads * -(-p.q_len // c.block_q) >= hw.num_sms // 2:
@@ -263,18 +263,33 @@ class MosaicAttention(Backend):
                                                        hardware.current().device_key))
 
 
-def lengths_rule(p: AttentionProblem, hw: Hardware) -> bool:
-  """Where the kernel's rule config answers a call with KV lengths or the
-  bottom-right alignment and no option (which the cuDNN backend does not
-  run, so XLA's attention is the platform op): the plain rule's reach (its
-  128-row programs fill at least half the SMs, no padding of the lengths).
-  On an H200 (``benchmarks/attention_band.py``) it ran 1.38x and 1.51x the
-  Triton kernel's rule and 12.8x and 6.9x XLA's attention (lengths at 8,192
-  tokens; a 2,048-token chunk at the end of an 8,192-key cache)."""
+def lengths_rule(p: AttentionProblem, hw: Hardware) -> MosaicAttentionConfig | None:
+  """The kernel's config for a call with KV lengths or the bottom-right
+  alignment and no option (which the cuDNN backend does not run, so XLA's
+  attention is the platform op), where the plain rule reaches (its 128-row
+  programs fill at least half the SMs, no padding of the lengths); else
+  None. 128 x 128 tiles, or 128 x 64 where at most 512 keys (a short
+  sequence's ragged last block costs less) or where 128 x 128 does not fit
+  (head_dim 256). On an H200 (``benchmarks/attention_band.py``) 128 x 128
+  ran 1.38x and 1.51x the Triton kernel's rule and 12.8x and 6.9x XLA's
+  attention (lengths at 8,192 tokens; a 2,048-token chunk at the end of an
+  8,192-key cache), and 1.13x / 7.5x on a 512-token chunk over 1,024 keys;
+  at 512 and 256 keys 128 x 64 ran 9.9 and 15.9 us against 10.6 and 18.4
+  for 128 x 128, 10.5 and 15.8 for Triton, 64.5 and 78.1 for XLA; at
+  head_dim 256, 1.52x Triton and 7.0x XLA."""
   c = MosaicAttention.HEURISTIC
-  return (p.plain and (p.lengths or p.shifted) and p.q_len >= c.block_q and not pads(p)
-          and p.batch * p.q_heads * -(-p.q_len // c.block_q) >= hw.num_sms // 2
-          and c in _MOSAIC.space(p, hw))
+  if not (p.plain and (p.lengths or p.shifted) and p.q_len >= c.block_q and not pads(p)
+          and p.batch * p.q_heads * -(-p.q_len // c.block_q) >= hw.num_sms // 2):
+    return None
+  space = _MOSAIC.space(p, hw)
+  order = ((MosaicAttention.NARROW, c) if p.kv_len <= LENGTHS_NARROW_KEYS
+           else (c, MosaicAttention.NARROW))
+  return next((x for x in order if x in space), None)
+
+
+#: At most this many keys, calls with KV lengths take 128 x 64 tiles
+#: (:func:`lengths_rule`).
+LENGTHS_NARROW_KEYS = 512
 
 
 def cudnn_runs(p: AttentionProblem, hw: Hardware | None = None) -> bool:
