@@ -712,3 +712,44 @@ def test_lengths_are_answered_by_the_rules_not_the_plain_model(gpu):
     with wt.policy("tables"):
       sel = wt.select("attention", p, gpu)
     assert sel.config == wt.MosaicAttentionConfig(block_q=128, block_k=bk, num_stages=2), p
+
+
+def test_far_window_sides_are_unbounded_not_wrapped():
+  # A side past every query position's reach sees every key on that side;
+  # computed in int32 it wrapped (zeros) or overflowed (a deep JAX error).
+  from pallas_kernels.attention.common import unbound_far_sides
+  assert unbound_far_sides((3, 10**12), 16, 40) == (3, -1)
+  assert unbound_far_sides((56, 56), 16, 40) is None
+  assert unbound_far_sides((55, 0), 16, 40) == (55, 0)
+  q, k, v = _qkv(b=1, t=16)
+  f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+  np.testing.assert_allclose(  # each row sees its own key only
+      f32(wt.attention(q, k, v, local_window_size=(0, 2**31 - 1))),
+      f32(jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                       local_window_size=(0, 2**31 - 1))), atol=2e-2)
+  want = f32(jax.nn.dot_product_attention(q, k, v, is_causal=True))
+  for w in ((10**12, 0), 10**12):  # (JAX's own op overflows on these)
+    np.testing.assert_allclose(f32(wt.attention(q, k, v, local_window_size=w)), want,
+                               atol=2e-2)
+  # Bottom-right with lengths and a right side near 2**31 (was off by up to 2.2).
+  kk = jax.random.normal(jax.random.PRNGKey(3), (2, 40, k.shape[2], k.shape[3])).astype(k.dtype)
+  qq = jnp.concatenate([q, q])
+  lens = jnp.array([40, 10], jnp.int32)
+  got = wt.attention(qq, kk, kk, local_window_size=(5, 2**31 - 30), causal=False,
+                     causal_align="bottom_right", kv_lengths=lens)
+  ref = attention_reference(qq, kk, kk, local_window_size=(5, 40), causal=False,
+                            causal_align="bottom_right", kv_lengths=lens,
+                            out_dtype=jnp.float32)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref), atol=2e-2)
+  # Decode: a far left side is no window.
+  d1 = wt.decode_attention(q[:, :1], k, v, kv_lengths=jnp.array([10]),
+                           local_window_size=(10**12, 0))
+  d2 = wt.decode_attention(q[:, :1], k, v, kv_lengths=jnp.array([10]))
+  np.testing.assert_allclose(np.asarray(d1, np.float32), np.asarray(d2, np.float32), atol=2e-2)
+
+
+def test_a_nan_sink_gives_nan_not_an_unnormalised_output():
+  q, k, v = _qkv(b=1, t=16)
+  sinks = jnp.full((q.shape[2],), 0.0, jnp.float32).at[0].set(jnp.nan)
+  out = np.asarray(wt.attention(q, k, v, sinks=sinks), np.float32)
+  assert np.isnan(out[:, :, 0]).all() and np.isfinite(out[:, :, 1:]).all()

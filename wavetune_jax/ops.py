@@ -183,7 +183,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
     local_window_size: a sliding (local) window, as
       ``jax.nn.dot_product_attention`` takes it: an int ``w`` (``(w, w)``) or
       a ``(left, right)`` pair of Python ints; query position ``i`` (aligned as
-      ``causal_align`` says) sees keys ``i - left <= j <= i + right``. None:
+      ``causal_align`` says) sees keys ``i - left <= j <= i + right`` (a side
+      of at least ``q_len + kv_len`` bounds nothing: it is no bound). None:
       no window.
     logit_soft_cap: a Python float ``cap > 0``: the scaled scores ``s``
       become ``cap * tanh(s / cap)`` before the mask and softmax (Gemma-2).

@@ -11,7 +11,7 @@ import numpy as np
 from pallas_kernels._integers import clipped_int32, shape_and_dtype
 
 __all__ = ["SUPPORTED_DTYPES", "MAX_HEAD_DIM", "ALIGNS", "check_qkv", "check_call",
-           "check_lengths", "check_align"]
+           "check_lengths", "check_align", "unbound_far_sides"]
 
 #: Where the causal diagonal sits when q_len != kv_len (or the valid KV length
 #: of a sequence differs from q_len): "top_left", query i sees keys j <= i
@@ -127,6 +127,7 @@ def valid_keys(kv_lengths, kv_len: int, q_len: int, *, causal: bool, causal_alig
   pos = jnp.arange(q_len)[None, :, None] + shift[:, None, None]
   if causal:
     ok = ok & (cols <= pos)
+  window = unbound_far_sides(window, q_len, kv_len)
   if window is not None:
     left, right = window
     if left >= 0:
@@ -143,6 +144,19 @@ def bounded_window(window: tuple[int, int] | None, kv_len: int) -> tuple[int, in
   if window is None or window == (-1, -1):
     return None
   return tuple(kv_len if w < 0 else int(w) for w in window)
+
+
+def unbound_far_sides(window: tuple[int, int] | None, q_len: int,
+                      kv_len: int) -> tuple[int, int] | None:
+  """``window`` with each side of at least ``q_len + kv_len`` made
+  unbounded (-1): every query position (``-q_len <= pos < kv_len`` under
+  either alignment) then sees every key on that side, and positions plus
+  sides stay in int32. None where neither side bounds anything."""
+  if window is None:
+    return None
+  reach = q_len + kv_len
+  out = tuple(-1 if w >= reach else w for w in window)
+  return None if out == (-1, -1) else out
 
 
 def check_window(local_window_size) -> tuple[int, int] | None:

@@ -63,7 +63,7 @@ from jax import lax
 from pallas_kernels._launch import SMEM_LIMIT, check_ints, item_grid, local_items, \
     match_varying, out_struct, persistent_ctas, require_compute_capability
 from pallas_kernels.attention.common import (check_call, check_lengths, check_sinks,
-                                             check_soft_cap, check_window)
+                                             check_soft_cap, check_window, unbound_far_sides)
 from pallas_kernels.attention.mosaic import swizzle_bytes
 from pallas_kernels.decode import chunk_len, paging, splits_of
 
@@ -220,6 +220,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, config: Mosaic
         q, k, v, block_tables, kv_lengths, scale, window_left=window[0])
   else:
     scale, kv_len = check_call(q, k, v, scale), k.shape[1]
+  window = unbound_far_sides(window, q.shape[1], kv_len) or (-1, -1)
   if q.shape[0] == 0 or q.shape[1] == 0 or q.shape[2] == 0:
     return jnp.zeros(q.shape, q.dtype)
   check_shapes(q.shape, k.shape, q.dtype, page_size=page_size if paged else None,

@@ -103,6 +103,7 @@ def check_block_tables(block_tables, kv_lengths, *, num_pages: int, page_size: i
   used = -(-lens // page_size)                                     # [batch]
   in_use = np.arange(max_pages)[None, :] < used[:, None]           # [batch, max_pages]
   if window_left >= 0:
+    window_left = min(window_left, kv_len + q_len)  # (the same pages; no int64 overflow)
     gone = np.maximum(lens - q_len - window_left, 0) // page_size  # pages left of the window
     in_use &= np.arange(max_pages)[None, :] >= gone[:, None]
   bad = in_use & ((table < 0) | (table >= num_pages))

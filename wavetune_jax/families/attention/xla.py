@@ -136,6 +136,7 @@ def _capped_attention(q, k, v, ok, sinks, *, scale, cap: float):
   den = jnp.sum(e, axis=-1, keepdims=True)
   if sinks is not None:
     den = den + jnp.exp(sk - mx)
-  p = (e / jnp.where(den > 0, den, 1.0)).astype(v.dtype)
+  # (A row with no key and no sink has den = 0: zeros. A NaN sink stays NaN.)
+  p = (e / jnp.where(den == 0, 1.0, den)).astype(v.dtype)
   out = jnp.einsum("bhgqk,bkhd->bqhgd", p, v, preferred_element_type=jnp.float32)
   return out.reshape(b, q_len, q_heads, d).astype(q.dtype)

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.attention.common import (bounded_window, check_call, check_lengths,
-                                             check_sinks, check_soft_cap, check_window)
+                                             check_sinks, check_soft_cap, check_window,
+                                             unbound_far_sides)
 from pallas_kernels.attention.reference import attention_reference
 from pallas_kernels.decode import paging
 from wavetune_jax.core.family import Call, Family
@@ -158,6 +159,7 @@ class DecodeFamily(Family):
       scale, kv_len, num_pages, page_size, table = paging.check_paged_call(
           q, k, v, block_tables, kv_lengths, scale, window_left=window[0])
     batch, q_len, q_heads, head_dim = q.shape
+    window = unbound_far_sides(window, q_len, kv_len) or (-1, -1)
     if q_len > MAX_Q_LEN:
       raise ValueError(f"decode_attention takes at most {MAX_Q_LEN} new queries per "
                        f"sequence; got q_len={q_len} (use wavetune_jax.attention with "
