@@ -108,11 +108,10 @@ def _candidates(problem, kw, *, timed: bool):
     configs += [("triton", None), ("xla", wt.XlaAttentionConfig())]
   for label, cfg in configs:
     if label == "triton":
-      with wt.policy("heuristic"):
-        try:
-          cfg = wt.ATTENTION.backend("triton").heuristic(problem, wt.detect())
-        except Exception:  # noqa: BLE001 -- no Triton lowering in this JAX
-          cfg = None
+      try:
+        cfg = wt.ATTENTION.backend("triton").heuristic(problem, wt.detect())
+      except Exception:  # noqa: BLE001 -- no Triton lowering in this JAX
+        cfg = None
       if cfg is None:
         continue
     try:
