@@ -944,6 +944,30 @@ def test_configs_of_another_family_are_refused(family, config):
       pass
 
 
+def test_a_pinned_backend_runs_its_rule_per_problem_as_config_does():
+  # use_config with {"backend": name} pins that backend's rule for each
+  # problem (the config's defaults do not fit every problem: a weight-only
+  # GEMM's 128 x 256 at 4 stages is over the shared memory of a CTA).
+  from wavetune_jax.core.op import choose
+  from wavetune_jax.runtime import selector
+  fam, hw = wt.get_family("qmatmul"), wt.get_hardware("h100")
+  for m in (1, 16, 64, 2048):
+    p = wt.QMatmulProblem(m=m, n=4096, k=4096, dtype="bfloat16", w_dtype="int8")
+    rule = fam.backend("mosaic").heuristic(p, hw)
+    assert (rule is None) == (m > 64)  # no rule: the defaults, refused when the call validates
+    rule = rule or fam.coerce_config({"backend": "mosaic"})
+    with wt.use_config("qmatmul", {"backend": "mosaic"}):
+      assert selector.select(fam, p, hw).config == rule
+    if m > 64:
+      with pytest.raises(ValueError, match="runs up to 64 rows"):
+        choose(fam, p, {"backend": "mosaic"}, hw)
+    else:
+      assert choose(fam, p, {"backend": "mosaic"}, hw)[1] == rule
+  with pytest.raises(ValueError, match="has no backend"):
+    with wt.use_config("qmatmul", {"backend": "cudnn"}):
+      pass
+
+
 # === problem classes ===============================================================================
 
 

@@ -146,6 +146,7 @@ def test_problem_key_fields_and_suite():
     (lambda x, w, s: (x, w[:, :, None], s), "w must have rank 2"),
     (lambda x, w, s: (x[:, :8], w, s), "inner dimensions differ"),
     (lambda x, w, s: (x.astype(jnp.float32), w, s), "x.dtype=float32 must be one of"),
+    (lambda x, w, s: (np.asarray(x, np.float64), w, s), "x.dtype=float64 must be one of"),
     (lambda x, w, s: (x, w.astype(jnp.bfloat16), s), "a quantized weight"),
     (lambda x, w, s: (x, w, s[:3]), r"scales must have shape \[N\]"),
     (lambda x, w, s: (x, w, s.astype(jnp.int32)), "scales must be floating point"),
@@ -354,6 +355,14 @@ def test_nk_kernel_lowers_for_cuda(w_dtype, dtype, m, bn, split_k):
           jax.ShapeDtypeStruct((512,), jnp.float32))
   f = lambda x, w, s: weight_only_matmul_nk(x, w, s, config=c, num_sms=132)  # noqa: E731
   jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def test_nk_kernel_over_shared_memory_is_a_clear_error():
+  from pallas_kernels.matmul.weight_only_nk import weight_only_matmul_nk
+  c = MosaicMatmulConfig(block_m=64, block_n=256, num_stages=5, split_k=1)
+  x, w = jnp.zeros((64, 1024), jnp.bfloat16), jnp.zeros((512, 1024), jnp.int8)
+  with pytest.raises(ValueError, match="bytes of shared memory at M=64"):
+    weight_only_matmul_nk(x, w, jnp.ones((512,)), config=c, num_sms=132)
 
 
 @pytest.mark.parametrize("m,n,k,split_k,match", [
@@ -712,7 +721,8 @@ def test_quantize_weight_int4():
   err = jnp.abs(dequantize_int4(q, s).T - w).reshape(8, 64, 96) / s[:, None, :]
   assert float(err.max()) <= 0.5 + 1e-5  # half a step of each group
   for kwargs, match in (({"layout": "kn"}, "pass layout='nk'"),
-                        ({"layout": "nk", "group_size": 100}, "positive divisor of K=512")):
+                        ({"layout": "nk", "group_size": 100}, "positive divisor of K=512"),
+                        ({"layout": "nk", "group_size": 128.0}, "must be an int")):
     with pytest.raises(ValueError, match=match):
       wt.quantize_weight(w, "int4", **kwargs)
   with pytest.raises(ValueError, match="int4 quantization takes a"):

@@ -65,7 +65,7 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, x_scales=
   (``quantize_weight(w, "int4", layout="nk", group_size=128)``): the
   result is ``x @ dequant(w).T``; the Mosaic kernel converts and scales each
   group in registers (groups of 64 or 128, K a multiple of 256, up to 64
-  rows, and to 128 in chunks of 64), XLA dequantizes the weight first. Same
+  rows, and to 128 in chunks of 64; M a multiple of 8 or below 8), XLA dequantizes the weight first. Same
   tolerance as W8A16.
 
   Args:
@@ -84,7 +84,7 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, x_scales=
       bfloat16 for e4m3 ``x``).
     config: ``XlaQMatmulConfig()`` (XLA's dot with the scales after),
       ``MosaicMatmulConfig`` (the Mosaic kernels: weight-only up to 64 rows, int4 128;
-      W8A8 at any M), a dict ``{"backend": name, **fields}``, or ``None`` to
+      W8A8 at any size; every one with M a multiple of 8 or below 8), a dict ``{"backend": name, **fields}``, or ``None`` to
       let the selector choose.
 
   Returns:

@@ -264,6 +264,11 @@ def weight_only_matmul_nk(x: jax.Array, w: jax.Array, scales: jax.Array, *,
     raise ValueError(f"an 8-bit w [N, K] = {w.shape} takes scales [N]; got {scales.shape}")
   out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
   check_shapes(m, n, k, x.dtype, w.dtype, config, group)
+  need = smem_bytes(m=m, block_n=config.block_n, num_stages=config.num_stages,
+                    itemsize=x.dtype.itemsize, group=group)
+  if need > SMEM_LIMIT:
+    raise ValueError(f"config {config} needs {need} bytes of shared memory at M={m}, over "
+                     f"the {SMEM_LIMIT} a CTA has: use fewer stages")
   if num_sms is None:
     num_sms = int(require_compute_capability("9.0", "Mosaic GPU weight-only GEMM",
                                              "use the XLA config").core_count)

@@ -433,9 +433,11 @@ def _override(field: str, family: str, value) -> Iterator[None]:
 @contextlib.contextmanager
 def use_config(family: str | Family, config) -> Iterator[None]:
   """Pins ``config`` (a config or a dict with its ``backend``) for every call
-  of ``family`` inside the block."""
+  of ``family`` inside the block. A dict naming only its ``"backend"`` pins
+  that backend's rule for each call's problem, as ``config=`` does."""
   fam = get_family(family)
-  config = fam.coerce_config(config)
+  coerced = fam.coerce_config(config)  # a wrong backend or field: a clear error here
+  config = dict(config) if isinstance(config, dict) and set(config) == {"backend"} else coerced
   with _override("pinned", fam.name, config):
     yield
 
@@ -595,6 +597,12 @@ def pinned(spec: Family):
 
 def _select(spec: Family, problem, hw: Hardware) -> Selection:
   pinned = _local.pinned.get(spec.name, _global["pinned"].get(spec.name))
+  if isinstance(pinned, dict):  # a backend only: its rule for this problem
+    try:
+      rule = spec.backend(pinned["backend"]).heuristic(problem, hw)
+    except ValueError:
+      rule = None
+    return Selection(spec.coerce_config(pinned) if rule is None else rule, "explicit")
   if pinned is not None:
     return Selection(pinned, "explicit")
   pol = get_policy()

@@ -87,6 +87,7 @@ class QMatmulFamily(Family):
     if w_layout not in W_LAYOUTS:
       raise ValueError(f"w_layout={w_layout!r} must be one of {W_LAYOUTS} (w as [K, N] or "
                        f"[N, K])")
+    given = getattr(x, "dtype", None)  # before the conversion (float64 -> float32)
     x, w, scales = operand("x", x), operand("w", w), operand("scales", scales)
     if w_layout == "kn":
       if (x.ndim == 2 and w.ndim == 2 and x.shape[1] != w.shape[0]
@@ -99,7 +100,8 @@ class QMatmulFamily(Family):
       raise ValueError(f"need x [M, K] and w [N, K] (w_layout='nk'); got x.shape={x.shape}, "
                        f"w.shape={w.shape}")
     if x.dtype.name not in DTYPES:
-      raise ValueError(f"x.dtype={x.dtype} must be one of {DTYPES}")
+      raise ValueError(f"x.dtype={given if given is not None else x.dtype} must be one of "
+                       f"{DTYPES}")
     if w.dtype.name not in WEIGHT_DTYPES + (INT4,):
       raise ValueError(f"w.dtype={w.dtype} must be one of {WEIGHT_DTYPES + (INT4,)} (a "
                        f"quantized weight; use wavetune_jax.matmul for 16-bit weights)")
@@ -108,7 +110,7 @@ class QMatmulFamily(Family):
     if w.dtype.name == INT4:
       if w_layout != "nk":
         raise ValueError("int4 weights are [N, K]: pass w_layout='nk' (quantize_weight(w, "
-                         "'int4') gives that layout)")
+                         "'int4', layout='nk') gives that layout)")
       if k and (scales.ndim != 2 or scales.shape[1] != n or not scales.shape[0]
                 or k % scales.shape[0]):
         raise ValueError(f"an int4 w [N, K] = {w.shape} takes scales [K // group, N], one per "

@@ -97,7 +97,7 @@ def _quantize_int4(w, layout: str, group_size: int) -> tuple[jax.Array, jax.Arra
   except TypeError:
     g = None
   if g is None or g <= 0 or k % g:
-    raise ValueError(f"group_size={group_size!r} must be a positive divisor of K={k}")
+    raise ValueError(f"group_size={group_size!r} must be an int, a positive divisor of K={k}")
   group_size = g
   w32 = w.astype(jnp.float32).reshape(k // group_size, group_size, n)
   scales = _scales(w32, 1, INT4_MAX)  # [K // group, N]
