@@ -64,8 +64,6 @@ def main(argv=None) -> int:
                   help="block_n,num_stages,split_k for the nk cases, "
                        "block_m,block_n,num_stages,order for the rd cases (default: the "
                        "rule's)")
-  ap.add_argument("--consumers", type=int, default=2, choices=(2, 4),
-                  help="nk cases: consumer warpgroups (4 needs block_n 256)")
   ap.add_argument("--calls", type=int, default=1, help="calls after the warm-up (default 1)")
   ap.add_argument("--groups", type=int, default=64, help="experts of the rd_ cases")
   ap.add_argument("--rows", type=int, default=512, help="rows per expert of the rd_ cases")
@@ -114,9 +112,8 @@ def run(a, m: int) -> int:
       dev = jax.devices()[0]
       config = nk.decode_config(m, a.k, a.n, dev.core_count, group=group,
                                 wide_step=nk.WIDE_STEP.get(device_key(dev.device_kind)))
-    print(f"{a.case}: M={m} K={a.k} N={a.n} {config} consumers={a.consumers}", file=sys.stderr)
-    f = jax.jit(lambda x, w, s: nk.weight_only_matmul_nk(x, w, s, config=config,
-                                                         consumers=a.consumers))
+    print(f"{a.case}: M={m} K={a.k} N={a.n} {config}", file=sys.stderr)
+    f = jax.jit(lambda x, w, s: nk.weight_only_matmul_nk(x, w, s, config=config))
     args = (x, w, scales)
   elif a.case == "dot_bf16":
     wb = jnp.asarray(q * s[:, None], jnp.bfloat16)

@@ -28,9 +28,7 @@ of the same shape at its rule (what the 4-bit weight saves against).
 split (up to 8) at the rule's stages instead of the rule and its
 neighbours; ``--only`` keeps the named weights (``WEIGHTS``, and
 ``EXTRA_WEIGHTS``: Llama-3-8B's ``wqkv``, fused ``w13`` and LM head),
-``--dtypes`` the named weight dtypes. ``--consumers 2 4`` (``--layout nk``)
-also times every 256-channel config with four consumer warpgroups of 64
-channels (labelled ``c4``) next to the default two of 128.
+``--dtypes`` the named weight dtypes.
 """
 
 from __future__ import annotations
@@ -228,16 +226,11 @@ def main(argv=None):
   ap.add_argument("--only", nargs="+", default=None, help="these weights only")
   ap.add_argument("--dtypes", nargs="+", choices=("int8", "float8_e4m3fn"), default=None,
                   help="these weight dtypes only")
-  ap.add_argument("--consumers", type=int, nargs="+", choices=nk_kernel.CONSUMERS,
-                  default=[2], help="--layout nk: consumer warpgroups to time on "
-                  "256-channel tiles (default 2)")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
   if a.grid and a.layout != "nk":
     ap.error("--grid takes --layout nk")
-  if a.consumers != [2] and a.layout != "nk":
-    ap.error("--consumers takes --layout nk")
   names = [w[0] for w in WEIGHTS + EXTRA_WEIGHTS]
   for name in a.only or ():
     if name not in names:
@@ -288,15 +281,8 @@ def main(argv=None):
           except ValueError:
             continue
           run = nk_kernel.weight_only_matmul_nk if nk else weight_only_matmul
-          for cons in (sorted(set(a.consumers)) if nk else [2]):
-            if cons != 2 and (c.block_n // cons < 64 or nk_kernel.smem_bytes(
-                m=m, block_n=c.block_n, num_stages=c.num_stages, itemsize=2,
-                consumers=cons) > nk_kernel.SMEM_LIMIT):
-              continue
-            kw = {"consumers": cons} if cons != 2 else {}
-            label = f"mosaic {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k}"
-            cands[label + (f" c{cons}" if cons != 2 else "")] = (
-                lambda c, run, kw: lambda x, w, s: run(x, w, s, config=c, **kw))(c, run, kw)
+          cands[f"mosaic {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k}"] = (
+              lambda c, run: lambda x, w, s: run(x, w, s, config=c))(c, run)
         res = dict(zip(cands, prof.measure_many(list(cands.values()), (x, w, s),
                                                 reference=ref, tolerance=2e-2,
                                                 out_bytes=m * n * 4)))

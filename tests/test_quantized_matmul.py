@@ -357,43 +357,6 @@ def test_nk_kernel_lowers_for_cuda(w_dtype, dtype, m, bn, split_k):
   jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-@pytest.mark.parametrize("w_dtype,m,split_k", [("int8", 16, 2), ("float8_e4m3fn", 1, 1),
-                                               ("int8", 64, 1), ("int4", 8, 2)])
-def test_nk_kernel_with_four_consumers_lowers_for_cuda(w_dtype, m, split_k):
-  from pallas_kernels.matmul.weight_only_nk import weight_only_matmul_nk
-  c = MosaicMatmulConfig(block_m=64, block_n=256, num_stages=3 if m == 64 else 4,
-                         split_k=split_k)
-  k = 1024
-  scales = (jax.ShapeDtypeStruct((k // 128, 512), jnp.float32) if w_dtype == "int4"
-            else jax.ShapeDtypeStruct((512,), jnp.float32))
-  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
-          jax.ShapeDtypeStruct((512, k), jnp.dtype(w_dtype)), scales)
-  f = lambda x, w, s: weight_only_matmul_nk(x, w, s, config=c, num_sms=132,  # noqa: E731
-                                            consumers=4)
-  jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
-
-
-def test_four_consumers_raise_their_registers_within_the_launch():
-  from jax._src.pallas.mosaic_gpu import pipeline as mgpu_pipeline
-  from pallas_kernels.matmul.weight_only_nk import _registers_that_fit
-  before = mgpu_pipeline._compute_registers
-  with _registers_that_fit(4):
-    r = mgpu_pipeline._compute_registers(40, 4)
-  assert mgpu_pipeline._compute_registers is before
-  assert 128 * 40 + 4 * 128 * r <= 65536 // 640 // 8 * 8 * 640  # 104: 58,368 of 61,440
-  with _registers_that_fit(2):
-    assert mgpu_pipeline._compute_registers(40, 2) == before(40, 2) == 232
-
-
-@pytest.mark.parametrize("bn,consumers", [(128, 4), (256, 3), (256, 8)])
-def test_nk_kernel_consumers_it_does_not_run_are_clear_errors(bn, consumers):
-  from pallas_kernels.matmul.weight_only_nk import weight_only_matmul_nk
-  c = MosaicMatmulConfig(block_m=64, block_n=bn, num_stages=4, split_k=1)
-  x, w = jnp.zeros((16, 1024), jnp.bfloat16), jnp.zeros((512, 1024), jnp.int8)
-  with pytest.raises(ValueError, match="consumers must be in"):
-    weight_only_matmul_nk(x, w, jnp.ones((512,)), config=c, num_sms=132, consumers=consumers)
-
-
 def test_nk_kernel_over_shared_memory_is_a_clear_error():
   from pallas_kernels.matmul.weight_only_nk import weight_only_matmul_nk
   c = MosaicMatmulConfig(block_m=64, block_n=256, num_stages=5, split_k=1)

@@ -288,14 +288,14 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
 
 
 def launch(kernel, arrays, *, out_shape: tuple[int, int], split_k: int, out_dtype,
-           work_tiles: int, num_sms: int, num_threads: int = 3):
+           work_tiles: int, num_sms: int):
   """``kernel(*arrays, out)`` on the persistent grid of the GEMMs: ``out``
   ``[split_k, *out_shape]`` (a split's partials) or ``out_shape`` with one
   split; ``min(num_sms, work_tiles)`` CTAs."""
   full = (split_k, *out_shape) if split_k > 1 else tuple(out_shape)
   arrays, axes = match_varying(*arrays)
   return persistent_kernel(kernel, out_struct(full, out_dtype, axes),
-                           min(num_sms, work_tiles), num_threads=num_threads)(*arrays)
+                           min(num_sms, work_tiles))(*arrays)
 
 
 def work_tile(lin, wg, *, tiles: tuple[int, int], config, split_len: int):

@@ -43,7 +43,6 @@ groups of 64 or 128), no split of K empty.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -89,9 +88,6 @@ ITEM_OVERHEAD_STEPS = 2
 #: timed 256 channels faster at the same CTAs on 14 of 16 pairs at up to 16
 #: rows, but not the configs a smaller count would pick there; it keeps 2.
 WIDE_STEP = {"nvidia_h200": 1.75}
-#: Consumer warpgroups a CTA may run: 2 (64 or 128 channels each), or 4 on
-#: 256-channel tiles (64 each).
-CONSUMERS = (2, 4)
 #: Group sizes along K of an int4 weight's scales (one scale per ``group``
 #: values of a channel).
 INT4_GROUPS = (64, 128)
@@ -137,7 +133,7 @@ def k_steps(k: int, split_k: int, step: int = STEP_K) -> int:
 
 
 def smem_bytes(*, m: int, block_n: int, num_stages: int, itemsize: int,
-               group: int = 0, consumers: int = 2) -> int:
+               group: int = 0) -> int:
   """The operand ring (8-bit w blocks and x blocks; for int4 (``group`` > 0)
   4-bit w blocks, x blocks and the steps' fp32 scales) and one fp32 output
   slot of 64 channels per consumer."""
@@ -147,7 +143,7 @@ def smem_bytes(*, m: int, block_n: int, num_stages: int, itemsize: int,
         INT4_STEP_K // group * block_n * 4)
   else:
     stage = block_n * STEP_K + rows * STEP_K * itemsize
-  return num_stages * stage + consumers * 64 * rows * 4 + _BARRIER_BYTES
+  return num_stages * stage + 2 * 64 * rows * 4 + _BARRIER_BYTES
 
 
 def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulConfig,
@@ -228,7 +224,7 @@ def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
 
 def weight_only_matmul_nk(x: jax.Array, w: jax.Array, scales: jax.Array, *,
                           config: MosaicMatmulConfig, out_dtype=None,
-                          num_sms: int | None = None, consumers: int = 2) -> jax.Array:
+                          num_sms: int | None = None) -> jax.Array:
   """``(x @ w.T) * scales`` with 8-bit ``w [N, K]``, or the int4 weight's
   group-wise dequantized product (Hopper only).
 
@@ -243,9 +239,6 @@ def weight_only_matmul_nk(x: jax.Array, w: jax.Array, scales: jax.Array, *,
       ``num_stages`` and ``split_k`` are used), used as given.
     out_dtype: bfloat16, float16 or float32 (default ``x.dtype``).
     num_sms: CTAs of the persistent grid (default: the default device's SMs).
-    consumers: consumer warpgroups of a CTA, each ``block_n // consumers``
-      channels of the tile (64 or 128): 2, or 4 with ``block_n`` 256 (more
-      warps to issue the conversion; :data:`CONSUMERS`).
 
   The result matches the float32 product of ``x`` and the dequantized
   weight to a bfloat16 GEMM's error (relative 1e-2): the 8-bit values are
@@ -271,27 +264,22 @@ def weight_only_matmul_nk(x: jax.Array, w: jax.Array, scales: jax.Array, *,
     raise ValueError(f"an 8-bit w [N, K] = {w.shape} takes scales [N]; got {scales.shape}")
   out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
   check_shapes(m, n, k, x.dtype, w.dtype, config, group)
-  if consumers not in CONSUMERS or config.block_n // consumers < 64:
-    raise ValueError(f"consumers must be in {CONSUMERS} with at least 64 channels each "
-                     f"(block_n={config.block_n}); got {consumers}")
   need = smem_bytes(m=m, block_n=config.block_n, num_stages=config.num_stages,
-                    itemsize=x.dtype.itemsize, group=group, consumers=consumers)
+                    itemsize=x.dtype.itemsize, group=group)
   if need > SMEM_LIMIT:
     raise ValueError(f"config {config} needs {need} bytes of shared memory at M={m}, over "
                      f"the {SMEM_LIMIT} a CTA has: use fewer stages")
   if num_sms is None:
     num_sms = int(require_compute_capability("9.0", "Mosaic GPU weight-only GEMM",
                                              "use the XLA config").core_count)
-  return _matmul(x, w, scales, config=config, out_dtype=out_dtype, num_sms=int(num_sms),
-                 consumers=int(consumers))
+  return _matmul(x, w, scales, config=config, out_dtype=out_dtype, num_sms=int(num_sms))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms", "consumers"))
-def _matmul(x, w, scales, *, config: MosaicMatmulConfig, out_dtype, num_sms: int,
-            consumers: int = 2):
+@functools.partial(jax.jit, static_argnames=("config", "out_dtype", "num_sms"))
+def _matmul(x, w, scales, *, config: MosaicMatmulConfig, out_dtype, num_sms: int):
   int4 = w.dtype == jnp.int4
   acc = _kernel_call(x, w, scales.astype(jnp.float32) if int4 else None, config=config,
-                     num_sms=num_sms, consumers=consumers)  # [(split,) N, rows]
+                     num_sms=num_sms)  # [(split,) N, rows]
   if config.split_k > 1:
     acc = acc.sum(axis=0)
   acc = acc[:, :x.shape[0]].T
@@ -306,8 +294,7 @@ def _transforms(row_bytes: int, itemsize: int) -> tuple:
   return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int,
-                 consumers: int = 2):
+def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int):
   """The fp32 ``[(split,) N, rows]`` product. ``group_scales [K // group, N]``
   with an int4 ``w``: a step of :data:`INT4_STEP_K` is ``INT4_STEP_K //
   group`` sub-blocks ``[block_n, group]`` of ``w`` (each its own TMA copy
@@ -323,7 +310,7 @@ def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int
   group = k // group_scales.shape[0] if int4 else step
   subs = step // group  # sub-blocks of w (and rows of scales) a step
   sk, bn = config.split_k, config.block_n
-  wn = bn // consumers  # channels of one consumer
+  wn = bn // 2  # channels of one consumer
   rows = row_tile(m)
   tiles = n // bn
   steps = k_steps(k, sk, step)
@@ -352,7 +339,7 @@ def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int
         memory_registers=_MEMORY_REGISTERS,
         in_specs=in_specs,
         wg_axis="wg",
-        num_compute_wgs=consumers,
+        num_compute_wgs=2,
         max_concurrent_steps=min(config.num_stages, steps),
         compute_context=compute_context,
     )
@@ -365,7 +352,7 @@ def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(*operands),
-        out_smem=plgpu.SMEM((consumers, 1, 64, rows), jnp.float32, transforms=out_transforms),
+        out_smem=plgpu.SMEM((2, 1, 64, rows), jnp.float32, transforms=out_transforms),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs, out_smem):
@@ -418,35 +405,5 @@ def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   arrays = (x, w, group_scales) if int4 else (x, w)
-  with _registers_that_fit(consumers):
-    return launch(kernel, arrays, out_shape=(n, rows), split_k=sk, out_dtype=jnp.float32,
-                  work_tiles=tiles * sk, num_sms=num_sms, num_threads=consumers + 1)
-
-
-@contextlib.contextmanager
-def _registers_that_fit(consumers: int):
-  """Pallas's warp-specialized pipeline raises its compute warpgroups'
-  registers to ``(512 - memory) / consumers`` (rounded down to 8) per
-  thread, which assumes the CTA holds all 64K registers. It holds what it
-  was launched with: 65,536 / threads, rounded down to 8 a thread (96 at
-  640 threads). With four consumers the raise asks 128 x 40 + 512 x 112 =
-  62,464 of the 61,440 the CTA holds, and ``setmaxnreg.inc`` waits forever
-  (the kernel hung on an H200). While tracing a kernel of more than two
-  consumers this caps the raise at what the launch holds."""
-  from jax._src.pallas.mosaic_gpu import pipeline as mgpu_pipeline
-  original = getattr(mgpu_pipeline, "_compute_registers", None)
-  if consumers <= 2 or original is None:
-    yield
-    return
-
-  def fitted(memory_registers: int, num_compute_wgs: int) -> int:
-    launch = 65536 // (128 * (num_compute_wgs + 1)) // 8 * 8
-    held = launch * (num_compute_wgs + 1)  # registers of a thread of each warpgroup
-    return min(original(memory_registers, num_compute_wgs),
-               (held - memory_registers) // num_compute_wgs // 8 * 8)
-
-  mgpu_pipeline._compute_registers = fitted
-  try:
-    yield
-  finally:
-    mgpu_pipeline._compute_registers = original
+  return launch(kernel, arrays, out_shape=(n, rows), split_k=sk, out_dtype=jnp.float32,
+                work_tiles=tiles * sk, num_sms=num_sms)
