@@ -28,7 +28,8 @@ of the same shape at its rule (what the 4-bit weight saves against).
 split (up to 8) at the rule's stages instead of the rule and its
 neighbours; ``--only`` keeps the named weights (``WEIGHTS``, and
 ``EXTRA_WEIGHTS``: Llama-3-8B's ``wqkv``, fused ``w13`` and LM head),
-``--dtypes`` the named weight dtypes.
+``--dtypes`` the named weight dtypes, ``--splits`` the grid's K splits
+(default 1 2 4 8), ``--rows`` the row counts.
 """
 
 from __future__ import annotations
@@ -96,15 +97,16 @@ def nk_configs(m: int, k: int, n: int):
   return out
 
 
-def nk_grid(m: int, k: int, n: int):
-  """Every channel tile and power-of-two K split up to 8 (at least two K
-  steps a split) at the rule's stages."""
+def nk_grid(m: int, k: int, n: int, splits=(1, 2, 4, 8)):
+  """Every channel tile and K split of ``splits`` (at least two K steps a
+  split, none empty) at the rule's stages."""
   rule = nk_kernel.decode_config(m, k, n, 132)
   if rule is None:
     return []
+  steps = k // nk_kernel.STEP_K
   return [dataclasses.replace(rule, block_n=bn, split_k=sk)
-          for bn in nk_kernel.BLOCK_N for sk in (1, 2, 4, 8)
-          if n % bn == 0 and k // nk_kernel.STEP_K // sk >= 2]
+          for bn in nk_kernel.BLOCK_N for sk in splits
+          if n % bn == 0 and steps // sk >= 2 and not nk_kernel._empty_split(steps, sk)]
 
 
 def int4_configs(m: int, k: int, n: int, a_group: int):
@@ -206,6 +208,51 @@ def run_int4(a, prof, dev) -> None:
       _report(line, errs, rows, a.json, dev)
 
 
+def compare_splits(a, prof, dev, shapes) -> None:
+  """The swapped kernel's rule over every K split against the rule over
+  powers of two (``decode_config(any_split=False)``) where they differ, and
+  XLA's dot on the 8-bit weight, each checked against the float32 product."""
+  print(dev.device_kind, jax.__version__, "every split against powers of two", flush=True)
+  wide, rows = _wide_step(), []
+  for k, n in shapes:
+    for wd in a.dtypes or ("int8",):
+      kw, ks = jax.random.split(jax.random.PRNGKey(1))
+      if wd == "int8":
+        w = jax.random.randint(kw, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+      else:
+        w = (jax.random.normal(kw, (n, k), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+      s = jax.random.uniform(ks, (n,), jnp.float32, 0.5, 1.5) / (127 * math.sqrt(k))
+      for m in a.rows or (1, 16, 64):
+        before = nk_kernel.decode_config(m, k, n, dev.core_count, wide_step=wide,
+                                         any_split=False)
+        after = nk_kernel.decode_config(m, k, n, dev.core_count, wide_step=wide)
+        if before is None or before == after:
+          continue
+        x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
+        ref = jnp.dot(x.astype(jnp.float32), (w.astype(jnp.float32) * s[:, None]).T,
+                      precision=jax.lax.Precision.HIGHEST)
+        cands = [lambda x, w, s, c=c: nk_kernel.weight_only_matmul_nk(x, w, s, config=c)
+                 for c in (before, after)]
+        cands.append(lambda x, w, s: (jnp.dot(x, w.T.astype(jnp.bfloat16),
+                                              preferred_element_type=jnp.float32)
+                                      * s).astype(jnp.bfloat16))
+        tb, ta, tx = prof.measure_many(cands, (x, w, s), reference=ref, tolerance=2e-2,
+                                       out_bytes=m * n * 4)
+        row = {"k": k, "n": n, "m": m, "w_dtype": wd,
+               "before": [before.block_n, before.split_k], "after": [after.block_n, after.split_k],
+               "before_us": tb.median_us, "after_us": ta.median_us, "xla_us": tx.median_us,
+               "errors": {c: t.error for c, t in zip(("before", "after", "xla"), (tb, ta, tx))
+                          if t.error}}
+        rows.append(row)
+        ratio = (tb.median_us / ta.median_us if tb.median_us and ta.median_us
+                 else float("nan"))
+        line = (f"K={k:6d} N={n:6d} M={m:3d} {wd:<13} before {before.block_n}/{before.split_k} "
+                f"{tb.median_us or float('nan'):7.1f} us | after {after.block_n}/"
+                f"{after.split_k} {ta.median_us or float('nan'):7.1f} us: {ratio:.3f}x | XLA "
+                f"{tx.median_us or float('nan'):7.1f}")
+        _report(line, row["errors"], rows, a.json, dev)
+
+
 def _dot(layout: str):
   dims = (((1,), (0 if layout == "kn" else 1,)), ((), ()))
   return lambda x, w, **kw: jax.lax.dot_general(x, w, dims, **kw)
@@ -223,7 +270,14 @@ def main(argv=None):
                   help="int4: values of K per scale (default 128)")
   ap.add_argument("--grid", action="store_true",
                   help="--layout nk: every channel tile and split up to 8")
+  ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8],
+                  help="--grid: the K splits to time (default 1 2 4 8)")
+  ap.add_argument("--rows", type=int, nargs="+", default=None,
+                  help="these row counts only (default 1 16 64, and 2048 on the first weight)")
   ap.add_argument("--only", nargs="+", default=None, help="these weights only")
+  ap.add_argument("--compare-splits", nargs="+", default=None, metavar="K,N",
+                  help="--layout nk: on these weights, the rule over every K split against "
+                       "the rule over powers of two (and XLA's dot), at --rows")
   ap.add_argument("--dtypes", nargs="+", choices=("int8", "float8_e4m3fn"), default=None,
                   help="these weight dtypes only")
   ap.add_argument("--iterations", type=int, default=10)
@@ -231,12 +285,25 @@ def main(argv=None):
   a = ap.parse_args(argv)
   if a.grid and a.layout != "nk":
     ap.error("--grid takes --layout nk")
+  if any(sk < 1 for sk in a.splits) or any(m < 1 for m in a.rows or ()):
+    ap.error("--splits and --rows take positive integers")
   names = [w[0] for w in WEIGHTS + EXTRA_WEIGHTS]
   for name in a.only or ():
     if name not in names:
       ap.error(f"--only: unknown weight {name!r}; known: {', '.join(names)}")
+  shapes = []
+  for spec in a.compare_splits or ():
+    try:
+      k, n = (int(v) for v in spec.split(","))
+    except ValueError:
+      ap.error(f"--compare-splits takes K,N pairs of integers; got {spec!r}")
+    shapes.append((k, n))
+  if shapes and a.layout != "nk":
+    ap.error("--compare-splits takes --layout nk")
   prof = profiler.Profiler(iterations=a.iterations)
   dev = jax.devices()[0]
+  if shapes:
+    return compare_splits(a, prof, dev, shapes)
   if a.weights == "int4":
     if a.layout == "kn":
       ap.error("--weights int4 takes the weight as [N, K] (--layout nk)")
@@ -262,7 +329,7 @@ def main(argv=None):
       s = jax.random.uniform(ks, (n,), jnp.float32, 0.5, 1.5) / (127 * math.sqrt(k))
       sb = s[:, None] if nk else s  # the scales along w's channel axis
       w_bf16 = (w.astype(jnp.float32) * sb).astype(jnp.bfloat16)
-      for m in (MS if wname == WEIGHTS[0][0] else MS[:-1]):
+      for m in a.rows or (MS if wname == WEIGHTS[0][0] else MS[:-1]):
         if nk and m > nk_kernel.MAX_M:
           continue
         x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
@@ -275,7 +342,8 @@ def main(argv=None):
                 x, w.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
                 * s).astype(jnp.bfloat16),
         }
-        for c in ((nk_grid if a.grid else nk_configs)(m, k, n) if nk else configs(m, k, n)):
+        for c in ((nk_grid(m, k, n, a.splits) if a.grid else nk_configs(m, k, n)) if nk
+                  else configs(m, k, n)):
           try:
             (nk_kernel.check_shapes if nk else check_shapes)(m, n, k, jnp.bfloat16, w.dtype, c)
           except ValueError:

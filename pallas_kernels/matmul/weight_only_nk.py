@@ -181,8 +181,10 @@ def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulCon
 
 def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
                   smem_limit: int = SMEM_LIMIT,
-                  wide_step: float | None = None) -> MosaicMatmulConfig | None:
-  """The channel tile (:data:`BLOCK_N`) and split of K (a power of two, at
+                  wide_step: float | None = None,
+                  any_split: bool | None = None) -> MosaicMatmulConfig | None:
+  """The channel tile (:data:`BLOCK_N`) and split of K (any count for 8-bit
+  weights, a power of two for int4 ones or with ``any_split=False``; at
   least two K steps a split, none empty) of least modelled time, counted in
   pipeline steps of a 128-channel tile: the persistent grid's waves times a
   work item's steps (a 256-channel step counts two, or ``wide_step`` for
@@ -193,10 +195,22 @@ def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
   weight with scales per ``group`` values of K (steps of
   :data:`INT4_STEP_K`, each moving as many weight bytes as an 8-bit step).
   None above :data:`MAX_M` rows, where N is not a multiple of 128 or K of
-  the step, or where nothing fits."""
+  the step, or where nothing fits.
+
+  Any split lets the grid fill the SMs where powers of two leave a wave
+  part empty or spill into a second (20 tiles of 256 channels: 6 splits
+  give 120 CTAs of 132, where 8 give 160 and 4 give 80). On an H200 every
+  split over powers of two only: 0.986-1.110x on the 8 problems the
+  grid of splits 1-10 was read from (the model picked the fastest timed on
+  7), 0.975-1.453x, geomean 1.145x, on 44 held-out problems of 16 weights
+  where the pick changes (``benchmarks/weight_only.py --layout nk
+  --compare-splits``, ``data/probes/weight_only_nk_any_split_h200.json``).
+  Not measured on int4 weights, which keep powers of two."""
   step = INT4_STEP_K if group else STEP_K
   if m > MAX_M or n % 128 or k % step:
     return None
+  if any_split is None:  # every split of 8-bit weights; powers of two of int4 ones
+    any_split = not group
   steps, rows = k // step, row_tile(m)
   wide = wide_step if wide_step is not None and rows <= 16 and not group else 2.0
   best = None
@@ -208,7 +222,7 @@ def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
     sk = 1
     while sk == 1 or steps // sk >= 2:
       if _empty_split(steps, sk):
-        sk *= 2
+        sk = sk + 1 if any_split else sk * 2
         continue
       waves = -(-(n // bn) * sk // num_sms)
       cost = waves * (-(-steps // sk) * (1.0 if bn == 128 else wide) + ITEM_OVERHEAD_STEPS)
@@ -216,7 +230,7 @@ def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
         cost += 2 * sk * n * rows * 4 / (num_sms * 128 * 128)
       if best is None or cost < best[0]:
         best = (cost, bn, sk, stages[0])
-      sk *= 2
+      sk = sk + 1 if any_split else sk * 2
   if best is None:
     return None
   return MosaicMatmulConfig(block_m=64, block_n=best[1], num_stages=best[3], split_k=best[2])
