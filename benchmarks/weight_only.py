@@ -209,36 +209,58 @@ def run_int4(a, prof, dev) -> None:
 
 
 def compare_splits(a, prof, dev, shapes) -> None:
-  """The swapped kernel's rule over every K split against the rule over
-  powers of two (``decode_config(any_split=False)``) where they differ, and
-  XLA's dot on the 8-bit weight, each checked against the float32 product."""
-  print(dev.device_kind, jax.__version__, "every split against powers of two", flush=True)
-  wide, rows = _wide_step(), []
+  """A kernel's rule over every K split against its rule over powers of two
+  (``decode_config(any_split=False)``) where they differ, and XLA (its dot
+  on the 8-bit weight; dequantize then dot for int4), each checked against
+  the float32 product: the swapped kernel (``--layout nk``; ``--weights
+  int4`` with ``--group``) or the ``[K, N]`` one (``--layout kn``)."""
+  from pallas_kernels.matmul import weight_only as kn_kernel
+  nk, int4 = a.layout == "nk", a.weights == "int4"
+  print(dev.device_kind, jax.__version__, f"layout {a.layout}",
+        f"int4 g{a.group}" if int4 else "", "every split against powers of two", flush=True)
+  wide, rows, cores = _wide_step(), [], dev.core_count
+  dot = _dot(a.layout)
   for k, n in shapes:
-    for wd in a.dtypes or ("int8",):
+    for wd in ("int4",) if int4 else (a.dtypes or ("int8",)):
       kw, ks = jax.random.split(jax.random.PRNGKey(1))
-      if wd == "int8":
-        w = jax.random.randint(kw, (n, k), -127, 128, jnp.int32).astype(jnp.int8)
+      shape = (n, k) if nk else (k, n)
+      if int4:
+        w = jax.random.randint(kw, shape, -8, 8, jnp.int32).astype(jnp.int4)
+        s = jax.random.uniform(ks, (k // a.group, n), jnp.float32, 0.5, 1.5) / (7 * math.sqrt(k))
+        w32 = dequantize_int4(w, s)
       else:
-        w = (jax.random.normal(kw, (n, k), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
-      s = jax.random.uniform(ks, (n,), jnp.float32, 0.5, 1.5) / (127 * math.sqrt(k))
+        if wd == "int8":
+          w = jax.random.randint(kw, shape, -127, 128, jnp.int32).astype(jnp.int8)
+        else:
+          w = (jax.random.normal(kw, shape, jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+        s = jax.random.uniform(ks, (n,), jnp.float32, 0.5, 1.5) / (127 * math.sqrt(k))
+        w32 = w.astype(jnp.float32) * (s[:, None] if nk else s)
       for m in a.rows or (1, 16, 64):
-        before = nk_kernel.decode_config(m, k, n, dev.core_count, wide_step=wide,
-                                         any_split=False)
-        after = nk_kernel.decode_config(m, k, n, dev.core_count, wide_step=wide)
+        if nk:
+          group = a.group if int4 else 0
+          before, after = (nk_kernel.decode_config(m, k, n, cores, group=group, wide_step=wide,
+                                                   any_split=any_split)
+                           for any_split in (False, True))
+          run = nk_kernel.weight_only_matmul_nk
+        else:
+          before, after = (kn_kernel.decode_config(m, k, n, cores, any_split=any_split)
+                           for any_split in (False, True))
+          run = weight_only_matmul
         if before is None or before == after:
           continue
         x = jax.random.normal(jax.random.PRNGKey(m), (m, k), jnp.float32).astype(jnp.bfloat16)
-        ref = jnp.dot(x.astype(jnp.float32), (w.astype(jnp.float32) * s[:, None]).T,
-                      precision=jax.lax.Precision.HIGHEST)
-        cands = [lambda x, w, s, c=c: nk_kernel.weight_only_matmul_nk(x, w, s, config=c)
-                 for c in (before, after)]
-        cands.append(lambda x, w, s: (jnp.dot(x, w.T.astype(jnp.bfloat16),
-                                              preferred_element_type=jnp.float32)
-                                      * s).astype(jnp.bfloat16))
+        ref = dot(x.astype(jnp.float32), w32, precision=jax.lax.Precision.HIGHEST)
+        cands = [lambda x, w, s, c=c: run(x, w, s, config=c) for c in (before, after)]
+        if int4:
+          cands.append(lambda x, w, s: dot(x, dequantize_int4(w, s).astype(jnp.bfloat16)))
+        else:
+          cands.append(lambda x, w, s: (dot(x, w.astype(jnp.bfloat16),
+                                            preferred_element_type=jnp.float32)
+                                        * s).astype(jnp.bfloat16))
         tb, ta, tx = prof.measure_many(cands, (x, w, s), reference=ref, tolerance=2e-2,
                                        out_bytes=m * n * 4)
-        row = {"k": k, "n": n, "m": m, "w_dtype": wd,
+        row = {"k": k, "n": n, "m": m, "w_dtype": wd, "layout": a.layout,
+               "group": a.group if int4 else 0,
                "before": [before.block_n, before.split_k], "after": [after.block_n, after.split_k],
                "before_us": tb.median_us, "after_us": ta.median_us, "xla_us": tx.median_us,
                "errors": {c: t.error for c, t in zip(("before", "after", "xla"), (tb, ta, tx))
@@ -276,8 +298,9 @@ def main(argv=None):
                   help="these row counts only (default 1 16 64, and 2048 on the first weight)")
   ap.add_argument("--only", nargs="+", default=None, help="these weights only")
   ap.add_argument("--compare-splits", nargs="+", default=None, metavar="K,N",
-                  help="--layout nk: on these weights, the rule over every K split against "
-                       "the rule over powers of two (and XLA's dot), at --rows")
+                  help="with --layout kn or nk (and --weights int4): on these weights, a "
+                       "kernel's rule over every K split against its rule over powers of "
+                       "two (and XLA), at --rows")
   ap.add_argument("--dtypes", nargs="+", choices=("int8", "float8_e4m3fn"), default=None,
                   help="these weight dtypes only")
   ap.add_argument("--iterations", type=int, default=10)
@@ -298,8 +321,8 @@ def main(argv=None):
     except ValueError:
       ap.error(f"--compare-splits takes K,N pairs of integers; got {spec!r}")
     shapes.append((k, n))
-  if shapes and a.layout != "nk":
-    ap.error("--compare-splits takes --layout nk")
+  if shapes and (a.layout is None or (a.weights == "int4" and a.layout != "nk")):
+    ap.error("--compare-splits takes --layout kn or nk (int4: nk)")
   prof = profiler.Profiler(iterations=a.iterations)
   dev = jax.devices()[0]
   if shapes:

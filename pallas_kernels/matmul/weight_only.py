@@ -91,17 +91,30 @@ def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulCon
                      f"config)")
 
 
-def decode_config(m: int, k: int, n: int, num_sms: int) -> MosaicMatmulConfig | None:
+def decode_config(m: int, k: int, n: int, num_sms: int,
+                  any_split: bool = True) -> MosaicMatmulConfig | None:
   """The config for a few rows (``m <= 64``): 64 x 256 tiles, 4 stages, and
-  the largest power-of-two split of K whose CTAs (column tiles times splits)
-  fit one wave, with at least four K steps a split; None above 64 rows (XLA's GEMM is the faster there: the
-  conversion costs the consumers more than the halved bytes save)."""
+  the largest split of K (any count, none of its splits empty; a power of
+  two with ``any_split=False``, the rule before) whose CTAs (column tiles
+  times splits) fit one wave, with at least four K steps a split; None
+  above 64 rows (XLA's GEMM is the faster there: the conversion costs the
+  consumers more than the halved bytes save). Any count fills the wave
+  where powers of two leave it part empty (20 column tiles: 6 splits, 120
+  CTAs of 132, where 4 gave 80): on an H200 1.060-1.422x, geomean 1.267x,
+  on 16 problems of 8 weights outside the suite at 1 and 16 rows
+  (``benchmarks/weight_only.py --layout kn --compare-splits``,
+  ``data/probes/weight_only_kn_any_split_h200.json``)."""
   if m > 64:
     return None
-  tiles = -(-n // 256)
+  tiles, blocks = -(-n // 256), k // BLOCK_K
   sk = 1
-  while tiles * sk * 2 <= num_sms and sk * 2 * 4 <= k // BLOCK_K:  # >= 4 K steps a split
-    sk *= 2
+  if any_split:
+    for s in range(2, num_sms // tiles + 1):
+      if s * 4 <= blocks and (s - 1) * k_steps(k, s) < blocks:
+        sk = s
+  else:
+    while tiles * sk * 2 <= num_sms and sk * 2 * 4 <= blocks:  # >= 4 K steps a split
+      sk *= 2
   return MosaicMatmulConfig(block_m=64, block_n=256, num_stages=4, split_k=sk)
 
 

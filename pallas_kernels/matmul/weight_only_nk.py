@@ -183,9 +183,9 @@ def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
                   smem_limit: int = SMEM_LIMIT,
                   wide_step: float | None = None,
                   any_split: bool | None = None) -> MosaicMatmulConfig | None:
-  """The channel tile (:data:`BLOCK_N`) and split of K (any count for 8-bit
-  weights, a power of two for int4 ones or with ``any_split=False``; at
-  least two K steps a split, none empty) of least modelled time, counted in
+  """The channel tile (:data:`BLOCK_N`) and split of K (any count; a power
+  of two with ``any_split=False``, the rule before; at least two K steps a
+  split, none empty) of least modelled time, counted in
   pipeline steps of a 128-channel tile: the persistent grid's waves times a
   work item's steps (a 256-channel step counts two, or ``wide_step`` for
   8-bit weights at up to 16 rows: :data:`WIDE_STEP` by GPU) plus
@@ -204,13 +204,15 @@ def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
   grid of splits 1-10 was read from (the model picked the fastest timed on
   7), 0.975-1.453x, geomean 1.145x, on 44 held-out problems of 16 weights
   where the pick changes (``benchmarks/weight_only.py --layout nk
-  --compare-splits``, ``data/probes/weight_only_nk_any_split_h200.json``).
-  Not measured on int4 weights, which keep powers of two."""
+  --compare-splits``, ``data/probes/weight_only_nk_any_split_h200.json``);
+  on int4 weights (groups of 128) 1.126-1.464x on all 16 held-out problems
+  timed (``--weights int4 --compare-splits``,
+  ``data/probes/weight_only_int4_any_split_h200.json``)."""
   step = INT4_STEP_K if group else STEP_K
   if m > MAX_M or n % 128 or k % step:
     return None
-  if any_split is None:  # every split of 8-bit weights; powers of two of int4 ones
-    any_split = not group
+  if any_split is None:
+    any_split = True
   steps, rows = k // step, row_tile(m)
   wide = wide_step if wide_step is not None and rows <= 16 and not group else 2.0
   best = None
