@@ -110,8 +110,10 @@ def run(a, m: int) -> int:
     else:
       from wavetune_jax.core.hardware import device_key
       dev = jax.devices()[0]
+      key = device_key(dev.device_kind)
       config = nk.decode_config(m, a.k, a.n, dev.core_count, group=group,
-                                wide_step=nk.WIDE_STEP.get(device_key(dev.device_kind)))
+                                wide_step=nk.WIDE_STEP.get(key),
+                                any_split=key in nk.ANY_SPLIT_GPUS)
     print(f"{a.case}: M={m} K={a.k} N={a.n} {config}", file=sys.stderr)
     f = jax.jit(lambda x, w, s: nk.weight_only_matmul_nk(x, w, s, config=config))
     args = (x, w, scales)

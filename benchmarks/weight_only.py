@@ -64,12 +64,18 @@ def configs(m: int, k: int, n: int):
   and 5 stages; 128 x 128 tiles above 64 rows."""
   if m > 64:
     return [MosaicMatmulConfig(block_m=128, block_n=128, num_stages=4)]
-  rule = decode_config(m, k, n, 132)
+  rule = decode_config(m, k, n, 132, any_split=_any_split())
   out = [rule, dataclasses.replace(rule, num_stages=5), dataclasses.replace(rule, num_stages=3)]
   for sk in (rule.split_k // 2, rule.split_k * 2):
     if 1 <= sk <= k // 64:
       out.append(dataclasses.replace(rule, split_k=sk))
   return out
+
+
+def _any_split() -> bool:
+  """Whether the rules take any K split count on this GPU
+  (``weight_only.ANY_SPLIT_GPUS``), as the family's backend runs them."""
+  return device_key(jax.devices()[0].device_kind) in nk_kernel.ANY_SPLIT_GPUS
 
 
 def _wide_step():
@@ -83,7 +89,7 @@ def nk_configs(m: int, k: int, n: int):
   GPU's ``WIDE_STEP``), every power-of-two split up to 16 at its stages, 3
   and 6 stages, and the other channel tile at the rule's split and at the
   split that gives the same CTAs."""
-  rule = nk_kernel.decode_config(m, k, n, 132, wide_step=_wide_step())
+  rule = nk_kernel.decode_config(m, k, n, 132, wide_step=_wide_step(), any_split=_any_split())
   if rule is None:
     return []
   out = [rule] + [dataclasses.replace(rule, num_stages=st) for st in (3, 6)]
@@ -112,7 +118,7 @@ def nk_grid(m: int, k: int, n: int, splits=(1, 2, 4, 8)):
 def int4_configs(m: int, k: int, n: int, a_group: int):
   """The swapped kernel's rule on int4 (steps of 256), 3 and 6 stages, the
   split halved and doubled, and the other channel tile."""
-  rule = nk_kernel.decode_config(m, k, n, 132, group=a_group)
+  rule = nk_kernel.decode_config(m, k, n, 132, group=a_group, any_split=_any_split())
   if rule is None:
     return []
   out = [rule] + [dataclasses.replace(rule, num_stages=st) for st in (3, 6)]
@@ -189,7 +195,8 @@ def run_int4(a, prof, dev) -> None:
                                               tolerance=2e-2, out_bytes=m * n * 4)))
       (bf,) = prof.measure_many([lambda x, wb: dot(x, wb)], (x, w_bf16))
       int8_t = math.nan
-      rule8 = nk_kernel.decode_config(m, k, n, 132, wide_step=_wide_step()) if m <= chunk else None
+      rule8 = (nk_kernel.decode_config(m, k, n, 132, wide_step=_wide_step(),
+                                       any_split=_any_split()) if m <= chunk else None)
       if rule8 is not None:
         (r8,) = prof.measure_many([lambda x, w, s: nk_kernel.weight_only_matmul_nk(
             x, w, s, config=rule8)], (x, w8, s8))

@@ -6,6 +6,7 @@ backend the selector offers; keys and bad arguments. The kernel's numerics
 and speed on a Hopper GPU: ``benchmarks/weight_only.py``.
 """
 
+import itertools
 import warnings
 
 import jax
@@ -95,13 +96,13 @@ def test_decode_config_fills_one_wave_with_four_steps_a_split():
   for k, n in [(4096, 14336), (14336, 4096), (4096, 4096), (1536, 17920), (8960, 1536),
                (14336, 5120), (6912, 1152)]:
     tiles, blocks = -(-n // 256), k // 64
-    c = decode_config(16, k, n, 132)
+    c = decode_config(16, k, n, 132, any_split=True)
     assert tiles * c.split_k <= 132 and blocks // c.split_k >= 4
     assert (c.split_k - 1) * k_steps(k, c.split_k) < blocks  # no split empty
     # the largest such split: one more overfills the wave, is too short or leaves one empty
     s = c.split_k + 1
     assert tiles * s > 132 or blocks // s < 4 or (s - 1) * k_steps(k, s) >= blocks
-    p2 = decode_config(16, k, n, 132, any_split=False)  # the rule before: powers of two
+    p2 = decode_config(16, k, n, 132)  # powers of two, off ANY_SPLIT_GPUS
     assert tiles * p2.split_k <= 132 and blocks // p2.split_k >= 4
     assert p2.split_k == 1 or tiles * p2.split_k * 2 > 132 or blocks // (2 * p2.split_k) < 4
   assert decode_config(65, 4096, 4096, 132) is None
@@ -111,7 +112,8 @@ def test_decode_config_fills_one_wave_with_four_steps_a_split():
   shapes = [(4096, 14336), (14336, 4096), (4096, 4096), (1536, 17920), (8960, 1536)]
   assert [decode_config(1, k, n, 132, any_split=False).split_k for k, n in shapes] == [
       2, 8, 8, 1, 16]
-  assert [decode_config(1, k, n, 132).split_k for k, n in shapes] == [2, 8, 8, 1, 20]
+  assert [decode_config(1, k, n, 132, any_split=True).split_k for k, n in shapes] == [
+      2, 8, 8, 1, 20]
 
 
 @pytest.mark.parametrize("w_dtype,dtype", [("int8", jnp.bfloat16),
@@ -392,8 +394,9 @@ def test_nk_rule_gives_configs_the_kernel_runs():
   for n in range(128, 8192 + 1, 384):
     for k in range(128, 20480 + 1, 128):
       for m in (1, 16, 64):
-        c = decode_config(m, k, n, 132)
-        check_shapes(m, n, k, jnp.bfloat16, jnp.int8, c)
+        for any_split in (False, True):
+          c = decode_config(m, k, n, 132, any_split=any_split)
+          check_shapes(m, n, k, jnp.bfloat16, jnp.int8, c)
   # K not a multiple of 128 (gpt-oss-20b's 2,880): no rule, and XLA runs it.
   assert decode_config(1, 2880, 5120, 132) is None
   p = QMatmulProblem(m=1, n=5120, k=2880, w_layout="nk")
@@ -700,8 +703,9 @@ def test_int4_rule_fits_shared_memory_and_runs():
   from pallas_kernels.matmul.weight_only_nk import check_shapes, decode_config, smem_bytes
   for n in range(128, 8192 + 1, 640):
     for k in range(256, 20480 + 1, 768):
-      for m, group in ((1, 128), (16, 64), (64, 128), (64, 64)):
-        c = decode_config(m, k, n, 132, group=group)
+      for (m, group), any_split in itertools.product(
+          ((1, 128), (16, 64), (64, 128), (64, 64)), (False, True)):
+        c = decode_config(m, k, n, 132, group=group, any_split=any_split)
         check_shapes(m, n, k, jnp.bfloat16, jnp.int4, c, group)
         assert smem_bytes(m=m, block_n=c.block_n, num_stages=c.num_stages, itemsize=2,
                           group=group) <= H100.smem_per_block
@@ -938,7 +942,7 @@ NK_ANY_SPLIT_H200 = "data/probes/weight_only_nk_any_split_h200.json"
 
 
 def test_nk_any_split_against_the_recorded_grid_of_splits():
-  # docs/results.md ("Any K split in the swapped kernel"): on the grid of
+  # docs/results.md ("Any K split in the weight-only kernels"): on the grid of
   # splits 1-6, 8 and 10 of four weights at 1 and 16 rows, the cost model
   # over every split picks the fastest timed on 7 of 8 and 1.4% slower on
   # the last; over the powers-of-two rule 0.986-1.110x.
@@ -953,7 +957,7 @@ def test_nk_any_split_against_the_recorded_grid_of_splits():
     assert not r["errors"]
     mos = {lab: v for lab, v in r["times"].items() if lab.startswith("mosaic")}
     label = lambda c: f"mosaic 64x{c.block_n} st{c.num_stages} sk{c.split_k}"  # noqa: E731
-    new = decode_config(r["m"], r["k"], r["n"], 132, wide_step=ws)
+    new = decode_config(r["m"], r["k"], r["n"], 132, wide_step=ws, any_split=True)
     old = decode_config(r["m"], r["k"], r["n"], 132, wide_step=ws, any_split=False)
     share.append(min(mos.values()) / mos[label(new)])
     gain[(r["weight"], r["m"])] = mos[label(old)] / mos[label(new)]
@@ -980,7 +984,7 @@ def test_nk_any_split_held_out_numbers_in_the_docs():
   for r in rows:
     assert not r["errors"]
     old = decode_config(r["m"], r["k"], r["n"], 132, wide_step=ws, any_split=False)
-    new = decode_config(r["m"], r["k"], r["n"], 132, wide_step=ws)
+    new = decode_config(r["m"], r["k"], r["n"], 132, wide_step=ws, any_split=True)
     assert [old.block_n, old.split_k] == r["before"] and [new.block_n, new.split_k] == r["after"]
   geo = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
   ratio = [r["before_us"] / r["after_us"] for r in rows]
@@ -1036,7 +1040,12 @@ def test_any_split_int4_and_kn_numbers_in_the_docs(name, layout, summary, over_x
     for key, any_split in (("before", False), ("after", True)):
       c = rule(any_split)
       assert [c.block_n, c.split_k] == r[key]
-    assert rule(None if layout == "nk" else True) == rule(True)  # the default: any split
+    # The family's backend takes any split on the H200, powers of two on the H100.
+    p = QMatmulProblem(m=r["m"], n=r["n"], k=r["k"], w_dtype="int4" if r["group"] else "int8",
+                       w_layout=layout, group_size=r["group"])
+    mosaic = QMATMUL.backend("mosaic")
+    assert mosaic.heuristic(p, wt.get_hardware("h200")) == rule(True)
+    assert mosaic.heuristic(p, H100) == rule(False)
   geo = lambda v: math.exp(sum(map(math.log, v)) / len(v))  # noqa: E731
   ratio = [r["before_us"] / r["after_us"] for r in rows]
   assert (len(rows), round(min(ratio), 3), round(max(ratio), 3), round(geo(ratio), 3)) == summary

@@ -52,9 +52,9 @@ from jax import lax
 from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, launch,
                                           store_tile)
 from pallas_kernels._launch import SMEM_LIMIT, require_compute_capability
-from pallas_kernels.matmul.weight_only import check_dtypes
+from pallas_kernels.matmul.weight_only import ANY_SPLIT_GPUS, check_dtypes
 
-__all__ = ["MAX_M", "BLOCK_N", "INT4_GROUPS", "WIDE_STEP", "check_shapes", "decode_config", "row_tile",
+__all__ = ["ANY_SPLIT_GPUS", "MAX_M", "BLOCK_N", "INT4_GROUPS", "WIDE_STEP", "check_shapes", "decode_config", "row_tile",
            "smem_bytes", "step_k", "weight_only_matmul_nk"]
 
 #: Rows (tokens) the kernel runs: wgmma's N, rounded up to a power of two.
@@ -182,10 +182,10 @@ def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulCon
 def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
                   smem_limit: int = SMEM_LIMIT,
                   wide_step: float | None = None,
-                  any_split: bool | None = None) -> MosaicMatmulConfig | None:
-  """The channel tile (:data:`BLOCK_N`) and split of K (any count; a power
-  of two with ``any_split=False``, the rule before; at least two K steps a
-  split, none empty) of least modelled time, counted in
+                  any_split: bool = False) -> MosaicMatmulConfig | None:
+  """The channel tile (:data:`BLOCK_N`) and split of K (a power of two, or
+  any count with ``any_split``: ``weight_only.ANY_SPLIT_GPUS``; at least two
+  K steps a split, none empty) of least modelled time, counted in
   pipeline steps of a 128-channel tile: the persistent grid's waves times a
   work item's steps (a 256-channel step counts two, or ``wide_step`` for
   8-bit weights at up to 16 rows: :data:`WIDE_STEP` by GPU) plus
@@ -211,8 +211,6 @@ def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
   step = INT4_STEP_K if group else STEP_K
   if m > MAX_M or n % 128 or k % step:
     return None
-  if any_split is None:
-    any_split = True
   steps, rows = k // step, row_tile(m)
   wide = wide_step if wide_step is not None and rows <= 16 and not group else 2.0
   best = None

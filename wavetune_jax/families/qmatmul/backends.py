@@ -253,17 +253,17 @@ class MosaicQMatmul(Backend):
     """Weight-only: ``pallas_kernels.matmul.weight_only.decode_config``; on
     an H100 it was the fastest of its neighbours (split halved and doubled,
     3 and 5 stages) on 30 of 32 problems and within 0.9% on the others
-    (``benchmarks/weight_only.py``; its splits then powers of two, any count
-    since: 1.267x geomean over them on 16 problems of an H200,
-    ``--layout kn --compare-splits``). Weight-only ``[N, K]``:
+    (``benchmarks/weight_only.py``; its splits powers of two, and any count
+    on an H200: 1.267x geomean over them on 16 problems there,
+    ``--layout kn --compare-splits``; ``weight_only.ANY_SPLIT_GPUS``). Weight-only ``[N, K]``:
     ``pallas_kernels.matmul.weight_only_nk.decode_config``, within 3.3% of
     the fastest of up to 9 configs on 29 of 30 problems on an H100 and 8% on
     the last (``benchmarks/weight_only.py --layout nk``), with a 256-channel
     step's cost by GPU (``weight_only_nk.WIDE_STEP``: on an H200 the fastest
     of every channel tile and split up to 8 on all 12 problems at 1 and 16
-    rows, six weights, ``--grid``; every split count of 8-bit weights, not
-    only powers of two: 1.145x geomean on 44 held-out problems of an H200,
-    ``--compare-splits``); on int4, its
+    rows, six weights, ``--grid``; on an H200 every split count, not only
+    powers of two: 1.145x geomean on 44 held-out problems of 8-bit weights
+    and 1.250x on 16 of int4, ``--compare-splits``); on int4, its
     256-steps and the most stages up to 4 that fit shared memory (the
     config of 64 rows above them), within 6% of the fastest of its
     neighbours on all 23 problems measured on an H100
@@ -282,9 +282,11 @@ class MosaicQMatmul(Backend):
       c = nk_kernel.decode_config(min(p.m, nk_kernel.MAX_M), p.k, p.n, hw.num_sms,
                                   group=p.group_size,
                                   smem_limit=hw.smem_per_block,
-                                  wide_step=nk_kernel.WIDE_STEP.get(hw.device_key))
+                                  wide_step=nk_kernel.WIDE_STEP.get(hw.device_key),
+                                  any_split=hw.device_key in nk_kernel.ANY_SPLIT_GPUS)
       return None if c is None or self.why_not(p, c) else c
-    return kernel.decode_config(p.m, p.k, p.n, hw.num_sms)
+    return kernel.decode_config(p.m, p.k, p.n, hw.num_sms,
+                                any_split=hw.device_key in kernel.ANY_SPLIT_GPUS)
 
   def occupancy_bound(self, problem, config, hw: Hardware) -> int:
     return 1
