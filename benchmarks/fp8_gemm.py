@@ -178,6 +178,9 @@ def main(argv=None):
                   help="against XLA's FP8 dot on the [N, K] weight only (no bf16 dot, no [K, N])")
   ap.add_argument("--rule-set", action="store_true",
                   help="the rule's config and every other it weighs, 128 x 192 tiles among them")
+  ap.add_argument("--compare-splits", action="store_true",
+                  help="with --shapes: the rule over any K split count against the rule over "
+                       "powers of two where they differ (and XLA's FP8 dot)")
   ap.add_argument("--edge", action="store_true",
                   help="check the edge cases on both (no timing); exit 1 on a failure")
   ap.add_argument("--iterations", type=int, default=10)
@@ -185,6 +188,8 @@ def main(argv=None):
   a = ap.parse_args(argv)
   if a.rule_only and a.rule_set:
     ap.error("--rule-only and --rule-set exclude each other")
+  if a.compare_splits and (not a.shapes or a.rule_only or a.rule_set or a.full or a.ring):
+    ap.error("--compare-splits takes --shapes and no other config flag")
   if a.shapes and (a.weights or a.m or a.quick):
     ap.error("--shapes names the problems: drop --weights, --m and --quick")
   if a.edge and (a.shapes or a.weights or a.m or a.quick or a.ring or a.rule_only or a.rule_set):
@@ -249,6 +254,12 @@ def main(argv=None):
         cands["xla_fp8_kn"] = (xla_fp8(((1,), (0,))), w_kn)
       key = device_key(dev.device_kind)
       cfgs = configs(m, n, k, a.full, HBM_TBS.get(key), rule_tiles(key))
+      if a.compare_splits:
+        cfgs = [heuristic_config(m, n, k, 132, HBM_TBS.get(key), tiles=rule_tiles(key),
+                                 any_split=s) for s in (False, True)]
+        if cfgs[0] == cfgs[1]:
+          continue
+        print(f"{wname} M={m}: powers of two {cfgs[0]}, any split {cfgs[1]}", flush=True)
       if a.rule_set:
         cfgs = cfgs[:1] + [c for c in rule_candidates(m, n, k, 132, RULE_TILES + WIDE_TILES)
                            if c != cfgs[0]]

@@ -515,3 +515,47 @@ def test_fp8_gemm_benchmark_bad_arguments(args, match, capsys):
   with pytest.raises(SystemExit):
     load_benchmark("fp8_gemm").main(args)
   assert match in capsys.readouterr().err
+
+
+def test_any_split_in_the_fp8_rule_numbers_in_the_docs():
+  # docs/results.md: any K split in the FP8 rule, measured on an H200 and not
+  # used; the recorded configs are the rule's with and without it.
+  import json
+  import math
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent
+  run = json.loads((root / "data/probes/fp8_any_split_h200.json").read_text())
+  assert run["device_kind"] == "NVIDIA H200"
+  key = "nvidia_h200"
+  label = lambda c: (f"mosaic {c.block_m}x{c.block_n} st{c.num_stages} sk{c.split_k} "  # noqa: E731
+                     f"g{c.grid_minor}/{c.grid_width}")
+  ratio, moved, split_only = [], [], []
+  for r in run["rows"]:
+    assert not r["errors"]
+    old, new = (fp8.heuristic_config(r["m"], r["n"], r["k"], 132, fp8.HBM_TBS[key],
+                                     tiles=fp8.rule_tiles(key), any_split=s) for s in (False, True))
+    x = r["times"][label(old)] / r["times"][label(new)]
+    ratio.append(x)
+    ((moved if (old.block_m, old.block_n) != (new.block_m, new.block_n) else split_only)
+     .append(x))
+    # the shipped rule is the powers-of-two one
+    assert fp8.heuristic_config(r["m"], r["n"], r["k"], 132, fp8.HBM_TBS[key],
+                                tiles=fp8.rule_tiles(key)) == old
+  geo = math.exp(sum(map(math.log, ratio)) / len(ratio))
+  assert (len(ratio), round(min(ratio), 3), round(max(ratio), 3), round(geo, 3)) == (
+      16, 0.862, 1.094, 0.996)
+  assert (len(moved), round(min(moved), 3), round(max(moved), 3)) == (10, 0.862, 1.085)
+  assert (len(split_only), round(min(split_only), 3)) == (6, 1.027)
+  docs = (root / "docs" / "results.md").read_text()
+  assert "**0.862-1.094x, geomean 0.996x**" in docs and "1.027-1.094x" in docs
+
+
+def test_wave_split_with_any_count_leaves_no_split_empty():
+  for tiles in (1, 6, 20, 40, 66, 132, 200):
+    for k in range(128, 40000, 384):
+      blocks = -(-k // fp8.BLOCK_K)
+      valid = lambda u: (tiles * u <= 132 and fp8.k_steps(k, u) >= 4  # noqa: E731
+                         and (u - 1) * fp8.k_steps(k, u) < blocks)
+      s = fp8.wave_split(tiles, k, 132, any_split=True)
+      assert s == 1 or valid(s)
+      assert not any(valid(u) for u in range(s + 1, 133))  # the largest such count

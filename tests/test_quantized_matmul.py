@@ -99,9 +99,10 @@ def test_decode_config_fills_one_wave_with_four_steps_a_split():
     c = decode_config(16, k, n, 132, any_split=True)
     assert tiles * c.split_k <= 132 and blocks // c.split_k >= 4
     assert (c.split_k - 1) * k_steps(k, c.split_k) < blocks  # no split empty
-    # the largest such split: one more overfills the wave, is too short or leaves one empty
-    s = c.split_k + 1
-    assert tiles * s > 132 or blocks // s < 4 or (s - 1) * k_steps(k, s) >= blocks
+    # the largest such split: every larger one overfills the wave, is too short or leaves one
+    # empty
+    assert not any(tiles * s <= 132 and s * 4 <= blocks and (s - 1) * k_steps(k, s) < blocks
+                   for s in range(c.split_k + 1, 133))
     p2 = decode_config(16, k, n, 132)  # powers of two, off ANY_SPLIT_GPUS
     assert tiles * p2.split_k <= 132 and blocks // p2.split_k >= 4
     assert p2.split_k == 1 or tiles * p2.split_k * 2 > 132 or blocks // (2 * p2.split_k) < 4

@@ -183,7 +183,8 @@ def estimate_us(m: int, n: int, k: int, config: MosaicMatmulConfig, num_sms: int
 
 
 def heuristic_config(m: int, n: int, k: int, num_sms: int, hbm_tbs: float | None = None, *,
-                     out_itemsize: int = 2, tiles=RULE_TILES) -> MosaicMatmulConfig:
+                     out_itemsize: int = 2, tiles=RULE_TILES,
+                     any_split: bool = False) -> MosaicMatmulConfig:
   """The config of least :func:`estimate_us` among ``tiles`` (default
   :data:`RULE_TILES`; :func:`rule_tiles` gives a GPU's)
   (64-row tiles up to 256 rows, 128-row ones from 65), each with no K split or the split that
@@ -192,13 +193,15 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int, hbm_tbs: float | None
   fastest of those measured (it and its neighbours) or within 1.1% of it on
   28 of the 29 problems where it ran, 6.8% slower on one
   (``benchmarks/fp8_gemm.py``). ``hbm_tbs``: as :func:`estimate_us`
-  (:data:`HBM_TBS` by GPU); ``out_itemsize``: bytes of an output element."""
-  return min(rule_candidates(m, n, k, num_sms, tiles=tiles, out_itemsize=out_itemsize),
+  (:data:`HBM_TBS` by GPU); ``out_itemsize``: bytes of an output element;
+  ``any_split``: as :func:`wave_split`."""
+  return min(rule_candidates(m, n, k, num_sms, tiles=tiles, out_itemsize=out_itemsize,
+                             any_split=any_split),
              key=lambda c: estimate_us(m, n, k, c, num_sms, hbm_tbs))
 
 
 def rule_candidates(m: int, n: int, k: int, num_sms: int, *, tiles=RULE_TILES,
-                    out_itemsize: int = 2) -> list[MosaicMatmulConfig]:
+                    out_itemsize: int = 2, any_split: bool = False) -> list[MosaicMatmulConfig]:
   """The configs :func:`heuristic_config` weighs: each of ``tiles`` (``(block_m,
   block_n, num_stages)``; 64-row tiles up to 256 rows, 128-row ones from 65)
   with no K split and with the split that fills a wave, in bands of 8 tiles
@@ -210,7 +213,7 @@ def rule_candidates(m: int, n: int, k: int, num_sms: int, *, tiles=RULE_TILES,
     if (bm == 64 and m > 256) or (bm > 64 and m <= 64):
       continue
     n_tiles = -(-m // bm) * -(-n // bn)
-    for sk in sorted({1, wave_split(n_tiles, k, num_sms)}):
+    for sk in sorted({1, wave_split(n_tiles, k, num_sms, any_split)}):
       if smem_bytes(block_m=bm, block_n=bn, num_stages=st,
                     out_itemsize=4 if sk > 1 else out_itemsize) > SMEM_LIMIT:
         continue
@@ -219,10 +222,17 @@ def rule_candidates(m: int, n: int, k: int, num_sms: int, *, tiles=RULE_TILES,
   return out
 
 
-def wave_split(tiles: int, k: int, num_sms: int) -> int:
-  """The largest power-of-two K split whose CTAs (``tiles`` times the
-  split) fit one wave, with at least four K steps a split."""
+def wave_split(tiles: int, k: int, num_sms: int, any_split: bool = False) -> int:
+  """The largest power-of-two K split (any count with ``any_split``, none of
+  its splits empty) whose CTAs (``tiles`` times the split) fit one wave,
+  with at least four K steps a split."""
   sk = 1
+  if any_split:
+    blocks = -(-k // BLOCK_K)
+    for s in range(2, num_sms // max(tiles, 1) + 1):
+      if k_steps(k, s) >= 4 and (s - 1) * k_steps(k, s) < blocks:
+        sk = s
+    return sk
   while tiles * sk * 2 <= num_sms and k_steps(k, sk * 2) >= 4:
     sk *= 2
   return sk
