@@ -64,7 +64,7 @@ def configs(m: int, k: int, n: int):
   and 5 stages; 128 x 128 tiles above 64 rows."""
   if m > 64:
     return [MosaicMatmulConfig(block_m=128, block_n=128, num_stages=4)]
-  rule = decode_config(m, k, n, 132, any_split=_any_split())
+  rule = decode_config(m, k, n, 132)
   out = [rule, dataclasses.replace(rule, num_stages=5), dataclasses.replace(rule, num_stages=3)]
   for sk in (rule.split_k // 2, rule.split_k * 2):
     if 1 <= sk <= k // 64:
@@ -73,8 +73,8 @@ def configs(m: int, k: int, n: int):
 
 
 def _any_split() -> bool:
-  """Whether the rules take any K split count on this GPU
-  (``weight_only.ANY_SPLIT_GPUS``), as the family's backend runs them."""
+  """Whether the swapped kernel's rule takes any K split count on this GPU
+  (``weight_only_nk.ANY_SPLIT_GPUS``), as the family's backend runs it."""
   return device_key(jax.devices()[0].device_kind) in nk_kernel.ANY_SPLIT_GPUS
 
 

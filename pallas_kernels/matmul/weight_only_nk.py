@@ -52,7 +52,7 @@ from jax import lax
 from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, launch,
                                           store_tile)
 from pallas_kernels._launch import SMEM_LIMIT, require_compute_capability
-from pallas_kernels.matmul.weight_only import ANY_SPLIT_GPUS, check_dtypes
+from pallas_kernels.matmul.weight_only import check_dtypes
 
 __all__ = ["ANY_SPLIT_GPUS", "MAX_M", "BLOCK_N", "INT4_GROUPS", "WIDE_STEP", "check_shapes", "decode_config", "row_tile",
            "smem_bytes", "step_k", "weight_only_matmul_nk"]
@@ -88,6 +88,11 @@ ITEM_OVERHEAD_STEPS = 2
 #: timed 256 channels faster at the same CTAs on 14 of 16 pairs at up to 16
 #: rows, but not the configs a smaller count would pick there; it keeps 2.
 WIDE_STEP = {"nvidia_h200": 1.75}
+#: GPUs (device keys) where :func:`decode_config` weighs any K split count,
+#: not only powers of two (measured there; with any count the rule also
+#: moves between channel tiles, 128 x 2 -> 256 x 5 on Llama-3-8B's wqkv,
+#: which the H100 never timed): other GPUs keep powers of two until measured.
+ANY_SPLIT_GPUS = ("nvidia_h200",)
 #: Group sizes along K of an int4 weight's scales (one scale per ``group``
 #: values of a channel).
 INT4_GROUPS = (64, 128)
@@ -184,7 +189,7 @@ def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
                   wide_step: float | None = None,
                   any_split: bool = False) -> MosaicMatmulConfig | None:
   """The channel tile (:data:`BLOCK_N`) and split of K (a power of two, or
-  any count with ``any_split``: ``weight_only.ANY_SPLIT_GPUS``; at least two
+  any count with ``any_split``: :data:`ANY_SPLIT_GPUS`; at least two
   K steps a split, none empty) of least modelled time, counted in
   pipeline steps of a 128-channel tile: the persistent grid's waves times a
   work item's steps (a 256-channel step counts two, or ``wide_step`` for

@@ -253,9 +253,9 @@ class MosaicQMatmul(Backend):
     """Weight-only: ``pallas_kernels.matmul.weight_only.decode_config``; on
     an H100 it was the fastest of its neighbours (split halved and doubled,
     3 and 5 stages) on 30 of 32 problems and within 0.9% on the others
-    (``benchmarks/weight_only.py``; its splits powers of two, and any count
-    on an H200: 1.267x geomean over them on 16 problems there,
-    ``--layout kn --compare-splits``; ``weight_only.ANY_SPLIT_GPUS``). Weight-only ``[N, K]``:
+    (``benchmarks/weight_only.py``; its splits then powers of two, any count
+    since: 1.267x geomean over them on 16 problems of an H200,
+    ``--layout kn --compare-splits``). Weight-only ``[N, K]``:
     ``pallas_kernels.matmul.weight_only_nk.decode_config``, within 3.3% of
     the fastest of up to 9 configs on 29 of 30 problems on an H100 and 8% on
     the last (``benchmarks/weight_only.py --layout nk``), with a 256-channel
@@ -285,8 +285,7 @@ class MosaicQMatmul(Backend):
                                   wide_step=nk_kernel.WIDE_STEP.get(hw.device_key),
                                   any_split=hw.device_key in nk_kernel.ANY_SPLIT_GPUS)
       return None if c is None or self.why_not(p, c) else c
-    return kernel.decode_config(p.m, p.k, p.n, hw.num_sms,
-                                any_split=hw.device_key in kernel.ANY_SPLIT_GPUS)
+    return kernel.decode_config(p.m, p.k, p.n, hw.num_sms)
 
   def occupancy_bound(self, problem, config, hw: Hardware) -> int:
     return 1
