@@ -964,6 +964,12 @@ def test_nk_any_split_against_the_recorded_grid_of_splits():
   assert sum(s == 1.0 for s in share) == 7 and round(min(share), 3) == 0.986
   assert round(min(gain.values()), 3) == 0.986 and round(max(gain.values()), 3) == 1.110
   assert round(gain[("qwen2_5_1_5b.w13", 16)], 3) == 1.004 and gain[("llama3_8b.w1", 1)] == 1
+  over_bf16 = {(r["weight"], r["m"]): round(r["bf16_dot_us"] / min(
+      v for lab, v in r["times"].items() if lab.startswith("mosaic")), 2) for r in run["rows"]}
+  assert over_bf16 == {("llama3_8b.w1", 1): 1.53, ("llama3_8b.w1", 16): 1.61,
+                       ("llama3_8b.wqkv", 1): 1.34, ("llama3_8b.wqkv", 16): 1.25,
+                       ("qwen2_5_1_5b.w2", 1): 1.39, ("qwen2_5_1_5b.w2", 16): 1.34,
+                       ("qwen2_5_1_5b.w13", 1): 1.05, ("qwen2_5_1_5b.w13", 16): 0.95}
   assert round(gain[("qwen2_5_1_5b.w2", 1)], 3) == 1.110
   assert round(gain[("llama3_8b.wqkv", 16)], 3) == 1.018
 
