@@ -42,7 +42,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.matmul.mosaic import MosaicMatmulConfig
+from pallas_kernels.matmul.mosaic import MosaicMatmulConfig, empty_split
 from pallas_kernels.matmul import weight_only_nk as nk_kernel
 from pallas_kernels.matmul.weight_only import check_shapes, decode_config, weight_only_matmul
 from wavetune_jax.core.hardware import device_key
@@ -112,7 +112,7 @@ def nk_grid(m: int, k: int, n: int, splits=(1, 2, 4, 8)):
   steps = k // nk_kernel.STEP_K
   return [dataclasses.replace(rule, block_n=bn, split_k=sk)
           for bn in nk_kernel.BLOCK_N for sk in splits
-          if n % bn == 0 and steps // sk >= 2 and not nk_kernel._empty_split(steps, sk)]
+          if n % bn == 0 and steps // sk >= 2 and not empty_split(steps, sk)]
 
 
 def int4_configs(m: int, k: int, n: int, a_group: int):

@@ -58,7 +58,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.matmul.mosaic import (EPI_TILE, M_MULTIPLE, MosaicMatmulConfig, launch,
+from pallas_kernels.matmul.mosaic import (EPI_TILE, M_MULTIPLE, MosaicMatmulConfig, empty_split,
+                                          launch,
                                           store_tile, wg_tile, wgmma_wait_delayed, work_tile)
 from pallas_kernels._launch import SMEM_LIMIT, local_items, require_compute_capability
 from pallas_kernels.ragged_dot.mosaic import (PRODUCER_REGISTERS, consumer_registers,
@@ -230,7 +231,7 @@ def wave_split(tiles: int, k: int, num_sms: int, any_split: bool = False) -> int
   if any_split:
     blocks = -(-k // BLOCK_K)
     for s in range(2, num_sms // max(tiles, 1) + 1):
-      if k_steps(k, s) >= 4 and (s - 1) * k_steps(k, s) < blocks:
+      if k_steps(k, s) >= 4 and not empty_split(blocks, s):
         sk = s
     return sk
   while tiles * sk * 2 <= num_sms and k_steps(k, sk * 2) >= 4:

@@ -141,6 +141,12 @@ def k_steps(k: int, split_k: int) -> int:
   return -(-(-(-k // BLOCK_K)) // split_k)
 
 
+def empty_split(steps: int, split_k: int) -> bool:
+  """Whether ``split_k`` splits of ``steps`` K steps, each of ``ceil(steps /
+  split_k)``, leave the last one empty."""
+  return (split_k - 1) * -(-steps // split_k) >= steps
+
+
 def smem_bytes(*, block_m: int, block_n: int, num_stages: int, itemsize: int,
                out_itemsize: int) -> int:
   """Shared memory of one CTA: the operand ring and two 64x64 output slots

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, k_steps,
+from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, empty_split,
+                                          k_steps,
                                           launch, store_tile, wg_tile, wgmma_wait_delayed,
                                           work_tile)
 from pallas_kernels._launch import require_compute_capability
@@ -116,7 +117,7 @@ def decode_config(m: int, k: int, n: int, num_sms: int,
   sk = 1
   if any_split:
     for s in range(2, num_sms // tiles + 1):
-      if s * 4 <= blocks and (s - 1) * k_steps(k, s) < blocks:
+      if s * 4 <= blocks and not empty_split(blocks, s):
         sk = s
   else:
     while tiles * sk * 2 <= num_sms and sk * 2 * 4 <= blocks:  # >= 4 K steps a split

@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, launch,
-                                          store_tile)
+from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, empty_split,
+                                          launch, store_tile)
 from pallas_kernels._launch import SMEM_LIMIT, require_compute_capability
 from pallas_kernels.matmul.weight_only import check_dtypes
 
@@ -126,12 +126,6 @@ def row_tile(m: int) -> int:
   raise ValueError(f"the swapped weight-only GEMM runs up to {MAX_M} rows; got M={m}")
 
 
-def _empty_split(steps: int, split_k: int) -> bool:
-  """Whether ``split_k`` splits of ``steps`` K steps, each of ``ceil(steps /
-  split_k)``, leave the last one empty."""
-  return (split_k - 1) * -(-steps // split_k) >= steps
-
-
 def k_steps(k: int, split_k: int, step: int = STEP_K) -> int:
   """Pipeline steps of one K split (the last split may run past K: zeros)."""
   return -(-(-(-k // step)) // split_k)
@@ -176,7 +170,7 @@ def check_shapes(m: int, n: int, k: int, dtype, w_dtype, config: MosaicMatmulCon
     raise ValueError(f"the Mosaic GPU weight-only GEMM on an [N, K] weight needs N a "
                      f"multiple of block_n={config.block_n} and K of {step}; got N={n}, "
                      f"K={k} (use the XLA config)")
-  if _empty_split(k // step, config.split_k):
+  if empty_split(k // step, config.split_k):
     raise ValueError(f"config {config}: K={k} gives {k // step} steps of {step}, too "
                      f"few for {config.split_k} splits (the last would be empty; use fewer "
                      f"splits or the XLA config)")
@@ -226,7 +220,7 @@ def decode_config(m: int, k: int, n: int, num_sms: int, group: int = 0,
       continue
     sk = 1
     while sk == 1 or steps // sk >= 2:
-      if _empty_split(steps, sk):
+      if empty_split(steps, sk):
         sk = sk + 1 if any_split else sk * 2
         continue
       waves = -(-(n // bn) * sk // num_sms)
