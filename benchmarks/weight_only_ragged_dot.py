@@ -18,7 +18,12 @@ its rule's config (``decode_config``) and a few around it, and what
 ``wt.quantized_ragged_dot`` runs.
 
     PYTHONPATH=. python3 benchmarks/weight_only_ragged_dot.py [--check] [--quick] [--tokens T ...]
-        [--json out.json]
+        [--held-out] [--dtypes int8 ...] [--rule-only] [--json out.json]
+
+``--held-out`` runs the routed experts of the models outside the suites
+(``benchmarks/unseen_models.py``, all three sets: w13 ``[E, hidden, 2 *
+ffn]`` and w2 ``[E, ffn, hidden]``) instead of the suite's; ``--rule-only``
+times the rule's config alone (with XLA's op, ``wt`` and bf16).
 
 Above 64 rows per expert (``--tokens`` of prefill sizes) the kernel has no
 rule: 128 x 128 and 64 x 256 tiles are timed in both orders (by expert and
@@ -47,10 +52,24 @@ WEIGHTS = [("mixtral_8x7b.w13", 8, 2, 4096, 28672), ("mixtral_8x7b.w2", 8, 2, 14
 TOKENS = (1, 16, 64)
 
 
-def configs(p: QRaggedDotProblem):
+def held_out_weights():
+  """(name, experts, top_k, K, N) of the routed experts of the models
+  outside the suites (``benchmarks/unseen_models.py``, sets v1-v3)."""
+  from unseen_models import MOE, MOE_V2, MOE_V3
+  out = []
+  for models in (MOE, MOE_V2, MOE_V3):
+    for name, c in models.items():
+      out += [(f"{name}.w13", c["E"], c["top_k"], c["hidden"], 2 * c["ffn"]),
+              (f"{name}.w2", c["E"], c["top_k"], c["ffn"], c["hidden"])]
+  return out
+
+
+def configs(p: QRaggedDotProblem, rule_only: bool = False):
   """The rule's config, 3 and 5 stages, its split halved and doubled, and
-  128 x 128 tiles (order 1)."""
+  128 x 128 tiles (order 1); the rule's alone with ``rule_only``."""
   rule = kernel.decode_config(p.m, p.g, p.n, p.k, 132)
+  if rule_only:
+    return [rule or kernel.prefill_config(p.m, p.g, p.n, p.k, 132)]
   if rule is None:  # above 64 rows per expert: no rule; both tiles, both orders
     cfg = wt.MosaicRaggedDotConfig
     return [cfg(block_m=128, block_n=128, num_stages=4, grid_minor=2),
@@ -107,6 +126,12 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true", help="int8, Mixtral's w13 only")
   ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS),
                   help="tokens per problem (default: the decode sizes 1, 16, 64)")
+  ap.add_argument("--held-out", action="store_true",
+                  help="the experts of the models outside the suites")
+  ap.add_argument("--dtypes", nargs="+", choices=("int8", "float8_e4m3fn"),
+                  default=["int8", "float8_e4m3fn"], help="weight dtypes (default both)")
+  ap.add_argument("--rule-only", action="store_true",
+                  help="time the rule's config only (besides XLA, wt and bf16)")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
@@ -119,15 +144,16 @@ def main(argv=None):
     out["edge_failures"] = check(fam)
   mosaic = fam.backend("mosaic")
   hw = wt.detect()
-  for wname, g, top_k, k, n in (WEIGHTS[:1] if a.quick else WEIGHTS):
-    for wd in (("int8",) if a.quick else ("int8", "float8_e4m3fn")):
+  weights = held_out_weights() if a.held_out else WEIGHTS
+  for wname, g, top_k, k, n in (weights[:1] if a.quick else weights):
+    for wd in (("int8",) if a.quick else a.dtypes):
       for t in a.tokens:
         p = QRaggedDotProblem(m=t * top_k, g=g, k=k, n=n, dtype="bfloat16", w_dtype=wd)
         x, w, s, gs = fam.inputs(p, jax.random.PRNGKey(t))
         ref = fam.reference(p, x, w, s, gs)
         cands = {"xla": fam.baseline(p),
                  "wt": lambda x, w, s, gs: wt.quantized_ragged_dot(x, w, s, gs)}
-        for c in configs(p):
+        for c in configs(p, a.rule_only):
           try:
             mosaic.validate(p, c, hw)
           except ValueError:
