@@ -18,12 +18,16 @@ its rule's config (``decode_config``) and a few around it, and what
 ``wt.quantized_ragged_dot`` runs.
 
     PYTHONPATH=. python3 benchmarks/weight_only_ragged_dot.py [--check] [--quick] [--tokens T ...]
-        [--held-out] [--dtypes int8 ...] [--rule-only] [--json out.json]
+        [--held-out] [--only WEIGHT ...] [--dtypes int8 ...] [--rule-only | --compare-rules]
+        [--json out.json]
 
 ``--held-out`` runs the routed experts of the models outside the suites
 (``benchmarks/unseen_models.py``, all three sets: w13 ``[E, hidden, 2 *
 ffn]`` and w2 ``[E, ffn, hidden]``) instead of the suite's; ``--rule-only``
-times the rule's config alone (with XLA's op, ``wt`` and bf16).
+times the rule's config alone (with XLA's op, ``wt`` and bf16);
+``--compare-rules`` only the problems where the rule's K split past one
+wave (``decode_config``) differs from the rule before
+(``past_one_wave=False``), both configs and XLA's op (no bf16).
 
 Above 64 rows per expert (``--tokens`` of prefill sizes) the kernel has no
 rule: 128 x 128 and 64 x 256 tiles are timed in both orders (by expert and
@@ -64,10 +68,15 @@ def held_out_weights():
   return out
 
 
-def configs(p: QRaggedDotProblem, rule_only: bool = False):
+def configs(p: QRaggedDotProblem, rule_only: bool = False, compare_rules: bool = False):
   """The rule's config, 3 and 5 stages, its split halved and doubled, and
-  128 x 128 tiles (order 1); the rule's alone with ``rule_only``."""
+  128 x 128 tiles (order 1); the rule's alone with ``rule_only``; with
+  ``compare_rules`` the rule's and the rule's before (no split past one
+  wave) where they differ, else none."""
   rule = kernel.decode_config(p.m, p.g, p.n, p.k, 132)
+  if compare_rules:
+    before = kernel.decode_config(p.m, p.g, p.n, p.k, 132, past_one_wave=False)
+    return [] if rule == before else [rule, before]
   if rule_only:
     return [rule or kernel.prefill_config(p.m, p.g, p.n, p.k, 132)]
   if rule is None:  # above 64 rows per expert: no rule; both tiles, both orders
@@ -132,9 +141,20 @@ def main(argv=None):
                   default=["int8", "float8_e4m3fn"], help="weight dtypes (default both)")
   ap.add_argument("--rule-only", action="store_true",
                   help="time the rule's config only (besides XLA, wt and bf16)")
+  ap.add_argument("--compare-rules", action="store_true",
+                  help="the problems where the rule's split past one wave changes, both rules")
+  ap.add_argument("--only", nargs="+", metavar="WEIGHT",
+                  help="these weights only (names as printed, e.g. mixtral_8x7b.w13)")
   ap.add_argument("--iterations", type=int, default=10)
   ap.add_argument("--json", default=None)
   a = ap.parse_args(argv)
+  weights = held_out_weights() if a.held_out else WEIGHTS
+  if a.only:
+    unknown = sorted(set(a.only) - {w[0] for w in weights})
+    if unknown:
+      ap.error(f"--only: no weight {', '.join(unknown)} in this set "
+               f"({', '.join(w[0] for w in weights)})")
+    weights = [w for w in weights if w[0] in a.only]
   prof = profiler.Profiler(iterations=a.iterations)
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__, flush=True)
@@ -144,16 +164,18 @@ def main(argv=None):
     out["edge_failures"] = check(fam)
   mosaic = fam.backend("mosaic")
   hw = wt.detect()
-  weights = held_out_weights() if a.held_out else WEIGHTS
   for wname, g, top_k, k, n in (weights[:1] if a.quick else weights):
     for wd in (("int8",) if a.quick else a.dtypes):
       for t in a.tokens:
         p = QRaggedDotProblem(m=t * top_k, g=g, k=k, n=n, dtype="bfloat16", w_dtype=wd)
+        cfgs = configs(p, a.rule_only, a.compare_rules)
+        if a.compare_rules and not cfgs:
+          continue
         x, w, s, gs = fam.inputs(p, jax.random.PRNGKey(t))
         ref = fam.reference(p, x, w, s, gs)
         cands = {"xla": fam.baseline(p),
                  "wt": lambda x, w, s, gs: wt.quantized_ragged_dot(x, w, s, gs)}
-        for c in configs(p, a.rule_only):
+        for c in cfgs:
           try:
             mosaic.validate(p, c, hw)
           except ValueError:
@@ -164,9 +186,14 @@ def main(argv=None):
         res = dict(zip(cands, prof.measure_many(list(cands.values()), (x, w, s, gs),
                                                 reference=ref, tolerance=fam.tolerance(p),
                                                 out_bytes=p.m * n * 4)))
-        w_bf16 = (w.astype(jnp.float32) * s[:, None, :]).astype(jnp.bfloat16)
-        (bf,) = prof.measure_many([lambda x, wb, gs: wt.ragged_dot(x, wb, gs)], (x, w_bf16, gs))
-        del w_bf16, ref
+        bf_us = math.nan
+        if not a.compare_rules:
+          w_bf16 = (w.astype(jnp.float32) * s[:, None, :]).astype(jnp.bfloat16)
+          (bf,) = prof.measure_many([lambda x, wb, gs: wt.ragged_dot(x, wb, gs)],
+                                    (x, w_bf16, gs))
+          bf_us = bf.median_us
+          del w_bf16
+        del ref
         times = {lab: (r.median_us if r.status == "ok" else math.nan) for lab, r in res.items()}
         errs = {lab: f"{r.status}: {(r.error or '')[:150]}" for lab, r in res.items()
                 if r.status != "ok"}
@@ -178,17 +205,21 @@ def main(argv=None):
                 or kernel.prefill_config(p.m, p.g, p.n, p.k, 132))
         rlab = _label(rule)
         row = {"weight": wname, "g": g, "k": k, "n": n, "w_dtype": wd, "tokens": t, "m": p.m,
-               "bf16_ragged_dot_us": bf.median_us, "times": times, "errors": errs,
+               "bf16_ragged_dot_us": bf_us, "times": times, "errors": errs,
                "best_mosaic": best, "rule": rlab, "chosen": repr(chosen)}
         out["rows"].append(row)
-        line = (f"{wname:<17} {wd:<13} {t:>3} tokens: bf16 wt.ragged_dot {bf.median_us:7.1f} us"
+        line = (f"{wname:<17} {wd:<13} {t:>3} tokens: bf16 wt.ragged_dot {bf_us:7.1f} us"
                 f" | XLA {times['xla']:7.1f} | wt {times['wt']:7.1f}")
         if rlab in times:
           r_ = times[rlab]
-          line += (f" | rule {r_:7.1f} us: {bf.median_us / r_:.2f}x bf16, "
+          line += (f" | rule {r_:7.1f} us: {bf_us / r_:.2f}x bf16, "
                    f"{times['xla'] / r_:.2f}x XLA")
         if best:
           line += f" | best {best} {mos[best]:.1f}"
+        if a.compare_rules:
+          blab = _label(cfgs[1])
+          row["before"] = blab
+          line += f" | before {blab} {times.get(blab, math.nan):.1f}"
         print(line, flush=True)
         for lab, e in errs.items():
           print(f"    {lab}: {e}", flush=True)

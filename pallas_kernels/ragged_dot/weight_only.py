@@ -52,13 +52,13 @@ from jax import lax
 
 from pallas_kernels._launch import match_varying, out_struct, require_compute_capability
 from pallas_kernels.matmul import weight_only as dense
-from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, k_steps, persistent_kernel,
-                                          wg_tile)
+from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, empty_split, k_steps,
+                                          persistent_kernel, wg_tile)
 from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, MosaicRaggedDotConfig, consumer_part,
                                               decode_item, item_windows, store_rows)
 
-__all__ = ["TILES", "WEIGHT_DTYPES", "check_shapes", "decode_config", "prefill_config",
+__all__ = ["ITEM_STEPS", "SPLIT_GAIN", "TILES", "WEIGHT_DTYPES", "check_shapes", "decode_config", "prefill_config",
            "smem_bytes", "weight_only_ragged_dot"]
 
 WEIGHT_DTYPES = dense.WEIGHT_DTYPES
@@ -111,17 +111,47 @@ def _expected_work(m: int, g: int, n: int) -> int:
   return experts * -(-(-(-m // experts) + worklist.ALIGN - 1) // 64) * -(-n // 256)
 
 
-def decode_config(m: int, g: int, n: int, k: int, num_sms: int) -> MosaicRaggedDotConfig | None:
+#: Past one wave, a K split is taken only where the model below predicts
+#: at most this share of no split's time.
+SPLIT_GAIN = 0.9
+#: A work item's fixed cost (its pipeline's fill, its epilogue) in K steps of
+#: its loop: fitted on an H200 to 12 problems timed with and without a split
+#: past one wave (``benchmarks/weight_only_ragged_dot.py --compare-rules``;
+#: 2-5 order all 12 as measured, 4 fits best).
+ITEM_STEPS = 4
+
+
+def decode_config(m: int, g: int, n: int, k: int, num_sms: int,
+                  past_one_wave: bool = True) -> MosaicRaggedDotConfig | None:
   """The config for a few rows per expert (at most 64 under balanced
-  routing): 64 x 256 tiles, 4 stages, column tiles first, and the largest
-  power-of-two split of K whose CTAs (expected row tasks x column tiles x
-  splits) fit one wave, with at least four K steps a split; None above 64
+  routing): 64 x 256 tiles, 4 stages, column tiles first; None above 64
   rows per expert (as the dense weight-only GEMM, whose conversion costs
-  more than the halved bytes save once the GEMM is compute-bound)."""
+  more than the halved bytes save once the GEMM is compute-bound).
+
+  The K split: where the expected work items (row tasks x column tiles)
+  fit one wave, the largest power of two, at most 8, whose CTAs still fit
+  it, with at least four K steps a split. Past one wave
+  (``past_one_wave``; the rule before took no split there) the split of
+  1-8, none empty and at least four K steps each, with the least waves x
+  (:data:`ITEM_STEPS` + the split's K steps), where that is at most
+  :data:`SPLIT_GAIN` of no split's: 192 items on 132 SMs run two waves,
+  the second three-quarters empty, and two splits run 384 half-length
+  items in three (on an H200 1.29-1.30x on Mixtral-8x22B's w2, 1.20-1.30x
+  on three more weights; the model keeps no split where three and seven
+  splits ran 0.87-0.94x)."""
   if m > 64 * min(g, m):
     return None
   work = _expected_work(m, g, n)
   sk = 1
+  if work > num_sms:
+    if past_one_wave:
+      steps = k_steps(k, 1)
+      cost = lambda s: -(-work * s // num_sms) * (ITEM_STEPS + k_steps(k, s))  # noqa: E731
+      best = SPLIT_GAIN * cost(1)
+      for s in range(2, 9):
+        if s * 4 <= steps and not empty_split(steps, s) and cost(s) < best:
+          best, sk = cost(s), s
+    return MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4, split_k=sk)
   while work * sk * 2 <= num_sms and k_steps(k, sk * 2) >= 4 and sk < 8:
     sk *= 2
   return MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4, split_k=sk)

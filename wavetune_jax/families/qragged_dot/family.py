@@ -20,7 +20,14 @@ from wavetune_jax.families.qragged_dot.problem import (DTYPES, W_LAYOUTS, WEIGHT
 from wavetune_jax.families.ragged_dot import routing
 from wavetune_jax.families.ragged_dot.family import expert_weights, fold_batch
 
-__all__ = ["QRaggedDotFamily"]
+__all__ = ["QRaggedDotFamily", "WEIGHT_ONLY_DENSE_ROWS"]
+
+#: XLA's ragged dot on this JAX runs its dense form, every expert's GEMM on
+#: every row: below ``m * g`` = this many rows, with every expert busy, its
+#: time is the weight read the weight-only kernel also does, and the kernel
+#: is not trusted over it without evidence
+#: (:meth:`QRaggedDotFamily.trusted_without_evidence`).
+WEIGHT_ONLY_DENSE_ROWS = 1024
 
 
 class QRaggedDotFamily(Family):
@@ -132,7 +139,17 @@ class QRaggedDotFamily(Family):
     (``versions``: the platform's, default this process's; a cuDNN that
     cannot be read, as on a CPU choosing for a named GPU, is taken as the
     measured one, unlike the 16-bit family's, whose sweeps hold the
-    evidence this family's tables lack)."""
+    evidence this family's tables lack).
+
+    Not the weight-only kernel where every expert is busy and XLA's dense
+    form is light (``m >= g`` and ``m * g`` below
+    :data:`WEIGHT_ONLY_DENSE_ROWS`): both then read every expert's 8-bit
+    weight once, XLA converting it in its GEMM as fast as the kernel does.
+    On an H200 (``benchmarks/weight_only_ragged_dot.py``, 8 experts at 32
+    rows) the rule's config ran 0.98-1.04x XLA's on Mixtral-8x7B's int8
+    experts, 0.99x on Mixtral-8x22B's w13 and 0.99x on JetMoE-8B's, and
+    0.80x on Mixtral-8x22B's w2 before its K split past one wave; from
+    1,024 dense rows (8 experts at 128 rows, 32 at 64) 1.21-2.08x."""
     from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig
     from wavetune_jax.core import versions as versions_lib
     from wavetune_jax.families.qragged_dot.backends import XlaQRaggedDotConfig
@@ -144,6 +161,8 @@ class QRaggedDotFamily(Family):
       return False
     if problem.w8a8:
       return True
+    if problem.m >= problem.g and problem.m * problem.g < WEIGHT_ONLY_DENSE_ROWS:
+      return False
     # The rule's config, as measured (not any 64 x 256 config: the rule ran
     # only 1.09-1.15x XLA's at 16 tokens on Mixtral's experts).
     return hw is not None and config == self.backend("mosaic").heuristic(problem, hw)
