@@ -384,6 +384,120 @@ def test_weight_only_run_on_record_reproduces_the_docs():
   assert (round(min(over_bf16), 2), round(max(over_bf16), 2), round(geo(over_bf16), 2)) == (1.07, 1.92, 1.54)
 
 
+H200 = wt.get_hardware("h200")
+
+
+def _rule_label(c) -> str:
+  return (f"mosaic {c.block_m}x{c.block_n} s{c.num_stages} k{c.split_k}"
+          + (f" o{c.grid_minor}" if c.grid_minor != 1 else ""))
+
+
+def test_weight_only_split_past_one_wave_known_answers():
+  # Mixtral-8x22B's w2 (K 16,384, N 6,144) at 32 rows: 8 experts x 24 column
+  # tiles = 192 items, two waves on 132 SMs, the second three-quarters
+  # empty; two splits: 384 half-length items in three waves.
+  assert weight_only.decode_config(32, 8, 6144, 16384, 132).split_k == 2
+  assert weight_only.decode_config(32, 8, 6144, 16384, 132, past_one_wave=False).split_k == 1
+  # One token of Mixtral-8x7B's w13: 2 rows, about 1.9 experts busy, 210
+  # items; no split gains 10% (seven splits ran 0.87x).
+  assert weight_only.decode_config(2, 8, 28672, 4096, 132).split_k == 1
+  # Just past one wave (ERNIE-4.5-21B-A3B's w13 at 12 rows: 132.2 busy items)
+  # the routing decides between one wave and two: no split (4 ran 0.83x).
+  assert weight_only._busy_work(12, 64, 3072) == pytest.approx(132.2, abs=0.05)
+  assert weight_only.decode_config(12, 64, 3072, 2560, 132).split_k == 1
+  # Busy experts: g (1 - (1 - 1/g)^m); 8 rows over 8 experts busy about 5.25.
+  assert weight_only._busy_work(8, 8, 256) == pytest.approx(8 * (1 - (7 / 8) ** 8))
+  # Within one wave the rule is as before: the largest power of two.
+  for m, g, n, k in [(2, 8, 4096, 14336), (8, 64, 2048, 1024), (4, 60, 2816, 2048)]:
+    assert (weight_only.decode_config(m, g, n, k, 132)
+            == weight_only.decode_config(m, g, n, k, 132, past_one_wave=False))
+
+
+def test_weight_only_split_runs_on_record_reproduce_the_docs():
+  """docs/results.md's K split past one wave (H200 runs of
+  ``benchmarks/weight_only_ragged_dot.py --compare-rules``): where the rule
+  now splits, the split timed ran 1.07-1.30x no split (12 problems; 2 more
+  take 2 splits where 4 were timed, 1.02-1.05x); where it does not, the
+  splits timed ran 0.83-0.96x (9 problems)."""
+  gains, kept, untimed = [], [], []
+  for name in ("held_out", "suite", "small"):
+    for r in json.loads((DATA / f"weight_only_ragged_dot_splits_{name}_h200.json")
+                        .read_text())["rows"]:
+      t = r["times"]
+      if t.get(r["rule"]) != t.get(r["rule"]) or r["rule"] not in t:
+        continue  # gpt-oss-20b's w2: N 2,880, no kernel
+      c = weight_only.decode_config(r["m"], r["g"], r["n"], r["k"], 132)
+      before = t[r["before"]]
+      if c.split_k == 1:
+        assert _rule_label(c) == r["before"]
+        kept.append(before / t[r["rule"]])
+      elif _rule_label(c) == r["rule"]:
+        gains.append(before / t[r["rule"]])
+      else:
+        untimed.append((r["weight"], r["tokens"], c.split_k, before / t[r["rule"]]))
+  assert len(gains) == 12 and (round(min(gains), 2), round(max(gains), 2)) == (1.07, 1.30)
+  assert len(kept) == 9 and (round(min(kept), 2), round(max(kept), 2)) == (0.83, 0.96)
+  assert sorted((w, tok, sk) for w, tok, sk, _ in untimed) == [
+      ("granite_3_0_3b_a800m.w13", 16, 2), ("granite_3_0_3b_a800m.w13", 64, 2)]
+  assert all(1.0 < g < 1.06 for *_, g in untimed)
+
+
+def test_weight_only_trust_on_record_h200():
+  """docs/results.md: on every H200 run of the weight-only grouped GEMM the
+  problems the guard trusts the rule's config on ran it at 1.10x XLA's op or
+  faster; the 16 timed at the config it no longer trusts (nearly every expert busy, XLA's
+  dense form under 512 rows) ran 0.86-1.19x. The H100 keeps its trust."""
+  fam, trusted, untrusted = QRAGGED_DOT, [], []
+  v = {"cudnn": "9.19.0"}
+  for f in sorted(DATA.glob("weight_only_ragged_dot*_h200.json")):
+    for r in json.loads(f.read_text())["rows"]:
+      p = QRaggedDotProblem(m=r["m"], g=r["g"], k=r["k"], n=r["n"], dtype="bfloat16",
+                            w_dtype=r["w_dtype"])
+      c = fam.backend("mosaic").heuristic(p, H200)
+      if c is None:
+        continue
+      xla = fam.platform_config(p, H200)
+      t = r["times"].get(_rule_label(c))
+      if t is None or t != t:
+        continue
+      if fam.trusted_without_evidence(p, c, xla, hw=H200, versions=v):
+        trusted.append(r["times"]["xla"] / t)
+      else:
+        untrusted.append(r["times"]["xla"] / t)
+        assert fam.trusted_without_evidence(p, c, fam.platform_config(p, H100), hw=H100,
+                                            versions=v) == (c == fam.backend("mosaic")
+                                                            .heuristic(p, H100))
+  assert len(trusted) == 79 and round(min(trusted), 2) == 1.10
+  assert len(untrusted) == 16
+  assert (round(min(untrusted), 2), round(max(untrusted), 2)) == (0.86, 1.19)
+  # The rule: busy share above 0.8 and m * g under 512 rows.
+  mixtral = lambda m: QRaggedDotProblem(m=m, g=8, k=4096, n=28672, dtype="bfloat16",  # noqa: E731
+                                        w_dtype="int8")
+  for m, ok in [(2, True), (8, True), (16, False), (32, False), (48, False), (64, True)]:
+    p = mixtral(m)
+    c = fam.backend("mosaic").heuristic(p, H200)
+    assert fam.trusted_without_evidence(p, c, fam.platform_config(p, H200), hw=H200,
+                                        versions=v) is ok
+
+
+def test_mixtral_int8_experts_h200_on_record():
+  """docs/results.md's Mixtral-8x7B with int8 experts on an H200 (`wavetune
+  bench model`): TPOT over the bf16 model through XLA + cuDNN, and the
+  int8 model's own XLA run."""
+  e2e = DATA.parent / "e2e"
+  rows = lambda name: {(r["setting"], r["kind"], r["batch"]): r["us"]  # noqa: E731
+                       for r in json.loads((e2e / name).read_text())["rows"]}
+  bf16, q = rows("mixtral_8x7b_bf16_xla_tpot_h200.json"), rows("mixtral_8x7b_int8_experts_h200.json")
+  tpot = [round(bf16[("xla", "decode", b)] / q[("tables", "decode", b)], 2) for b in (1, 8, 32)]
+  assert tpot == [2.91, 1.27, 1.21]
+  assert round(bf16[("xla", "prefill", 1)] / q[("tables", "prefill", 1)], 2) == 1.49
+  same = [round(q[("xla", "decode", b)] / q[("tables", "decode", b)], 3) for b in (1, 8, 32)]
+  assert same == [2.125, 0.986, 1.247]
+  busy = rows("mixtral_8x7b_int8_experts_busy1024_h200.json")
+  assert [round(busy[("xla", "decode", b)] / busy[("tables", "decode", b)], 3)
+          for b in (8, 32)] == [0.987, 0.979]
+
+
 def test_weight_only_prefill_run_on_record():
   """The prefill sizes of docs/results.md: the rule above 64 rows per expert
   (``prefill_config``) was the fastest config timed, and every config beat

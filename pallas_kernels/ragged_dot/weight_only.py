@@ -45,6 +45,7 @@ pads ``x`` with zero rows (the output is stored row by row in place).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +59,7 @@ from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, MosaicRaggedDotConfig, consumer_part,
                                               decode_item, item_windows, store_rows)
 
-__all__ = ["ITEM_STEPS", "SPLIT_GAIN", "TILES", "WEIGHT_DTYPES", "check_shapes", "decode_config", "prefill_config",
+__all__ = ["ITEM_STEPS", "SPLIT_GAIN", "SPLIT_MIN_WAVES", "TILES", "WEIGHT_DTYPES", "check_shapes", "decode_config", "prefill_config",
            "smem_bytes", "weight_only_ragged_dot"]
 
 WEIGHT_DTYPES = dense.WEIGHT_DTYPES
@@ -112,13 +113,23 @@ def _expected_work(m: int, g: int, n: int) -> int:
 
 
 #: Past one wave, a K split is taken only where the model below predicts
-#: at most this share of no split's time.
+#: at most this share of no split's time ...
 SPLIT_GAIN = 0.9
+#: ... and where the expected busy items pass the SMs by this much: just past
+#: one wave, how many experts a batch routes to decides between one wave and
+#: two.
+SPLIT_MIN_WAVES = 1.1
 #: A work item's fixed cost (its pipeline's fill, its epilogue) in K steps of
-#: its loop: fitted on an H200 to 12 problems timed with and without a split
-#: past one wave (``benchmarks/weight_only_ragged_dot.py --compare-rules``;
-#: 2-5 order all 12 as measured, 4 fits best).
+#: its loop, fitted on an H200 (docstring of :func:`decode_config`).
 ITEM_STEPS = 4
+
+
+def _busy_work(m: int, g: int, n: int) -> float:
+  """Expected 64 x 256 work items of ``m`` rows routed at random over ``g``
+  experts: ``g (1 - (1 - 1/g)^m)`` experts get rows (fewer than ``min(g,
+  m)``: two rows often pick one expert), each its rows' tasks."""
+  busy = g * (1.0 - (1.0 - 1.0 / g) ** m)
+  return busy * math.ceil((m / busy + worklist.ALIGN / 2) / 64) * -(-n // 256)
 
 
 def decode_config(m: int, g: int, n: int, k: int, num_sms: int,
@@ -130,26 +141,34 @@ def decode_config(m: int, g: int, n: int, k: int, num_sms: int,
 
   The K split: where the expected work items (row tasks x column tiles)
   fit one wave, the largest power of two, at most 8, whose CTAs still fit
-  it, with at least four K steps a split. Past one wave
-  (``past_one_wave``; the rule before took no split there) the split of
-  1-8, none empty and at least four K steps each, with the least waves x
-  (:data:`ITEM_STEPS` + the split's K steps), where that is at most
+  it, with at least four K steps a split. Past one wave (``past_one_wave``;
+  the rule before took no split there), where the expected busy items
+  (:func:`_busy_work`) pass the SMs by :data:`SPLIT_MIN_WAVES`, the split
+  of 2, 4 or 8 (none empty, at least four K steps each) with the least
+  waves x (:data:`ITEM_STEPS` + its K steps), if at most
   :data:`SPLIT_GAIN` of no split's: 192 items on 132 SMs run two waves,
-  the second three-quarters empty, and two splits run 384 half-length
-  items in three (on an H200 1.29-1.30x on Mixtral-8x22B's w2, 1.20-1.30x
-  on three more weights; the model keeps no split where three and seven
-  splits ran 0.87-0.94x)."""
+  the second three-quarters empty, and two splits run 384 half-length items
+  in three. On an H200 (``benchmarks/weight_only_ragged_dot.py
+  --compare-rules``, int8, 23 problems of 13 expert weights at 1-64
+  tokens; docs/results.md) it splits 14: 1.07-1.30x no split on the 12
+  timed at its split; on the other two it takes 2 where 4 were timed
+  (1.02-1.05x); it keeps the other 9 whole, where the splits timed ran
+  0.83-0.96x. The model was revised once the second half was timed (it had
+  counted ``min(g, m)`` busy experts and any split count), so those 23 are
+  not held out. Not measured on an H100.
+  """
   if m > 64 * min(g, m):
     return None
   work = _expected_work(m, g, n)
   sk = 1
   if work > num_sms:
-    if past_one_wave:
+    busy = _busy_work(m, g, n)
+    if past_one_wave and busy > SPLIT_MIN_WAVES * num_sms:
       steps = k_steps(k, 1)
-      cost = lambda s: -(-work * s // num_sms) * (ITEM_STEPS + k_steps(k, s))  # noqa: E731
+      cost = lambda s: math.ceil(busy * s / num_sms) * (ITEM_STEPS + k_steps(k, s))  # noqa: E731
       best = SPLIT_GAIN * cost(1)
-      for s in range(2, 9):
-        if s * 4 <= steps and not empty_split(steps, s) and cost(s) < best:
+      for s in (2, 4, 8):
+        if k_steps(k, s) >= 4 and not empty_split(steps, s) and cost(s) < best:
           best, sk = cost(s), s
     return MosaicRaggedDotConfig(block_m=64, block_n=256, num_stages=4, split_k=sk)
   while work * sk * 2 <= num_sms and k_steps(k, sk * 2) >= 4 and sk < 8:

@@ -20,14 +20,21 @@ from wavetune_jax.families.qragged_dot.problem import (DTYPES, W_LAYOUTS, WEIGHT
 from wavetune_jax.families.ragged_dot import routing
 from wavetune_jax.families.ragged_dot.family import expert_weights, fold_batch
 
-__all__ = ["QRaggedDotFamily", "WEIGHT_ONLY_DENSE_ROWS"]
+__all__ = ["QRaggedDotFamily", "WEIGHT_ONLY_BUSY", "WEIGHT_ONLY_BUSY_TRUSTED_GPUS",
+           "WEIGHT_ONLY_DENSE_ROWS"]
 
 #: XLA's ragged dot on this JAX runs its dense form, every expert's GEMM on
-#: every row: below ``m * g`` = this many rows, with every expert busy, its
-#: time is the weight read the weight-only kernel also does, and the kernel
-#: is not trusted over it without evidence
+#: every row: below ``m * g`` = this many rows, with nearly every expert busy
+#: (more than :data:`WEIGHT_ONLY_BUSY` of them expected to get rows), its time
+#: is the weight read the weight-only kernel also does, and the kernel is not
+#: trusted over it without evidence
 #: (:meth:`QRaggedDotFamily.trusted_without_evidence`).
-WEIGHT_ONLY_DENSE_ROWS = 1024
+WEIGHT_ONLY_DENSE_ROWS = 512
+WEIGHT_ONLY_BUSY = 0.8
+#: GPUs where the kernel is trusted there all the same: on an H100 the rule
+#: ran 1.09-1.15x XLA's at 32 rows of Mixtral-8x7B's 8 experts (int8 and
+#: e4m3), where an H200 ran it 0.98-1.12x.
+WEIGHT_ONLY_BUSY_TRUSTED_GPUS = ("nvidia_h100_80gb_hbm3",)
 
 
 class QRaggedDotFamily(Family):
@@ -141,15 +148,17 @@ class QRaggedDotFamily(Family):
     measured one, unlike the 16-bit family's, whose sweeps hold the
     evidence this family's tables lack).
 
-    Not the weight-only kernel where every expert is busy and XLA's dense
-    form is light (``m >= g`` and ``m * g`` below
+    Not the weight-only kernel where nearly every expert is busy (more than
+    :data:`WEIGHT_ONLY_BUSY` of them expected to get rows, ``1 - (1 -
+    1/g)^m``) and XLA's dense form is light (``m * g`` below
     :data:`WEIGHT_ONLY_DENSE_ROWS`): both then read every expert's 8-bit
-    weight once, XLA converting it in its GEMM as fast as the kernel does.
-    On an H200 (``benchmarks/weight_only_ragged_dot.py``, 8 experts at 32
-    rows) the rule's config ran 0.98-1.04x XLA's on Mixtral-8x7B's int8
-    experts, 0.99x on Mixtral-8x22B's w13 and 0.99x on JetMoE-8B's, and
-    0.80x on Mixtral-8x22B's w2 before its K split past one wave; from
-    1,024 dense rows (8 experts at 128 rows, 32 at 64) 1.21-2.08x."""
+    weight once, XLA converting it in its GEMM about as fast as the kernel
+    does. On an H200 (``benchmarks/weight_only_ragged_dot.py``, 8 experts
+    of Mixtral-8x7B, Mixtral-8x22B and JetMoE-8B at 16 and 32 rows) the
+    rule's config ran 0.86-1.19x XLA's there (0.80x on Mixtral-8x22B's w2
+    before its K split past one wave); at 64 rows (512 dense rows)
+    1.10-1.47x, and at 8 rows of 8 experts (about 5 busy) 1.40x. The GPUs
+    of :data:`WEIGHT_ONLY_BUSY_TRUSTED_GPUS` keep the trust there."""
     from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig
     from wavetune_jax.core import versions as versions_lib
     from wavetune_jax.families.qragged_dot.backends import XlaQRaggedDotConfig
@@ -161,7 +170,9 @@ class QRaggedDotFamily(Family):
       return False
     if problem.w8a8:
       return True
-    if problem.m >= problem.g and problem.m * problem.g < WEIGHT_ONLY_DENSE_ROWS:
+    busy = 1.0 - (1.0 - 1.0 / problem.g) ** problem.m
+    if (busy > WEIGHT_ONLY_BUSY and problem.m * problem.g < WEIGHT_ONLY_DENSE_ROWS
+        and (hw is None or hw.device_key not in WEIGHT_ONLY_BUSY_TRUSTED_GPUS)):
       return False
     # The rule's config, as measured (not any 64 x 256 config: the rule ran
     # only 1.09-1.15x XLA's at 16 tokens on Mixtral's experts).
