@@ -480,6 +480,55 @@ def test_weight_only_trust_on_record_h200():
                                         versions=v) is ok
 
 
+def test_weight_only_h200_runs_reproduce_the_docs():
+  """docs/results.md's H200 runs of ``benchmarks/weight_only_ragged_dot.py``:
+  the suite (edge cases, the rule over XLA's op and bf16), the models
+  outside the suites, and the table of the rule over XLA's op with 8
+  experts busy."""
+  geo = lambda a: float(np.exp(np.mean(np.log(a))))  # noqa: E731
+  run = lambda name: json.loads((DATA / f"weight_only_ragged_dot{name}_h200.json")  # noqa: E731
+                                .read_text())
+  suite = run("")
+  assert suite["edge_failures"] == 0 and len(suite["rows"]) == 24
+  ox = [r["times"]["xla"] / r["times"][r["rule"]] for r in suite["rows"]]
+  ob = [r["bf16_ragged_dot_us"] / r["times"][r["rule"]] for r in suite["rows"]]
+  assert (round(min(ox), 2), round(max(ox), 2), round(geo(ox), 2)) == (0.98, 6.25, 2.32)
+  assert (round(min(ob), 2), round(max(ob), 2), round(geo(ob), 2)) == (0.95, 1.42, 1.19)
+  w13 = {(r["weight"], r["w_dtype"], r["tokens"]): r for r in suite["rows"]}
+  r = w13[("mixtral_8x7b.w13", "int8", 16)]
+  assert (round(r["times"]["wt"], 1), round(r["times"]["xla"], 1)) == (349.2, 341.3)  # 0.977x
+  held = run("_held_out")
+  assert len(held["rows"]) == 40
+  rows = [r for r in held["rows"] if r["rule"] in r["times"]
+          and r["times"][r["rule"]] == r["times"][r["rule"]]]
+  ox = [r["times"]["xla"] / r["times"][r["rule"]] for r in rows]
+  assert len(rows) == 39
+  assert (round(min(ox), 2), round(max(ox), 2), round(geo(ox), 2)) == (0.80, 6.50, 2.82)
+  assert sorted((r["weight"], round(x, 2)) for r, x in zip(rows, ox) if x < 1) == [
+      ("mixtral_8x22b.w13", 0.99), ("mixtral_8x22b.w2", 0.8)]
+  # The table: (weight, dtype, tokens) -> the rule's config over XLA's op,
+  # the rule's config of today (its split), from the first run that timed it.
+  table = {}
+  for name in ("", "_held_out", "_busy_suite", "_busy_held_out", "_splits_held_out",
+               "_splits_small"):
+    for r in run(name)["rows"]:
+      c = weight_only.decode_config(r["m"], r["g"], r["n"], r["k"], 132)
+      t = r["times"].get(_rule_label(c)) if c else None
+      if r["g"] == 8 and t:
+        table.setdefault((r["weight"], r["w_dtype"], r["tokens"]),
+                         round(r["times"]["xla"] / t, 2))
+  want = {8: [1.08, 0.95, 1.19, 1.02, 1.01, 0.92, 0.86, 0.88],
+          16: [0.98, 1.04, 1.07, 1.12, 0.99, 1.02, 0.99, None],
+          32: [1.36, 1.32, 1.47, 1.46, 1.10, 1.25, 1.19, 1.23],
+          64: [1.43, 1.62, 1.56, 1.83, 1.26, 2.08, 1.92, None]}
+  cols = [("mixtral_8x7b.w13", "int8"), ("mixtral_8x7b.w2", "int8"),
+          ("mixtral_8x7b.w13", "float8_e4m3fn"), ("mixtral_8x7b.w2", "float8_e4m3fn"),
+          ("mixtral_8x22b.w13", "int8"), ("mixtral_8x22b.w2", "int8"),
+          ("jetmoe_8b.w13", "int8"), ("jetmoe_8b.w2", "int8")]
+  for tokens, row in want.items():
+    assert [table.get((w, d, tokens)) for w, d in cols] == row, tokens
+
+
 def test_mixtral_int8_experts_h200_on_record():
   """docs/results.md's Mixtral-8x7B with int8 experts on an H200 (`wavetune
   bench model`): TPOT over the bf16 model through XLA + cuDNN, and the
@@ -487,7 +536,8 @@ def test_mixtral_int8_experts_h200_on_record():
   e2e = DATA.parent / "e2e"
   rows = lambda name: {(r["setting"], r["kind"], r["batch"]): r["us"]  # noqa: E731
                        for r in json.loads((e2e / name).read_text())["rows"]}
-  bf16, q = rows("mixtral_8x7b_bf16_xla_tpot_h200.json"), rows("mixtral_8x7b_int8_experts_h200.json")
+  bf16 = rows("mixtral_8x7b_bf16_xla_tpot_h200.json")
+  q = rows("mixtral_8x7b_int8_experts_h200.json")
   tpot = [round(bf16[("xla", "decode", b)] / q[("tables", "decode", b)], 2) for b in (1, 8, 32)]
   assert tpot == [2.91, 1.27, 1.21]
   assert round(bf16[("xla", "prefill", 1)] / q[("tables", "prefill", 1)], 2) == 1.49

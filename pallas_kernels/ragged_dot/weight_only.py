@@ -59,8 +59,9 @@ from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, MosaicRaggedDotConfig, consumer_part,
                                               decode_item, item_windows, store_rows)
 
-__all__ = ["ITEM_STEPS", "SPLIT_GAIN", "SPLIT_MIN_WAVES", "TILES", "WEIGHT_DTYPES", "check_shapes", "decode_config", "prefill_config",
-           "smem_bytes", "weight_only_ragged_dot"]
+__all__ = ["ITEM_STEPS", "SPLIT_GAIN", "SPLIT_MIN_WAVES", "TILES", "WEIGHT_DTYPES",
+           "check_shapes", "decode_config", "prefill_config", "smem_bytes",
+           "weight_only_ragged_dot"]
 
 WEIGHT_DTYPES = dense.WEIGHT_DTYPES
 #: CTA tiles the kernel runs: 64 x 256 (the consumers split the columns, each
