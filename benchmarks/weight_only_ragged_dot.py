@@ -68,12 +68,15 @@ def held_out_weights():
   return out
 
 
-def configs(p: QRaggedDotProblem, rule_only: bool = False, compare_rules: bool = False):
+def configs(p: QRaggedDotProblem, rule_only: bool = False, compare_rules: bool = False,
+            past_one_wave: bool = True):
   """The rule's config, 3 and 5 stages, its split halved and doubled, and
   128 x 128 tiles (order 1); the rule's alone with ``rule_only``; with
   ``compare_rules`` the rule's and the rule's before (no split past one
-  wave) where they differ, else none."""
-  rule = kernel.decode_config(p.m, p.g, p.n, p.k, 132)
+  wave) where they differ, else none. ``past_one_wave``: the rule's, as
+  the family takes it on this GPU (``SPLIT_PAST_WAVE_GPUS``)."""
+  rule = kernel.decode_config(p.m, p.g, p.n, p.k, 132,
+                              past_one_wave=past_one_wave or compare_rules)
   if compare_rules:
     before = kernel.decode_config(p.m, p.g, p.n, p.k, 132, past_one_wave=False)
     return [] if rule == before else [rule, before]
@@ -132,17 +135,20 @@ def _quantize(rhs, wd):
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--check", action="store_true", help="the ragged edge cases first")
-  ap.add_argument("--quick", action="store_true", help="int8, Mixtral's w13 only")
+  ap.add_argument("--quick", action="store_true",
+                  help="int8, the set's first weight only (the suite's: Mixtral's w13)")
   ap.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS),
                   help="tokens per problem (default: the decode sizes 1, 16, 64)")
   ap.add_argument("--held-out", action="store_true",
                   help="the experts of the models outside the suites")
   ap.add_argument("--dtypes", nargs="+", choices=("int8", "float8_e4m3fn"),
                   default=["int8", "float8_e4m3fn"], help="weight dtypes (default both)")
-  ap.add_argument("--rule-only", action="store_true",
-                  help="time the rule's config only (besides XLA, wt and bf16)")
-  ap.add_argument("--compare-rules", action="store_true",
-                  help="the problems where the rule's split past one wave changes, both rules")
+  which = ap.add_mutually_exclusive_group()
+  which.add_argument("--rule-only", action="store_true",
+                     help="time the rule's config only (besides XLA, wt and bf16)")
+  which.add_argument("--compare-rules", action="store_true",
+                     help="the problems where the rule's split past one wave changes, both "
+                          "rules (no bf16)")
   ap.add_argument("--only", nargs="+", metavar="WEIGHT",
                   help="these weights only (names as printed, e.g. mixtral_8x7b.w13)")
   ap.add_argument("--iterations", type=int, default=10)
@@ -164,11 +170,12 @@ def main(argv=None):
     out["edge_failures"] = check(fam)
   mosaic = fam.backend("mosaic")
   hw = wt.detect()
+  past = hw.device_key in kernel.SPLIT_PAST_WAVE_GPUS
   for wname, g, top_k, k, n in (weights[:1] if a.quick else weights):
     for wd in (("int8",) if a.quick else a.dtypes):
       for t in a.tokens:
         p = QRaggedDotProblem(m=t * top_k, g=g, k=k, n=n, dtype="bfloat16", w_dtype=wd)
-        cfgs = configs(p, a.rule_only, a.compare_rules)
+        cfgs = configs(p, a.rule_only, a.compare_rules, past)
         if a.compare_rules and not cfgs:
           continue
         x, w, s, gs = fam.inputs(p, jax.random.PRNGKey(t))
@@ -201,19 +208,25 @@ def main(argv=None):
         best = min(mos, key=mos.get) if mos else None
         with wt.policy("tables"):
           chosen = wt.select("qragged_dot", p, wt.detect()).config
-        rule = (kernel.decode_config(p.m, p.g, p.n, p.k, 132)
+        rule = (kernel.decode_config(p.m, p.g, p.n, p.k, 132,
+                                     past_one_wave=past or a.compare_rules)
                 or kernel.prefill_config(p.m, p.g, p.n, p.k, 132))
         rlab = _label(rule)
         row = {"weight": wname, "g": g, "k": k, "n": n, "w_dtype": wd, "tokens": t, "m": p.m,
-               "bf16_ragged_dot_us": bf_us, "times": times, "errors": errs,
+               "bf16_ragged_dot_us": None if a.compare_rules else bf_us, "times": times,
+               "errors": errs,
                "best_mosaic": best, "rule": rlab, "chosen": repr(chosen)}
         out["rows"].append(row)
-        line = (f"{wname:<17} {wd:<13} {t:>3} tokens: bf16 wt.ragged_dot {bf_us:7.1f} us"
-                f" | XLA {times['xla']:7.1f} | wt {times['wt']:7.1f}")
+        line = f"{wname:<17} {wd:<13} {t:>3} tokens: "
+        if not a.compare_rules:
+          line += f"bf16 wt.ragged_dot {bf_us:7.1f} us | "
+        line += f"XLA {times['xla']:7.1f} | wt {times['wt']:7.1f}"
         if rlab in times:
           r_ = times[rlab]
-          line += (f" | rule {r_:7.1f} us: {bf_us / r_:.2f}x bf16, "
-                   f"{times['xla'] / r_:.2f}x XLA")
+          line += f" | rule {r_:7.1f} us: "
+          if not a.compare_rules:
+            line += f"{bf_us / r_:.2f}x bf16, "
+          line += f"{times['xla'] / r_:.2f}x XLA"
         if best:
           line += f" | best {best} {mos[best]:.1f}"
         if a.compare_rules:

@@ -59,8 +59,8 @@ from pallas_kernels.ragged_dot import worklist
 from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, MosaicRaggedDotConfig, consumer_part,
                                               decode_item, item_windows, store_rows)
 
-__all__ = ["ITEM_STEPS", "SPLIT_GAIN", "SPLIT_MIN_WAVES", "TILES", "WEIGHT_DTYPES",
-           "check_shapes", "decode_config", "prefill_config", "smem_bytes",
+__all__ = ["ITEM_STEPS", "SPLIT_GAIN", "SPLIT_MIN_WAVES", "SPLIT_PAST_WAVE_GPUS", "TILES",
+           "WEIGHT_DTYPES", "check_shapes", "decode_config", "prefill_config", "smem_bytes",
            "weight_only_ragged_dot"]
 
 WEIGHT_DTYPES = dense.WEIGHT_DTYPES
@@ -114,7 +114,7 @@ def _expected_work(m: int, g: int, n: int) -> int:
 
 
 #: Past one wave, a K split is taken only where the model below predicts
-#: at most this share of no split's time ...
+#: under this share of no split's time ...
 SPLIT_GAIN = 0.9
 #: ... and where the expected busy items pass the SMs by this much: just past
 #: one wave, how many experts a batch routes to decides between one wave and
@@ -123,12 +123,17 @@ SPLIT_MIN_WAVES = 1.1
 #: A work item's fixed cost (its pipeline's fill, its epilogue) in K steps of
 #: its loop, fitted on an H200 (docstring of :func:`decode_config`).
 ITEM_STEPS = 4
+#: GPUs whose rule takes a K split past one wave (measured on an H200 only;
+#: the family passes ``past_one_wave`` from this).
+SPLIT_PAST_WAVE_GPUS = ("nvidia_h200",)
 
 
 def _busy_work(m: int, g: int, n: int) -> float:
   """Expected 64 x 256 work items of ``m`` rows routed at random over ``g``
-  experts: ``g (1 - (1 - 1/g)^m)`` experts get rows (fewer than ``min(g,
-  m)``: two rows often pick one expert), each its rows' tasks."""
+  experts: ``g (1 - (1 - 1/g)^m)`` experts get rows (at most ``min(g, m)``:
+  two rows may pick one expert), each its rows' tasks. (A top-k router
+  sends a token's k rows to k distinct experts, a few more busy than this
+  counts; the benchmarks' router picks each row's expert at random.)"""
   busy = g * (1.0 - (1.0 - 1.0 / g) ** m)
   return busy * math.ceil((m / busy + worklist.ALIGN / 2) / 64) * -(-n // 256)
 
@@ -146,17 +151,18 @@ def decode_config(m: int, g: int, n: int, k: int, num_sms: int,
   the rule before took no split there), where the expected busy items
   (:func:`_busy_work`) pass the SMs by :data:`SPLIT_MIN_WAVES`, the split
   of 2, 4 or 8 (none empty, at least four K steps each) with the least
-  waves x (:data:`ITEM_STEPS` + its K steps), if at most
+  waves x (:data:`ITEM_STEPS` + its K steps), if under
   :data:`SPLIT_GAIN` of no split's: 192 items on 132 SMs run two waves,
-  the second three-quarters empty, and two splits run 384 half-length items
-  in three. On an H200 (``benchmarks/weight_only_ragged_dot.py
-  --compare-rules``, int8, 23 problems of 13 expert weights at 1-64
-  tokens; docs/results.md) it splits 14: 1.07-1.30x no split on the 12
+  the second more than half empty, and two splits run 384 half-length
+  items in three. On an H200 (``benchmarks/weight_only_ragged_dot.py
+  --compare-rules``, int8 (one e4m3), 23 problems of 13 expert weights at
+  1-64 tokens; docs/results.md) it splits 14: 1.07-1.30x no split on the 12
   timed at its split; on the other two it takes 2 where 4 were timed
   (1.02-1.05x); it keeps the other 9 whole, where the splits timed ran
   0.83-0.96x. The model was revised once the second half was timed (it had
   counted ``min(g, m)`` busy experts and any split count), so those 23 are
-  not held out. Not measured on an H100.
+  not held out. Not measured on an H100: the family takes it on the GPUs
+  of :data:`SPLIT_PAST_WAVE_GPUS` only.
   """
   if m > 64 * min(g, m):
     return None

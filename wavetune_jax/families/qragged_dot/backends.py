@@ -236,7 +236,8 @@ class MosaicQRaggedDot(Backend):
     W8A8, :data:`~pallas_kernels.ragged_dot.weight_only.TILES` for
     weight-only), 3-5 stages, K splits
     (at least four K steps each) only where the expected work fills less
-    than a wave and (pruned) at most two with the splits; both orders and
+    than a wave and (pruned) at most two with the splits, and the
+    weight-only rule's own split past one wave; both orders and
     order 2 (by expert) only where the work takes more than a wave, order 2
     above 64 rows per expert."""
     if self.why_not(p):
@@ -257,6 +258,11 @@ class MosaicQRaggedDot(Backend):
                                 grid_minor=gm)
       if not self.why_not(p, c) and self.smem_bytes(p, c) <= hw.smem_per_block:
         out.append(c)
+    if not p.w8a8:  # the weight-only rule's K split past one wave
+      c = self._weight_only_rule(p, hw)
+      if (c not in out and not self.why_not(p, c)
+          and self.smem_bytes(p, c) <= hw.smem_per_block):
+        out.append(c)
     return tuple(out)
 
   def validate(self, p: QRaggedDotProblem, config, hw: Hardware | None = None) -> None:
@@ -272,18 +278,27 @@ class MosaicQRaggedDot(Backend):
   def heuristic(self, p: QRaggedDotProblem, hw: Hardware) -> MosaicRaggedDotConfig | None:
     """:func:`fp8_rule` (``benchmarks/fp8_ragged_dot.py``) for W8A8; for
     weight-only problems the kernel's ``decode_config`` up to 64 rows per
-    expert and ``prefill_config`` above (64 x 256 tiles both;
-    ``benchmarks/weight_only_ragged_dot.py``)."""
+    expert (its K split past one wave on the GPUs of
+    ``SPLIT_PAST_WAVE_GPUS``) and ``prefill_config`` above (64 x 256 tiles
+    both; ``benchmarks/weight_only_ragged_dot.py``)."""
     if self.why_not(p):
       return None
     if p.w8a8:
       c = fp8_rule(p.m, p.g, p.n, p.k, hw.num_sms, hw.smem_per_block, p.out_dtype)
     else:
-      c = (wo_kernel.decode_config(p.m, p.g, p.n, p.k, hw.num_sms)
-           or wo_kernel.prefill_config(p.m, p.g, p.n, p.k, hw.num_sms))
+      c = self._weight_only_rule(p, hw)
       if self.smem_bytes(p, c) > hw.smem_per_block:
         c = None
     return None if c is None or self.why_not(p, c) else c
+
+  @staticmethod
+  def _weight_only_rule(p: QRaggedDotProblem, hw: Hardware) -> MosaicRaggedDotConfig:
+    """``decode_config`` (a K split past one wave on the GPUs of
+    ``SPLIT_PAST_WAVE_GPUS``), else ``prefill_config``."""
+    return (wo_kernel.decode_config(
+        p.m, p.g, p.n, p.k, hw.num_sms,
+        past_one_wave=hw.device_key in wo_kernel.SPLIT_PAST_WAVE_GPUS)
+            or wo_kernel.prefill_config(p.m, p.g, p.n, p.k, hw.num_sms))
 
   @staticmethod
   def _k_steps(p: QRaggedDotProblem, split_k: int) -> int:
