@@ -732,3 +732,20 @@ def test_trust_over_xla_needs_evidence_from_cudnn_9_22(monkeypatch):
     assert QRAGGED_DOT.trusted_without_evidence(p, rule, xla, hw=H100,
                                                 versions={"cudnn": "9.22.1"}) is False
     assert QRAGGED_DOT.trusted_without_evidence(p, rule, xla, versions={"cudnn": "9"})
+
+
+def test_quantized_ragged_dot_messages_name_the_input():
+  """A float64 ``x`` is named as given; ``[G, N, K]`` weights passed as
+  ``[G, K, N]`` get the layout hint; a rule kept for want of a trusted
+  prediction says so."""
+  w3 = np.random.default_rng(0).standard_normal((4, 128, 64)).astype(np.float32)
+  wn, sn = wt.quantize_weight(w3, "int8", layout="nk")  # [4, 64, 128]
+  sizes = jnp.array([8, 0, 0, 0])
+  with pytest.raises(ValueError, match=r"w looks \[G, N, K\]: pass w_layout='nk'"):
+    wt.quantized_ragged_dot(jnp.ones((8, 128), jnp.bfloat16), wn, sn, sizes)
+  wk, sk = wt.quantize_weight(w3, "int8")
+  with pytest.raises(ValueError, match=r"x.dtype=float64 must be one of"):
+    wt.quantized_ragged_dot(np.ones((8, 128)), wk, sk, sizes)
+  sel = wt.select(QRAGGED_DOT, QRaggedDotProblem(m=8, g=8, k=4096, n=14336), H200)
+  assert sel.source == "heuristic" and sel.predicted_us is None
+  assert "no trusted prediction" in sel.note

@@ -113,7 +113,15 @@ def quantized_ragged_dot(x: jax.Array, w: jax.Array, scales: jax.Array, group_si
   the result once. Rows past ``sum(group_sizes)`` are zeros; the sizes are
   clipped as :func:`ragged_dot`'s. Tolerance against the float32 grouped
   product of the dequantized operands: 1e-2 relative (that of a bfloat16
-  grouped GEMM), 2e-2 for W8A8.
+  grouped GEMM), 2e-2 for W8A8, for inputs whose products cancel; the FP8
+  kernel runs the same FP8 wgmma as :func:`quantized_matmul`'s, whose
+  accumulation loses more where an output sums thousands of products of
+  one sign (measured there, not on this op).
+
+  The Mosaic kernels need (else the XLA config runs, or a pinned Mosaic
+  config is an error): weight-only, ``w_layout="kn"``, N a multiple of 128
+  and K of 64 (tiles 64 x 256 or 128 x 128); W8A8, ``w_layout="nk"``, K a
+  multiple of 128 and N of 64; a Hopper GPU.
 
   Args:
     x: ``[M, K]`` bfloat16 or float16 activations, or float8_e4m3fn with

@@ -216,9 +216,13 @@ class Decider:
       return None
     t = float(pred[r])
     if kept[r]:
-      return Selection(configs[i], "heuristic", t if np.isfinite(t) else None,
-                       note="the family's rule: the table's model predicts no config "
-                            "faster by more than the family's heuristic_margin")
+      if np.isfinite(t):
+        return Selection(configs[i], "heuristic", t,
+                         note="the family's rule: the table's model predicts no config "
+                              "faster by more than the family's heuristic_margin")
+      return Selection(configs[i], "heuristic", None,
+                       note="the family's rule: the table's model has no trusted "
+                            "prediction for it, so no config is weighed against it")
     return Selection(configs[i], "model", t, note=self._passed_rule(problem, passed[r],
                                                                     configs[i]))
 

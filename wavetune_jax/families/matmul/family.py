@@ -70,7 +70,8 @@ def _out_dtype(x_dtype, out_dtype) -> jnp.dtype:
   except TypeError:
     dt = None
   if dt is None or dt.name not in OUT_DTYPES:
-    raise ValueError(f"out_dtype={out_dtype!r} must be one of {OUT_DTYPES}")
+    raise ValueError(f"out_dtype={dt.name if dt is not None else repr(out_dtype)} must be "
+                     f"one of {OUT_DTYPES}")
   return dt
 
 

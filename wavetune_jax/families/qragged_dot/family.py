@@ -71,6 +71,7 @@ class QRaggedDotFamily(Family):
     if w_layout not in W_LAYOUTS:
       raise ValueError(f"w_layout={w_layout!r} must be one of {W_LAYOUTS} (w as [G, K, N] "
                        f"or [G, N, K])")
+    given = getattr(x, "dtype", None)  # before the conversion (float64 -> float32)
     x, w, scales = operand("x", x), operand("w", w), operand("scales", scales)
     gs_shape, gs_dtype = shape_and_dtype(group_sizes, name="group_sizes")
     if x.ndim != 2:
@@ -80,11 +81,16 @@ class QRaggedDotFamily(Family):
                        f"got w.shape={w.shape}")
     kdim = 1 if w_layout == "kn" else 2
     if x.shape[1] != w.shape[kdim]:
+      other = 3 - kdim
+      hint = (f"; w looks {'[G, N, K]' if kdim == 1 else '[G, K, N]'}: pass "
+              f"w_layout={'nk' if kdim == 1 else 'kn'!r}" if x.shape[1] == w.shape[other]
+              else "")
       raise ValueError(f"contracting dimensions differ: x.shape={x.shape} and w.shape="
                        f"{w.shape} (w_layout={w_layout!r}: x.shape[1] must equal "
-                       f"w.shape[{kdim}])")
+                       f"w.shape[{kdim}]){hint}")
     if x.dtype.name not in DTYPES:
-      raise ValueError(f"x.dtype={x.dtype} must be one of {DTYPES}")
+      raise ValueError(f"x.dtype={given if given is not None else x.dtype} must be one of "
+                       f"{DTYPES}")
     if w.dtype.name not in WEIGHT_DTYPES:
       raise ValueError(f"w.dtype={w.dtype} must be one of {WEIGHT_DTYPES} (quantized expert "
                        f"weights; use wavetune_jax.ragged_dot for 16-bit weights)")
