@@ -89,7 +89,8 @@ FAMILIES = ("matmul", "attention", "decode", "ragged_dot")
 #: ``[N, K]`` (label ``int8 nk``), and W4A16 (int4 ``[N, K]``, a scale per
 #: 128 values of K, label ``int4 nk``), at the GEMM token counts; the
 #: W8A8-FP8 grouped GEMM (``wt.quantized_ragged_dot``, experts ``[E, N, K]``)
-#: on the MoE models' experts at the MoE token counts.
+#: and the int8 weight-only one (experts ``[E, K, N]``, label ``int8``) on the
+#: MoE models' experts at the MoE token counts.
 OPTIONAL = ("qmatmul", "qragged_dot")
 ALL_FAMILIES = FAMILIES + OPTIONAL
 
@@ -250,11 +251,13 @@ def problems(families, quick: bool, models=None,
                  RaggedDotProblem(m=t * c["top_k"], g=c["E"], k=k, n=n))
                 for t in pick(ms.moe_tokens)]
       if "qragged_dot" in families:
-        out += [("qragged_dot", f"{name}.{w} tokens={t} w8a8",
-                 QRaggedDotProblem(m=t * c["top_k"], g=c["E"], k=k, n=n,
-                                   dtype="float8_e4m3fn", w_dtype="float8_e4m3fn",
-                                   w_layout="nk"))
-                for t in pick(ms.moe_tokens)]
+        for t in pick(ms.moe_tokens):
+          out += [("qragged_dot", f"{name}.{w} tokens={t} w8a8",
+                   QRaggedDotProblem(m=t * c["top_k"], g=c["E"], k=k, n=n,
+                                     dtype="float8_e4m3fn", w_dtype="float8_e4m3fn",
+                                     w_layout="nk")),
+                  ("qragged_dot", f"{name}.{w} tokens={t} int8",
+                   QRaggedDotProblem(m=t * c["top_k"], g=c["E"], k=k, n=n, w_dtype="int8"))]
   return out
 
 

@@ -407,12 +407,18 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
 def test_quantized_grouped_gemms_are_an_optional_family(capsys):
   mod = _mod()
   plan = mod.problems(("qragged_dot",), quick=True, models=("qwen3_30b_a3b",))
-  assert len(plan) == 4 and all(p.w8a8 and p.w_layout == "nk" for _, _, p in plan)
+  w8a8 = [p for _, lab, p in plan if lab.endswith(" w8a8")]
+  int8 = [p for _, lab, p in plan if lab.endswith(" int8")]
+  assert len(plan) == 8 and len(w8a8) == len(int8) == 4
+  assert all(p.w8a8 and p.w_layout == "nk" for p in w8a8)
+  assert all(not p.w8a8 and p.w_dtype == "int8" and p.w_layout == "kn" for p in int8)
   lines, last = _dry_run(mod, capsys, ["--device-key", "nvidia_h100_80gb_hbm3",
                                        "--families", "qragged_dot", "--models",
                                        "qwen3_30b_a3b", "--quick"])
-  assert last == "4 problems"
-  # The FP8 kernel's rule everywhere (the guard trusts it over XLA's FP8 ragged dot).
+  assert last == "8 problems"
+  # The kernels' rules everywhere (the guard trusts the FP8 kernel over XLA's
+  # FP8 ragged dot, and the weight-only one over XLA's ragged dot on the
+  # converted weights where not every expert is busy at a few rows).
   assert all(line[52:].startswith("mosaic(block_m=") for line in lines)
   # An op call as the timing loop makes it, on a CPU (XLA), at a small size
   # (the models' 128 experts would take gigabytes of random inputs here).
