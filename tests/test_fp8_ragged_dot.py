@@ -749,3 +749,9 @@ def test_quantized_ragged_dot_messages_name_the_input():
   sel = wt.select(QRAGGED_DOT, QRaggedDotProblem(m=8, g=8, k=4096, n=14336), H200)
   assert sel.source == "heuristic" and sel.predicted_us is None
   assert "no trusted prediction" in sel.note
+  # Where a backend cannot run the problem, the note says why.
+  nk = QRaggedDotProblem(m=32, g=8, k=4096, n=14336, w_layout="nk")
+  sel = wt.select(QRAGGED_DOT, nk, H200)
+  assert sel.config == QRAGGED_DOT.platform_config(nk, H200)
+  assert "mosaic does not run it: the Mosaic weight-only grouped GEMM reads the weights as " \
+         "[G, K, N]" in sel.note

@@ -629,7 +629,28 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
   sel, d = _from_tables(spec, problem, hw)
   if pol == "refine" or (pol == "auto" and _can_measure(hw)):
     sel = _refined(spec, problem, hw, d, sel)
-  return sel
+  return _with_unrunnable(spec, problem, hw, sel)
+
+
+def _with_unrunnable(spec: Family, problem, hw: Hardware, sel: Selection) -> Selection:
+  """``sel`` with, in its note, why a backend of this GPU that can say so
+  (its ``why_not``) does not run ``problem`` (the Mosaic quantized kernels'
+  layouts and multiples, say): otherwise the note explains only the
+  candidates there were."""
+  why = []
+  for b in spec.available(hw):
+    check = getattr(b, "why_not", None)
+    if check is None or b.name == spec.backend_of(sel.config).name:
+      continue
+    try:
+      reason = check(problem)
+    except Exception:  # noqa: BLE001 - an explanation never fails the user's call
+      continue
+    if reason:
+      why.append(f"{b.name} does not run it: {reason}")
+  if not why:
+    return sel
+  return dataclasses.replace(sel, note="; ".join([n for n in (sel.note, *why) if n]))
 
 
 def _can_measure(hw: Hardware) -> bool:
