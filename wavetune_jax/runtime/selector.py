@@ -633,14 +633,17 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
 
 
 def _with_unrunnable(spec: Family, problem, hw: Hardware, sel: Selection) -> Selection:
-  """``sel`` with, in its note, why a backend of this GPU that can say so
-  (its ``why_not``) does not run ``problem`` (the Mosaic quantized kernels'
-  layouts and multiples, say): otherwise the note explains only the
-  candidates there were."""
+  """``sel`` with, where it runs a platform op, why a backend of this GPU
+  that can say so (its ``why_not``) does not run ``problem`` (the Mosaic
+  quantized kernels' layouts and multiples, say): otherwise the note
+  explains only the candidates there were."""
+  chosen = spec.backend_of(sel.config)
+  if not chosen.platform:
+    return sel
   why = []
   for b in spec.available(hw):
     check = getattr(b, "why_not", None)
-    if check is None or b.name == spec.backend_of(sel.config).name:
+    if check is None or b is chosen:
       continue
     try:
       reason = check(problem)
