@@ -121,7 +121,8 @@ def quantized_ragged_dot(x: jax.Array, w: jax.Array, scales: jax.Array, group_si
   The Mosaic kernels need (else the XLA config runs, or a pinned Mosaic
   config is an error): weight-only, ``w_layout="kn"``, N a multiple of 128
   and K of 64 (tiles 64 x 256 or 128 x 128); W8A8, ``w_layout="nk"``, K a
-  multiple of 128 and N of 64; a Hopper GPU.
+  multiple of 128 and N of 64; two K steps or more a split (K >= 128
+  weight-only, 256 W8A8, unsplit); a Hopper GPU.
 
   Args:
     x: ``[M, K]`` bfloat16 or float16 activations, or float8_e4m3fn with

@@ -609,6 +609,10 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
     return Selection(spec.coerce_config(pinned) if rule is None else rule, "explicit")
   if pinned is not None:
     return Selection(pinned, "explicit")
+  return _with_unrunnable(spec, problem, hw, _by_policy(spec, problem, hw))
+
+
+def _by_policy(spec: Family, problem, hw: Hardware) -> Selection:
   pol = get_policy()
   if pol == "fixed":
     config = spec.default(problem)
@@ -629,7 +633,7 @@ def _select(spec: Family, problem, hw: Hardware) -> Selection:
   sel, d = _from_tables(spec, problem, hw)
   if pol == "refine" or (pol == "auto" and _can_measure(hw)):
     sel = _refined(spec, problem, hw, d, sel)
-  return _with_unrunnable(spec, problem, hw, sel)
+  return sel
 
 
 def _with_unrunnable(spec: Family, problem, hw: Hardware, sel: Selection) -> Selection:
@@ -637,7 +641,10 @@ def _with_unrunnable(spec: Family, problem, hw: Hardware, sel: Selection) -> Sel
   that can say so (its ``why_not``) does not run ``problem`` (the Mosaic
   quantized kernels' layouts and multiples, say): otherwise the note
   explains only the candidates there were."""
-  chosen = spec.backend_of(sel.config)
+  try:
+    chosen = spec.backend_of(sel.config)
+  except Exception:  # noqa: BLE001 - an explanation never fails the user's call
+    return sel
   if not chosen.platform:
     return sel
   why = []
@@ -649,7 +656,7 @@ def _with_unrunnable(spec: Family, problem, hw: Hardware, sel: Selection) -> Sel
       reason = check(problem)
     except Exception:  # noqa: BLE001 - an explanation never fails the user's call
       continue
-    if reason:
+    if reason and reason not in sel.note:
       why.append(f"{b.name} does not run it: {reason}")
   if not why:
     return sel
