@@ -361,6 +361,11 @@ def test_weight_only_rule_space_and_errors():
                              C(block_m=64, block_n=256, num_stages=3))
 
 
+def _rule_label(c) -> str:
+  return (f"mosaic {c.block_m}x{c.block_n} s{c.num_stages} k{c.split_k}"
+          + (f" o{c.grid_minor}" if c.grid_minor != 1 else ""))
+
+
 def test_weight_only_run_on_record_reproduces_the_docs():
   """docs/results.md's weight-only grouped GEMM numbers (H100 run of
   ``benchmarks/weight_only_ragged_dot.py --check``): every edge case right,
@@ -378,18 +383,13 @@ def test_weight_only_run_on_record_reproduces_the_docs():
     p = QRaggedDotProblem(m=r["m"], g=r["g"], k=r["k"], n=r["n"], dtype="bfloat16",
                           w_dtype=r["w_dtype"])
     c = mosaic.heuristic(p, H100)
-    assert r["rule"] == f"mosaic {c.block_m}x{c.block_n} s{c.num_stages} k{c.split_k}"
+    assert r["rule"] == _rule_label(c)
   geo = lambda a: float(np.exp(np.mean(np.log(a))))  # noqa: E731
   assert (round(min(over_xla), 2), round(max(over_xla), 2), round(geo(over_xla), 2)) == (1.09, 5.63, 2.38)
   assert (round(min(over_bf16), 2), round(max(over_bf16), 2), round(geo(over_bf16), 2)) == (1.07, 1.92, 1.54)
 
 
 H200 = wt.get_hardware("h200")
-
-
-def _rule_label(c) -> str:
-  return (f"mosaic {c.block_m}x{c.block_n} s{c.num_stages} k{c.split_k}"
-          + (f" o{c.grid_minor}" if c.grid_minor != 1 else ""))
 
 
 def test_weight_only_split_past_one_wave_known_answers():

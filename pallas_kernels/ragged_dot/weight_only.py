@@ -60,8 +60,8 @@ from pallas_kernels.ragged_dot.mosaic import (BAND_BYTES, MosaicRaggedDotConfig,
                                               decode_item, item_windows, store_rows)
 
 __all__ = ["ITEM_STEPS", "SPLIT_GAIN", "SPLIT_MIN_WAVES", "SPLIT_PAST_WAVE_GPUS", "TILES",
-           "WEIGHT_DTYPES", "check_shapes", "decode_config", "prefill_config", "smem_bytes",
-           "weight_only_ragged_dot"]
+           "WEIGHT_DTYPES", "busy_share", "check_shapes", "decode_config", "prefill_config",
+           "smem_bytes", "weight_only_ragged_dot"]
 
 WEIGHT_DTYPES = dense.WEIGHT_DTYPES
 #: CTA tiles the kernel runs: 64 x 256 (the consumers split the columns, each
@@ -128,13 +128,19 @@ ITEM_STEPS = 4
 SPLIT_PAST_WAVE_GPUS = ("nvidia_h200",)
 
 
+def busy_share(m: int, g: int) -> float:
+  """The expected share of ``g`` experts that get rows when ``m`` rows are
+  routed at random: ``1 - (1 - 1/g)^m`` (``g`` times it is at most ``min(g,
+  m)``: two rows may pick one expert). A top-k router sends a token's k
+  rows to k distinct experts, a few more busy than this counts; the
+  benchmarks' router picks each row's expert at random."""
+  return 1.0 - (1.0 - 1.0 / g) ** m
+
+
 def _busy_work(m: int, g: int, n: int) -> float:
   """Expected 64 x 256 work items of ``m`` rows routed at random over ``g``
-  experts: ``g (1 - (1 - 1/g)^m)`` experts get rows (at most ``min(g, m)``:
-  two rows may pick one expert), each its rows' tasks. (A top-k router
-  sends a token's k rows to k distinct experts, a few more busy than this
-  counts; the benchmarks' router picks each row's expert at random.)"""
-  busy = g * (1.0 - (1.0 - 1.0 / g) ** m)
+  experts: the busy experts (:func:`busy_share`), each its rows' tasks."""
+  busy = g * busy_share(m, g)
   return busy * math.ceil((m / busy + worklist.ALIGN / 2) / 64) * -(-n // 256)
 
 

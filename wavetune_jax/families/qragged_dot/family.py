@@ -155,9 +155,9 @@ class QRaggedDotFamily(Family):
     evidence this family's tables lack).
 
     Not the weight-only kernel where nearly every expert is busy (more than
-    :data:`WEIGHT_ONLY_BUSY` of them expected to get rows, ``1 - (1 -
-    1/g)^m``) and XLA's dense form is light (``m * g`` below
-    :data:`WEIGHT_ONLY_DENSE_ROWS`): both then read every expert's 8-bit
+    :data:`WEIGHT_ONLY_BUSY` of them expected to get rows,
+    ``pallas_kernels.ragged_dot.weight_only.busy_share``) and XLA's dense
+    form is light (``m * g`` below :data:`WEIGHT_ONLY_DENSE_ROWS`): both then read every expert's 8-bit
     weight once, XLA converting it in its GEMM about as fast as the kernel
     does. On an H200 (``benchmarks/weight_only_ragged_dot.py``, 8 experts
     of Mixtral-8x7B, Mixtral-8x22B and JetMoE-8B at 16 and 32 rows) the
@@ -176,8 +176,9 @@ class QRaggedDotFamily(Family):
       return False
     if problem.w8a8:
       return True
-    busy = 1.0 - (1.0 - 1.0 / problem.g) ** problem.m
-    if (busy > WEIGHT_ONLY_BUSY and problem.m * problem.g < WEIGHT_ONLY_DENSE_ROWS
+    from pallas_kernels.ragged_dot.weight_only import busy_share
+    if (busy_share(problem.m, problem.g) > WEIGHT_ONLY_BUSY
+        and problem.m * problem.g < WEIGHT_ONLY_DENSE_ROWS
         and (hw is None or hw.device_key not in WEIGHT_ONLY_BUSY_TRUSTED_GPUS)):
       return False
     # The rule's config, as measured (not any 64 x 256 config: the rule ran
