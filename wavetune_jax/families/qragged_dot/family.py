@@ -157,14 +157,15 @@ class QRaggedDotFamily(Family):
     Not the weight-only kernel where nearly every expert is busy (more than
     :data:`WEIGHT_ONLY_BUSY` of them expected to get rows,
     ``pallas_kernels.ragged_dot.weight_only.busy_share``) and XLA's dense
-    form is light (``m * g`` below :data:`WEIGHT_ONLY_DENSE_ROWS`): both then read every expert's 8-bit
-    weight once, XLA converting it in its GEMM about as fast as the kernel
-    does. On an H200 (``benchmarks/weight_only_ragged_dot.py``, 8 experts
-    of Mixtral-8x7B, Mixtral-8x22B and JetMoE-8B at 16 and 32 rows) the
-    rule's config ran 0.86-1.19x XLA's there (0.80x on Mixtral-8x22B's w2
-    before its K split past one wave); at 64 rows (512 dense rows)
-    1.10-1.47x, and at 8 rows of 8 experts (about 5 busy) 1.40x. The GPUs
-    of :data:`WEIGHT_ONLY_BUSY_TRUSTED_GPUS` keep the trust there."""
+    form is light (``m * g`` below :data:`WEIGHT_ONLY_DENSE_ROWS`): both
+    then read every expert's 8-bit weight once, XLA converting it in its
+    GEMM about as fast as the kernel does. On an H200
+    (``benchmarks/weight_only_ragged_dot.py``, 8 experts of Mixtral-8x7B,
+    Mixtral-8x22B and JetMoE-8B at 16 and 32 rows) the rule's config ran
+    0.86-1.19x XLA's there (0.80x on Mixtral-8x22B's w2 before its K split
+    past one wave); at 64 rows (512 dense rows) 1.10-1.47x, and at 8 rows
+    of 8 experts (about 5 busy) 1.40x. The GPUs of
+    :data:`WEIGHT_ONLY_BUSY_TRUSTED_GPUS` keep the trust there."""
     from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig
     from wavetune_jax.core import versions as versions_lib
     from wavetune_jax.families.qragged_dot.backends import XlaQRaggedDotConfig
