@@ -238,11 +238,15 @@ def _bench_model(a) -> int:
       cache_rows = -(-(length + 1) // a.cache_multiple) * a.cache_multiple
       shape = ((batch * (length // page_size + 1), page_size) if page_size
                else (batch, cache_rows)) + (cfg.kv_heads, cfg.head_dim)
+      # Keys and values in arrays of their own, as a serving cache holds them
+      # (one array passed as both would let a kernel read the values from L2).
       kc = [jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16)
+            for i in range(cfg.layers)]
+      vc = [jax.random.normal(jax.random.PRNGKey(1000 + i), shape, jnp.bfloat16)
             for i in range(cfg.layers)]
       tables = ((M.random_block_tables(jax.random.PRNGKey(4), batch, length // page_size + 1),)
                 if page_size else ())
-      extra = (kc, kc, *tables, _filled(a.cache_fill, cfg, batch, length),
+      extra = (kc, vc, *tables, _filled(a.cache_fill, cfg, batch, length),
                jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab))
     # One flat list of arrays: the profiler times f(*arrays).
     flat = {False: jax.tree_util.tree_flatten((params,) + extra)}
@@ -313,7 +317,7 @@ def _bench_model(a) -> int:
                      "xla_autotune": a.xla_autotune,
                      "compile_cache": bool(a.compile_cache), "cache_fill": a.cache_fill,
                      "cache_layout": a.cache_layout, "page_size": page_size,
-                     "rows": rows}, f, indent=1)
+                     "kv_arrays": "separate", "rows": rows}, f, indent=1)
         os.replace(a.json + ".tmp", a.json)
       t = f"{us:10.1f} us" if us else f"{'-':>13}"
       what = "TTFT" if kind == "prefill" else "TPOT"
