@@ -52,7 +52,7 @@ def files(tmp_path):
     (["tune", "--family", "attention", "--replay", "{truncated}", "--out", "{out}"],
      "truncated"),
     (["tune", "--family", "matmul", "--replay", SWEEP, "--out", "{out}"],
-     "is a attention sweep, not matmul"),
+     "is an attention sweep, not matmul"),
     (["select", "matmul", "--m", "16", "--n", "64", "--k", "64", "--device", "b300"],
      "invalid choice: 'b300'"),
     (["select", "matmul", "--m", "16", "--n", "64", "--k", "64", "--device", "h200",
@@ -133,3 +133,151 @@ def test_a_warning_is_one_line(monkeypatch, capsys):
     assert main_mod.main(["demo"]) == 0
   assert capsys.readouterr().err == "wavetune demo: warning: first line\nsecond line\n"
   assert warnings.formatwarning is plain
+
+
+def _sweep_rows(path):
+  import json
+  with gzip.open(path, "rt") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def _write_sweep(path, lines):
+  import json
+  with gzip.open(path, "wt") as f:
+    f.writelines(json.dumps(r) + "\n" for r in lines)
+  return str(path)
+
+
+def test_tune_never_writes_over_its_input(tmp_path, capsys):
+  # A table written over the sweep or anchor log would replace the GPU time
+  # it is fitted from.
+  sweep = tmp_path / "s.jsonl.gz"
+  shutil.copy(SWEEP, sweep)
+  before = sweep.read_bytes()
+  for argv in (["tune", "--family", "attention", "--replay", str(sweep), "--out", str(sweep)],
+               ["tune", "--family", "attention", "--fit-only", "--anchors", str(sweep),
+                "--out", str(sweep)]):
+    assert "would replace the measurements" in _run(argv, capsys)
+  assert sweep.read_bytes() == before
+
+
+def test_select_refuses_contradictions(capsys):
+  mm = ["select", "matmul", "--m", "4096", "--n", "4096", "--k", "4096", "--device", "h200"]
+  assert "does not apply to --policy fixed" in _run(mm + ["--table", TABLE, "--policy", "fixed"],
+                                                    capsys)
+  assert "m is given by --m already" in _run(mm + ["--set", "m=5"], capsys)
+
+
+def test_select_set_parses_floats(capsys):
+  argv = ["select", "attention", "--m", "1024", "--set", "batch=1", "--set", "q_heads=8",
+          "--set", "kv_heads=8", "--set", "head_dim=128", "--set", "kv_len=1024", "--set",
+          "soft_cap=1.5", "--device", "h200"]
+  assert cli_main(argv) == 0
+  assert ":cap1.5 on NVIDIA H200" in capsys.readouterr().out
+
+
+def test_plot_set_names_fields(tmp_path, capsys):
+  pytest.importorskip("matplotlib")
+  out = str(tmp_path / "p.png")
+  base = ["plot", "attention", "--sweep", SWEEP, "--out", out]
+  assert "have no field 'bogus'" in _run(base + ["--set", "bogus=3"], capsys)
+  # `true` as select takes it: the problems of one weight with causal=True.
+  rows = _sweep_rows(SWEEP)
+  p = next(r["problem"] for r in rows[1:] if r.get("problem", {}).get("causal"))
+  keep = ("batch", "q_heads", "kv_heads", "kv_len", "head_dim")
+  argv = base + [a for f in keep for a in ("--set", f"{f}={p[f]}")] + ["--set", "causal=true"]
+  try:
+    code = cli_main(argv)
+  except SystemExit as e:
+    code = e.code
+  err = capsys.readouterr().err
+  assert "no problem with" not in err and (code == 0 or "weights match" in err), err
+
+
+def test_report_and_merge_refuse_malformed_rows(tmp_path, capsys):
+  lines = _sweep_rows(SWEEP)
+  ok = next(i for i, r in enumerate(lines) if r.get("status") == "ok" and "spread_us" in r)
+  bad = [dict(r) for r in lines]
+  bad[ok]["spread_us"] = "x"
+  path = _write_sweep(tmp_path / "bad.jsonl.gz", bad)
+  assert "spread_us='x' is not a finite number" in _run(["report", path], capsys)
+  failed = [dict(r) for r in lines]
+  i = next(i for i, r in enumerate(failed) if i and r.get("status") != "ok") \
+      if any(r.get("status") not in ("ok", None) for r in failed[1:]) else ok
+  failed[i] = dict(failed[i], status="compile_error", error=None)
+  path = _write_sweep(tmp_path / "err.jsonl.gz", failed)
+  assert "error=None is not a string" in _run(["report", path], capsys)
+  copy = tmp_path / "copy.jsonl.gz"
+  shutil.copy(SWEEP, copy)
+  assert "into itself" in _run(["merge", str(copy), "--into", str(copy)], capsys)
+
+
+def test_merge_and_replay_keep_the_length_mix(tmp_path, capsys):
+  src = os.path.join(ROOT, "data", "sweeps", "nvidia_h200", "decode_bfloat16.jsonl.gz")
+  lines = _sweep_rows(src)
+  head = [r for r in lines[1:] if r["key"].split("|", 1)[0] == lines[1]["key"].split("|", 1)[0]]
+  spread = _write_sweep(tmp_path / "spread.jsonl.gz", [lines[0]] + head)
+  full = _write_sweep(tmp_path / "full.jsonl.gz", [dict(lines[0], lengths="full")] + head)
+  assert "lengths='full'" in _run(["merge", full, "--into", spread], capsys)
+  assert "was measured with --lengths full" in _run(
+      ["tune", "--family", "decode", "--replay", full], capsys)
+
+
+def test_sweep_and_table_num_sms_must_be_the_gpus(tmp_path, capsys):
+  import json
+  lines = _sweep_rows(SWEEP)
+  path = _write_sweep(tmp_path / "sms.jsonl.gz", [dict(lines[0], num_sms=13)] + lines[1:])
+  assert "is not the 132 SMs" in _run(["report", path], capsys)
+  table = json.load(open(TABLE))
+  table["num_sms"] = 1
+  t = tmp_path / "t.json"
+  t.write_text(json.dumps(table))
+  assert "has 132 SMs" in _run(["select", "matmul", "--m", "64", "--n", "4096", "--k", "4096",
+                                "--device", "h200", "--table", str(t)], capsys)
+
+
+def test_replay_refuses_options_it_ignores(capsys):
+  base = ["tune", "--family", "attention", "--replay", SWEEP]
+  assert "--dtype does not apply" in _run(base + ["--dtype", "float16"], capsys)
+  assert "--windows does not apply" in _run(base + ["--windows", "only"], capsys)
+  assert "LO is above HI" in _run(base + ["--m-range", "10", "5"], capsys)
+
+
+def test_out_folder_checked_before_work(tmp_path, capsys):
+  # (A file where a folder should be: checked as root too.)
+  f = tmp_path / "afile"
+  f.write_text("")
+  last = _run(["tune", "--family", "attention", "--replay", SWEEP, "--out",
+               str(f / "sub" / "t.json")], capsys)
+  assert f"{f} is not a writable folder" in last
+  ro = tmp_path / "ro"
+  ro.mkdir()
+  ro.chmod(0o500)
+  try:
+    if os.access(ro, os.W_OK):
+      pytest.skip("running as a user who can write anywhere")
+    last = _run(["tune", "--family", "attention", "--replay", SWEEP, "--out",
+                 str(ro / "sub" / "t.json")], capsys)
+    assert f"{ro} is not a writable folder" in last and ".tmp" not in last
+  finally:
+    ro.chmod(0o700)
+
+
+def test_a_train_folder_does_not_hide_the_built_in_suite(tmp_path, monkeypatch):
+  from wavetune_jax.shapes import load_suite
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "train").mkdir()
+  (tmp_path / "mine.json").write_text('{"gemm": {}}')
+  assert load_suite("train") == load_suite() and load_suite("train")
+  assert load_suite("mine.json") == {"gemm": {}}
+
+
+def test_debug_env_off_values_keep_errors_one_line(monkeypatch, capsys):
+  from wavetune_jax.cli.common import CliError
+  argv = ["select", "matmul", "--m", "16", "--n", "64", "--k", "64"]  # no GPU here
+  for value in ("false", "No", "off", "0", ""):
+    monkeypatch.setenv("WAVETUNE_DEBUG", value)
+    assert "no GPU here" in _run(argv, capsys)
+  monkeypatch.setenv("WAVETUNE_DEBUG", "1")
+  with pytest.raises(CliError):
+    cli_main(argv)

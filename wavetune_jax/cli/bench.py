@@ -118,7 +118,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
   m.add_argument("--xla-autotune", type=int, choices=range(0, 5), metavar="LEVEL",
                  help="XLA's GPU autotune level, 0 (off) to 4 (default: XLA's own, 4)")
   m.add_argument("--breakdown", type=positive_int, default=0, metavar="N",
-                 help="on a GPU, also print each step's N longest kernels (CUPTI; default: 0)")
+                 help="on a GPU, also print each step's N longest kernels (CUPTI; default: none)")
   m.add_argument("--plot", metavar="PNG", type=output_file,
                  help="TTFT against prompt length (matplotlib)")
   m.set_defaults(func=_bench_model)

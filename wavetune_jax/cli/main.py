@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import warnings
 
@@ -40,6 +39,7 @@ def main(argv=None) -> int:
   one line, ``wavetune COMMAND: error: ...`` (argparse's form), on stderr and
   exit with status 2; ``WAVETUNE_DEBUG=1`` shows the traceback."""
   from wavetune_jax.cli.common import CliError
+  from wavetune_jax.core.cache_folder import env_on
   args = build_parser().parse_args(argv)
   plain = warnings.formatwarning
   # A warning prints as one line too (not the source line of the library
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     return args.func(args)
   except (CliError, ValueError, OSError, EOFError, KeyError, RuntimeError, OverflowError,
           ImportError) as e:
-    if os.environ.get("WAVETUNE_DEBUG", "") not in ("", "0"):
+    if env_on("WAVETUNE_DEBUG"):
       raise
     print(f"wavetune {args.command}: error: {_message(e)}", file=sys.stderr)
     return 2

@@ -52,6 +52,14 @@ class Progress:
       self._rich.stop()
 
 
+def checked_m_range(args):
+  """``--m-range LO HI`` as given (None when not), refused where LO > HI."""
+  from wavetune_jax.cli.common import CliError
+  if args.m_range and args.m_range[0] > args.m_range[1]:
+    raise CliError(f"--m-range {args.m_range[0]} {args.m_range[1]}: LO is above HI")
+  return args.m_range
+
+
 def problems(spec, args):
   """The problems of ``args.shapes`` selected by ``add_problem_args``'s options."""
   if getattr(args, "problems_of", None):
@@ -61,7 +69,7 @@ def problems(spec, args):
   probs = spec.problems_from_suite(
       suite, weights=args.weights.split(",") if args.weights else None,
       sizes=args.m, dtype=args.dtype)
-  if args.m_range:
+  if checked_m_range(args):
     lo, hi = args.m_range
     probs = [p for p in probs if lo <= spec.size_of(p) <= hi]
   windows = getattr(args, "windows", None)
@@ -239,7 +247,8 @@ def _devices(spec: str) -> list[str]:
 
 def _merge(args) -> int:
   from wavetune_jax.tuning import sweep
-  replaced, added = sweep.merge_sweeps(args.into, args.sweep)
+  replaced, added = sweep.merge_sweeps(
+      args.into, args.sweep, same={k: d for k, (_, d) in FAMILY_OPTIONS.items()})
   print(f"{args.into}: {added} problems added, {replaced} replaced from {args.sweep}")
   return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shlex
@@ -20,7 +21,7 @@ __all__ = ["add_commands"]
 def _tune(args) -> int:
   import jax
 
-  from wavetune_jax.cli.sweep import Progress, problems
+  from wavetune_jax.cli.sweep import Progress, checked_m_range, problems
   from wavetune_jax.core.registry import get_family
   from wavetune_jax.tuning import evaluate
   from wavetune_jax.tuning import tuner as tuning
@@ -34,13 +35,22 @@ def _tune(args) -> int:
     return _fit_only(args, spec, prov)
   if args.replay:
     ignored = [o for o, v in (("--shapes", args.shapes != "train"), ("--weights", args.weights),
-                              ("--m", args.m), ("--anchors", args.anchors)) if v]
+                              ("--m", args.m), ("--anchors", args.anchors),
+                              ("--dtype", args.dtype != "bfloat16"),
+                              ("--windows", args.windows)) if v]
     if ignored:
       raise CliError(f"--replay tunes on the sweep's problems: {', '.join(ignored)} does "
                      f"not apply (--m-range filters them)")
+    checked_m_range(args)
     ds = evaluate.load_dataset(args.replay)
+    mix = ds.header.get("lengths", "spread")
+    if mix != "spread" and not args.out:
+      raise CliError(f"{args.replay} was measured with --lengths {mix}; the default "
+                     f"{spec.name} table assumes lengths spread over the cache, so a table "
+                     f"from it goes to a file of its own: name it with --out")
     if ds.family.name != spec.name:
-      raise CliError(f"{args.replay} is a {ds.family.name} sweep, not {spec.name}")
+      raise CliError(f"{args.replay} is {_article(ds.family.name)} {ds.family.name} sweep, not "
+                     f"{spec.name}")
     spec = ds.family  # the backends the sweep recorded
     hw = ds.hw
     out = _out_path(args, spec.name, hw.device_key)
@@ -147,17 +157,19 @@ def _select(args) -> int:
     if value is not None:
       fields[spec.size_field if name == "m" else name] = value
   for name, value in args.set or ():
-    fields[name] = {"true": True, "false": False}.get(value.lower(), value)
-    if isinstance(fields[name], str) and fields[name].lstrip("-").isdigit():
-      fields[name] = int(fields[name])
-      if abs(fields[name]) > MAX_INT:
-        raise CliError(f"--set {name}={value}: too large (at most {MAX_INT})")
+    if name in fields and name != "dtype":  # (--set dtype=... names any dtype)
+      flag = "--m" if name == spec.size_field else f"--{name}"
+      raise CliError(f"--set {name}={value}: {name} is given by {flag} already")
+    fields[name] = _set_value(name, value)
   try:
     problem = spec.problem_from_dict(fields)
   except (TypeError, ValueError) as e:
     missing = re.findall(r"'(\w+)'", str(e)) if "missing" in str(e) else []
     hint = "; give " + " ".join(f"--set {f}=..." for f in missing) if missing else ""
     raise CliError(f"not {_article(spec.name)} {spec.name} problem: {fields} ({e}){hint}") from None
+  if args.table and args.policy != "tables":
+    raise CliError(f"--table is the tables policy's table: it does not apply to --policy "
+                   f"{args.policy}")
   if args.table:
     ctx = selector.use_tables(tables.load(args.table, spec, hw), spec.name)
   else:
@@ -198,9 +210,13 @@ def _plot(args) -> int:
   # The table may hold backends the sweep did not measure: read it with them all.
   table = tables.load(args.table or tables.default_path(spec.name, ds.hw.device_key),
                       get_family(spec.name), ds.hw)
-  want = dict(args.set or [])
-  probs = sorted((p for p in ds.times
-                  if all(str(getattr(p, k, None)) == v for k, v in want.items())),
+  want = {k: _set_value(k, v) for k, v in args.set or []}
+  fields = {f.name for f in dataclasses.fields(spec.problem_cls)}
+  unknown = sorted(set(want) - fields)
+  if unknown:
+    raise CliError(f"--set {unknown[0]}: {spec.name} problems have no field {unknown[0]!r} "
+                   f"(fields: {', '.join(sorted(fields))})")
+  probs = sorted((p for p in ds.times if all(getattr(p, k) == v for k, v in want.items())),
                  key=spec.size_of)
   weights = {spec.weight_of(p) for p in probs}
   if not probs:
@@ -259,9 +275,19 @@ def _out_path(args, family: str, device_key: str) -> str:
     out = os.path.join(tables.shipped_dir(), device_key, f"{family}.json")
   else:
     out = tables.user_path(family, device_key)
+  for flag, src in (("--replay", getattr(args, "replay", None)),
+                    ("--anchors", getattr(args, "anchors", None))):
+    if src and os.path.exists(out) and os.path.exists(src) and os.path.samefile(out, src):
+      raise CliError(f"--out {out} is the {flag} file; a table written there would replace "
+                     f"the measurements it is fitted from: name another file")
   if os.path.isdir(out):
     raise CliError(f"--out {out} is a folder; name the table file, e.g. "
                    f"{os.path.join(out, device_key, family + '.json')}")
+  folder = os.path.dirname(os.path.abspath(out))
+  while not os.path.exists(folder) and os.path.dirname(folder) != folder:
+    folder = os.path.dirname(folder)  # the nearest folder that exists
+  if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+    raise CliError(f"cannot write the table {out}: {folder} is not a writable folder")
   if _is_shipped(out) and not args.overwrite_shipped:
     raise CliError(f"{out} is in the shipped tables ({tables.shipped_dir()}) or an "
                    f"installed package; pass --overwrite-shipped to replace it, or "
@@ -396,6 +422,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                   help="how many configs to draw (default: 4)")
   pl.add_argument("--out", required=True, type=output_file, help="PNG path")
   pl.set_defaults(func=_plot)
+
+
+def _set_value(name: str, value: str):
+  """A ``--set FIELD=VALUE`` value: a bool (true/false, any case), an int, a
+  float, or the string as given."""
+  low = value.lower()
+  if low in ("true", "false"):
+    return low == "true"
+  if value.lstrip("-").isdigit():
+    if abs(int(value)) > MAX_INT:
+      raise CliError(f"--set {name}={value}: too large (at most {MAX_INT})")
+    return int(value)
+  try:
+    return float(value)
+  except ValueError:
+    return value
 
 
 def _article(word: str) -> str:

@@ -11,6 +11,12 @@ from typing import Callable
 _OFF = ("", "0", "off", "false", "no")
 
 
+def env_on(name: str) -> bool:
+  """Whether the on/off environment variable ``name`` is on: set, and not
+  empty, ``0``, ``off``, ``false`` or ``no`` (any case)."""
+  return os.environ.get(name, "").strip().lower() not in _OFF
+
+
 class CacheFolder:
   """One cache's folder setting. ``state`` (``{"dir", "set"}``) is what
   :meth:`set` overrides; tests save and restore it."""

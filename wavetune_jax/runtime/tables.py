@@ -545,6 +545,9 @@ def from_json(d, family: Family, hw: Hardware | None, where: str = "table") -> T
   num_sms = _require(d, "num_sms", int, where)
   if not 1 <= num_sms <= _MAX_SMS:
     raise TableError(f"{where}: num_sms={_short(num_sms)} must be in [1, {_MAX_SMS}]")
+  if hw is not None and num_sms != hw.num_sms:
+    raise TableError(f"{where}: num_sms={num_sms}, but {hw.device_key!r} has {hw.num_sms} "
+                     f"SMs (its waves would be counted wrong)")
   model = _require(d, "model", dict, where)
   form = _require(model, "form", str, where + ".model")
   if form not in wave_model.FORMS:

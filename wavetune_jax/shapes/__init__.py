@@ -8,12 +8,19 @@ import json
 import os
 from importlib import resources
 
-__all__ = ["load_suite", "suite_entries"]
+__all__ = ["BUILT_IN", "load_suite", "suite_entries"]
+
+
+#: The built-in suites' names; a name among them is the built-in suite even
+#: where a file or folder of that name is in the working directory.
+BUILT_IN = ("train",)
 
 
 def load_suite(name_or_path: str = "train") -> dict:
-  """Loads a shape suite: a built-in name (``"train"``) or a JSON file path."""
-  if os.path.exists(name_or_path):
+  """Loads a shape suite: a built-in name (:data:`BUILT_IN`, which wins
+  over a file of that name in the working directory: name it ``./train``)
+  or a JSON file path."""
+  if name_or_path not in BUILT_IN and os.path.exists(name_or_path):
     try:
       with open(name_or_path) as f:
         suite = json.load(f)
@@ -26,7 +33,7 @@ def load_suite(name_or_path: str = "train") -> dict:
     text = resources.files(__package__).joinpath(f"{name_or_path}.json").read_text()
   except FileNotFoundError:
     raise ValueError(f"no shape suite {name_or_path!r}: not a file and not a "
-                     f"built-in suite (built-in: 'train')") from None
+                     f"built-in suite (built-in: {', '.join(map(repr, BUILT_IN))})") from None
   return json.loads(text)
 
 

@@ -272,9 +272,12 @@ def _features(spec, hw, problem, config) -> list[float]:
   # Every integer field of the problem (0 as -1 and a negative value, a
   # window's unbounded side, as -2), so all problems of a family have one
   # feature length: windowed and plain attention problems share a sweep.
+  # (The dataclass's fields, not problem_to_dict, which leaves out options
+  # at their defaults.)
+  values = [getattr(problem, f.name) for f in dataclasses.fields(problem)
+            if not f.name.startswith("_")]  # (not the memoized key and hash)
   prob = [math.log2(v) if v > 0 else -1.0 if v == 0 else -2.0
-          for v in spec.problem_to_dict(problem).values()
-          if isinstance(v, int) and not isinstance(v, bool)]
+          for v in values if isinstance(v, int) and not isinstance(v, bool)]
   # Every field of every backend (-1 where a backend has none) and the
   # backend one-hot, so all configs have one feature length.
   b = spec.backend_of(config)

@@ -66,7 +66,7 @@ def summarize(header: dict, rows: list[dict]) -> tuple[list[ProblemSummary], dic
     for r in pallas:
       if r["status"] != "ok":
         failures[r["status"]] += 1
-        errors.setdefault(r["status"], r["error"][:200])
+        errors.setdefault(r["status"], str(r.get("error", ""))[:200])
     times = {spec.config_from_dict(r["config"]): r["median_us"] for r in ok}
     base = [r["median_us"] for r in rs if r["impl"] == "baseline" and r["status"] == "ok"]
     oracle = min(times, key=times.get) if times else None
@@ -85,7 +85,7 @@ def summarize(header: dict, rows: list[dict]) -> tuple[list[ProblemSummary], dic
         heuristic_us=times.get(spec.heuristic(p, hw)),
         worst_us=max(times.values()) if times else None,
         rel_spread=statistics.median(r["spread_us"] / r["median_us"] for r in ok)
-        if ok else None,
+        if ok and all("spread_us" in r for r in ok) else None,
         wall_s=sum(walls) if walls else None,
         n_missing=sum(c not in seen for c in sweep.swept_space(spec, p, hw)),
         backend_us=_best_by_backend(spec, times),

@@ -126,13 +126,15 @@ def check_sweep(path: str, lines: Sequence[dict]) -> None:
 
   The header names a registered family (``kernel``), a known GPU
   (``device_key``: a hardware preset's, and the key of its ``device_kind``)
-  and a positive ``num_sms``. Every other line is a row (a second header is
+  and that preset's ``num_sms``. Every other line is a row (a second header is
   a concatenated file) with a string ``key``, ``status`` and ``impl`` (one
   of pallas, baseline, baseline_<name>, repeat, timing); its ``problem``
   parses into the family's problem and its ``config`` (when not null) into
   a config of one of the family's backends; an ``ok`` measurement has a
-  finite positive ``median_us``, a timing row a finite ``wall_s`` >= 0, and
-  a row that names its ``device_key`` names the header's.
+  finite positive ``median_us`` (and a ``spread_us``, where given, finite
+  and >= 0), a failed one a string ``error`` where it has one, a timing row
+  a finite ``wall_s`` >= 0, and a row that names its ``device_key`` names
+  the header's.
 
   Raises:
     SweepError: naming the file, the line (1 = the header), the field and
@@ -161,6 +163,9 @@ def check_sweep(path: str, lines: Sequence[dict]) -> None:
   if isinstance(header.get("num_sms"), bool) or not isinstance(header.get("num_sms"), int) \
       or header["num_sms"] < 1:
     raise bad(1, "num_sms", header.get("num_sms"), "is not an integer >= 1")
+  preset = next(hw for hw in hardware.PRESETS.values() if hw.device_key == key)
+  if header["num_sms"] != preset.num_sms:
+    raise bad(1, "num_sms", header["num_sms"], f"is not the {preset.num_sms} SMs of {key!r}")
   parsed: dict = {}
 
   def parse(kind: str, d, fn):
@@ -206,6 +211,10 @@ def check_sweep(path: str, lines: Sequence[dict]) -> None:
     elif r["status"] == "ok" and not _finite(r.get("median_us"), positive=True):
       raise bad(n, "median_us", r.get("median_us"),
                 "is not a finite positive time (an ok row's microseconds)")
+    if r["status"] == "ok" and "spread_us" in r and not _finite(r["spread_us"], positive=False):
+      raise bad(n, "spread_us", r["spread_us"], "is not a finite number >= 0")
+    if r["status"] != "ok" and not isinstance(r.get("error", ""), str):
+      raise bad(n, "error", r.get("error"), "is not a string (a failed row's message)")
 
 
 class SweepFile:
@@ -343,9 +352,11 @@ def normalized_key(family, r: dict) -> str:
                  family.config_to_dict(family.config_from_dict(r["config"])))
 
 
-def merge_sweeps(dst: str, src: str) -> tuple[int, int]:
+def merge_sweeps(dst: str, src: str, same: dict | None = None) -> tuple[int, int]:
   """Puts the problems of sweep file ``src`` into ``dst`` (same kernel, GPU
-  and schema). A problem in both keeps only ``src``'s rows, so every problem's
+  and schema, and the same value of each header key of ``same``, whose
+  values are what a header without the key means: the inputs' options, e.g.
+  ``{"lengths": "spread"}``). A problem in both keeps only ``src``'s rows, so every problem's
   configs come from one run. ``dst``'s header lists ``src``'s header under
   ``"merged"`` (date, command, clocks, JAX version). Written atomically.
   Both files are read strictly (intact, every row valid: :func:`check_sweep`).
@@ -353,12 +364,15 @@ def merge_sweeps(dst: str, src: str) -> tuple[int, int]:
   Returns:
     ``(problems replaced, problems added)``.
   """
+  if os.path.exists(dst) and os.path.exists(src) and os.path.samefile(dst, src):
+    raise ValueError(f"cannot merge {src} into itself")
   h_dst, r_dst = read_sweep(dst, strict=True)
   h_src, r_src = read_sweep(src, strict=True)
-  for field in ("kernel", "device_key", "schema"):
-    if h_dst.get(field) != h_src.get(field):
-      raise ValueError(f"cannot merge: {src} has {field}={h_src.get(field)!r}, "
-                       f"{dst} has {h_dst.get(field)!r}")
+  fields = {f: None for f in ("kernel", "device_key", "schema")} | dict(same or {})
+  for field, default in fields.items():
+    if h_dst.get(field, default) != h_src.get(field, default):
+      raise ValueError(f"cannot merge: {src} has {field}={h_src.get(field, default)!r}, "
+                       f"{dst} has {h_dst.get(field, default)!r}")
   pk = lambda r: r["key"].split("|", 1)[0]  # noqa: E731
   new = {pk(r) for r in r_src}
   old = {pk(r) for r in r_dst}
