@@ -381,3 +381,17 @@ def test_to_pages_is_the_inverse_of_gather_pages():
   assert int(jnp.isnan(pool).all(axis=(1, 2, 3)).sum()) == 11 - 9  # the unused pages
   with pytest.raises(ValueError, match="cannot hold"):
     paging.shuffled_tables(jax.random.PRNGKey(0), 3, 3, num_pages=8)
+
+
+def test_paged_errors_name_what_the_caller_passed():
+  kp = jnp.ones((4, 16, 2, 64), jnp.bfloat16)
+  table = jnp.arange(4, dtype=jnp.int32).reshape(2, 2)
+  with pytest.raises(ValueError, match=r"k_pages.shape=\(4, 16, 2, 64\)"):
+    wt.decode_attention(jnp.ones((2, 2, 3, 64), jnp.bfloat16), kp, kp, block_tables=table)
+  # Pages of 5 rows on a pinned Triton config: the page size is the limit,
+  # not a block_k the caller never chose.
+  kp = jnp.ones((12, 5, 2, 64), jnp.bfloat16)
+  table = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
+  with pytest.raises(ValueError, match="pages of a multiple of 16 rows"):
+    wt.decode_attention(jnp.ones((2, 1, 4, 64), jnp.bfloat16), kp, kp, block_tables=table,
+                        config={"backend": "triton"})

@@ -422,3 +422,16 @@ def test_a_tables_folder_of_another_package_is_not_the_shipped_one(tmp_path, mon
   (site / "setup.py").write_text("")
   (site / "wavetune_jax" / "shipped_tables").rmdir()
   assert tables.shipped_dir() == str(site / "tables")
+
+
+def test_a_broken_user_table_falls_back_to_the_shipped_one(tmp_path):
+  # A stale or corrupt table of the user's folder (a retune cut short, an
+  # older schema) must not turn the shipped table off.
+  from wavetune_jax.runtime import tables as tables_lib
+  user = tmp_path / "xdg" / "wavetune" / "tables" / "nvidia_h200"
+  user.mkdir(parents=True)
+  (user / "matmul.json").write_text('{"schema": 1}')
+  assert tables_lib.default_path("matmul", "nvidia_h200") == str(user / "matmul.json")
+  with pytest.warns(UserWarning, match="using the shipped table"):
+    t = selector.active_table("matmul", "h200")
+  assert t is not None and t.device_key == "nvidia_h200"

@@ -181,7 +181,10 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = True,
       KV cache): keys at or past it are neither seen nor read, as
       ``key_value_seq_lengths`` of ``jax.nn.dot_product_attention``; lengths
       of any integer width are clipped to ``[0, kv_len]`` in their own dtype
-      (a uint32 ``4294967295`` is ``kv_len``). None: every key is valid.
+      (a uint32 ``4294967295`` is ``kv_len``; NumPy 64-bit lengths passed as
+      an argument of ``jax.jit`` reach the op already narrowed to 32 bits by
+      JAX, unless ``jax_enable_x64``: clip them first). None: every key is
+      valid.
     causal_align: where the causal diagonal sits when the queries do not
       start at key 0. ``"top_left"`` (default): query ``i`` sees keys
       ``j <= i``, as ``jax.nn.dot_product_attention(is_causal=True)``.
@@ -253,7 +256,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, kv_lengths=Non
       ``[num_pages, page_size, kv_heads, head_dim]``, and ``kv_len =
       max_pages * page_size``.
     kv_lengths: ``[batch]`` integers, the valid length of each sequence
-      (any integer width, clipped to ``[0, kv_len]`` in its own dtype); keys
+      (any integer width, clipped to ``[0, kv_len]`` in its own dtype; NumPy
+      64-bit lengths passed through ``jax.jit`` arrive narrowed to 32 bits
+      by JAX, unless ``jax_enable_x64``: clip them first); keys
       at or past it are never read, so NaN or Inf there never reaches the
       output (NaN in the queries or the valid keys does, as in a float32
       softmax). None: every key is valid.

@@ -181,7 +181,11 @@ def check_paged_call(q, k_pages, v_pages, block_tables, kv_lengths, scale, *,
     check_call(q, k_pages, v_pages, scale)  # q's rank error
   num_pages, page_size, max_pages = check_pages(q, k_pages, v_pages, block_tables)
   cache = logical_cache(k_pages, q.shape[0], max_pages)
-  scale = check_call(q, cache, cache, scale)
+  try:
+    scale = check_call(q, cache, cache, scale)
+  except ValueError as e:  # name the pages the caller passed, not the logical cache
+    raise ValueError(str(e).replace(f"k.shape={cache.shape}", f"k_pages.shape="
+                                    f"{tuple(k_pages.shape)}")) from None
   kv_len = cache.shape[1]
   if kv_lengths is not None:
     check_lengths(kv_lengths, q.shape[0], kv_len)  # shape and dtype errors first

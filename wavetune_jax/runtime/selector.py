@@ -503,14 +503,25 @@ def _decider(spec: Family, hw: Hardware) -> Decider | None:
   key = (spec.name, hw)
   if key not in _shipped:
     path = tables_lib.default_path(spec.name, hw.device_key)
+    shipped = os.path.join(tables_lib.shipped_dir(), hw.device_key, f"{spec.name}.json")
     try:
       _shipped[key] = Decider(tables_lib.load(path, spec, hw), hw)
     except tables_lib.TableError as e:
       _shipped[key] = None
+      fallback = "the heuristic config"
+      # A stale or broken table of the user's folder: the shipped one instead
+      # (a table of $WAVETUNE_TABLES is what the user asked for).
+      if (not os.environ.get("WAVETUNE_TABLES") and os.path.realpath(path)
+          != os.path.realpath(shipped) and os.path.isfile(shipped)):
+        try:
+          _shipped[key] = Decider(tables_lib.load(shipped, spec, hw), hw)
+          fallback = f"the shipped table {shipped}"
+        except tables_lib.TableError:
+          pass
       if spec.tables_shipped or os.path.exists(path):  # (none expected: no warning)
         _warn_once(key[:1] + (hw.device_key,),
                    f"wavetune_jax: no usable {spec.name} table for {hw.device_key} "
-                   f"({e}); using the heuristic config")
+                   f"({e}); using {fallback}")
   return _shipped[key]
 
 
