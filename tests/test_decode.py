@@ -8,6 +8,7 @@ several, with NaN in K and Inf in V past each sequence's length; the space,
 """
 
 import math
+import json
 import os
 import re
 
@@ -335,3 +336,67 @@ def test_split_partials_beyond_32_bit_offsets_are_refused():
   # The space never offers such a config.
   for c in DECODE.space(p, H100):
     DECODE.validate(p, c, H100)
+
+
+def _mix_rows(name):
+  """``{batch: ({"splits/bk": us}, cudnn_us)}`` of a ``benchmarks/decode.py`` run."""
+  path = os.path.join(os.path.dirname(__file__), "..", "data", "probes", name)
+  rows, batch = {}, None
+  for line in open(path):
+    parts = line.split()
+    if parts and parts[0].startswith("b") and parts[0][1:].isdigit():
+      batch = int(parts[0][1:])
+      rows[batch] = ({}, float(parts[9]))  # the cudnn column
+    elif batch is not None and parts and "=" in parts[0]:
+      rows[batch][0].update((k, float(v)) for k, v in (p.split("=") for p in parts))
+  return rows
+
+
+def test_decode_full_caches_h200_numbers_of_the_docs():
+  # docs/results.md, "Decode attention at full caches on the H200": the
+  # shipped H200 tables' config against cuDNN, full and spread lengths.
+  from wavetune_jax.runtime import selector
+  full, spread = (_mix_rows(f"decode_length_mix_{m}_h200.txt") for m in ("full", "spread"))
+  hw = get_hardware("h200")
+  want = {8: ("4/64", 1.094, 1.099), 16: ("2/128", 0.960, 1.236),
+          32: ("2/128", 0.970, 1.066), 64: ("1/128", 0.989, 1.055)}
+  with selector.policy("tables"):
+    for batch, (cfg, f, s) in want.items():
+      p = DecodeProblem(batch=batch, q_heads=32, kv_heads=8, kv_len=4097, q_len=1,
+                        head_dim=128, lengths=True)
+      c = selector.select(DECODE, p, hw).config
+      assert f"{c.num_splits}/{c.block_k}" == cfg, (batch, c)
+      # (the file prints times to 0.1 us and ratios of the unrounded ones)
+      assert full[batch][1] / full[batch][0][cfg] == pytest.approx(f, abs=2e-3)
+      assert spread[batch][1] / spread[batch][0][cfg] == pytest.approx(s, abs=2e-3)
+  one = [r for b in (16, 32, 64)
+         for r in (full[b][1] / full[b][0]["1/128"], spread[b][1] / spread[b][0]["1/128"])]
+  assert one == pytest.approx([1.018, 0.984, 0.994, 0.940, 0.989, 1.055], abs=2e-3)
+  # The rule before CHUNK_SLACK: 8 splits at 4,097 positions.
+  assert (full[8][1] / full[8][0]["8/64"], spread[8][1] / spread[8][0]["8/64"]) \
+      == pytest.approx((0.917, 0.985), abs=2e-3)
+
+
+@pytest.mark.parametrize("device", ["h100", "h200"])
+def test_a_cache_a_few_rows_past_a_power_of_two_splits_as_it(device):
+  from wavetune_jax.families.decode import triton
+  hw = get_hardware(device)
+  rule = next(b for b in DECODE.backends if b.name == "triton")
+  splits = {kv: rule.heuristic(DecodeProblem(batch=8, q_heads=32, kv_heads=8, kv_len=kv,
+                                             q_len=1, head_dim=128, lengths=True), hw).num_splits
+            for kv in (4096, 4097, 4160, 4224, 4225)}
+  assert splits == {4096: 4, 4097: 4, 4160: 4, 4224: 4, 4225: 8}
+  assert triton.CHUNK_SLACK == 1 / 32
+
+
+def test_mixtral_w8a8_b8_with_the_slack():
+  e2e = os.path.join(os.path.dirname(__file__), "..", "data", "e2e")
+  rows = {(r["setting"], r["kind"]): r for r in json.load(open(os.path.join(
+      e2e, "mixtral_8x7b_w8a8_b8_slack_h200.json")))["rows"]}
+  bf16 = {(r["setting"], r["kind"], r["batch"]): r["us"] for r in json.load(open(os.path.join(
+      e2e, "mixtral_8x7b_bf16_kv2_h200.json")))["rows"]}
+  step = rows[("tables", "decode")]
+  assert round(step["us"], 1) == 1661.6
+  assert round(bf16[("xla", "decode", 8)] / step["us"], 3) == 1.803
+  decode = [(name, us) for name, us in step["kernels"] if name.startswith("wavetune_decode")]
+  assert decode == [("wavetune_decode_16x64s4", 140.385)]

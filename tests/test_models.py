@@ -30,7 +30,9 @@ def test_bench_model_runs_and_checks_every_setting(tmp_path, capsys):
   assert os.listdir(tmp_path / "cache"), "the persistent compilation cache stayed empty"
   text = capsys.readouterr().out
   assert "[6/6] TPOT default" in text
-  rows = json.loads(out.read_text())["rows"]
+  data = json.loads(out.read_text())
+  rows = data["rows"]
+  assert data["kv_arrays"] == "separate"
   assert {(r["setting"], r["kind"]) for r in rows} == {
       (s, k) for s in ("xla", "heuristic", "default") for k in ("prefill", "decode")}
   assert all(r["rel_diff_vs_xla"] < 5e-2 and r["compile_s"] > 0 for r in rows)
@@ -156,3 +158,100 @@ def test_models_outside_the_training_suites_run(name, head_dim):
   for ref, out in zip(got["xla"], got["heuristic"]):
     err = np.sqrt(np.mean((out - ref) ** 2) / np.mean(ref ** 2))
     assert err < 5e-2 and np.isfinite(out).all()
+
+
+E2E = os.path.join(os.path.dirname(__file__), "..", "data", "e2e")
+
+
+def _step_us(name):
+  rows = json.load(open(os.path.join(E2E, name)))["rows"]
+  return {(r["setting"], r["kind"], r["batch"], r["length"]): r["us"] for r in rows}
+
+
+def test_mixtral_w8a8_h200_numbers_of_the_docs():
+  # docs/results.md, "Mixtral-8x7B with W8A8 weights on an H200".
+  bf16 = _step_us("mixtral_8x7b_bf16_kv2_h200.json")
+  w8 = _step_us("mixtral_8x7b_w8a8_kv2_h200.json")
+  i8 = _step_us("mixtral_8x7b_int8_experts_kv2_h200.json")
+  pts = [("prefill", 1, 128), ("decode", 1, 4096), ("decode", 8, 4096), ("decode", 32, 4096)]
+  got = [round(bf16[("xla",) + p] / w8[("tables",) + p], 3) for p in pts]
+  assert got == [2.130, 3.636, 1.722, 1.564]
+  assert [round(bf16[("xla",) + p] / i8[("tables",) + p], 3) for p in pts] == [
+      1.509, 3.122, 1.284, 1.233]
+  assert [round(i8[("xla",) + p] / i8[("tables",) + p], 3) for p in pts[1:]] == [
+      2.247, 0.986, 1.248]
+  for name in ("kv2", "p2048"):
+    for model in ("bf16", "w8a8"):
+      assert json.load(open(os.path.join(E2E, f"mixtral_8x7b_{model}_{name}_h200.json"))
+                       )["kv_arrays"] == "separate"
+  b, w = _step_us("mixtral_8x7b_bf16_p2048_h200.json"), _step_us(
+      "mixtral_8x7b_w8a8_p2048_h200.json")
+  assert round(b[("xla", "prefill", 1, 2048)] / w[("tables", "prefill", 1, 2048)], 3) == 7.378
+  assert round(b[("tables", "prefill", 1, 2048)] / w[("tables", "prefill", 1, 2048)], 3) == 1.560
+  assert round(b[("xla", "decode", 16, 4096)] / w[("tables", "decode", 16, 4096)], 3) == 1.660
+  b1, w1 = _step_us("mixtral_8x7b_bf16_for_w8a8_kv1_h200.json"), _step_us(
+      "mixtral_8x7b_w8a8_kv1_h200.json")
+  assert [round(b1[("xla",) + p] / w1[("tables",) + p], 3) for p in pts] == [
+      2.098, 3.697, 1.773, 1.584]
+
+
+def test_mixtral_step_bytes():
+  # docs/results.md: the bytes a four-layer Mixtral-8x7B decode step reads at
+  # batch 32 over 4,097 positions, bf16 against W8A8 (e4m3 attention weights
+  # and experts; router, embedding and LM head bf16), keys and values apart.
+  cfg = M.MODELS["mixtral_8x7b"].with_layers(4)
+  h, f, layers = cfg.hidden, cfg.inter, cfg.layers
+  experts = layers * cfg.experts * (h * 2 * f + f * h)          # elements
+  attn = layers * h * ((cfg.q_heads + 2 * cfg.kv_heads) * cfg.head_dim + cfg.q_heads * cfg.head_dim)
+  kv = lambda b: layers * 2 * b * 4097 * cfg.kv_heads * cfg.head_dim * 2  # noqa: E731
+  head = cfg.vocab * h * 2
+  bf16 = 2 * (experts + attn) + kv(32) + head
+  w8a8 = experts + attn + kv(32) + head
+  assert round(experts / 1e9, 2) == 5.64 and round(kv(32) / 1e9, 2) == 2.15
+  assert round(kv(16) / 1e9, 2) == 1.07
+  assert round(bf16 / 1e9, 1) == 14.0 and round(w8a8 / 1e9, 1) == 8.2
+  assert round(bf16 / w8a8, 2) == 1.71
+  assert round(bf16 / 3548.513e-6 / 1e12, 2) == 3.95
+  assert round(w8a8 / 2269.272e-6 / 1e12, 2) == 3.62
+
+
+def _router_rows(name):
+  rows = {}
+  for line in open(os.path.join(E2E, name)):
+    parts = line.replace("%", "").replace("|", "").split()
+    if len(parts) == 8 and parts[0].isdigit():
+      rows[(int(parts[0]), int(parts[1]))] = [float(x) for x in parts[2:]]
+  return rows
+
+
+def test_router_agreement_numbers_of_the_docs():
+  w8 = _router_rows("mixtral_8x7b_w8a8_router_h200.txt")
+  assert w8[(1, 4096)] == [100.0, 75.0, 75.0, 0.057, 0.252, 0.245]
+  assert w8[(1, 1024)] == [75.0, 100.0, 75.0, 0.264, 0.056, 0.267]
+  big = [w8[(b, c)] for b in (8, 32) for c in (4096, 1024)]
+  assert (min(r[4] for r in big), max(r[4] for r in big)) == (0.082, 0.132)
+  assert (min(r[3] for r in big), max(r[3] for r in big)) == (0.089, 0.122)
+  i8 = _router_rows("mixtral_8x7b_int8_experts_router_h200.txt")
+  assert all(r[:3] == [100.0] * 3 and max(r[3:5]) <= 0.016 for r in i8.values())
+  d = json.load(open(os.path.join(E2E, "mixtral_8x7b_w8a8_kv2_h200.json")))
+  diffs = {(r["kind"], r["batch"]): r["rel_diff_vs_xla"] for r in d["rows"]
+           if r["setting"] == "tables"}
+  assert round(diffs.pop(("decode", 1)), 3) == 0.245
+  assert (round(min(diffs.values()), 3), round(max(diffs.values()), 3)) == (0.038, 0.053)
+
+
+def test_router_agreement_runs_on_a_cpu(capsys):
+  import importlib.util
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "moe_router_agreement.py")
+  spec = importlib.util.spec_from_file_location("moe_router_agreement", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  mod.main(["--model", "small_moe", "--batch", "2", "--cache", "16"])
+  out = capsys.readouterr().out
+  row = [line for line in out.splitlines() if line.split()[:2] == ["2", "16"]]
+  assert row, out
+  parts = row[0].replace("%", "").replace("|", "").split()
+  assert all(0 <= float(x) <= 100 for x in parts[2:5])
+  assert float(parts[7]) < 0.1  # the same quantized model through two settings
+  with pytest.raises(SystemExit):
+    mod.main(["--model", "small_moe", "--weights", "w8a8", "--quantize-experts"])

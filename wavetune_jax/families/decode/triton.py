@@ -30,6 +30,15 @@ NUM_STAGES = (2, 3)
 #: The rule's full-cache step halves the splits only where the programs'
 #: last wave loses at most this much of the SMs by it (``wave_efficiency``).
 WAVE_LOSS = 0.1
+#: How far past 512 the expected keys per chunk may go before the rule of
+#: :meth:`TritonDecode.heuristic` doubles the splits: a cache of a power of
+#: two plus a few rows (the new token's, a cache rounded up to 64) splits as
+#: the power of two. On an H200, 32/8 heads at batch 8 and 4,097 positions
+#: (512.1 expected keys per chunk at 4 splits): 4 splits ran 1.099x / 1.094x
+#: cuDNN with spread / full lengths, the 8 the rule took without the slack
+#: 0.985x / 0.917x (data/probes/decode_length_mix_{spread,full}_h200.txt).
+#: No problem of the decode sweeps lies in the band it moves.
+CHUNK_SLACK = 1 / 32
 
 
 def wave_efficiency(programs: int, num_sms: int) -> float:
@@ -249,7 +258,8 @@ class TritonDecode(_triton.TritonBackend):
     """Splits from the programs and the keys a sequence is expected to hold
     (half the cache with per-sequence lengths): enough programs for about 64
     (one sequence) or two waves (several, whose lengths differ), at most 16
-    splits for that; at most 512 expected keys per chunk; at least 64; at
+    splits for that; at most 512 expected keys per chunk (:data:`CHUNK_SLACK`
+    past it); at least 64; at
     most four waves of programs, two where the programs fill half the SMs
     and a full cache's chunks would hold fewer than 2,048 keys. 64-key
     blocks where chunks are under 1,024 keys, else 128 (64 above head_dim
@@ -266,7 +276,7 @@ class TritonDecode(_triton.TritonBackend):
     ns = 1
     while programs * ns * 2 <= target and ns < 16:
       ns *= 2
-    while keys / ns > 512 and ns < 64:
+    while keys / ns > 512 * (1 + CHUNK_SLACK) and ns < 64:
       ns *= 2
     while ns > 1 and (programs * ns > 4 * hw.num_sms or keys / ns < 64):
       ns //= 2
