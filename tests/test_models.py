@@ -195,6 +195,25 @@ def test_mixtral_w8a8_h200_numbers_of_the_docs():
       2.098, 3.697, 1.773, 1.584]
 
 
+def test_decode_kernels_with_one_and_two_kv_arrays():
+  # docs/results.md and docs/design.md: the W8A8 Mixtral step at batch 32,
+  # the four layers' decode kernel against cuDNN in the XLA setting.
+  def kernels(name):
+    rows = json.load(open(os.path.join(E2E, name)))["rows"]
+    out = {}
+    for r in rows:
+      if r["kind"] == "decode" and r["batch"] == 32:
+        out[r["setting"]] = dict(r["kernels"])
+    return out
+  ratios = []
+  for name in ("mixtral_8x7b_w8a8_kv1_h200.json", "mixtral_8x7b_w8a8_kv2_h200.json"):
+    k = kernels(name)
+    ours = k["tables"]["wavetune_decode_16x128s2"]
+    cudnn = next(us for n, us in k["xla"].items() if n.startswith("cudnn"))
+    ratios.append((round(ours, 1), round(cudnn, 1), round(cudnn / ours, 2)))
+  assert ratios == [(354.9, 295.4, 0.83), (523.6, 511.9, 0.98)]
+
+
 def test_mixtral_step_bytes():
   # docs/results.md: the bytes a four-layer Mixtral-8x7B decode step reads at
   # batch 32 over 4,097 positions, bf16 against W8A8 (e4m3 attention weights

@@ -85,7 +85,7 @@ def summarize(header: dict, rows: list[dict]) -> tuple[list[ProblemSummary], dic
         heuristic_us=times.get(spec.heuristic(p, hw)),
         worst_us=max(times.values()) if times else None,
         rel_spread=statistics.median(r["spread_us"] / r["median_us"] for r in ok)
-        if ok and all("spread_us" in r for r in ok) else None,
+        if ok and all(r.get("spread_us") is not None for r in ok) else None,
         wall_s=sum(walls) if walls else None,
         n_missing=sum(c not in seen for c in sweep.swept_space(spec, p, hw)),
         backend_us=_best_by_backend(spec, times),

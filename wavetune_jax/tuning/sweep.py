@@ -131,8 +131,8 @@ def check_sweep(path: str, lines: Sequence[dict]) -> None:
   of pallas, baseline, baseline_<name>, repeat, timing); its ``problem``
   parses into the family's problem and its ``config`` (when not null) into
   a config of one of the family's backends; an ``ok`` measurement has a
-  finite positive ``median_us`` (and a ``spread_us``, where given, finite
-  and >= 0), a failed one a string ``error`` where it has one, a timing row
+  finite positive ``median_us`` (and a ``spread_us``, where not null,
+  finite and >= 0), a failed one a string ``error`` where it has one, a timing row
   a finite ``wall_s`` >= 0, and a row that names its ``device_key`` names
   the header's.
 
@@ -211,7 +211,8 @@ def check_sweep(path: str, lines: Sequence[dict]) -> None:
     elif r["status"] == "ok" and not _finite(r.get("median_us"), positive=True):
       raise bad(n, "median_us", r.get("median_us"),
                 "is not a finite positive time (an ok row's microseconds)")
-    if r["status"] == "ok" and "spread_us" in r and not _finite(r["spread_us"], positive=False):
+    if (r["status"] == "ok" and r.get("spread_us") is not None
+        and not _finite(r["spread_us"], positive=False)):
       raise bad(n, "spread_us", r["spread_us"], "is not a finite number >= 0")
     if r["status"] != "ok" and not isinstance(r.get("error", ""), str):
       raise bad(n, "error", r.get("error"), "is not a string (a failed row's message)")
