@@ -790,3 +790,13 @@ def test_lengths_grid_in_the_docs(monkeypatch):
                            "docs", "results.md")).read()
   text = " ".join(docs.split())
   assert "Of 1,032 such problems" in text and "would send 28 to XLA's attention" in text
+
+
+def test_numpy_scalars_are_static_scales_and_caps():
+  q = jnp.ones((1, 8, 2, 64), jnp.bfloat16) * 0.1
+  want = wt.attention(q, q, q, scale=0.125, logit_soft_cap=30.0)
+  got = wt.attention(q, q, q, scale=np.float32(0.125), logit_soft_cap=np.float64(30.0))
+  assert jnp.array_equal(want, got)
+  for bad in (jnp.float32(0.1), np.bool_(True), np.array([0.1])):
+    with pytest.raises(ValueError, match="must be a Python float"):
+      wt.attention(q, q, q, scale=bad)

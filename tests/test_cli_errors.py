@@ -281,3 +281,15 @@ def test_debug_env_off_values_keep_errors_one_line(monkeypatch, capsys):
   monkeypatch.setenv("WAVETUNE_DEBUG", "1")
   with pytest.raises(CliError):
     cli_main(argv)
+
+
+def test_blank_lines_of_a_sweep_hold_nothing(tmp_path, capsys):
+  import json
+  lines = _sweep_rows(SWEEP)
+  path = tmp_path / "blank.jsonl.gz"
+  with gzip.open(path, "wt") as f:
+    for r in lines:
+      f.write(json.dumps(r) + "\n\n")
+  assert cli_main(["report", str(path)]) == 0
+  assert capsys.readouterr().out == (cli_main(["report", SWEEP]) == 0
+                                     and capsys.readouterr().out)

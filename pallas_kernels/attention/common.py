@@ -57,6 +57,11 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
                      f"{[jnp.dtype(d).name for d in SUPPORTED_DTYPES]}")
 
 
+#: Static numbers a scale or a soft cap may be: Python's, and NumPy scalars
+#: (``np.float32(0.1)``: concrete, never traced; a JAX array is refused).
+_STATIC_NUMBERS = (int, float, np.integer, np.floating)
+
+
 def static_float(value, name: str, must: str = "be finite: it is past float's range") -> float:
   """A Python int or float (the caller checks the type) as a float; for an
   int past float's range, ``ValueError`` "<name>=<an int of N bits> must
@@ -76,7 +81,7 @@ def check_call(q, k, v, scale) -> float:
     raise ValueError("kv_len is 0: softmax over no keys is undefined")
   if scale is None:
     return 1.0 / math.sqrt(q.shape[3])
-  if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+  if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, _STATIC_NUMBERS):
     raise ValueError(f"scale={scale!r} must be a Python float (a static value) or None")
   value = static_float(scale, "scale")
   if not math.isfinite(value):
@@ -183,7 +188,8 @@ def check_soft_cap(logit_soft_cap) -> float:
   """``logit_soft_cap``: None or a finite Python float > 0 -> the cap (0.0: none)."""
   if logit_soft_cap is None:
     return 0.0
-  if isinstance(logit_soft_cap, bool) or not isinstance(logit_soft_cap, (int, float)):
+  if isinstance(logit_soft_cap, (bool, np.bool_)) or not isinstance(logit_soft_cap,
+                                                                     _STATIC_NUMBERS):
     raise ValueError(f"logit_soft_cap={logit_soft_cap!r} must be a finite Python float > 0 "
                      f"(a static value), or None")
   value = static_float(logit_soft_cap, "logit_soft_cap")

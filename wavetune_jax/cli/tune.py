@@ -14,6 +14,7 @@ from wavetune_jax.cli.common import (MAX_INT, CliError, add_family_arg, at_least
                                      detect_gpu, existing_file, output_file, positive_int,
                                      pyplot)
 from wavetune_jax.cli.eval import add_model_args, model_options
+from wavetune_jax.tuning.sweep import _article
 
 __all__ = ["add_commands"]
 
@@ -440,5 +441,3 @@ def _set_value(name: str, value: str):
     return value
 
 
-def _article(word: str) -> str:
-  return "an" if word[:1] in "aeiou" else "a"

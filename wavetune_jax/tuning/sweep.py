@@ -63,11 +63,16 @@ def _read_lines(path: str) -> tuple[list[dict], bool]:
         if not line.endswith("\n"):
           intact = False  # the last line was cut
           break
-        out.append(json.loads(line))
+        if line.strip():  # (a blank line, from an edit by hand, holds nothing)
+          out.append(json.loads(line))
   except (EOFError, gzip.BadGzipFile, zlib.error, UnicodeDecodeError,
           json.JSONDecodeError):
     intact = False
   return out, intact
+
+
+def _article(word: str) -> str:
+  return "an" if word[:1] in "aeiou" else "a"
 
 
 class SweepError(ValueError):
@@ -196,7 +201,7 @@ def check_sweep(path: str, lines: Sequence[dict]) -> None:
     try:
       parse("problem", r.get("problem"), family.problem_from_dict)
     except (TypeError, ValueError) as e:
-      raise bad(n, "problem", r.get("problem"), f"is not a {family.name} problem ({e})") \
+      raise bad(n, "problem", r.get("problem"), f"is not {_article(family.name)} {family.name} problem ({e})") \
           from None
     if impl in ("pallas", "repeat") and r.get("config") is None:
       raise bad(n, "config", None, f"is missing (a {impl} row measures a config)")
@@ -204,7 +209,7 @@ def check_sweep(path: str, lines: Sequence[dict]) -> None:
       try:
         parse("config", r["config"], family.config_from_dict)
       except (TypeError, ValueError) as e:
-        raise bad(n, "config", r["config"], f"is not a {family.name} config ({e})") from None
+        raise bad(n, "config", r["config"], f"is not {_article(family.name)} {family.name} config ({e})") from None
     if impl == "timing":
       if not _finite(r.get("wall_s"), positive=False):
         raise bad(n, "wall_s", r.get("wall_s"), "is not a finite number >= 0")
