@@ -88,8 +88,9 @@ def main(argv=None):
     ap.error(f"--model {a.model} needs a GPU; on a CPU use --model small_moe")
   raw = M.init(jax.random.PRNGKey(0), cfg)  # the weights of `wavetune bench model`
   params = M.quantize_params(raw, cfg, a.weights, experts=a.quantize_experts)
+  experts = " (experts too)" if a.quantize_experts else ""
   print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers, {a.weights} "
-        f"weights, top-{cfg.top_k} of {cfg.experts} experts; xla against {a.ops}")
+        f"weights{experts}, top-{cfg.top_k} of {cfg.experts} experts; xla against {a.ops}")
   w = max(14, len(a.ops) + 8)
   cols = f"{'xla vs bf16':>14} {a.ops + ' vs bf16':>{w}} {a.ops + ' vs xla':>{w}}"
   print(f"{'':13} {'routings the same':^{len(cols)}} | logits, relative RMS difference")

@@ -576,11 +576,11 @@ def test_causal_numpy_bool_is_a_bool(op):
 
 
 @pytest.mark.parametrize("scale", ["x", float("nan"), float("inf"), -float("inf"), [0.5],
-                                   np.float32(0.5), jnp.float32(0.5), True, 1 + 2j, 10**400,
-                                   -10**400, 10**5000],
-                         ids=["str", "nan", "inf", "-inf", "list", "np_float32", "array",
-                              "bool", "complex", "int_past_float", "-int_past_float",
-                              "int_past_str"])
+                                   np.float32(np.nan), jnp.float32(0.5), True, np.bool_(True),
+                                   1 + 2j, 10**400, -10**400, 10**5000],
+                         ids=["str", "nan", "inf", "-inf", "list", "np_float32_nan", "array",
+                              "bool", "np_bool", "complex", "int_past_float",
+                              "-int_past_float", "int_past_str"])
 @pytest.mark.parametrize("op", ["attention", "decode_attention"])
 def test_scale_must_be_a_finite_python_float(op, scale):
   fn, make = OPS[op]

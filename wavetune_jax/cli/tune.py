@@ -44,14 +44,14 @@ def _tune(args) -> int:
                      f"not apply (--m-range filters them)")
     checked_m_range(args)
     ds = evaluate.load_dataset(args.replay)
+    if ds.family.name != spec.name:
+      raise CliError(f"{args.replay} is {_article(ds.family.name)} {ds.family.name} sweep, not "
+                     f"{spec.name}")
     mix = ds.header.get("lengths", "spread")
     if mix != "spread" and not args.out:
       raise CliError(f"{args.replay} was measured with --lengths {mix}; the default "
                      f"{spec.name} table assumes lengths spread over the cache, so a table "
                      f"from it goes to a file of its own: name it with --out")
-    if ds.family.name != spec.name:
-      raise CliError(f"{args.replay} is {_article(ds.family.name)} {ds.family.name} sweep, not "
-                     f"{spec.name}")
     spec = ds.family  # the backends the sweep recorded
     hw = ds.hw
     out = _out_path(args, spec.name, hw.device_key)
@@ -157,10 +157,13 @@ def _select(args) -> int:
   for name, value in (("m", args.m), ("n", args.n), ("k", args.k)):
     if value is not None:
       fields[spec.size_field if name == "m" else name] = value
+  flags = {spec.size_field if n == "m" else n: f"--{n}" for n in ("m", "n", "k")
+           if getattr(args, n) is not None}
   for name, value in args.set or ():
+    if name in flags:
+      raise CliError(f"--set {name}={value}: {name} is given by {flags[name]} already")
     if name in fields and name != "dtype":  # (--set dtype=... names any dtype)
-      flag = "--m" if name == spec.size_field else f"--{name}"
-      raise CliError(f"--set {name}={value}: {name} is given by {flag} already")
+      raise CliError(f"--set {name}={value}: {name} is given twice")
     fields[name] = _set_value(name, value)
   try:
     problem = spec.problem_from_dict(fields)
@@ -212,7 +215,7 @@ def _plot(args) -> int:
   table = tables.load(args.table or tables.default_path(spec.name, ds.hw.device_key),
                       get_family(spec.name), ds.hw)
   want = {k: _set_value(k, v) for k, v in args.set or []}
-  fields = {f.name for f in dataclasses.fields(spec.problem_cls)}
+  fields = {f.name for f in dataclasses.fields(spec.problem_cls) if not f.name.startswith("_")}
   unknown = sorted(set(want) - fields)
   if unknown:
     raise CliError(f"--set {unknown[0]}: {spec.name} problems have no field {unknown[0]!r} "

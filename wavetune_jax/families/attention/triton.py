@@ -99,8 +99,8 @@ class TritonAttention(_triton.TritonBackend):
       raise ValueError(f"config must be a TritonAttentionConfig; got {config!r}")
     if not problem.plain:
       raise ValueError("the Pallas Triton attention kernel has no sliding window, logit "
-                       "soft-capping or sinks (use a Mosaic or XLA config; cuDNN runs sliding "
-                       "windows only)")
+                       "soft-capping or sinks (use a Mosaic or XLA config; cuDNN runs some "
+                       "causal windows, no soft cap or sinks)")
     if hw is not None and self.smem_bytes(problem, config) > hw.smem_per_block:
       raise ValueError(
           f"config {config} needs {self.smem_bytes(problem, config)} bytes of shared "

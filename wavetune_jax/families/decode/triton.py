@@ -237,7 +237,7 @@ class TritonDecode(_triton.TritonBackend):
     if p.page_size and p.page_size % 16:
       raise ValueError(f"the Triton decode kernel reads pages of a multiple of 16 rows (its "
                        f"blocks of keys, at least 16, lie in one page); got "
-                       f"page_size={p.page_size} (use the xla backend)")
+                       f"page_size={p.page_size} (use the Mosaic or xla backend)")
     if p.page_size and (config.block_k > p.page_size or p.page_size % config.block_k):
       raise ValueError(f"config {config}: block_k={config.block_k} must divide "
                        f"page_size={p.page_size} (a block of keys lies in one page)")
