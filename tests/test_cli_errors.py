@@ -294,3 +294,17 @@ def test_blank_lines_of_a_sweep_hold_nothing(tmp_path, capsys):
   blank = capsys.readouterr().out.split("\n", 1)[1]  # (after the line naming the file)
   assert cli_main(["report", SWEEP]) == 0
   assert blank == capsys.readouterr().out.split("\n", 1)[1]
+
+
+def test_report_skips_a_repeat_of_an_unmeasured_backend(tmp_path, capsys):
+  from wavetune_jax.core.registry import get_family
+  spec = get_family("attention")
+  lines = _sweep_rows(SWEEP)
+  name = lambda r: spec.backend_of(spec.config_from_dict(r["config"])).name  # noqa: E731
+  rep = next(r for r in lines[1:] if r["impl"] == "repeat" and name(r) == "triton")
+  keep = [lines[0]] + [r for r in lines[1:]
+                       if not (r["impl"] == "pallas" and name(r) == name(rep))]
+  assert rep in keep
+  path = _write_sweep(tmp_path / "rep.jsonl.gz", keep)
+  assert cli_main(["report", path]) == 0
+  assert "has no backend" not in capsys.readouterr().err

@@ -72,7 +72,10 @@ def summarize(header: dict, rows: list[dict]) -> tuple[list[ProblemSummary], dic
     oracle = min(times, key=times.get) if times else None
     for r in rs:
       if r["impl"] == "repeat" and r["status"] == "ok":
-        c = spec.config_from_dict(r["config"])
+        try:
+          c = spec.config_from_dict(r["config"])
+        except ValueError:  # a repeat of a backend no measurement row has: nothing to compare
+          continue
         if c in times:
           repeat_diffs.append(abs(r["median_us"] - times[c]) / times[c])
     walls = [r["wall_s"] for r in rs if r["impl"] == "timing"]
@@ -82,7 +85,7 @@ def summarize(header: dict, rows: list[dict]) -> tuple[list[ProblemSummary], dic
         oracle_config=oracle, oracle_us=times.get(oracle),
         baseline_us=base[0] if base else None,
         default_us=times.get(spec.default(p)),
-        heuristic_us=times.get(spec.heuristic(p, hw)),
+        heuristic_us=times.get(_heuristic(spec, p, hw)),
         worst_us=max(times.values()) if times else None,
         rel_spread=statistics.median(r["spread_us"] / r["median_us"] for r in ok)
         if ok and all(r.get("spread_us") is not None for r in ok) else None,
@@ -95,6 +98,15 @@ def summarize(header: dict, rows: list[dict]) -> tuple[list[ProblemSummary], dic
            "repeat_median_rel_diff": statistics.median(repeat_diffs) if repeat_diffs else None,
            "repeat_pairs": len(repeat_diffs)}
   return out, facts
+
+
+def _heuristic(spec, problem, hw):
+  """The family's heuristic config, None where none of the backends the file
+  measured has one for the problem."""
+  try:
+    return spec.heuristic(problem, hw)
+  except ValueError:
+    return None
 
 
 def _best_by_backend(spec, times: dict) -> dict:
