@@ -201,6 +201,23 @@ def explicit_mesh_runs_xlas_op():
 
 
 @check
+def explicit_types_without_the_mesh_set():
+  # Arrays placed on a mesh of explicit axes, the mesh not set: their types
+  # carry the sharding all the same, so the op runs XLA's (a kernel's
+  # wrapper failed deep in JAX on a sharded ref) and a kernel's config is
+  # the clear error.
+  # (The warning is once per family: explicit_mesh_runs_xlas_op has it.)
+  mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  x = jax.device_put(X, NamedSharding(mesh, P("a")))
+  close(jax.jit(lambda a: wt.matmul(a, W))(x), X @ W, 2e-2)
+  try:
+    jax.jit(lambda a: wt.matmul(a, W, config=TRITON_MM))(x)
+    raise AssertionError("a Triton config ran on explicitly sharded arrays")
+  except ValueError as e:
+    assert "cannot run under a mesh with explicit axes" in str(e), e
+
+
+@check
 def sharded_jit_ragged_dot():
   f = jax.jit(lambda a, b, c: wt.ragged_dot(a, b, c))
   ref = jax.lax.ragged_dot(LHS, RHS, GS)

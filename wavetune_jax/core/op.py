@@ -135,7 +135,7 @@ def _local_call(family: Family, *args, config=None, _call: Call | None = None, *
     return call
   hw = hardware.current()
   varying = match_varying(*call.arrays)[1]
-  if partition.explicit_mesh():
+  if partition.explicit_mesh(call.arrays):
     config = _under_explicit_mesh(family, config, hw)
   elif hw.interpret and varying:
     config = _shard_map_on_cpu(family, call.problem, config, hw)

@@ -70,14 +70,29 @@ class PartitionRule:
     return out
 
 
-def explicit_mesh() -> bool:
+def explicit_mesh(arrays=()) -> bool:
   """Whether the op is traced under a mesh with explicit axes (sharding in
-  types), outside ``shard_map``."""
+  types), outside ``shard_map``, or any of ``arrays`` is sharded over
+  explicit axes in its type (an array placed with a ``NamedSharding`` of
+  such a mesh, used without the mesh set)."""
   mesh = jax.sharding.get_abstract_mesh()
   if getattr(mesh, "manual_axes", ()):
     return False
   explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-  return explicit is not None and any(t == explicit for t in getattr(mesh, "axis_types", ()) or ())
+  if explicit is None:
+    return False
+  return (any(t == explicit for t in getattr(mesh, "axis_types", ()) or ())
+          or any(_explicitly_sharded(a, explicit) for a in arrays))
+
+
+def _explicitly_sharded(a, explicit) -> bool:
+  try:
+    sharding = jax.typeof(a).sharding
+  except (AttributeError, TypeError):
+    return False
+  types = getattr(getattr(sharding, "mesh", None), "axis_types", ()) or ()
+  spec = getattr(sharding, "spec", None) or ()
+  return any(t == explicit for t in types) and any(p is not None for p in spec)
 
 
 def _manual_or_explicit() -> bool:
@@ -100,6 +115,8 @@ def wants_partitioning(arrays) -> bool:
   several devices, Shardy (JAX's default partitioner), not inside
   ``shard_map``, ``vmap`` or an explicit-axes mesh."""
   if jax.device_count() < 2 or _manual_or_explicit() or _batched(arrays):
+    return False
+  if explicit_mesh(arrays):  # sharded in their types: the ops take them as they come
     return False
   if not jax.config.jax_use_shardy_partitioner:
     return False
