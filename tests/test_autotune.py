@@ -447,3 +447,36 @@ def test_parameters_it_does_not_know_keep_the_call(monkeypatch):
   out, sites = run(lambda x, w: x @ w, X, W)
   assert_close(out, X @ W, tol=0)
   assert len(sites) == 1 and "parameters not recognised" in sites[0].reason, sites
+
+
+def test_an_nnx_module_updated_in_place_is_a_clear_error():
+  # A KV cache's index, batch statistics or RNG counts written into a Flax
+  # NNX module would be lost on the traced copy: a clear error, not stale
+  # state. A module only read runs; the split / merge pattern keeps updates.
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Counter(nnx.Module):
+    def __init__(self, count):
+      self.counts = count
+      self.n = nnx.BatchStat(jnp.zeros(()))
+      self.w = nnx.Param(jnp.ones((64, 64), jnp.bfloat16))
+
+    def __call__(self, x):
+      if self.counts:
+        self.n.value = self.n.value + 1
+      return x @ self.w.value
+
+  x = jnp.ones((8, 64), jnp.bfloat16)
+  call = lambda m, a: m(a)  # noqa: E731
+  assert wt.autotune(call)(Counter(False), x).shape == (8, 64)
+  for f in (wt.autotune(call), nnx.jit(wt.autotune(call))):
+    with pytest.raises(ValueError, match="updated the Flax NNX module Counter"):
+      f(Counter(True), x)
+  graph, state = nnx.split(Counter(True))
+
+  def step(state, a):
+    m = nnx.merge(graph, state)
+    return m(a), nnx.state(m)
+  for _ in range(2):
+    _, state = jax.jit(wt.autotune(step))(state, x)
+  assert float(nnx.merge(graph, state).n.value) == 2.0

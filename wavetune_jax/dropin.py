@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import sys
 import threading
 
 import jax
@@ -130,7 +131,9 @@ def autotune(fn=None, *, report: bool = False, masks: bool = False):
       for i, x in zip(dynamic, xs):
         full[i] = x
       a, kw = jax.tree_util.tree_unflatten(tree, full)
-      return fn(*a, **kw)
+      out = fn(*a, **kw)
+      _check_no_module_update(fn, (a, kw), full)
+      return out
 
     xs = [leaves[i] for i in dynamic]
     sites = _Sites()
@@ -150,6 +153,31 @@ def autotune(fn=None, *, report: bool = False, masks: bool = False):
 
   tuned.sites = _Sites()
   return tuned
+
+
+def _check_no_module_update(fn, args, leaves) -> None:
+  """Raises ``ValueError`` where ``fn`` updated a Flax NNX module of its
+  arguments in place (a KV cache's index, BatchNorm's statistics, an RNG
+  count): ``fn`` runs on a traced copy of its arguments, and what it writes
+  there never reaches the caller's module (``nnx.jit`` carries such updates
+  out; a transformation of pytrees, as this one and ``jax.jit``, does not).
+  Other arguments updated in place are lost as under ``jax.jit``."""
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return
+  after = jax.tree_util.tree_leaves(args)
+  if len(after) == len(leaves) and all(x is y for x, y in zip(after, leaves)):
+    return
+  modules = [m for m in jax.tree_util.tree_leaves(args, is_leaf=lambda x: isinstance(
+      x, nnx.Module)) if isinstance(m, nnx.Module)]
+  if modules:
+    raise ValueError(
+        f"wt.autotune: {getattr(fn, '__name__', 'the function')} updated the Flax NNX module "
+        f"{type(modules[0]).__name__} it was given (a cache, batch statistics or RNG "
+        f"counts?); wt.autotune traces a copy of its arguments and would lose the update. "
+        f"Pass the module's state and return it: graphdef, state = nnx.split(module); "
+        f"f(state, ...) calls nnx.merge(graphdef, state) and returns nnx.state(...) with its "
+        f"outputs")
 
 
 def _evaluate(closed, xs, sites):
