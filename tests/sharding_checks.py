@@ -218,6 +218,23 @@ def explicit_types_without_the_mesh_set():
 
 
 @check
+def autotune_keeps_a_dot_with_out_sharding():
+  # jnp.dot(..., out_sharding=...) under explicit axes: the call as written
+  # (the ops take their output's sharding from their operands: the result
+  # came back sharded otherwise, and a K-sharded product failed).
+  mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  with jax.set_mesh(mesh):
+    xb, wb = X.astype(jnp.bfloat16), W.astype(jnp.bfloat16)
+    x = jax.device_put(xb, NamedSharding(mesh, P("a")))
+    f = wt.autotune(lambda a, b: jnp.dot(a, b, out_sharding=P()))
+    y = f(x, wb)
+    assert tuple(y.sharding.spec) in ((), (None, None)), y.sharding.spec
+    assert [s.replaced for s in f.sites] == [False] and "out_sharding" in f.sites[0].reason, \
+        f.sites
+    close(y.astype(jnp.float32), X @ W, 5e-2)
+
+
+@check
 def sharded_jit_ragged_dot():
   f = jax.jit(lambda a, b, c: wt.ragged_dot(a, b, c))
   ref = jax.lax.ragged_dot(LHS, RHS, GS)

@@ -503,6 +503,8 @@ def _numerics_unsupported(p, dtype) -> str:
   out = p.get("preferred_element_type")
   if out is not None and out not in (dtype, jnp.float32):
     return f"preferred_element_type {out}"
+  if p.get("out_sharding") is not None:
+    return "an out_sharding (the ops take their output's sharding from their operands)"
   return ""
 
 
