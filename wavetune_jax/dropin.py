@@ -49,8 +49,11 @@ __all__ = ["autotune", "Site"]
 _SCOPE = "wavetune"          # named scope of every wavetune op (and of replacements)
 _GEMM_DTYPES = (jnp.bfloat16, jnp.float16)
 _ATTN_DTYPES = (jnp.bfloat16, jnp.float16)
-_INLINED = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call",
-            "custom_vjp_call_jaxpr"}
+_INLINED = {"pjit", "jit", "closed_call", "core_call"}
+#: Functions with their own derivative rule: the primal body is rewritten in
+#: place and the rule kept (evaluated inline, a derivative taken outside the
+#: wrapper would differentiate the body and drop the rule).
+_CUSTOM = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 _REMAT = {"remat2", "checkpoint", "remat"}
 _LOOPS = {"scan", "while", "cond"}
 _MAPPED = {"shard_map"}
@@ -249,6 +252,8 @@ class _Evaluator:
         return _bind(eqn, eqn.params, invals)
       outs = self.eval(sub.jaxpr, sub.consts, invals)
       return outs if eqn.primitive.multiple_results else outs[0]
+    if name in _CUSTOM:
+      return self.custom(eqn, invals)
     if name in _REMAT:
       sub = eqn.params["jaxpr"]
       body = lambda *xs: self.eval(sub, (), xs)
@@ -273,6 +278,21 @@ class _Evaluator:
     except (KeyError, TypeError, AttributeError):  # another JAX's parameters
       return _bind(eqn, p, invals)
     return list(mapped(*invals))
+
+  def custom(self, eqn, invals):
+    """A ``custom_jvp`` / ``custom_vjp`` function: its primal body retraced
+    with the rewrite, its rule as it was; bound as it is where the body is
+    not a closed jaxpr of this JAX or the rewrite changes its type."""
+    p = dict(eqn.params)
+    key = "call_jaxpr" if "call_jaxpr" in p else "fun_jaxpr"
+    sub = p.get(key)
+    if not (hasattr(sub, "jaxpr") and hasattr(sub, "consts")):
+      return _bind(eqn, eqn.params, invals)
+    try:
+      p[key] = self.retrace(sub)
+    except _KeepAsIs:
+      return _bind(eqn, eqn.params, invals)
+    return _bind(eqn, p, invals)
 
   # -- loops: the body retraced with the rewrite; left alone if that changes its type
 
@@ -400,7 +420,8 @@ def _has_work(eqn) -> bool:
   name = eqn.primitive.name
   if name in _WORK:
     return True
-  if name in _INLINED or name in _REMAT or name in _LOOPS or name in _MAPPED:
+  if name in _INLINED or name in _CUSTOM or name in _REMAT or name in _LOOPS \
+      or name in _MAPPED:
     return any(_jaxpr_has_work(j) for j in _sub_jaxprs(eqn.params))
   return False
 
