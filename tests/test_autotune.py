@@ -509,3 +509,21 @@ def test_custom_derivative_rules_survive_and_their_bodies_are_rewritten():
     g = wt.autotune(loss)
     assert float(jnp.abs(jax.grad(jax.jit(g))(W, X)).max()) == 0.0
     assert float(jnp.abs(jax.grad(g)(W, X)).max()) == 0.0
+
+
+def test_attention_differentiated_inside_the_function_is_reported_kept():
+  # Inside value_and_grad the forward would come from the original call's
+  # derivative: the report says so instead of "replaced".
+  q = jax.random.normal(KEYS[0], (1, 32, 4, 64), jnp.bfloat16)
+  loss = lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True).astype(  # noqa: E731
+      jnp.float32).sum()
+  f = wt.autotune(jax.value_and_grad(loss))
+  (val, grad), (want_val, want_grad) = f(q), jax.value_and_grad(loss)(q)
+  assert_close(val, want_val)
+  assert_close(grad, want_grad)
+  att = [s for s in f.sites if s.op == "attention"]
+  assert att and not any(s.replaced for s in att), f.sites
+  assert "differentiated inside the function" in att[0].reason
+  g = wt.autotune(loss)  # not differentiated inside: replaced
+  g(q)
+  assert [s.replaced for s in g.sites if s.op == "attention"] == [True], g.sites

@@ -615,6 +615,13 @@ def _attention(sites, original, *args, **kwargs):
   shapes = " ".join(_fmt(a) for a in (q, k, v) if hasattr(a, "shape"))
   plan = _attention_plan(named, q, k, v, getattr(_local, "masks", False))
   if isinstance(plan, str):
+    pass
+  elif _differentiated([x for x in named.values() if _is_array(x)]):
+    # Differentiated inside ``fn`` (a training step): the ops are forward
+    # only, so the call's primal and derivative would both be XLA's.
+    plan = ("differentiated inside the function (a derivative of the ops is XLA's "
+            "attention's, so the call runs as written)")
+  if isinstance(plan, str):
     sites.append(Site("attention", where, shapes, False, reason=plan))
     return _kept(original, *args, **kwargs)
   op, causal, pattern, window = plan
