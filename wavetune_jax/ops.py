@@ -66,7 +66,10 @@ def quantized_matmul(x: jax.Array, w: jax.Array, scales: jax.Array, *, x_scales=
   result is ``x @ dequant(w).T``; the Mosaic kernel converts and scales each
   group in registers (groups of 64 or 128, K a multiple of 256, up to 64
   rows, and to 128 in chunks of 64; M a multiple of 8 or below 8), XLA dequantizes the weight first. Same
-  tolerance as W8A16.
+  tolerance as W8A16. The group's scale multiplies the values in ``x``'s
+  dtype: with float16 ``x`` the dequantized weights must lie in float16's
+  range (about 6e-5 to 65,504 in magnitude for full precision; bfloat16
+  has float32's range).
 
   Args:
     x: ``[M, K]`` bfloat16 or float16 activations, or float8_e4m3fn with
@@ -111,7 +114,10 @@ def quantized_ragged_dot(x: jax.Array, w: jax.Array, scales: jax.Array, group_si
   dequantized activations ``x * x_scales[:, None]`` (:func:`quantize_rows`).
   The kernels multiply the 8-bit values with fp32 accumulation and scale
   the result once. Rows past ``sum(group_sizes)`` are zeros; the sizes are
-  clipped as :func:`ragged_dot`'s. Tolerance against the float32 grouped
+  clipped as :func:`ragged_dot`'s. NaN or Inf in one expert's e4m3 weights
+  (or scales) reaches that expert's rows on the Mosaic kernels; on the XLA
+  config it may reach every row below the sum, as :func:`ragged_dot`'s XLA
+  backend (int8 has no NaN). Tolerance against the float32 grouped
   product of the dequantized operands: 1e-2 relative (that of a bfloat16
   grouped GEMM), 2e-2 for W8A8, for inputs whose products cancel; the FP8
   kernel runs the same FP8 wgmma as :func:`quantized_matmul`'s, whose

@@ -5,7 +5,9 @@ Under ``jax.jit`` with sharded inputs (and more than one device) an op is a
 Shardy sharding rule in einsum notation: each factor sharded in the inputs
 stays sharded, the kernel runs on the per-shard shapes (and its config is
 selected for them), and factors contracted away (GEMM's K) are summed across
-their mesh axes after the kernel, in float32. Factors a kernel cannot split
+their mesh axes after the kernel, in the output's dtype as XLA's partitioned
+dot sums them (a rule's ``partial_kwargs`` can ask for float32 partials,
+at twice the bytes of the sum). Factors a kernel cannot split
 (the rows of a grouped GEMM, attention's sequence) are marked for
 replication: Shardy gathers them, the documented fallback.
 

@@ -247,7 +247,8 @@ class RaggedDotFamily(Family):
                       lambda rows, experts, flat: op(rows[0], experts[0], flat))
 
   def partition_rule(self, problem):
-    """N (the experts' columns) and K split, K partials summed in float32;
+    """N (the experts' columns) and K split, K partials summed in the
+    output's dtype (as XLA's partitioned dot);
     rows and experts are gathered: a shard of rows would need its own group
     sizes, a shard of experts the rows routed to them (expert parallelism
     is an all-to-all around the op, left to the model)."""
