@@ -527,3 +527,19 @@ def test_attention_differentiated_inside_the_function_is_reported_kept():
   g = wt.autotune(loss)  # not differentiated inside: replaced
   g(q)
   assert [s.replaced for s in g.sites if s.op == "attention"] == [True], g.sites
+
+
+def test_a_custom_function_that_cannot_be_rewritten_runs_as_written(monkeypatch):
+  from wavetune_jax import dropin
+
+  @jax.custom_vjp
+  def lin(x, w):
+    return x @ w
+  lin.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+
+  def broken(self, closed):
+    raise RuntimeError("another JAX's parameters")
+  monkeypatch.setattr(dropin._Evaluator, "retrace", broken)
+  f = wt.autotune(lambda x, w: lin(x, w))
+  assert_close(f(X, W), X @ W)
+  assert not any(s.replaced for s in f.sites), f.sites

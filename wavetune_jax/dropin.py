@@ -288,11 +288,14 @@ class _Evaluator:
     sub = p.get(key)
     if not (hasattr(sub, "jaxpr") and hasattr(sub, "consts")):
       return _bind(eqn, eqn.params, invals)
+    seen = len(self.sites)
     try:
       p[key] = self.retrace(sub)
-    except _KeepAsIs:
+      return _bind(eqn, p, invals)
+    except Exception:  # noqa: BLE001  (_KeepAsIs, or another JAX's parameters)
+      # The call as written: the transformation never fails a forward pass.
+      del self.sites[seen:]
       return _bind(eqn, eqn.params, invals)
-    return _bind(eqn, p, invals)
 
   # -- loops: the body retraced with the rewrite; left alone if that changes its type
 
