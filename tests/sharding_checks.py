@@ -235,6 +235,27 @@ def autotune_keeps_a_dot_with_out_sharding():
 
 
 @check
+def autotune_custom_functions_keep_their_types():
+  # A custom_vjp around a GEMM: rewritten inside shard_map (the body traced on
+  # the operands, whose varying axes it keeps) and on explicitly sharded
+  # arrays (the output keeps the original's sharding).
+  @jax.custom_vjp
+  def g(x, w):
+    return x @ w
+  g.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, c: (c @ r[1].T, r[0].T @ c))
+  xb, wb = X.astype(jnp.bfloat16), rnd(3, (128, 128), jnp.bfloat16)
+  t = wt.autotune(g)
+  y = jax.jit(jax.shard_map(t, mesh=MESH, in_specs=(P("a"), P()), out_specs=P("a")))(xb, wb)
+  assert [s.replaced for s in t.sites] == [True], t.sites
+  close(y, xb.astype(jnp.float32) @ wb.astype(jnp.float32), 5e-2)
+  mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  x = jax.device_put(xb, NamedSharding(mesh, P("a")))
+  w = jax.device_put(wb, NamedSharding(mesh, P(None, "b")))
+  f = lambda a, b: g(a, b) + a  # noqa: E731
+  assert jax.typeof(jax.jit(wt.autotune(f))(x, w)) == jax.typeof(jax.jit(f)(x, w))
+
+
+@check
 def sharded_jit_ragged_dot():
   f = jax.jit(lambda a, b, c: wt.ragged_dot(a, b, c))
   ref = jax.lax.ragged_dot(LHS, RHS, GS)

@@ -470,8 +470,23 @@ def test_an_nnx_module_updated_in_place_is_a_clear_error():
   call = lambda m, a: m(a)  # noqa: E731
   assert wt.autotune(call)(Counter(False), x).shape == (8, 64)
   for f in (wt.autotune(call), nnx.jit(wt.autotune(call))):
-    with pytest.raises(ValueError, match="updated the Flax NNX module Counter"):
+    with pytest.raises(ValueError, match="updated the Flax NNX Counter"):
       f(Counter(True), x)
+  # Returned with the outputs, the update is kept (as under jax.jit).
+  m = Counter(True)
+  _, m2 = wt.autotune(lambda m, a: (m(a), m))(m, x)
+  assert float(m2.n.value) == 1.0
+  # Another argument changed in place is lost as under jax.jit: no error.
+  batch = {"x": x.astype(jnp.float32)}
+
+  def cast(m, b):
+    b["x"] = b["x"].astype(jnp.bfloat16)
+    return m(b["x"])
+  assert wt.autotune(cast)(Counter(False), batch).shape == (8, 64)
+  # An nnx.Rngs drawn from: its count would be lost.
+  rngs = nnx.Rngs(0)
+  with pytest.raises(ValueError, match="updated the Flax NNX Rngs"):
+    wt.autotune(lambda r, a: a * jax.random.uniform(r(), ()).astype(a.dtype))(rngs, x)
   graph, state = nnx.split(Counter(True))
 
   def step(state, a):
@@ -537,9 +552,14 @@ def test_a_custom_function_that_cannot_be_rewritten_runs_as_written(monkeypatch)
     return x @ w
   lin.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
 
-  def broken(self, closed):
-    raise RuntimeError("another JAX's parameters")
-  monkeypatch.setattr(dropin._Evaluator, "retrace", broken)
+  bind = dropin._bind
+
+  def broken(eqn, params, invals):
+    if eqn.primitive.name.startswith("custom") and params is not eqn.params:
+      raise RuntimeError("another JAX's parameters")
+    return bind(eqn, params, invals)
+  monkeypatch.setattr(dropin, "_bind", broken)
   f = wt.autotune(lambda x, w: lin(x, w))
   assert_close(f(X, W), X @ W)
-  assert not any(s.replaced for s in f.sites), f.sites
+  assert [s.replaced for s in f.sites] == [False], f.sites
+  assert "could not be rebound" in f.sites[0].reason

@@ -34,6 +34,7 @@ def results():
                                   "explicit_mesh_runs_xlas_op",
                                   "explicit_types_without_the_mesh_set",
                                   "autotune_keeps_a_dot_with_out_sharding",
+                                  "autotune_custom_functions_keep_their_types",
                                   "sharded_jit_ragged_dot", "sharded_jit_quantized_ragged_dot",
                                   "shard_map_default_check_vma",
                                   "shard_map_pinned_pallas_on_cpu",

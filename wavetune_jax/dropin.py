@@ -134,8 +134,10 @@ def autotune(fn=None, *, report: bool = False, masks: bool = False):
       for i, x in zip(dynamic, xs):
         full[i] = x
       a, kw = jax.tree_util.tree_unflatten(tree, full)
+      objects = _nnx_objects((a, kw))
+      before = [jax.tree_util.tree_leaves(o) for o in objects]
       out = fn(*a, **kw)
-      _check_no_module_update(fn, (a, kw), full)
+      _check_no_nnx_update(fn, objects, before, out)
       return out
 
     xs = [leaves[i] for i in dynamic]
@@ -158,29 +160,45 @@ def autotune(fn=None, *, report: bool = False, masks: bool = False):
   return tuned
 
 
-def _check_no_module_update(fn, args, leaves) -> None:
-  """Raises ``ValueError`` where ``fn`` updated a Flax NNX module of its
-  arguments in place (a KV cache's index, BatchNorm's statistics, an RNG
-  count): ``fn`` runs on a traced copy of its arguments, and what it writes
-  there never reaches the caller's module (``nnx.jit`` carries such updates
-  out; a transformation of pytrees, as this one and ``jax.jit``, does not).
-  Other arguments updated in place are lost as under ``jax.jit``."""
+def _nnx_classes() -> tuple:
   nnx = sys.modules.get("flax.nnx")
   if nnx is None:
-    return
-  after = jax.tree_util.tree_leaves(args)
-  if len(after) == len(leaves) and all(x is y for x, y in zip(after, leaves)):
-    return
-  modules = [m for m in jax.tree_util.tree_leaves(args, is_leaf=lambda x: isinstance(
-      x, nnx.Module)) if isinstance(m, nnx.Module)]
-  if modules:
+    return ()
+  return tuple(c for c in (getattr(nnx, "Pytree", None), getattr(nnx, "Object", None),
+                           getattr(nnx, "Module", None)) if isinstance(c, type))
+
+
+def _nnx_objects(tree) -> list:
+  """The Flax NNX objects (modules, ``nnx.Rngs``) in ``tree``, once each."""
+  classes = _nnx_classes()
+  if not classes:
+    return []
+  found = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, classes))
+  return list({id(o): o for o in found if isinstance(o, classes)}.values())
+
+
+def _check_no_nnx_update(fn, objects, before, out) -> None:
+  """Raises ``ValueError`` where ``fn`` updated a Flax NNX object of its
+  arguments in place (a KV cache's index, BatchNorm's statistics, an
+  ``nnx.Rngs`` count) without returning it: ``fn`` runs on a traced copy of
+  its arguments, and what it writes there never reaches the caller's object
+  (``nnx.jit`` carries such updates out; a transformation of pytrees, as
+  this one and ``jax.jit``, returns only what ``fn`` returns). Other
+  arguments updated in place are lost as under ``jax.jit``."""
+  returned = {id(o) for o in _nnx_objects(out)}
+  for obj, leaves in zip(objects, before):
+    if id(obj) in returned:
+      continue
+    after = jax.tree_util.tree_leaves(obj)
+    if len(after) == len(leaves) and all(x is y for x, y in zip(after, leaves)):
+      continue
     raise ValueError(
-        f"wt.autotune: {getattr(fn, '__name__', 'the function')} updated the Flax NNX module "
-        f"{type(modules[0]).__name__} it was given (a cache, batch statistics or RNG "
-        f"counts?); wt.autotune traces a copy of its arguments and would lose the update. "
-        f"Pass the module's state and return it: graphdef, state = nnx.split(module); "
-        f"f(state, ...) calls nnx.merge(graphdef, state) and returns nnx.state(...) with its "
-        f"outputs")
+        f"wt.autotune: {getattr(fn, '__name__', 'the function')} updated the Flax NNX "
+        f"{type(obj).__name__} it was given (a cache, batch statistics or RNG counts?) "
+        f"without returning it; wt.autotune traces a copy of its arguments and would lose "
+        f"the update. Return it with the outputs, or pass its state: graphdef, state = "
+        f"nnx.split(obj); the function calls nnx.merge(graphdef, state) and returns "
+        f"nnx.state(...)")
 
 
 def _evaluate(closed, xs, sites):
@@ -290,11 +308,20 @@ class _Evaluator:
       return _bind(eqn, eqn.params, invals)
     seen = len(self.sites)
     try:
-      p[key] = self.retrace(sub)
+      # Traced on the operands themselves: their types (shardings, the axes
+      # a value varies over in shard_map) are the body's, as written.
+      new = jax.make_jaxpr(lambda *xs: self.eval(sub.jaxpr, sub.consts, xs))(*invals)
+      if new.consts or list(new.out_avals) != list(sub.out_avals):
+        raise _KeepAsIs
+      p[key] = new
       return _bind(eqn, p, invals)
-    except Exception:  # noqa: BLE001  (_KeepAsIs, or another JAX's parameters)
+    except Exception as e:  # noqa: BLE001  (_KeepAsIs, or another JAX's parameters)
       # The call as written: the transformation never fails a forward pass.
+      why = ("the rewrite would change its types" if isinstance(e, _KeepAsIs)
+             else f"its body could not be rebound ({_one_line(e)})")
       del self.sites[seen:]
+      self.sites.append(Site("matmul", _where(eqn), "", False,
+                             reason=f"inside {eqn.primitive.name}: {why}"))
       return _bind(eqn, eqn.params, invals)
 
   # -- loops: the body retraced with the rewrite; left alone if that changes its type
