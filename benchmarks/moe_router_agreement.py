@@ -98,10 +98,7 @@ def main(argv=None):
   for batch in a.batch:
     for length in a.cache:
       shape = (batch, length + 1, cfg.kv_heads, cfg.head_dim)
-      kc = [jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16)
-            for i in range(cfg.layers)]
-      vc = [jax.random.normal(jax.random.PRNGKey(1000 + i), shape, jnp.bfloat16)
-            for i in range(cfg.layers)]
+      kc, vc = M.random_kv_caches(cfg, shape)  # the bench's
       lengths = jnp.full((batch,), length, jnp.int32)
       tokens = jax.random.randint(jax.random.PRNGKey(2), (batch,), 0, cfg.vocab)
       ref, rr = routed_step(cfg, "xla", raw, kc, vc, lengths, tokens)

@@ -319,8 +319,10 @@ class _Evaluator:
       # The call as written: the transformation never fails a forward pass.
       why = ("the rewrite would change its types" if isinstance(e, _KeepAsIs)
              else f"its body could not be rebound ({_one_line(e)})")
+      inner = self.sites[seen:]
       del self.sites[seen:]
-      self.sites.append(Site("matmul", _where(eqn), "", False,
+      self.sites.append(Site(inner[0].op if inner else "matmul", _where(eqn),
+                             inner[0].shapes if inner else "", False,
                              reason=f"inside {eqn.primitive.name}: {why}"))
       return _bind(eqn, eqn.params, invals)
 
@@ -644,9 +646,8 @@ def _attention(sites, original, *args, **kwargs):
   where = _caller()
   shapes = " ".join(_fmt(a) for a in (q, k, v) if hasattr(a, "shape"))
   plan = _attention_plan(named, q, k, v, getattr(_local, "masks", False))
-  if isinstance(plan, str):
-    pass
-  elif _differentiated([x for x in named.values() if _is_array(x)]):
+  if not isinstance(plan, str) and _differentiated([x for x in named.values()
+                                                    if _is_array(x)]):
     # Differentiated inside ``fn`` (a training step): the ops are forward
     # only, so the call's primal and derivative would both be XLA's.
     plan = ("differentiated inside the function (a derivative of the ops is XLA's "

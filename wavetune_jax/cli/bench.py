@@ -172,7 +172,6 @@ def _with_attention_options(cfg, a):
 
 def _bench_model(a) -> int:
   import jax
-  import jax.numpy as jnp
   import numpy as np
 
   from wavetune_jax import models as M
@@ -238,12 +237,7 @@ def _bench_model(a) -> int:
       cache_rows = -(-(length + 1) // a.cache_multiple) * a.cache_multiple
       shape = ((batch * (length // page_size + 1), page_size) if page_size
                else (batch, cache_rows)) + (cfg.kv_heads, cfg.head_dim)
-      # Keys and values in arrays of their own, as a serving cache holds them
-      # (one array passed as both would let a kernel read the values from L2).
-      kc = [jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16)
-            for i in range(cfg.layers)]
-      vc = [jax.random.normal(jax.random.PRNGKey(1000 + i), shape, jnp.bfloat16)
-            for i in range(cfg.layers)]
+      kc, vc = M.random_kv_caches(cfg, shape)
       tables = ((M.random_block_tables(jax.random.PRNGKey(4), batch, length // page_size + 1),)
                 if page_size else ())
       extra = (kc, vc, *tables, _filled(a.cache_fill, cfg, batch, length),

@@ -97,13 +97,10 @@ def _explicitly_sharded(a, explicit) -> bool:
   return any(t == explicit for t in types) and any(p is not None for p in spec)
 
 
-def _manual_or_explicit() -> bool:
-  mesh = jax.sharding.get_abstract_mesh()
-  if getattr(mesh, "manual_axes", ()):
-    return True
-  explicit = getattr(jax.sharding.AxisType, "Explicit", None)
-  types = getattr(mesh, "axis_types", ()) or ()
-  return explicit is not None and any(t == explicit for t in types)
+def _manual_or_explicit(arrays) -> bool:
+  """Inside ``shard_map``, or :func:`explicit_mesh`."""
+  return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ())) \
+      or explicit_mesh(arrays)
 
 
 def _batched(arrays) -> bool:
@@ -115,10 +112,9 @@ def _batched(arrays) -> bool:
 def wants_partitioning(arrays) -> bool:
   """Whether a call on ``arrays`` goes through ``custom_partitioning``:
   several devices, Shardy (JAX's default partitioner), not inside
-  ``shard_map``, ``vmap`` or an explicit-axes mesh."""
-  if jax.device_count() < 2 or _manual_or_explicit() or _batched(arrays):
-    return False
-  if explicit_mesh(arrays):  # sharded in their types: the ops take them as they come
+  ``shard_map``, ``vmap`` or an explicit-axes mesh (or arrays sharded over
+  explicit axes in their types: the ops take them as they come)."""
+  if jax.device_count() < 2 or _manual_or_explicit(arrays) or _batched(arrays):
     return False
   if not jax.config.jax_use_shardy_partitioner:
     return False

@@ -48,7 +48,7 @@ from pallas_kernels.decode import paging
 __all__ = ["ModelConfig", "MODELS", "OPS", "Ops", "make_ops", "ops_names", "init",
            "quantize_params", "WEIGHT_FORMATS", "prefill",
            "decode_step", "paged_prefill", "paged_decode_step", "random_block_tables",
-           "moe_mlp", "library_attention_impl"]
+           "random_kv_caches", "moe_mlp", "library_attention_impl"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -472,6 +472,18 @@ def prefill(params, tokens, *, cfg: ModelConfig, ops: Ops, max_len: int):
   logits, ks, vs = _prefill(params, tokens, cfg, ops)
   pad = ((0, 0), (0, max_len - s), (0, 0), (0, 0))
   return logits, [jnp.pad(k, pad) for k in ks], [jnp.pad(v, pad) for v in vs]
+
+
+def random_kv_caches(cfg: ModelConfig, shape: tuple) -> tuple[list, list]:
+  """Keys and values of every layer, random bfloat16 of ``shape``, in arrays
+  of their own (as a serving cache holds them: one array passed as both
+  would let a kernel read the values from L2); the same draws on every
+  call (``wavetune bench model``'s caches)."""
+  keys = [jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16)
+          for i in range(cfg.layers)]
+  values = [jax.random.normal(jax.random.PRNGKey(1000 + i), shape, jnp.bfloat16)
+            for i in range(cfg.layers)]
+  return keys, values
 
 
 def random_block_tables(key: jax.Array, batch: int, max_pages: int) -> jax.Array:
