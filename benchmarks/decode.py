@@ -17,16 +17,20 @@ of 1,000-20,000, and the Triton candidates also flip ``block_k``.
 With ``--problem HQ,HKV,B,S,Q`` (repeatable) only those problems run, and
 ``--length-mix full`` gives every sequence of the ragged runs the whole
 cache (``kv_lengths`` passed, all equal: a batch of equal prompts), where the
-default ``spread`` draws them evenly (the sweeps' mix).
+default ``spread`` draws them evenly (the sweeps' mix). ``--grid`` times,
+instead of the split neighbours, the Triton and Mosaic backends' pruned
+spaces (at most ``--max-configs`` of each, the heuristic's config first)
+and ``--json`` writes every candidate's time.
 
     python3 benchmarks/decode.py [--quick | --mha | --problem 32,8,16,4160,1 ...]
-        [--length-mix spread|full]
+        [--length-mix spread|full] [--grid [--max-configs N]] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +74,14 @@ def main():
   ap.add_argument("--ragged-only", action="store_true",
                   help="only the runs with kv_lengths (skip the cache without lengths)")
   ap.add_argument("--iterations", type=int, default=20)
+  ap.add_argument("--grid", action="store_true",
+                  help="time the Triton and Mosaic pruned spaces, not the split neighbours")
+  ap.add_argument("--max-configs", type=int, default=24,
+                  help="--grid: at most this many configs of each backend (default 24)")
+  ap.add_argument("--json", default=None, help="write every candidate's time here")
   a = ap.parse_args()
+  if a.max_configs < 1:
+    ap.error("--max-configs must be >= 1")
   family = DECODE.with_lengths(a.length_mix)
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__)
@@ -80,7 +91,7 @@ def main():
   xla = DECODE.backend("xla")
   print(f"{'problem':<44}{'cache':>6}{'heur':>9}{'best':>9}{'(splits/bk)':>11}{'xla-be':>9}"
         f"{'cudnn':>9}{'xla':>9}{'best/base':>10}{'heur/base':>10}  nan-err")
-  rows = []
+  rows, out_rows = [], []
   problems = MHA if a.mha else PROBLEMS[:4] if a.quick else PROBLEMS
   if a.problem:
     try:
@@ -94,7 +105,10 @@ def main():
                         head_dim=hd[0] if hd else 128)
       h = tri.heuristic(p, hw)
       cands = [h]
-      for bk in ((h.block_k, {64: 128, 128: 64}[h.block_k]) if a.mha else (h.block_k,)):
+      for c in (grid(p, hw, a.max_configs) if a.grid else ()):
+        if c not in cands:
+          cands.append(c)
+      for bk in () if a.grid else ((h.block_k, {64: 128, 128: 64}[h.block_k]) if a.mha else (h.block_k,)):
         for ns in (1, h.num_splits // 2, h.num_splits, h.num_splits * 2, h.num_splits * 4):
           if ns >= 1 and splits_of(s, ns, bk) == ns:
             c = dataclasses.replace(h, num_splits=ns, block_k=bk)
@@ -109,17 +123,22 @@ def main():
       us = [m.median_us if m.status == "ok" else np.inf for m in res]
       n = len(cands)
       best = int(np.argmin(us[:n]))
+      out_rows.append({"problem": DECODE.problem_key(p), "length_mix": a.length_mix
+                       if lengths else "none", "cudnn_us": _num(us[n + 1]),
+                       "xla_us": _num(us[n + 2]), "xla_backend_us": _num(us[n]),
+                       "configs": [{"config": DECODE.config_to_dict(c), "us": _num(u)}
+                                   for c, u in zip(cands, us[:n])]})
       base = min(us[n + 1], us[n + 2])
       bad = [f"{i}:{m.status}" for i, m in enumerate(res) if m.status != "ok"]
       err = nan_check(p, h) if lengths else float("nan")
       name = f"b{b} h{hq}/{hkv} kv{s} q{t}" + (f" d{hd[0]}" if hd else "")
       print(f"{name:<44}{(a.length_mix if lengths else 'none'):>6}{us[0]:9.1f}{us[best]:9.1f}"
-            f"{cands[best].num_splits:>7}/{cands[best].block_k:<3}{us[n]:9.1f}{us[n + 1]:9.1f}{us[n + 2]:9.1f}"
+            f"{_splits(cands[best]):>7}/{cands[best].block_k:<3}{us[n]:9.1f}{us[n + 1]:9.1f}{us[n + 2]:9.1f}"
             f"{base / us[best]:10.3f}{base / us[0]:10.3f}  {err:.2e} {' '.join(bad)}",
             flush=True)
       if a.mha or a.problem:  # every candidate: splits/block_k=us
-        print("    " + "  ".join(f"{c.num_splits}/{c.block_k}={u:.1f}"
-                                  for c, u in zip(cands, us[:n])), flush=True)
+        print("    " + "  ".join(f"{_short(c)}={u:.1f}" for c, u in zip(cands, us[:n])),
+              flush=True)
       rows.append((b, s, lengths, base / us[best], base / us[0]))
   for lengths in (True, False):
     sel = [r for r in rows if r[2] == lengths]
@@ -130,6 +149,34 @@ def main():
     print(f"{'ragged' if lengths else 'full'} caches: best/base geomean {g(sel, 3):.3f} "
           f"(min {min(r[3] for r in sel):.3f}), heuristic {g(sel, 4):.3f}; batch >= 8 and "
           f"kv >= 4096: best {g(big, 3):.3f}, heuristic {g(big, 4):.3f}")
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump({"device_kind": dev.device_kind, "jax": jax.__version__, "rows": out_rows}, f)
+
+
+def grid(p: DecodeProblem, hw, limit: int) -> list:
+  """The Triton and Mosaic backends' pruned spaces for ``p``, at most
+  ``limit`` configs of each (evenly through the space)."""
+  out = []
+  for name in ("triton", "mosaic"):
+    backend = DECODE.backend(name)
+    space = list(backend.space(p, hw)) if backend.runs_on(hw) else []
+    step = max(1, -(-len(space) // limit))
+    out += space[::step][:limit]
+  return out
+
+
+def _splits(c) -> int:
+  return getattr(c, "num_splits", getattr(c, "splits", 0))
+
+
+def _short(c) -> str:
+  """The backend and its fields' values, comma-separated."""
+  return ",".join(str(v) for v in DECODE.config_to_dict(c).values())
+
+
+def _num(x: float):
+  return None if not np.isfinite(x) else float(x)
 
 
 if __name__ == "__main__":

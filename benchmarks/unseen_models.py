@@ -13,8 +13,11 @@ of other models, in three sets (``--set``):
 * ``v3``: others again, with head layouts in none of the above: head_dim 64,
   128 and 256, q/kv head ratios 1, 2, 3, 4, 5 and 12, widths 1152-6144 (two
   non-gated MLPs), 8, 64 and 128 experts with 2, 6 and 8 active,
+* ``v4``: other models again (head layouts may repeat): head_dim 64 and
+  128, q/kv head ratios 1, 4, 6, 7 and 8, widths 896-8192 (a non-gated
+  MLP), 32, 128 and 160 experts with 4, 6 and 8 active,
 
-at token counts that are not powers of two (v2 and v3: none of their token counts,
+at token counts that are not powers of two (v2-v4: none of their token counts,
 sequence lengths, decode batches or cache lengths is one), and times, per
 problem:
 
@@ -39,7 +42,7 @@ Each is checked against the float32 reference first. The summary gives
 ``--dry-run`` prints the problems and the configs the selector picks for
 ``--device-key`` under ``--policy`` without a GPU (what the CPU test runs).
 
-    python3 benchmarks/unseen_models.py [--set v1|v2] [--policy NAME]
+    python3 benchmarks/unseen_models.py [--set v1|v2|v3|v4] [--policy NAME] [--lengths full]
         [--families matmul,attention,decode,ragged_dot,qmatmul,qragged_dot] [--models NAMES]
         [--quick] [--only TEXT] [--json out.json]
     python3 benchmarks/unseen_models.py --dry-run --device-key nvidia_h100_80gb_hbm3
@@ -60,7 +63,7 @@ from typing import NamedTuple
 import jax
 
 import wavetune_jax as wt
-from wavetune_jax import (DECODE, AttentionProblem, DecodeProblem, MatmulProblem,
+from wavetune_jax import (AttentionProblem, DecodeProblem, MatmulProblem,
                           QMatmulProblem, QRaggedDotProblem, RaggedDotProblem)
 
 # Public configs (Hugging Face config.json): hidden, heads, head_dim, MLP width.
@@ -161,6 +164,37 @@ DECODE_CACHE_V3 = (1800, 9000)
 MOE_TOKENS_V3 = (12, 450, 3300)
 
 
+# v4: again other public configs (Hugging Face config.json of each), none in
+# v1-v3 or the training suites: Mistral-Small-24B-2501 (32/8, MLP 32,768),
+# Qwen2.5-0.5B (14/2: 7 query heads a KV head, d 64), Command-R-v01 (64/64,
+# width 8,192), Yi-1.5-9B (32/4), SmolLM2-1.7B (32/32, d 64), InternLM2.5-20B
+# (48/8: 6 a KV head), Granite-3.1-8B (32/8, MLP 12,800), MPT-7B (32/32, no
+# gate); routed experts of Granite-3.1-1B-A400M (32 experts, top 8),
+# gpt-oss-120b (128, top 4), GLM-4.5-Air (128, top 8) and DeepSeek-V2 (160,
+# top 6). Head layouts may repeat those of other sets.
+DENSE_V4 = {
+    "mistral_small_24b": dict(hidden=5120, q_heads=32, kv_heads=8, head_dim=128, ffn=32768),
+    "qwen2_5_0_5b": dict(hidden=896, q_heads=14, kv_heads=2, head_dim=64, ffn=4864),
+    "command_r_35b": dict(hidden=8192, q_heads=64, kv_heads=64, head_dim=128, ffn=22528),
+    "yi_1_5_9b": dict(hidden=4096, q_heads=32, kv_heads=4, head_dim=128, ffn=11008),
+    "smollm2_1_7b": dict(hidden=2048, q_heads=32, kv_heads=32, head_dim=64, ffn=8192),
+    "internlm2_5_20b": dict(hidden=6144, q_heads=48, kv_heads=8, head_dim=128, ffn=16384),
+    "granite_3_1_8b": dict(hidden=4096, q_heads=32, kv_heads=8, head_dim=128, ffn=12800),
+    "mpt_7b": dict(hidden=4096, q_heads=32, kv_heads=32, head_dim=128, ffn=16384, gated=False),
+}
+MOE_V4 = {
+    "granite_3_1_1b_a400m": dict(E=32, top_k=8, hidden=1024, ffn=512),
+    "gpt_oss_120b": dict(E=128, top_k=4, hidden=2880, ffn=2880),
+    "glm_4_5_air": dict(E=128, top_k=8, hidden=4096, ffn=1408),
+    "deepseek_v2": dict(E=160, top_k=6, hidden=5120, ffn=1536),
+}
+GEMM_M_V4 = (9, 120, 600, 2600, 9000)
+ATTN_BATCH_V4 = (1, 7)
+ATTN_SEQ_V4 = (450, 1900, 8200)
+DECODE_BATCH_V4 = (6, 24, 72)
+DECODE_CACHE_V4 = (1300, 5000, 14000)
+MOE_TOKENS_V4 = (20, 900, 5200)
+
 class ModelSet(NamedTuple):
   """Models and the sizes their calls are built at."""
 
@@ -185,6 +219,8 @@ SETS = {
                    DECODE_CACHE_V2, MOE_TOKENS_V2),
     "v3": ModelSet(DENSE_V3, MOE_V3, GEMM_M_V3, ATTN_BATCH_V3, ATTN_SEQ_V3, DECODE_BATCH_V3,
                    DECODE_CACHE_V3, MOE_TOKENS_V3),
+    "v4": ModelSet(DENSE_V4, MOE_V4, GEMM_M_V4, ATTN_BATCH_V4, ATTN_SEQ_V4, DECODE_BATCH_V4,
+                   DECODE_CACHE_V4, MOE_TOKENS_V4),
 }
 # A label names its model, so labels are unique across the sets (a file may
 # hold rows of both; --report reads them all).
@@ -304,7 +340,7 @@ def first_use(fn, args) -> float:
 def baselines(spec, p) -> dict:
   """What a user writes instead; decode takes the faster of cuDNN and XLA."""
   out = {"base": spec.baseline(p)}
-  if spec is DECODE:
+  if spec.name == "decode":
     out.update({f"base_{k}": f for k, f in spec.extra_baselines(p).items()})
   return out
 
@@ -318,7 +354,7 @@ def describe(spec, config) -> str:
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--set", default="v1", choices=sorted(SETS),
-                  help="the models: v1 (default), v2 or v3, other sets (see the module doc)")
+                  help="the models: v1 (default), v2, v3 or v4, other sets (see the module doc)")
   ap.add_argument("--policy", default="auto",
                   help=f"selection policy of the wt column, one of wavetune_jax.POLICIES "
                        f"({','.join(wt.POLICIES)}; default: auto, the library's default)")
@@ -326,6 +362,9 @@ def main(argv=None) -> int:
                   help=f"comma-separated, of {','.join(ALL_FAMILIES)} (default: "
                        f"{','.join(FAMILIES)})")
   ap.add_argument("--quick", action="store_true", help="every other size")
+  ap.add_argument("--lengths", default="spread", choices=("spread", "full"),
+                  help="decode: the sequences' valid lengths, spread over the cache "
+                       "(default, as the sweeps) or every sequence at the full cache")
   ap.add_argument("--only", default=None, metavar="TEXT",
                   help="only the problems whose label (as --dry-run prints it) contains TEXT")
   ap.add_argument("--models", default="",
@@ -354,6 +393,8 @@ def main(argv=None) -> int:
     ap.error("--iterations must be >= 1")
   if a.compile_threads < 1:
     ap.error("--compile-threads must be >= 1")
+  if a.lengths != "spread" and "decode" not in fams:
+    ap.error("--lengths is decode's: add decode to --families")
   if a.report:
     if a.only is not None:
       ap.error("--only selects problems to run; --report reads every row of its files")
@@ -387,12 +428,13 @@ def main(argv=None) -> int:
     return 2
   from wavetune_jax.tuning import evaluate, profiler
   dev = jax.devices()[0]
-  print(dev.device_kind, "jax", jax.__version__, f"set {a.set}, policy {policy}", flush=True)
+  print(dev.device_kind, "jax", jax.__version__, f"set {a.set}, policy {policy}, decode lengths "
+        f"{a.lengths}", flush=True)
   prof = profiler.Profiler(iterations=a.iterations, threads=a.compile_threads)
   out = {"device_kind": dev.device_kind, "jax": jax.__version__, "set": a.set,
-         "policy": policy, "rows": []}
+         "policy": policy, "lengths": a.lengths, "rows": []}
   if a.json and os.path.exists(a.json):
-    out = resume(a.json, dev.device_kind, a.set, policy)
+    out = resume(a.json, dev.device_kind, a.set, policy, a.lengths)
     done = {(r["family"], r["label"]) for r in out["rows"]}
     plan = [t for t in plan if (t[0], t[1]) not in done]
     print(f"{a.json}: {len(done)} problems on file, {len(plan)} to run", flush=True)
@@ -404,6 +446,8 @@ def main(argv=None) -> int:
   with wt.policy(policy):
     for fam, label, p in plan:
       spec = wt.get_family(fam)
+      if fam == "decode":
+        spec = spec.with_lengths(a.lengths)
       args = spec.inputs(p, jax.random.PRNGKey(0))
       fns = {"wt": op_fn(fam, p, policy)}
       if policy != "tables":
@@ -483,9 +527,10 @@ def _read(path: str) -> dict:
   return out
 
 
-def resume(path: str, device_kind: str, model_set: str, policy: str) -> dict:
-  """The rows of an earlier run of this GPU kind, model set and policy
-  (``SystemExit`` otherwise)."""
+def resume(path: str, device_kind: str, model_set: str, policy: str,
+           lengths: str = "spread") -> dict:
+  """The rows of an earlier run of this GPU kind, model set, policy and
+  decode length mix (``SystemExit`` otherwise)."""
   try:
     out = _read(path)
   except ValueError as e:
@@ -494,11 +539,12 @@ def resume(path: str, device_kind: str, model_set: str, policy: str) -> dict:
     raise SystemExit(f"unseen_models: {path} holds rows of {out.get('device_kind')!r}, "
                      f"this GPU is {device_kind!r}; pass another --json")
   for what, theirs, ours in (("--set", out.get("set", "v1"), model_set),
-                             ("--policy", out.get("policy", RECORDED_DEFAULT), policy)):
+                             ("--policy", out.get("policy", RECORDED_DEFAULT), policy),
+                             ("--lengths", out.get("lengths", "spread"), lengths)):
     if theirs != ours:
       raise SystemExit(f"unseen_models: {path} holds rows of {what} {theirs}, this run is "
                        f"{what} {ours}; pass another --json")
-  return {**out, "set": model_set, "policy": policy}
+  return {**out, "set": model_set, "policy": policy, "lengths": lengths}
 
 
 def _selected(row: dict):
@@ -517,7 +563,7 @@ def report(paths, families, models: str) -> int:
   decided (source ``measured``) is compared by the tables' answer it
   recorded: what a selection without a GPU can tell."""
   found: dict = {}
-  kinds, policies = set(), set()
+  kinds, policies, mixes = set(), set(), set()
   for path in paths:
     try:
       out = _read(path)
@@ -526,6 +572,8 @@ def report(paths, families, models: str) -> int:
       return 2
     kinds.add(out["device_kind"])
     policies.add(out.get("policy", RECORDED_DEFAULT))
+    if any(r["family"] == "decode" for r in out["rows"]):
+      mixes.add(out.get("lengths", "spread"))
     for r in out["rows"]:
       found.setdefault((r["family"], r["label"]), []).append(r)
   if len(kinds) > 1:
@@ -534,6 +582,10 @@ def report(paths, families, models: str) -> int:
   if len(policies) > 1:
     print(f"unseen_models: the files hold rows of several policies {sorted(policies)}",
           file=sys.stderr)
+    return 2
+  if len(mixes) > 1:
+    print(f"unseen_models: the files hold decode rows of several length mixes "
+          f"{sorted(mixes)}; report each mix on its own", file=sys.stderr)
     return 2
   pol = next(iter(policies), RECORDED_DEFAULT)
   if pol not in wt.POLICIES:

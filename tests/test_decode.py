@@ -418,3 +418,151 @@ def test_mixtral_w8a8_b8_with_the_slack():
   assert round(bf16[("xla", "decode", 8)] / step["us"], 3) == 1.803
   decode = [(name, us) for name, us in step["kernels"] if name.startswith("wavetune_decode")]
   assert decode == [("wavetune_decode_16x64s4", 140.385)]
+
+
+def _grid_json(name):
+  """``{(hq, hkv, b, s): ({splits: us of the 128-key Triton configs},
+  cudnn us)}`` of a ``benchmarks/decode.py --json`` file on file."""
+  path = os.path.join(os.path.dirname(__file__), "..", "data", "probes", name)
+  out = {}
+  for r in json.load(open(path))["rows"]:
+    b, h, _, kv = r["problem"].split(":")[:4]
+    hq, hkv = (int(x) for x in h[1:].split("/"))
+    key = (hq, hkv, int(b[1:]), int(kv[2:]))
+    times = {c["config"]["num_splits"]: c["us"] for c in r["configs"]
+             if c["config"]["backend"] == "triton" and c["config"]["block_k"] == 128}
+    out[key] = (times, r["cudnn_us"])
+  return out
+
+
+LONG_SPLIT_RUNS = ("decode_streaming", "decode_long_split", "decode_long_split_picks")
+
+
+def test_long_caches_split_to_fill_their_waves_on_recorded_h200_runs(monkeypatch):
+  """docs/results.md ("Long caches: splits that fill the waves"): on an H200
+  the rule's split of long caches against cuDNN on 17 problems, full and
+  spread lengths, and the rule before (one split, or two where its
+  four-wave cap stopped)."""
+  from wavetune_jax.families.decode import triton
+  hw = get_hardware("h200")
+  rule = next(b for b in DECODE.backends if b.name == "triton")
+  runs = {m: {} for m in ("full", "spread")}
+  for name in LONG_SPLIT_RUNS:
+    for m in runs:
+      runs[m].update(_grid_json(f"{name}_{m}_h200.json"))
+  assert runs["full"].keys() == runs["spread"].keys() and len(runs["full"]) == 17
+
+  def picks():
+    out = {}
+    for hq, hkv, b, s in runs["full"]:
+      c = rule.heuristic(DecodeProblem(batch=b, q_heads=hq, kv_heads=hkv, kv_len=s, q_len=1,
+                                       head_dim=128, lengths=True), hw)
+      assert c.block_k == 128
+      out[(hq, hkv, b, s)] = c.num_splits
+    return out
+
+  def speed(split):
+    return {m: [runs[m][k][1] / runs[m][k][0][n] for k, n in split.items()] for m in runs}
+
+  now = picks()
+  monkeypatch.setattr(triton, "LONG_SPLIT_GPUS", frozenset())
+  before = picks()
+  changed = [k for k in now if now[k] != before[k]]
+  assert len(changed) == 17
+  new, old = speed(now), speed(before)
+  assert (round(min(new["full"]), 3), round(min(new["spread"]), 3)) == (0.990, 1.012)
+  assert (round(min(old["full"]), 3), round(min(old["spread"]), 3)) == (0.964, 0.929)
+  g = lambda xs: float(np.exp(np.mean(np.log(xs))))  # noqa: E731
+  assert [round(g(new[m]), 3) for m in ("full", "spread")] == [1.045, 1.099]
+  assert [round(g(old[m]), 3) for m in ("full", "spread")] == [1.008, 1.020]
+  pairs = [x for m in old for x in old[m]]
+  assert sorted(round(x, 3) for x in pairs if x < 0.97) == [0.929, 0.935, 0.961, 0.964,
+                                                           0.966, 0.968]
+  assert sorted(round(x, 3) for x in new["full"] if x < 1.0) == [0.990, 0.995, 0.996]
+  gain = {k: new["full"][i] / old["full"][i] for i, k in enumerate(now)
+          if 2.15 <= k[2] * k[1] / hw.num_sms <= 2.45}  # 2.2-2.4 waves
+  assert sorted(round(v, 2) for v in gain.values()) == [1.11, 1.14, 1.22]
+  # The v4 models' never-slower miss: 32/8 and 48/8 heads, batch 72, 14,000.
+  assert [round(runs["full"][(h, 8, 72, 14000)][1] / runs["full"][(h, 8, 72, 14000)][0][n], 3)
+          for h in (32, 48) for n in (1, 2)] == [0.964, 1.033, 0.966, 1.028]
+  # Other GPUs keep the rule before; short caches and a wave's programs too.
+  h100 = get_hardware("h100")
+  assert rule.heuristic(DecodeProblem(batch=36, q_heads=32, kv_heads=8, kv_len=32768, q_len=1,
+                                      lengths=True), h100).num_splits == 1
+
+
+def test_decode_grid_before_the_long_cache_rule():
+  """docs/results.md ("Long caches: splits that fill the waves"): the grid
+  of both backends' pruned spaces on an H200, before the rule."""
+  runs = {}
+  for m in ("full", "spread"):
+    path = os.path.join(os.path.dirname(__file__), "..", "data", "probes",
+                        f"decode_grid_{m}_h200.json")
+    runs[m] = {r["problem"].split(":d")[0]: r for r in json.load(open(path))["rows"]}
+
+  def speed(m, prob, backend, **fields):
+    r = runs[m][prob]
+    (us,) = [c["us"] for c in r["configs"] if c["config"]["backend"] == backend
+             and all(c["config"].get(k) == v for k, v in fields.items())]
+    return round(r["cudnn_us"] / us, 3)
+
+  b72 = runs["full"]["b72:h32/8:q1:kv14000"]
+  best = min(b72["configs"], key=lambda c: c["us"])
+  assert (best["config"]["num_splits"], best["config"]["block_k"], round(best["us"], 1)) == \
+      (1, 128, 977.3)
+  assert {c["config"].get("num_splits") for c in b72["configs"]} == {1}
+  assert round(min(c["us"] for c in b72["configs"] if c["config"]["backend"] == "mosaic"),
+               1) == 990.7
+  assert round(b72["cudnn_us"], 1) == 1028.8 and round(b72["cudnn_us"] / best["us"], 3) == 1.053
+  for m, want in (("full", (0.967, 0.962)), ("spread", (1.277, 1.077))):
+    assert tuple(round(runs[m][f"b{b}:h32/8:q1:kv4096"]["cudnn_us"]
+                       / runs[m][f"b{b}:h32/8:q1:kv4096"]["configs"][0]["us"], 3)
+                 for b in (16, 32)) == want
+  b16, b32 = "b16:h32/8:q1:kv4096", "b32:h32/8:q1:kv4096"
+  two64 = dict(num_splits=2, block_k=64)
+  assert [speed(m, b16, "triton", num_stages=3, **two64) for m in ("full", "spread")] == \
+      [1.003, 1.186]
+  assert [speed(m, b32, "triton", num_stages=2, **two64) for m in ("full", "spread")] == \
+      [1.001, 1.001]
+  assert (speed("full", b16, "triton", num_stages=2, **two64),
+          speed("full", b32, "triton", num_stages=3, **two64)) == (0.915, 0.907)
+  # The same 32/8 shape in the three other calls (the v4 models' runs, the
+  # long-split run): cuDNN 923.1-943.0 us, one split 960.6-979.0.
+  probes = os.path.join(os.path.dirname(__file__), "..", "data", "probes")
+  cudnn, one = [], []
+  for f in ("unseen_v4_tables_full_h200.json", "unseen_v4_tables_full_b72_repeat_h200.json"):
+    for r in json.load(open(os.path.join(probes, f)))["rows"]:
+      if r["label"] in ("mistral_small_24b b=72 cache=14000", "granite_3_1_8b b=72 cache=14000"):
+        cudnn.append(r["us"]["base"])
+        one.append(r["us"]["wt"])
+  times, cu = _grid_json("decode_long_split_full_h200.json")[(32, 8, 72, 14000)]
+  cudnn.append(cu)
+  one.append(times[1])
+  assert (round(min(cudnn), 1), round(max(cudnn), 1)) == (923.1, 943.0)
+  assert (round(min(one), 1), round(max(one), 1)) == (960.6, 979.0)
+
+
+def test_the_decode_benchmarks_grid_on_a_cpu(monkeypatch, capsys):
+  """``benchmarks/decode.py --grid``: the candidates are the heuristic's
+  config and at most ``--max-configs`` of each backend's pruned space."""
+  import importlib.util
+  import sys
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "decode.py")
+  spec = importlib.util.spec_from_file_location("decode_bench", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  hw = get_hardware("h200")
+  p = DecodeProblem(batch=24, q_heads=32, kv_heads=8, kv_len=14000, q_len=1, lengths=True)
+  full = mod.grid(p, hw, 1000)
+  names = [DECODE.backend_of(c).name for c in full]
+  assert set(names) == {"triton", "mosaic"} and len(set(full)) == len(full)
+  for c in full:
+    DECODE.validate(p, c, hw)
+  few = mod.grid(p, hw, 3)
+  assert [DECODE.backend_of(c).name for c in few].count("triton") <= 3
+  assert [DECODE.backend_of(c).name for c in few].count("mosaic") <= 3
+  assert set(few) <= set(full) and mod._short(few[0]).startswith("triton,")
+  monkeypatch.setattr(sys, "argv", ["decode.py", "--grid", "--max-configs", "0"])
+  with pytest.raises(SystemExit):
+    mod.main()
+  assert "--max-configs must be >= 1" in capsys.readouterr().err

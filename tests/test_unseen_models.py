@@ -144,13 +144,95 @@ def test_v3_is_a_third_set_with_new_head_layouts():
   assert len(plan) == 8 * (4 * 5 + 2 * 3 + 2 * 2) + 4 * 2 * 3
 
 
+def test_v4_is_a_fourth_set_of_models_and_sizes():
+  """New models (expert weights in no other set nor the suites, a GEMM
+  weight of its own per dense model; head layouts may repeat), sizes that
+  are not powers of two."""
+  mod = _mod()
+  v4 = mod.SETS["v4"]
+  names, gemm, grouped, _ = _train_suite()
+  assert len(v4.dense) == 8 and len(v4.moe) == 4
+  earlier = [m for k, m in mod.SETS.items() if k != "v4"]
+  assert not set(v4.names) & (names | {n for m in earlier for n in m.names})
+  plan = mod.problems(mod.FAMILIES, quick=False, model_set="v4")
+  labels = [label for _, label, _ in plan]
+  assert len(set(labels)) == len(labels)
+  seen_gemm = gemm | {(k, n) for k_ in ("v1", "v2", "v3")
+                      for f, _, p in mod.problems(("matmul",), False, None, k_)
+                      for k, n in [(p.k, p.n)]}
+  seen_grouped = grouped | {(p.g, p.k, p.n) for k_ in ("v1", "v2", "v3")
+                            for f, _, p in mod.problems(("ragged_dot",), False, None, k_)}
+  # Every expert weight is new, and every dense model has a GEMM weight of
+  # its own (models share dims: Mistral-Small's qkv and o are
+  # Mistral-NeMo's, SmolLM2-1.7B's MLP Llama-3.2-1B's).
+  _assert_none_taken([t for t in plan if t[0] == "ragged_dot"], set(), seen_grouped, set())
+  for name in v4.dense:
+    own = {(p.k, p.n) for f, label, p in plan if f == "matmul" and label.startswith(name + ".")}
+    assert own - seen_gemm, name
+  attn = [p for f, _, p in plan if f in ("attention", "decode")]
+  assert {p.head_dim for p in attn} == {64, 128}
+  assert {p.q_heads // p.kv_heads for p in attn} == {1, 4, 6, 7, 8}
+  assert {p.g for f, _, p in plan if f == "ragged_dot"} == {32, 128, 160}
+  sizes = []
+  for fam, _, p in plan:
+    if fam in ("matmul", "ragged_dot"):
+      sizes.append(p.m)
+    elif fam == "attention":
+      sizes += [p.q_len, p.batch * p.q_len]
+    else:
+      sizes += [p.batch, p.kv_len, p.batch * p.kv_len]
+  assert not [t for t in sizes if _power_of_two(t)]
+  assert "up" in mod.gemm_weights(v4.dense["mpt_7b"])
+  assert len(plan) == 8 * (4 * 5 + 2 * 3 + 3 * 3) + 4 * 2 * 3
+
+
+def test_report_of_the_v4_runs_on_the_tables(capsys):
+  """docs/results.md ("A fourth set of models (v4): the tables alone, on an
+  H200"): spread lengths and full caches, reported apart."""
+  probes = ROOT / "data" / "probes"
+  spread, full = (probes / "unseen_v4_tables_h200.json",
+                  probes / "unseen_v4_tables_full_h200.json")
+  assert _mod().main(["--report", str(spread)]) == 0
+  out = capsys.readouterr().out
+  for line in ("decode: wt vs the faster of cuDNN and XLA 1.045x geomean, min 0.980x, 0 of 48",
+               "ragged_dot: wt vs base 11.148x geomean, min 1.157x, 0 of 16 below 0.97x"):
+    assert line in out, line
+  assert _mod().main(["--report", str(full)]) == 0
+  out = capsys.readouterr().out
+  assert "decode: wt vs the faster of cuDNN and XLA 1.027x geomean, min 0.962x, 3 of 48" in out
+  rows = json.loads(full.read_text())["rows"]
+  low = sorted(r["label"] for r in rows if r["us"]["wt"] > r["us"]["base"] / 0.97)
+  assert low == ["granite_3_1_8b b=72 cache=14000", "internlm2_5_20b b=72 cache=14000",
+                 "mistral_small_24b b=72 cache=14000"]
+  assert json.loads(full.read_text())["lengths"] == "full"
+  # The rows' picks: the Triton rule on 23 decode problems (cuDNN, the
+  # guard's, on 25), the Mosaic kernel on the 16 grouped GEMMs (192-row
+  # tiles for gpt-oss-120b at 5,200 tokens: 162.5 rows per expert).
+  spread_rows = json.loads(spread.read_text())["rows"]
+  dec = [r for r in spread_rows if r["family"] == "decode"]
+  assert [r["label"] for r in dec] == [r["label"] for r in rows]
+  assert sum(r["config"]["backend"] == "triton" for r in dec) == 23
+  assert sum(r["source"] == "guard" for r in dec) == 25
+  grouped = {r["label"]: r["config"] for r in spread_rows if r["family"] == "ragged_dot"}
+  assert len(grouped) == 16 and {c["backend"] for c in grouped.values()} == {"mosaic"}
+  assert grouped["gpt_oss_120b.w13 tokens=5200"]["block_m"] == 192
+  # Not timed: the tables' GEMM and attention picks are the platform ops.
+  lines, last = _dry_run(_mod(), capsys, ["--set", "v4", "--quick", "--policy", "tables",
+                                          "--device-key", "nvidia_h200",
+                                          "--families", "matmul,attention"])
+  assert last == "128 problems" and {line.split()[-2] for line in lines} == {"xla", "cudnn"}
+  # Two files of other mixes are not summed together.
+  assert _mod().main(["--report", str(spread), str(full)]) == 2
+  assert "several length mixes" in capsys.readouterr().err
+
+
 def _dry_run(mod, capsys, argv):
   assert mod.main(["--dry-run"] + argv) == 0
   out = capsys.readouterr().out.splitlines()
   return out[:-1], out[-1]
 
 
-@pytest.mark.parametrize("model_set", ("v2", "v3"))
+@pytest.mark.parametrize("model_set", ("v2", "v3", "v4"))
 @pytest.mark.parametrize("key", KEYS)
 def test_dry_run_selects_runnable_configs_under_the_policy(key, model_set, capsys):
   """Every line is the selector's answer under ``--policy`` for that GPU, a
@@ -281,10 +363,10 @@ def test_timing_rows_record_the_set_policy_and_first_use(tmp_path, monkeypatch, 
   argv = ["--set", "v2", "--families", "matmul", "--json", str(out)]
   assert mod.main(argv + ["--policy", "heuristic"]) == 0
   text = capsys.readouterr().out
-  assert text.splitlines()[0].endswith("set v2, policy heuristic")
+  assert text.splitlines()[0].endswith("set v2, policy heuristic, decode lengths spread")
   assert "1st s" in text and "matmul: wt vs base 2.000x" in text
   rows = json.loads(out.read_text())
-  assert (rows["set"], rows["policy"]) == ("v2", "heuristic")
+  assert (rows["set"], rows["policy"], rows["lengths"]) == ("v2", "heuristic", "spread")
   (row,) = rows["rows"]
   assert row["source"] == "heuristic" and row["config"] == {"backend": "xla"}
   # The tables' answer is timed in the same row (the fake profiler gives
@@ -395,6 +477,11 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     mod.resume(str(H100_ROWS), kind, "v2", "tables")
   with pytest.raises(SystemExit, match="--policy tables, this run is --policy auto"):
     mod.resume(str(H100_ROWS), kind, "v1", "auto")
+  with pytest.raises(SystemExit, match="--lengths spread, this run is --lengths full"):
+    mod.resume(str(H100_ROWS), kind, "v1", "tables", "full")
+  with pytest.raises(SystemExit):
+    mod.main(["--dry-run", "--families", "matmul", "--lengths", "full"])
+  assert "--lengths is decode's" in capsys.readouterr().err
   back = mod.resume(str(H100_ROWS), kind, "v1", "tables")
   assert (back["set"], back["policy"], len(back["rows"])) == ("v1", "tables", len(rows["rows"]))
   # Timing needs a GPU; a CPU says so.

@@ -39,6 +39,15 @@ WAVE_LOSS = 0.1
 #: 0.985x / 0.917x (data/probes/decode_length_mix_{spread,full}_h200.txt).
 #: No problem of the decode sweeps lies in the band it moves.
 CHUNK_SLACK = 1 / 32
+#: Long caches (at least this many positions) whose programs take more than
+#: a wave: the rule splits them into chunks of at least :data:`LONG_CHUNK`
+#: keys of a full cache, the count whose programs fill their last wave best
+#: (:meth:`TritonDecode._long_cache_split`).
+LONG_CACHE = 8192
+LONG_CHUNK = 4096
+#: The GPUs the long-cache split is measured on; others keep one split
+#: there until it is.
+LONG_SPLIT_GPUS = frozenset({"nvidia_h200"})
 
 
 def wave_efficiency(programs: int, num_sms: int) -> float:
@@ -295,6 +304,16 @@ class TritonDecode(_triton.TritonBackend):
            and wave_efficiency(programs * (ns // 2), hw.num_sms)
            >= wave_efficiency(programs * ns, hw.num_sms) - WAVE_LOSS):
       ns //= 2
+    c = self._rule_config(p, hw, bh, keys, ns)
+    if (p.kv_len >= LONG_CACHE and programs * ns > hw.num_sms
+        and hw.device_key in LONG_SPLIT_GPUS):
+      c = self._long_cache_split(p, hw, bh, keys, programs, ns, c)
+    return c
+
+  def _rule_config(self, p: DecodeProblem, hw: Hardware, bh: int, keys: float, ns: int):
+    """The rule's config for ``ns`` splits: 64-key blocks where chunks hold
+    under 1,024 expected keys (or head_dim is above 128), else 128; 4 warps,
+    3 stages (fewer where shared memory is short)."""
     bk = 64 if keys / ns < 1024 or p.padded_head_dim > 128 else 128
     if p.page_size:  # rule D6: the largest block up to that which divides the pages
       bk = max(b for b in block_ks(p.page_size, False) if b <= bk)
@@ -303,6 +322,33 @@ class TritonDecode(_triton.TritonBackend):
     while self.smem_bytes(p, c) > hw.smem_per_block and c.num_stages > 1:
       c = dataclasses.replace(c, num_stages=c.num_stages - 1)
     return c
+
+  def _long_cache_split(self, p: DecodeProblem, hw: Hardware, bh: int, keys: float,
+                        programs: int, ns: int, rule: TritonDecodeConfig) -> TritonDecodeConfig:
+    """A long cache (:data:`LONG_CACHE`) whose programs take more than a
+    wave at the rule's ``ns`` splits (its four-wave cap often leaves one):
+    the fewest splits, from ``max(2, ns)``, with chunks of at least
+    :data:`LONG_CHUNK` keys of a full cache, whose programs fill their
+    waves best (CTAs per SM from shared memory: one for 128-key blocks at
+    3 stages); the rule's config where no count has such chunks. Few
+    programs per SM stream a long cache in few waves, the last one part
+    empty. On an H200, 32/8 heads at batch 36 and 32,768 positions (288
+    programs, 2.2 waves) ran one split at 0.998x / 0.938x cuDNN with full /
+    spread lengths and four (8.7 waves) at 1.218x / 1.144x; batch 40 at
+    16,384: one 1.040x / 0.961x, two 1.151x / 1.083x; batch 48 and 128 at
+    8,192 (whole waves at one split too): two splits 1.056x / 1.065x and
+    1.007x / 1.017x, one 1.066x / 0.985x and 1.022x / 0.992x
+    (data/probes/decode_streaming_{full,spread}_h200.txt)."""
+    best, best_eff = rule, -1.0
+    ns = max(2, ns)
+    while p.kv_len / ns >= LONG_CHUNK and ns <= MAX_SPLITS:
+      c = self._rule_config(p, hw, bh, keys, ns)
+      per_sm = max(1, self.occupancy_bound(p, c, hw))
+      eff = wave_efficiency(programs * c.num_splits, hw.num_sms * per_sm)
+      if eff > best_eff + 1e-9:
+        best, best_eff = c, eff
+      ns *= 2
+    return best
 
   def occupancy_bound(self, problem: DecodeProblem, config, hw: Hardware) -> int:
     threads = 32 * config.num_warps
