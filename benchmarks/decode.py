@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -76,12 +77,17 @@ def main():
   ap.add_argument("--iterations", type=int, default=20)
   ap.add_argument("--grid", action="store_true",
                   help="time the Triton and Mosaic pruned spaces, not the split neighbours")
-  ap.add_argument("--max-configs", type=int, default=24,
+  ap.add_argument("--max-configs", type=int, default=None,
                   help="--grid: at most this many configs of each backend (default 24)")
   ap.add_argument("--json", default=None, help="write every candidate's time here")
   a = ap.parse_args()
+  if a.max_configs is not None and not a.grid:
+    ap.error("--max-configs is for --grid")
+  a.max_configs = 24 if a.max_configs is None else a.max_configs
   if a.max_configs < 1:
     ap.error("--max-configs must be >= 1")
+  if a.json and not os.path.isdir(os.path.dirname(os.path.abspath(a.json))):
+    ap.error(f"--json {a.json}: no such folder")
   family = DECODE.with_lengths(a.length_mix)
   dev = jax.devices()[0]
   print(dev.device_kind, jax.__version__)

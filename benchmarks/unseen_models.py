@@ -396,6 +396,8 @@ def main(argv=None) -> int:
   if a.lengths != "spread" and "decode" not in fams:
     ap.error("--lengths is decode's: add decode to --families")
   if a.report:
+    if a.lengths != "spread":
+      ap.error("--lengths selects the mix to run; --report reads each file's own")
     if a.only is not None:
       ap.error("--only selects problems to run; --report reads every row of its files")
     return report(a.report, fams, a.models)
@@ -538,9 +540,11 @@ def resume(path: str, device_kind: str, model_set: str, policy: str,
   if out.get("device_kind") != device_kind:
     raise SystemExit(f"unseen_models: {path} holds rows of {out.get('device_kind')!r}, "
                      f"this GPU is {device_kind!r}; pass another --json")
-  for what, theirs, ours in (("--set", out.get("set", "v1"), model_set),
-                             ("--policy", out.get("policy", RECORDED_DEFAULT), policy),
-                             ("--lengths", out.get("lengths", "spread"), lengths)):
+  checks = [("--set", out.get("set", "v1"), model_set),
+            ("--policy", out.get("policy", RECORDED_DEFAULT), policy)]
+  if any(r.get("family") == "decode" for r in out.get("rows", ())):
+    checks.append(("--lengths", out.get("lengths", "spread"), lengths))
+  for what, theirs, ours in checks:
     if theirs != ours:
       raise SystemExit(f"unseen_models: {path} holds rows of {what} {theirs}, this run is "
                        f"{what} {ours}; pass another --json")

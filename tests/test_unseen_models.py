@@ -479,6 +479,14 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     mod.resume(str(H100_ROWS), kind, "v1", "auto")
   with pytest.raises(SystemExit, match="--lengths spread, this run is --lengths full"):
     mod.resume(str(H100_ROWS), kind, "v1", "tables", "full")
+  # A file without decode rows holds no mix to match.
+  no_decode = tmp_path / "no_decode.json"
+  no_decode.write_text(json.dumps({**rows, "rows": [r for r in rows["rows"]
+                                                   if r["family"] != "decode"]}))
+  assert mod.resume(str(no_decode), kind, "v1", "tables", "full")["lengths"] == "full"
+  with pytest.raises(SystemExit):
+    mod.main(["--report", str(H100_ROWS), "--lengths", "full"])
+  assert "--report reads each file's own" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     mod.main(["--dry-run", "--families", "matmul", "--lengths", "full"])
   assert "--lengths is decode's" in capsys.readouterr().err

@@ -40,11 +40,15 @@ WAVE_LOSS = 0.1
 #: No problem of the decode sweeps lies in the band it moves.
 CHUNK_SLACK = 1 / 32
 #: Long caches (at least this many positions) whose programs take more than
-#: a wave: the rule splits them into chunks of at least :data:`LONG_CHUNK`
-#: keys of a full cache, the count whose programs fill their last wave best
-#: (:meth:`TritonDecode._long_cache_split`).
+#: a wave and keep fewer than :data:`LONG_WAVE_FILL` of the SMs busy over
+#: their waves: the rule splits them into chunks of at least
+#: :data:`LONG_CHUNK` keys of a full cache, the count whose programs fill
+#: their waves best (:meth:`TritonDecode._long_cache_split`).
 LONG_CACHE = 8192
 LONG_CHUNK = 4096
+LONG_WAVE_FILL = 0.9
+#: At most this many splits (the rule's own bound for one sequence).
+LONG_MAX_SPLITS = 16
 #: The GPUs the long-cache split is measured on; others keep one split
 #: there until it is.
 LONG_SPLIT_GPUS = frozenset({"nvidia_h200"})
@@ -305,10 +309,19 @@ class TritonDecode(_triton.TritonBackend):
            >= wave_efficiency(programs * ns, hw.num_sms) - WAVE_LOSS):
       ns //= 2
     c = self._rule_config(p, hw, bh, keys, ns)
-    if (p.kv_len >= LONG_CACHE and programs * ns > hw.num_sms
-        and hw.device_key in LONG_SPLIT_GPUS):
+    # As measured: a contiguous cache, head_dim 128, one query a sequence.
+    if (p.kv_len >= LONG_CACHE and programs * c.num_splits > hw.num_sms and not p.page_size
+        and p.padded_head_dim == 128 and p.q_len == 1 and hw.device_key in LONG_SPLIT_GPUS
+        and self._wave_fill(p, c, programs, hw) < LONG_WAVE_FILL):
       c = self._long_cache_split(p, hw, bh, keys, programs, ns, c)
     return c
+
+  def _wave_fill(self, p: DecodeProblem, c: TritonDecodeConfig, programs: int,
+                 hw: Hardware) -> float:
+    """The share of the SMs busy over the waves of ``c``'s programs (CTAs
+    per SM from :meth:`occupancy_bound`)."""
+    per_sm = max(1, self.occupancy_bound(p, c, hw))
+    return wave_efficiency(programs * c.num_splits, hw.num_sms * per_sm)
 
   def _rule_config(self, p: DecodeProblem, hw: Hardware, bh: int, keys: float, ns: int):
     """The rule's config for ``ns`` splits: 64-key blocks where chunks hold
@@ -326,25 +339,29 @@ class TritonDecode(_triton.TritonBackend):
   def _long_cache_split(self, p: DecodeProblem, hw: Hardware, bh: int, keys: float,
                         programs: int, ns: int, rule: TritonDecodeConfig) -> TritonDecodeConfig:
     """A long cache (:data:`LONG_CACHE`) whose programs take more than a
-    wave at the rule's ``ns`` splits (its four-wave cap often leaves one):
-    the fewest splits, from ``max(2, ns)``, with chunks of at least
-    :data:`LONG_CHUNK` keys of a full cache, whose programs fill their
-    waves best (CTAs per SM from shared memory: one for 128-key blocks at
-    3 stages); the rule's config where no count has such chunks. Few
-    programs per SM stream a long cache in few waves, the last one part
-    empty. On an H200, 32/8 heads at batch 36 and 32,768 positions (288
-    programs, 2.2 waves) ran one split at 0.998x / 0.938x cuDNN with full /
-    spread lengths and four (8.7 waves) at 1.218x / 1.144x; batch 40 at
-    16,384: one 1.040x / 0.961x, two 1.151x / 1.083x; batch 48 and 128 at
-    8,192 (whole waves at one split too): two splits 1.056x / 1.065x and
-    1.007x / 1.017x, one 1.066x / 0.985x and 1.022x / 0.992x
-    (data/probes/decode_streaming_{full,spread}_h200.txt)."""
-    best, best_eff = rule, -1.0
+    wave at the rule's ``ns`` splits (its four-wave cap often leaves one)
+    and fill their waves poorly (:data:`LONG_WAVE_FILL`): the fewest
+    splits, from ``max(2, ns)`` to :data:`LONG_MAX_SPLITS`, with chunks of
+    at least :data:`LONG_CHUNK` keys of a full cache and partials the
+    kernel addresses, whose programs fill their waves best (CTAs per SM
+    from shared memory: one for 128-key blocks at 3 stages); the rule's
+    config where none fills them better. Few programs per SM stream a long
+    cache in few waves, the last one part empty. On an H200, 32/8 heads at
+    batch 36 and 32,768 positions (288 programs, 2.2 waves) ran one split
+    at 0.998x / 0.938x cuDNN with full / spread lengths and four (8.7
+    waves) at 1.218x / 1.144x; batch 40 at
+    16,384: one 1.040x / 0.961x, two 1.151x / 1.083x
+    (data/probes/decode_streaming_{full,spread}_h200.txt). Where one split's
+    waves are nearly full (batch 48 and 128 at 8,192: 2.9 and 7.8 waves,
+    97% busy) one split stays: 1.066x / 0.985x and 1.022x / 0.992x, two
+    splits 1.056x / 1.065x and 1.007x / 1.017x."""
+    best, best_eff = rule, self._wave_fill(p, rule, programs, hw)
     ns = max(2, ns)
-    while p.kv_len / ns >= LONG_CHUNK and ns <= MAX_SPLITS:
+    while p.kv_len / ns >= LONG_CHUNK and ns <= LONG_MAX_SPLITS:
       c = self._rule_config(p, hw, bh, keys, ns)
-      per_sm = max(1, self.occupancy_bound(p, c, hw))
-      eff = wave_efficiency(programs * c.num_splits, hw.num_sms * per_sm)
+      if c.num_splits * p.batch * p.q_heads * p.q_len * p.head_dim > MAX_ELEMENTS:
+        break  # the float32 partials (validate)
+      eff = self._wave_fill(p, c, programs, hw)
       if eff > best_eff + 1e-9:
         best, best_eff = c, eff
       ns *= 2
