@@ -7,6 +7,7 @@ import functools
 import operator
 
 import jax
+import numpy as np
 
 #: tl.dot needs every block dimension >= 16.
 MIN_BLOCK = 16
@@ -34,9 +35,13 @@ def field_names(cls, init_only: bool = False) -> tuple[str, ...]:
 
 def check_ints(config) -> None:
   """Raises ``ValueError`` unless every field of the dataclass is an int
-  that fits int32 (a larger one would fail deep in the trace, or wrap)."""
+  that fits int32 (a larger one would fail deep in the trace, or wrap); a
+  NumPy integer field becomes a Python int."""
   for name in field_names(type(config)):
     v = getattr(config, name)
+    if isinstance(v, np.integer) and not isinstance(v, np.bool_):
+      v = int(v)  # a NumPy integer (from an array, a table) is stored as an int
+      object.__setattr__(config, name, v)
     if isinstance(v, bool) or not isinstance(v, int):
       raise ValueError(f"{type(config).__name__}.{name}={v!r} must be an int")
     if not INT32_MIN <= v <= INT32_MAX:

@@ -1774,3 +1774,25 @@ def test_a_config_naming_only_its_backend_is_the_backends_rule():
   with pytest.raises(ValueError, match="cannot run here: no GPU"):
     wt.quantized_matmul(x8, w8, s8, x_scales=xs, w_layout="nk",
                         config={"backend": "mosaic"})
+
+
+def test_numpy_integers_are_config_fields():
+  """Configs read from NumPy arrays or tables: NumPy integers are stored as
+  Python ints; a 192-row Mosaic tile is named among the allowed rows."""
+  import numpy as np
+  import wavetune_jax as wt
+  c = wt.TritonRaggedDotConfig(block_m=np.int32(16), block_n=np.int64(64))
+  assert (c.block_m, c.block_n) == (16, 64) and type(c.block_m) is int
+  assert c == wt.TritonRaggedDotConfig(block_m=16, block_n=64)
+  assert type(wt.MosaicMatmulConfig(block_m=np.int64(64)).block_m) is int
+  with pytest.raises(ValueError, match=r"must be an int"):
+    wt.TritonRaggedDotConfig(block_m=np.float32(16))
+  with pytest.raises(ValueError, match=r"must be an int"):
+    wt.TritonRaggedDotConfig(block_m=np.bool_(True))
+  with pytest.raises(ValueError, match=r"block_m=96 must be one of \(64, 128, 192, 256\)"):
+    wt.MosaicRaggedDotConfig(block_m=96)
+  spec = wt.get_family("ragged_dot")
+  v = spec.variant_from_dict({"backend": "triton", "block_m": np.int64(16),
+                              "block_n": np.int64(64), "block_k": np.int64(32),
+                              "num_warps": np.int32(4), "num_stages": np.int32(3)})
+  assert all(type(x) is int for _, x in v[1:])

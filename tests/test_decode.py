@@ -613,3 +613,44 @@ def test_the_decode_benchmarks_grid_on_a_cpu(monkeypatch, capsys):
     with pytest.raises(SystemExit):
       mod.main()
     assert err in capsys.readouterr().err
+
+
+def test_a_cache_is_decided_by_its_32_key_size_under_every_policy(capsys):
+  """The tables decide a size bucket (32 keys) at its top; the rule reads
+  the cache length the same way, so ``--policy heuristic`` and the tables
+  agree on 8,161-8,192 (the long-cache split and the few-pairs cuDNN rule
+  both start at 8,192). ``wavetune select`` keys a window as the ops do."""
+  from wavetune_jax.cli import main as cli_main
+  hw = get_hardware("h200")
+
+  def pick(kv, policy, **fields):
+    argv = ["select", "decode", "--m", str(kv), "--device", "h200", "--policy", policy,
+            "--set", "lengths=true"]
+    for k, v in fields.items():
+      argv += ["--set", f"{k}={v}"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    return out[0].split()[1], out[1]
+
+  long = dict(batch=36, q_heads=32, kv_heads=8, head_dim=128)
+  for policy in ("tables", "heuristic"):
+    assert "'num_splits': 1" in pick(8160, policy, **long)[1]
+    for kv in (8161, 8180, 8192):
+      assert "'num_splits': 2" in pick(kv, policy, **long)[1]
+    few = dict(batch=2, q_heads=28, kv_heads=4, head_dim=64)
+    assert pick(8180, policy, **few)[1] == "config      {'backend': 'cudnn'}"
+  # (Under the tables the guard keeps cuDNN at 8,160 too: no d 64 evidence.)
+  assert "'backend': 'triton'" in pick(8160, "heuristic", **few)[1]
+  rule = next(b for b in DECODE.backends if b.name == "triton")
+  p = DecodeProblem(batch=36, q_heads=32, kv_heads=8, kv_len=8180, q_len=1, lengths=True)
+  assert rule.heuristic(p, hw).num_splits == 2
+  # head_dim 96 (padded to 128 in the kernel) keeps the rule before.
+  assert "'num_splits': 1" in pick(32768, "heuristic", batch=36, q_heads=32, kv_heads=8,
+                                   head_dim=96)[1]
+  # A window that bounds nothing: the plain problem, as decode_attention keys it.
+  key, _ = pick(1000, "tables", batch=2, q_heads=32, kv_heads=8, window_left=4095,
+                window_right=0)
+  assert key == "b2:h32/8:q1:kv1000:d128:causal:bfloat16:lengths"
+  key, _ = pick(8192, "tables", batch=2, q_heads=32, kv_heads=8, window_left=1023,
+                window_right=5)
+  assert key.endswith(":w1023,0")

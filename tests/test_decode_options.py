@@ -529,3 +529,45 @@ def test_benchmark_refuses_unknown_problem_names(capsys):
     decode_options.main(["--only", "w128 b64", "no such problem", "--one-per-item"])
   err = capsys.readouterr().err
   assert "--only: unknown problems ['no such problem']" in err and "w128 b64" in err
+
+
+def test_sides_that_bound_nothing_are_dropped_under_a_causal_mask():
+  """A causal mask hides every key right of the query, so any right side
+  bounds nothing: ``(w, w)`` keys as ``(w, 0)``, and a left side that
+  reaches past the cache (Mistral's 4,095 on a shorter cache) leaves a
+  plain problem, which every backend runs; without the mask the right side
+  stays. The output is the same."""
+  import wavetune_jax as wt
+  from pallas_kernels.attention.common import bound_sides
+  assert bound_sides((4095, 0), 1, 1000, True) == (-1, -1)
+  assert bound_sides((512, 512), 1, 8192, True) == (512, 0)
+  assert bound_sides((512, 512), 1, 8192, False) == (512, 512)
+  assert bound_sides(None, 1, 8192, True) == (-1, -1)
+  dec, att = wt.get_family("decode"), wt.get_family("attention")
+  key = jax.random.PRNGKey(0)
+  q = jax.random.normal(key, (2, 1, 4, 64), jnp.bfloat16)
+  k = jax.random.normal(jax.random.fold_in(key, 1), (2, 96, 2, 64), jnp.bfloat16)
+  v = jax.random.normal(jax.random.fold_in(key, 2), (2, 96, 2, 64), jnp.bfloat16)
+  lens = jnp.array([50, 96], jnp.int32)
+  plain = dec.problem_key(dec.bind(q, k, v, kv_lengths=lens).problem)
+  assert dec.problem_key(dec.bind(q, k, v, kv_lengths=lens,
+                                  local_window_size=(4095, 0)).problem) == plain
+  both = dec.bind(q, k, v, kv_lengths=lens, local_window_size=16).problem
+  assert (both.window_left, both.window_right) == (16, 0)
+  qa = jax.random.normal(key, (1, 40, 4, 64), jnp.bfloat16)
+  ka, va = k[:1, :40], v[:1, :40]
+  p = att.bind(qa, ka, va, causal=True, local_window_size=8).problem
+  assert (p.window_left, p.window_right) == (8, 0)
+  p = att.bind(qa, ka, va, causal=False, local_window_size=8).problem
+  assert (p.window_left, p.window_right) == (8, 8)
+  # The result: the float32 reference of the window given whole, and of no
+  # window where the left side reaches past the cache.
+  for window, ref_window in ((16, 16), ((4095, 0), None)):
+    out = wt.decode_attention(q, k, v, kv_lengths=lens, local_window_size=window)
+    ref = attention_reference(q, k, v, kv_lengths=lens, causal=True, causal_align="bottom_right",
+                              local_window_size=ref_window)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                               atol=2e-2)
+  out = wt.attention(qa, ka, va, causal=True, local_window_size=8)
+  ref = attention_reference(qa, ka, va, causal=True, local_window_size=8)
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)

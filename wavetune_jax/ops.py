@@ -154,7 +154,9 @@ def quantized_ragged_dot(x: jax.Array, w: jax.Array, scales: jax.Array, group_si
       name, **fields}``, or ``None`` to let the selector choose.
 
   ``jax.vmap`` over any of the arrays runs one grouped GEMM of
-  ``batch * M`` rows (rows and their scales reordered by group, and back).
+  ``batch * M`` rows (rows and their scales reordered by group, and back)
+  over ``batch * G`` experts: on the XLA config NaN or Inf in one example's
+  e4m3 experts may reach the other examples' rows too.
 
   Returns:
     ``[M, N]`` array of ``out_dtype``.
@@ -353,15 +355,18 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, out_dt
       ``lax.ragged_dot``, whose dense form on a CPU multiplies each row by
       every expert's weight.
     out_dtype: bfloat16, float16 or float32 (default ``lhs.dtype``);
-      accumulation is float32.
+      accumulation is float32. (float16 out of bfloat16 inputs on the XLA
+      backend rounds through bfloat16, as ``lax.ragged_dot`` does.)
     config: a backend's config (``MosaicRaggedDotConfig``,
       ``TritonRaggedDotConfig``, ``XlaRaggedDotConfig``) or a dict
       ``{"backend": name, **fields}``; ``None`` lets the selector choose.
 
   ``jax.vmap`` over any of the arrays runs one grouped GEMM of
-  ``batch * M`` rows (rows reordered by group, and back). The op is forward
-  only: ``jax.grad`` and ``jax.jvp`` raise (differentiate through
-  ``lax.ragged_dot``).
+  ``batch * M`` rows (rows reordered by group, and back) over ``batch * G``
+  experts: on the XLA backend NaN or Inf in one example's experts may then
+  reach the rows of the other examples too (the note on ``group_sizes``).
+  The op is forward only: ``jax.grad`` and ``jax.jvp`` raise (differentiate
+  through ``lax.ragged_dot``).
 
   Returns:
     ``[M, N]`` array of ``out_dtype``.

@@ -164,6 +164,19 @@ def unbound_far_sides(window: tuple[int, int] | None, q_len: int,
   return None if out == (-1, -1) else out
 
 
+def bound_sides(window: tuple[int, int] | None, q_len: int, kv_len: int,
+                causal: bool) -> tuple[int, int]:
+  """The sides of ``window`` that bound anything, ``(-1, -1)`` for none:
+  :func:`unbound_far_sides`, and under a causal mask the right side is 0
+  whatever was given (the mask already hides every key right of the query,
+  so any right side >= 0 bounds nothing), and a window with no left bound
+  is no window. Problems that mask alike get one key."""
+  window = unbound_far_sides(window, q_len, kv_len) or (-1, -1)
+  if causal and window != (-1, -1):
+    window = (-1, -1) if window[0] < 0 else (window[0], 0)
+  return window
+
+
 def check_window(local_window_size) -> tuple[int, int] | None:
   """``local_window_size`` as ``jax.nn.dot_product_attention`` takes it (an
   int ``w``: ``(w, w)``; a ``(left, right)`` pair; None: no window) ->
@@ -207,7 +220,7 @@ def check_sinks(sinks, q_heads: int):
   if shape is None:
     try:
       sinks = jnp.asarray(sinks)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError):
       raise ValueError(f"sinks must be a [q_heads] = [{q_heads}] array of logits; "
                        f"got {type(sinks).__name__}") from None
     shape = sinks.shape

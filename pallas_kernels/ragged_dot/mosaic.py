@@ -129,6 +129,9 @@ class MosaicRaggedDotConfig:
     if self.grid_minor not in ORDERS:
       raise ValueError(f"MosaicRaggedDotConfig.grid_minor={self.grid_minor} must be one of "
                        f"{ORDERS} (0: tasks first, 1: column tiles first, 2: by expert)")
+    if self.block_m not in (*BLOCK_M, TRIPLE_M):
+      raise ValueError(f"MosaicRaggedDotConfig.block_m={self.block_m} must be one of "
+                       f"{tuple(sorted((*BLOCK_M, TRIPLE_M)))}")
     if self.block_m == TRIPLE_M and self.block_n not in TRIPLE_N:
       raise ValueError(f"MosaicRaggedDotConfig: block_m={TRIPLE_M} needs block_n in "
                        f"{TRIPLE_N}; got {self.block_n}")

@@ -171,6 +171,13 @@ def _select(args) -> int:
     missing = re.findall(r"'(\w+)'", str(e)) if "missing" in str(e) else []
     hint = "; give " + " ".join(f"--set {f}=..." for f in missing) if missing else ""
     raise CliError(f"not {_article(spec.name)} {spec.name} problem: {fields} ({e}){hint}") from None
+  if hasattr(problem, "window_left") and hasattr(problem, "causal"):
+    # As the ops key it: sides that bound nothing dropped (bound_sides).
+    from pallas_kernels.attention.common import bound_sides
+    w = bound_sides((problem.window_left, problem.window_right), problem.q_len,
+                    problem.kv_len, problem.causal)
+    if w != (problem.window_left, problem.window_right):
+      problem = dataclasses.replace(problem, window_left=w[0], window_right=w[1])
   if args.table and args.policy != "tables":
     raise CliError(f"--table is the tables policy's table: it does not apply to --policy "
                    f"{args.policy}")
@@ -431,6 +438,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 def _set_value(name: str, value: str):
   """A ``--set FIELD=VALUE`` value: a bool (true/false, any case), an int, a
   float, or the string as given."""
+  value = value.strip()
   low = value.lower()
   if low in ("true", "false"):
     return low == "true"

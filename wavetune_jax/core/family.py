@@ -534,6 +534,8 @@ class Family(abc.ABC):
     if set(d) != set(fields):
       raise ValueError(f"variant {d} of backend {b.name!r} must have the fields {fields}")
     for f in fields:
+      if isinstance(d[f], np.integer) and not isinstance(d[f], np.bool_):
+        d[f] = int(d[f])
       if isinstance(d[f], bool) or not isinstance(d[f], int):
         raise ValueError(f"variant field {f}={d[f]!r} must be an int")
     return (("backend", b.name),) + tuple((f, d[f]) for f in fields)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.common import (bounded_window, check_align, check_call,
-                                             unbound_far_sides,
+                                             bound_sides,
                                              check_lengths, check_sinks, check_soft_cap,
                                              check_window)
 from pallas_kernels.attention.reference import attention_reference
@@ -159,7 +159,7 @@ class AttentionFamily(Family):
     sinks = check_sinks(sinks, q_heads)
     if batch == 0 or q_len == 0 or q_heads == 0:
       return jnp.zeros(q.shape, q.dtype)
-    window = unbound_far_sides(window, q_len, k.shape[1]) or (-1, -1)
+    window = bound_sides(window, q_len, k.shape[1], bool(causal))
     problem = AttentionProblem(batch=batch, q_heads=q_heads, kv_heads=k.shape[2],
                                q_len=q_len, kv_len=k.shape[1], head_dim=head_dim,
                                causal=bool(causal), dtype=q.dtype.name,

@@ -11,7 +11,7 @@ import numpy as np
 
 from pallas_kernels.attention.common import (bounded_window, check_call, check_lengths,
                                              check_sinks, check_soft_cap, check_window,
-                                             unbound_far_sides)
+                                             bound_sides)
 from pallas_kernels.attention.reference import attention_reference
 from pallas_kernels.decode import paging
 from wavetune_jax.core.family import Call, Family
@@ -119,8 +119,12 @@ class DecodeFamily(Family):
     from wavetune_jax.families.decode.library import CudnnDecode, CudnnDecodeConfig
     from wavetune_jax.families.decode.triton import TritonDecode
     pairs = problem.batch * problem.kv_heads
-    few = ((pairs <= 16 and problem.kv_len >= 16384) or (pairs <= 8 and problem.kv_len >= 8192)
-           or (pairs <= 4 and problem.kv_len >= 4096))
+    # The cache length as the tables read it: the top of its size bucket (a
+    # cache of 8,180 is decided as 8,192 there, and so here).
+    q = self.size_quantum(problem)
+    kv = -(-problem.kv_len // q) * q
+    few = ((pairs <= 16 and kv >= 16384) or (pairs <= 8 and kv >= 8192)
+           or (pairs <= 4 and kv >= 4096))
     available = self.available(hw)
     # Without the Triton kernel (a JAX without the Pallas Triton lowering),
     # cuDNN before the Mosaic kernel's rule on problems cuDNN runs: on the
@@ -159,7 +163,7 @@ class DecodeFamily(Family):
       scale, kv_len, num_pages, page_size, table = paging.check_paged_call(
           q, k, v, block_tables, kv_lengths, scale, window_left=window[0])
     batch, q_len, q_heads, head_dim = q.shape
-    window = unbound_far_sides(window, q_len, kv_len) or (-1, -1)
+    window = bound_sides(window, q_len, kv_len, bool(causal))
     if q_len > MAX_Q_LEN:
       raise ValueError(f"decode_attention takes at most {MAX_Q_LEN} new queries per "
                        f"sequence; got q_len={q_len} (use wavetune_jax.attention with "

@@ -309,11 +309,14 @@ class TritonDecode(_triton.TritonBackend):
            >= wave_efficiency(programs * ns, hw.num_sms) - WAVE_LOSS):
       ns //= 2
     c = self._rule_config(p, hw, bh, keys, ns)
-    # As measured: a contiguous cache, head_dim 128, one query a sequence.
-    if (p.kv_len >= LONG_CACHE and programs * c.num_splits > hw.num_sms and not p.page_size
-        and p.padded_head_dim == 128 and p.q_len == 1 and hw.device_key in LONG_SPLIT_GPUS
+    # As measured: a contiguous cache, head_dim 128, one query a sequence;
+    # the cache length as the space sees it (32-key blocks: 8,161-8,192 are
+    # one size to the tables).
+    kv = -(-p.kv_len // 32) * 32
+    if (kv >= LONG_CACHE and programs * c.num_splits > hw.num_sms and not p.page_size
+        and p.head_dim == 128 and p.q_len == 1 and hw.device_key in LONG_SPLIT_GPUS
         and self._wave_fill(p, c, programs, hw) < LONG_WAVE_FILL):
-      c = self._long_cache_split(p, hw, bh, keys, programs, ns, c)
+      c = self._long_cache_split(p, hw, bh, keys, programs, ns, c, kv)
     return c
 
   def _wave_fill(self, p: DecodeProblem, c: TritonDecodeConfig, programs: int,
@@ -337,9 +340,11 @@ class TritonDecode(_triton.TritonBackend):
     return c
 
   def _long_cache_split(self, p: DecodeProblem, hw: Hardware, bh: int, keys: float,
-                        programs: int, ns: int, rule: TritonDecodeConfig) -> TritonDecodeConfig:
+                        programs: int, ns: int, rule: TritonDecodeConfig,
+                        kv: int) -> TritonDecodeConfig:
     """A long cache (:data:`LONG_CACHE`) whose programs take more than a
-    wave at the rule's ``ns`` splits (its four-wave cap often leaves one)
+    wave at the rule's ``ns`` splits (its four-wave cap often leaves one;
+    ``kv``: the cache length rounded up to 32 keys, as the space reads it)
     and fill their waves poorly (:data:`LONG_WAVE_FILL`): the fewest
     splits, from ``max(2, ns)`` to :data:`LONG_MAX_SPLITS`, with chunks of
     at least :data:`LONG_CHUNK` keys of a full cache and partials the
@@ -357,7 +362,7 @@ class TritonDecode(_triton.TritonBackend):
     splits 1.056x / 1.065x and 1.007x / 1.017x."""
     best, best_eff = rule, self._wave_fill(p, rule, programs, hw)
     ns = max(2, ns)
-    while p.kv_len / ns >= LONG_CHUNK and ns <= LONG_MAX_SPLITS:
+    while kv / ns >= LONG_CHUNK and ns <= LONG_MAX_SPLITS:
       c = self._rule_config(p, hw, bh, keys, ns)
       if c.num_splits * p.batch * p.q_heads * p.q_len * p.head_dim > MAX_ELEMENTS:
         break  # the float32 partials (validate)
