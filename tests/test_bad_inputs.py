@@ -1617,7 +1617,7 @@ def test_cli_errors_are_one_line_naming_the_problem(case, capsys, tmp_path, tabl
   assert not os.path.exists(files["out"])
 
 
-# === found by an audit of the public API ==========================================================
+# === inputs the public API must refuse or accept ===================================================
 
 
 @pytest.mark.parametrize("case", ["x", "sizes", "experts", "scales", "w8a8"])

@@ -654,3 +654,34 @@ def test_a_cache_is_decided_by_its_32_key_size_under_every_policy(capsys):
   key, _ = pick(8192, "tables", batch=2, q_heads=32, kv_heads=8, window_left=1023,
                 window_right=5)
   assert key.endswith(":w1023,0")
+
+
+def test_the_long_cache_table_of_the_docs(monkeypatch):
+  """Every row of docs/results.md's table in "Long caches: splits that fill
+  the waves", recomputed from the files and the rule."""
+  from wavetune_jax.families.decode import triton
+  hw = get_hardware("h200")
+  rule = next(b for b in DECODE.backends if b.name == "triton")
+  runs = {m: {} for m in ("full", "spread")}
+  for name in LONG_SPLIT_RUNS:
+    for m in runs:
+      runs[m].update(_grid_json(f"{name}_{m}_h200.json"))
+
+  def split(k):
+    hq, hkv, b, s = k
+    return rule.heuristic(DecodeProblem(batch=b, q_heads=hq, kv_heads=hkv, kv_len=s, q_len=1,
+                                       head_dim=128, lengths=True), hw).num_splits
+
+  now = {k: split(k) for k in runs["full"]}
+  monkeypatch.setattr(triton, "LONG_SPLIT_GPUS", frozenset())
+  before = {k: split(k) for k in runs["full"]}
+  docs = open(os.path.join(os.path.dirname(__file__), "..", "docs", "results.md")).read()
+  for k in runs["full"]:
+    hq, hkv, b, s = k
+    f = lambda m, n: runs[m][k][1] / runs[m][k][0][n]  # noqa: E731
+    o, n = before[k], now[k]
+    moved = f"{n}: **{f('full', n):.3f}x / {f('spread', n):.3f}x**" if n != o else "the same"
+    row = (f"| {hq}/{hkv}, {b}, {s:,} | {b * hkv} ({b * hkv / 132:.1f}) | {o}: "
+           f"{f('full', o):.3f}x / {f('spread', o):.3f}x | {moved} | "
+           f"{runs['full'][k][1]:,.1f} / {runs['spread'][k][1]:,.1f} |")
+    assert row in docs, row

@@ -543,6 +543,12 @@ def test_sides_that_bound_nothing_are_dropped_under_a_causal_mask():
   assert bound_sides((512, 512), 1, 8192, True) == (512, 0)
   assert bound_sides((512, 512), 1, 8192, False) == (512, 512)
   assert bound_sides(None, 1, 8192, True) == (-1, -1)
+  # Under the mask a left side of max(q_len, kv_len) - 1 sees back to key 0.
+  assert [bound_sides((4095, 0), 1, kv, True) for kv in (4095, 4096, 4097)] == \
+      [(-1, -1), (-1, -1), (4095, 0)]
+  assert bound_sides((49, 0), 50, 30, True) == (-1, -1)
+  assert bound_sides((48, 0), 50, 30, True) == (48, 0)
+  assert bound_sides((4095, 0), 1, 4096, False) == (4095, 0)
   dec, att = wt.get_family("decode"), wt.get_family("attention")
   key = jax.random.PRNGKey(0)
   q = jax.random.normal(key, (2, 1, 4, 64), jnp.bfloat16)
@@ -562,12 +568,23 @@ def test_sides_that_bound_nothing_are_dropped_under_a_causal_mask():
   assert (p.window_left, p.window_right) == (8, 8)
   # The result: the float32 reference of the window given whole, and of no
   # window where the left side reaches past the cache.
-  for window, ref_window in ((16, 16), ((4095, 0), None)):
+  for window, ref_window in ((16, 16), ((4095, 0), None), ((95, 3), (95, 3)), ((94, 0), (94, 0))):
     out = wt.decode_attention(q, k, v, kv_lengths=lens, local_window_size=window)
     ref = attention_reference(q, k, v, kv_lengths=lens, causal=True, causal_align="bottom_right",
                               local_window_size=ref_window)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=2e-2)
-  out = wt.attention(qa, ka, va, causal=True, local_window_size=8)
-  ref = attention_reference(qa, ka, va, causal=True, local_window_size=8)
-  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2e-2)
+  for align in ("top_left", "bottom_right"):
+    for w in (8, (39, 5), (38, 0)):
+      out = wt.attention(qa, ka, va, causal=True, local_window_size=w, causal_align=align)
+      ref = attention_reference(qa, ka, va, causal=True, local_window_size=w, causal_align=align)
+      np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
+                                 atol=2e-2)
+  # Family.canonical keys a problem as the op does.
+  from wavetune_jax import DecodeProblem
+  windowed = DecodeProblem(batch=2, q_heads=32, kv_heads=8, kv_len=1000, q_len=1,
+                           lengths=True, window_left=4095, window_right=0)
+  assert dec.canonical(windowed) == dataclasses.replace(windowed, window_left=-1,
+                                                        window_right=-1)
+  plain_problem = dec.canonical(windowed)
+  assert dec.canonical(plain_problem) is plain_problem

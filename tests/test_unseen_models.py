@@ -712,3 +712,36 @@ def test_w8a8_at_7000_rows_refinement_over_the_guard_on_record():
   kernel_us = [a["us"] for a in anchors if a["config"]["backend"] == "mosaic"]
   assert [round(u, 1) for u in xla_us] == [65.2] and len(kernel_us) == 5
   assert (round(min(kernel_us), 1), round(max(kernel_us), 1)) == (87.1, 95.2)
+
+
+def test_the_long_cache_split_moves_three_unseen_decode_picks(monkeypatch):
+  """docs/results.md ("Long caches: splits that fill the waves"): of the
+  decode problems of the H200 sweep and of the four unseen sets, the
+  H200's long-cache split moves the Triton rule's answer on six, all
+  unseen: three v4 problems at batch 72 and 14,000 that the tables run, and
+  three the guard sends to cuDNN either way."""
+  import gzip
+  from wavetune_jax import DECODE, DecodeProblem
+  from wavetune_jax.families.decode import triton
+  mod = _mod()
+  hw = get_hardware("h200")
+  rule = next(b for b in DECODE.backends if b.name == "triton")
+  probs = {}
+  with gzip.open(ROOT / "data" / "sweeps" / "nvidia_h200" / "decode_bfloat16.jsonl.gz", "rt") as f:
+    for line in f:
+      r = json.loads(line)
+      if r.get("type") == "row":
+        probs["sweep " + r["key"].split("|")[0]] = DecodeProblem(**r["problem"])
+  for k in mod.SETS:
+    for _, label, p in mod.problems(("decode",), False, None, k):
+      probs[f"{k} {label}"] = p
+  now = {k: rule.heuristic(p, hw) for k, p in probs.items()}
+  with wt.policy("tables"):
+    sources = {k: wt.select("decode", probs[k], "nvidia_h200").source for k in probs}
+  monkeypatch.setattr(triton, "LONG_SPLIT_GPUS", frozenset())
+  moved = sorted(k for k, p in probs.items() if rule.heuristic(p, hw) != now[k])
+  assert moved == ["v3 llama3_2_3b b=40 cache=9000", "v3 qwen3_14b b=40 cache=9000",
+                   "v4 granite_3_1_8b b=72 cache=14000", "v4 internlm2_5_20b b=72 cache=14000",
+                   "v4 mistral_small_24b b=72 cache=14000", "v4 yi_1_5_9b b=72 cache=14000"]
+  assert [sources[k] for k in moved] == ["guard", "guard", "heuristic", "heuristic",
+                                         "heuristic", "guard"]

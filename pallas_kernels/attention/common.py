@@ -11,7 +11,7 @@ import numpy as np
 from pallas_kernels._integers import clipped_int32, shape_and_dtype
 
 __all__ = ["SUPPORTED_DTYPES", "MAX_HEAD_DIM", "ALIGNS", "check_qkv", "check_call",
-           "check_lengths", "check_align", "unbound_far_sides"]
+           "check_lengths", "check_align", "unbound_far_sides", "bound_sides"]
 
 #: Where the causal diagonal sits when q_len != kv_len (or the valid KV length
 #: of a sequence differs from q_len): "top_left", query i sees keys j <= i
@@ -167,13 +167,16 @@ def unbound_far_sides(window: tuple[int, int] | None, q_len: int,
 def bound_sides(window: tuple[int, int] | None, q_len: int, kv_len: int,
                 causal: bool) -> tuple[int, int]:
   """The sides of ``window`` that bound anything, ``(-1, -1)`` for none:
-  :func:`unbound_far_sides`, and under a causal mask the right side is 0
+  :func:`unbound_far_sides`; under a causal mask the right side is 0
   whatever was given (the mask already hides every key right of the query,
-  so any right side >= 0 bounds nothing), and a window with no left bound
-  is no window. Problems that mask alike get one key."""
+  so any right side >= 0 bounds nothing), a left side of at least
+  ``max(q_len, kv_len) - 1`` bounds nothing either (no query's aligned
+  position passes that, under either alignment), and a window with no
+  left bound is no window. Problems that mask alike get one key."""
   window = unbound_far_sides(window, q_len, kv_len) or (-1, -1)
   if causal and window != (-1, -1):
-    window = (-1, -1) if window[0] < 0 else (window[0], 0)
+    left = window[0]
+    window = (-1, -1) if left < 0 or left >= max(q_len, kv_len) - 1 else (left, 0)
   return window
 
 

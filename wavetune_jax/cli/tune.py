@@ -171,13 +171,7 @@ def _select(args) -> int:
     missing = re.findall(r"'(\w+)'", str(e)) if "missing" in str(e) else []
     hint = "; give " + " ".join(f"--set {f}=..." for f in missing) if missing else ""
     raise CliError(f"not {_article(spec.name)} {spec.name} problem: {fields} ({e}){hint}") from None
-  if hasattr(problem, "window_left") and hasattr(problem, "causal"):
-    # As the ops key it: sides that bound nothing dropped (bound_sides).
-    from pallas_kernels.attention.common import bound_sides
-    w = bound_sides((problem.window_left, problem.window_right), problem.q_len,
-                    problem.kv_len, problem.causal)
-    if w != (problem.window_left, problem.window_right):
-      problem = dataclasses.replace(problem, window_left=w[0], window_right=w[1])
+  problem = spec.canonical(problem)  # as the ops key it (a window's sides)
   if args.table and args.policy != "tables":
     raise CliError(f"--table is the tables policy's table: it does not apply to --policy "
                    f"{args.policy}")

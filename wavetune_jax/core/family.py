@@ -526,6 +526,11 @@ class Family(abc.ABC):
     return (("backend", b.name),) + tuple(
         (f, getattr(config, f)) for f in b.fields() if f not in b.folded_fields)
 
+  def canonical(self, problem):
+    """``problem`` as the ops key it (the same problem, where no field
+    means what another value does)."""
+    return problem
+
   def variant_from_dict(self, d: dict) -> tuple:
     """A variant from its JSON form; raises ``ValueError`` on wrong fields."""
     d = dict(d)

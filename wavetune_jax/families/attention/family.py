@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -141,6 +143,15 @@ class AttentionFamily(Family):
   legacy_backends = {0: "triton", 1: "mosaic"}
 
   # --- the call ------------------------------------------------------------------------
+
+  def canonical(self, problem):
+    """The problem with the window's sides that bound nothing dropped, as
+    the op keys it (:func:`~pallas_kernels.attention.common.bound_sides`)."""
+    w = bound_sides((problem.window_left, problem.window_right), problem.q_len,
+                    problem.kv_len, problem.causal)
+    if w == (problem.window_left, problem.window_right):
+      return problem
+    return dataclasses.replace(problem, window_left=w[0], window_right=w[1])
   def bind(self, q, k, v, *, causal: bool = True, scale: float | None = None,
            kv_lengths=None, causal_align: str = "top_left", local_window_size=None,
            logit_soft_cap: float | None = None, sinks=None):

@@ -4,6 +4,7 @@ KV cache (flash-decoding)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -119,10 +120,9 @@ class DecodeFamily(Family):
     from wavetune_jax.families.decode.library import CudnnDecode, CudnnDecodeConfig
     from wavetune_jax.families.decode.triton import TritonDecode
     pairs = problem.batch * problem.kv_heads
-    # The cache length as the tables read it: the top of its size bucket (a
-    # cache of 8,180 is decided as 8,192 there, and so here).
-    q = self.size_quantum(problem)
-    kv = -(-problem.kv_len // q) * q
+    # The cache length in 32-key steps, as the Triton rule reads it (8,161-
+    # 8,192 alike; a paged cache whole).
+    kv = problem.kv_len if problem.page_size else -(-problem.kv_len // 32) * 32
     few = ((pairs <= 16 and kv >= 16384) or (pairs <= 8 and kv >= 8192)
            or (pairs <= 4 and kv >= 4096))
     available = self.available(hw)
@@ -140,6 +140,15 @@ class DecodeFamily(Family):
     return super().heuristic(problem, hw)
 
   # --- the call ------------------------------------------------------------------------
+
+  def canonical(self, problem):
+    """The problem with the window's sides that bound nothing dropped, as
+    the op keys it (:func:`~pallas_kernels.attention.common.bound_sides`)."""
+    w = bound_sides((problem.window_left, problem.window_right), problem.q_len,
+                    problem.kv_len, problem.causal)
+    if w == (problem.window_left, problem.window_right):
+      return problem
+    return dataclasses.replace(problem, window_left=w[0], window_right=w[1])
   def bind(self, q, k, v, *, kv_lengths=None, block_tables=None, causal: bool = True,
            scale=None, local_window_size=None, logit_soft_cap=None, sinks=None):
     """Checks ``q [batch, q_len, q_heads, head_dim]`` (q_len at most

@@ -310,8 +310,8 @@ class TritonDecode(_triton.TritonBackend):
       ns //= 2
     c = self._rule_config(p, hw, bh, keys, ns)
     # As measured: a contiguous cache, head_dim 128, one query a sequence;
-    # the cache length as the space sees it (32-key blocks: 8,161-8,192 are
-    # one size to the tables).
+    # the cache length in 32-key steps, as the space reads it (the long-cache
+    # step takes 8,161-8,192 alike).
     kv = -(-p.kv_len // 32) * 32
     if (kv >= LONG_CACHE and programs * c.num_splits > hw.num_sms and not p.page_size
         and p.head_dim == 128 and p.q_len == 1 and hw.device_key in LONG_SPLIT_GPUS
