@@ -438,6 +438,17 @@ def _grid_json(name):
 LONG_SPLIT_RUNS = ("decode_streaming", "decode_long_split", "decode_long_split_picks")
 
 
+def _long_split_runs() -> dict:
+  """``{mix: {(hq, hkv, b, s): ({splits: us}, cudnn us)}}`` of the three
+  long-cache runs on file (a later run's row of a problem replaces an
+  earlier one's)."""
+  runs = {m: {} for m in ("full", "spread")}
+  for name in LONG_SPLIT_RUNS:
+    for m in runs:
+      runs[m].update(_grid_json(f"{name}_{m}_h200.json"))
+  return runs
+
+
 def test_long_caches_split_to_fill_their_waves_on_recorded_h200_runs(monkeypatch):
   """docs/results.md ("Long caches: splits that fill the waves"): on an H200
   the rule's split of long caches against cuDNN on 17 problems, full and
@@ -446,10 +457,7 @@ def test_long_caches_split_to_fill_their_waves_on_recorded_h200_runs(monkeypatch
   from wavetune_jax.families.decode import triton
   hw = get_hardware("h200")
   rule = next(b for b in DECODE.backends if b.name == "triton")
-  runs = {m: {} for m in ("full", "spread")}
-  for name in LONG_SPLIT_RUNS:
-    for m in runs:
-      runs[m].update(_grid_json(f"{name}_{m}_h200.json"))
+  runs = _long_split_runs()
   assert runs["full"].keys() == runs["spread"].keys() and len(runs["full"]) == 17
 
   def picks():
@@ -662,10 +670,7 @@ def test_the_long_cache_table_of_the_docs(monkeypatch):
   from wavetune_jax.families.decode import triton
   hw = get_hardware("h200")
   rule = next(b for b in DECODE.backends if b.name == "triton")
-  runs = {m: {} for m in ("full", "spread")}
-  for name in LONG_SPLIT_RUNS:
-    for m in runs:
-      runs[m].update(_grid_json(f"{name}_{m}_h200.json"))
+  runs = _long_split_runs()
 
   def split(k):
     hq, hkv, b, s = k

@@ -57,6 +57,20 @@ def _power_of_two(n: int) -> bool:
   return n > 0 and n & (n - 1) == 0
 
 
+def _sizes(plan) -> list:
+  """Every size of ``plan``'s problems: rows, sequence lengths, batches,
+  caches and their products with the batch."""
+  sizes = []
+  for fam, _, p in plan:
+    if fam in ("matmul", "ragged_dot"):
+      sizes.append(p.m)
+    elif fam == "attention":
+      sizes += [p.q_len, p.batch * p.q_len]
+    else:
+      sizes += [p.batch, p.kv_len, p.batch * p.kv_len]
+  return sizes
+
+
 def _assert_none_taken(plan, gemm, grouped, heads):
   """No GEMM weight in ``gemm``, expert weight in ``grouped`` or attention
   head layout in ``heads`` among ``plan``'s problems."""
@@ -131,15 +145,7 @@ def test_v3_is_a_third_set_with_new_head_layouts():
   assert {p.q_heads // p.kv_heads for p in attn} == {1, 2, 3, 4, 5, 12}
   assert all(p.q_heads % p.kv_heads == 0 for p in attn)
   assert {p.g for f, _, p in plan if f == "ragged_dot"} == {8, 64, 128}
-  sizes = []
-  for fam, _, p in plan:
-    if fam in ("matmul", "ragged_dot"):
-      sizes.append(p.m)
-    elif fam == "attention":
-      sizes += [p.q_len, p.batch * p.q_len]
-    else:
-      sizes += [p.batch, p.kv_len, p.batch * p.kv_len]
-  assert not [t for t in sizes if _power_of_two(t)]
+  assert not [t for t in _sizes(plan) if _power_of_two(t)]
   assert "up" in mod.gemm_weights(v3.dense["gpt2_xl"])
   assert len(plan) == 8 * (4 * 5 + 2 * 3 + 2 * 2) + 4 * 2 * 3
 
@@ -173,15 +179,7 @@ def test_v4_is_a_fourth_set_of_models_and_sizes():
   assert {p.head_dim for p in attn} == {64, 128}
   assert {p.q_heads // p.kv_heads for p in attn} == {1, 4, 6, 7, 8}
   assert {p.g for f, _, p in plan if f == "ragged_dot"} == {32, 128, 160}
-  sizes = []
-  for fam, _, p in plan:
-    if fam in ("matmul", "ragged_dot"):
-      sizes.append(p.m)
-    elif fam == "attention":
-      sizes += [p.q_len, p.batch * p.q_len]
-    else:
-      sizes += [p.batch, p.kv_len, p.batch * p.kv_len]
-  assert not [t for t in sizes if _power_of_two(t)]
+  assert not [t for t in _sizes(plan) if _power_of_two(t)]
   assert "up" in mod.gemm_weights(v4.dense["mpt_7b"])
   assert len(plan) == 8 * (4 * 5 + 2 * 3 + 3 * 3) + 4 * 2 * 3
 

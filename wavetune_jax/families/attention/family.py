@@ -118,6 +118,17 @@ def options_key(p) -> str:
   return out
 
 
+
+def canonical_window(problem):
+  """``problem`` (attention or decode) with the window's sides that bound
+  nothing dropped, as the ops key it
+  (:func:`~pallas_kernels.attention.common.bound_sides`)."""
+  w = bound_sides((problem.window_left, problem.window_right), problem.q_len,
+                  problem.kv_len, problem.causal)
+  if w == (problem.window_left, problem.window_right):
+    return problem
+  return dataclasses.replace(problem, window_left=w[0], window_right=w[1])
+
 class AttentionFamily(Family):
   """Flash attention forward, layout ``[batch, seq, heads, head_dim]``, GQA;
   cuDNN (``jax.nn.dot_product_attention``) is the baseline."""
@@ -145,13 +156,8 @@ class AttentionFamily(Family):
   # --- the call ------------------------------------------------------------------------
 
   def canonical(self, problem):
-    """The problem with the window's sides that bound nothing dropped, as
-    the op keys it (:func:`~pallas_kernels.attention.common.bound_sides`)."""
-    w = bound_sides((problem.window_left, problem.window_right), problem.q_len,
-                    problem.kv_len, problem.causal)
-    if w == (problem.window_left, problem.window_right):
-      return problem
-    return dataclasses.replace(problem, window_left=w[0], window_right=w[1])
+    """:func:`canonical_window`."""
+    return canonical_window(problem)
   def bind(self, q, k, v, *, causal: bool = True, scale: float | None = None,
            kv_lengths=None, causal_align: str = "top_left", local_window_size=None,
            logit_soft_cap: float | None = None, sinks=None):

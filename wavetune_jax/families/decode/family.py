@@ -4,7 +4,6 @@ KV cache (flash-decoding)."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +18,8 @@ from wavetune_jax.core.family import Call, Family
 from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.decode.library import library_attention, plain_mask
 from wavetune_jax.families.decode.problem import MAX_Q_LEN, DecodeProblem
-from wavetune_jax.families.attention.family import (fold_vmap_into_batch, options_key,
-                                                     query_heads, window_variants)
+from wavetune_jax.families.attention.family import (canonical_window, fold_vmap_into_batch,
+                                                     options_key, query_heads, window_variants)
 from wavetune_jax.families.attention.problem import OPTION_DEFAULTS
 from wavetune_jax.families.matmul.family import operand
 from wavetune_jax.shapes import suite_entries
@@ -142,13 +141,9 @@ class DecodeFamily(Family):
   # --- the call ------------------------------------------------------------------------
 
   def canonical(self, problem):
-    """The problem with the window's sides that bound nothing dropped, as
-    the op keys it (:func:`~pallas_kernels.attention.common.bound_sides`)."""
-    w = bound_sides((problem.window_left, problem.window_right), problem.q_len,
-                    problem.kv_len, problem.causal)
-    if w == (problem.window_left, problem.window_right):
-      return problem
-    return dataclasses.replace(problem, window_left=w[0], window_right=w[1])
+    """:func:`~wavetune_jax.families.attention.family.canonical_window`."""
+    return canonical_window(problem)
+
   def bind(self, q, k, v, *, kv_lengths=None, block_tables=None, causal: bool = True,
            scale=None, local_window_size=None, logit_soft_cap=None, sinks=None):
     """Checks ``q [batch, q_len, q_heads, head_dim]`` (q_len at most
