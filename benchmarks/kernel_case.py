@@ -33,6 +33,9 @@ rows each, uniform routing, at ``--config block_m,block_n,stages,order``, or
 the family rule's config) and ``rd_batched`` (cuBLAS's batched GEMM on the
 same rows, ``jnp.einsum("gmk,gkn->gmn")``). The result is checked against
 the float32 product (relative 2e-2).
+``--x-dtype float16`` runs the ``nk_`` and ``dot_bf16`` cases on float16
+``x`` (int8 weights then convert two values at a time,
+``weight_only_nk.FAST_INT8_F16``; ``--generic-convert``: Mosaic's own cast).
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ def main(argv=None) -> int:
                   help="block_n,num_stages,split_k for the nk cases, "
                        "block_m,block_n,num_stages,order for the rd cases (default: the "
                        "rule's)")
+  ap.add_argument("--x-dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                  help="dtype of x in the nk_ and dot_ cases (default bfloat16)")
+  ap.add_argument("--generic-convert", action="store_true",
+                  help="nk_int8 with float16 x: Mosaic's own int8 -> float16 conversion")
   ap.add_argument("--calls", type=int, default=1, help="calls after the warm-up (default 1)")
   ap.add_argument("--groups", type=int, default=64, help="experts of the rd_ cases")
   ap.add_argument("--rows", type=int, default=512, help="rows per expert of the rd_ cases")
@@ -87,7 +94,8 @@ def run(a, m: int) -> int:
   x32 = rng.standard_normal((m, a.k), dtype=np.float32)
   q = rng.integers(-127, 128, size=(a.n, a.k)).astype(np.float32)
   s = (rng.random(a.n, dtype=np.float32) + 0.5) / 127.0
-  x = jnp.asarray(x32, jnp.bfloat16)
+  x = jnp.asarray(x32, a.x_dtype)
+  nk.FAST_INT8_F16 = not a.generic_convert
   ref = np.asarray(x, np.float32) @ (q * s[:, None]).T
 
   if a.case.startswith("rd_"):
@@ -118,7 +126,7 @@ def run(a, m: int) -> int:
     f = jax.jit(lambda x, w, s: nk.weight_only_matmul_nk(x, w, s, config=config))
     args = (x, w, scales)
   elif a.case == "dot_bf16":
-    wb = jnp.asarray(q * s[:, None], jnp.bfloat16)
+    wb = jnp.asarray(q * s[:, None], x.dtype)
     ref = np.asarray(x, np.float32) @ np.asarray(wb, np.float32).T
     f = jax.jit(lambda x, w: jnp.dot(x, w.T))
     args = (x, wb)

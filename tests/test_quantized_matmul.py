@@ -1072,3 +1072,61 @@ def test_any_split_int4_and_kn_numbers_in_the_docs(name, layout, summary, over_x
     assert (len(one), len(lost), round(min(lost), 3), round(max(lost), 3)) == (8, 5, 0.795, 0.979)
     assert (round(min(after), 3), round(max(after), 3)) == (1.086, 2.316)
     assert "**0.795-0.979x XLA's dot on 5 of the 8\n  weights**" in docs
+
+
+def _prmt(a: np.ndarray, b: int, selector: int) -> np.ndarray:
+  """PTX ``prmt.b32`` (default mode): byte i of the result is byte
+  ``selector``'s nibble i of the eight bytes ``{b, a}`` (a's bytes 0-3)."""
+  pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [np.full_like(a, (b >> (8 * i)) & 0xFF)
+                                                      for i in range(4)]
+  out = np.zeros_like(a)
+  for i in range(4):
+    out |= pool[(selector >> (4 * i)) & 0x7] << (8 * i)
+  return out
+
+
+def test_int8_to_float16_pairs_are_exact_for_every_pair():
+  # The kernel's three-instruction conversion (weight_only_nk._int8_to_f16),
+  # modelled with its constants on all 65,536 int8 pairs.
+  from pallas_kernels.matmul import weight_only_nk as nk
+  pairs = np.arange(1 << 16, dtype=np.uint32)  # byte 0, byte 1: two int8 values
+  s0 = _prmt(pairs, *nk.F16_PRMT)
+  s1 = s0 ^ nk.F16_SIGN_FLIP
+  halves = np.stack([s1 & 0xFFFF, s1 >> 16], -1).astype(np.uint16).view(np.float16)
+  bias = np.array([nk.F16_BIAS & 0xFFFF, nk.F16_BIAS >> 16], np.uint16).view(np.float16)
+  got = (halves.astype(np.float32) - bias.astype(np.float32)).astype(np.float16)
+  want = np.stack([pairs & 0xFF, pairs >> 8], -1).astype(np.uint8).view(np.int8)
+  np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+
+
+def test_float16_pairs_numbers_in_the_docs_match_the_recorded_run():
+  # docs/results.md's table of int8 weights under float16 x (H200).
+  import pathlib
+  import re
+  text = (pathlib.Path(__file__).parent.parent / "data/probes/weight_only_nk_f16_h200.txt").read_text()
+  assert text.startswith("NVIDIA H200")
+  times, rows = {}, []
+  for line in text.splitlines():
+    m = re.match(r"(dot_bf16|nk_int8|nk_e4m3)\s+M=\s*(\d+) K=\s*(\d+) N=\s*(\d+) ok\s+([\d.]+) us", line)
+    if m:
+      rows.append((m[1], int(m[2]), int(m[3]), int(m[4]), float(m[5])))
+    elif line.startswith("-- "):
+      case = line[3:].rsplit(" N=", 1)[0]
+      for r in rows:
+        times[(case, r[1], r[2], r[3])] = r[4]
+      rows = []
+  assert len(times) == 72 and not re.search(r"WRONG|FAIL", text)
+  errors = [float(e) for e in re.findall(r"relative error ([\d.e+-]+)", text)]
+  assert len(errors) == 72 and max(errors) <= 3.2e-3
+  fast, generic = "nk_int8 --x-dtype float16", "nk_int8 --x-dtype float16 --generic-convert"
+  keys = [k[1:] for k in times if k[0] == fast]
+  up = [times[(generic, *k)] / times[(fast, *k)] for k in keys]
+  assert round(min(up), 2) == 1.37 and round(max(up), 2) == 1.66
+  over_bf16 = [times[("nk_int8", *k)] / times[(fast, *k)] for k in keys]
+  assert round(min(over_bf16), 2) == 1.00 and round(max(over_bf16), 2) == 1.12
+  before = [times[("nk_int8", *k)] / times[(generic, *k)] for k in keys]
+  assert round(min(before), 2) == 0.64 and round(max(before), 2) == 0.79
+  e4m3 = [times[("nk_e4m3", *k)] / times[("nk_e4m3 --x-dtype float16", *k)] for k in keys]
+  assert round(min(e4m3), 2) == 1.00 and round(max(e4m3), 2) == 1.13
+  dot = [times[("dot_bf16", *k)] / times[(fast, *k)] for k in keys]
+  assert round(min(dot), 2) == 0.88 and round(max(dot), 2) == 1.74
