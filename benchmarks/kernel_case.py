@@ -26,7 +26,10 @@ the most sampled instructions outside that loop.
 
 Cases: ``nk_int8`` / ``nk_e4m3`` (the swapped weight-only kernel on an
 ``[N, K]`` 8-bit weight at its rule's config, or ``--config bn,stages,split``),
-``nk_int4`` (the same on int4 with groups of 128), ``dot_bf16`` (``x @ w.T``
+``nk_int4`` (the same on int4 with groups of 128), ``kn_int8`` / ``kn_e4m3``
+(the ``[K, N]`` weight-only kernel at its rule's config or ``--config``),
+``rdq_int8`` (the weight-only grouped GEMM, int8 experts, ``--m`` rows over
+``--groups`` experts, its rule's config), ``dot_bf16`` (``x @ w.T``
 in bfloat16, XLA), ``dot_int8`` (XLA's dot on the converted int8 weight);
 ``rd_mosaic`` (the Mosaic grouped GEMM on ``--groups`` experts of ``--rows``
 rows each, uniform routing, at ``--config block_m,block_n,stages,order``, or
@@ -35,7 +38,7 @@ same rows, ``jnp.einsum("gmk,gkn->gmn")``). The result is checked against
 the float32 product (relative 2e-2).
 ``--x-dtype float16`` runs the ``nk_`` and ``dot_bf16`` cases on float16
 ``x`` (int8 weights then convert two values at a time,
-``weight_only_nk.FAST_INT8_F16``; ``--generic-convert``: Mosaic's own cast).
+``weight_only.FAST_INT8_F16``; ``--generic-convert``: Mosaic's own cast).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ import sys
 
 import numpy as np
 
-CASES = ("nk_int8", "nk_e4m3", "nk_int4", "dot_bf16", "dot_int8", "rd_mosaic", "rd_batched")
+CASES = ("nk_int8", "nk_e4m3", "nk_int4", "kn_int8", "kn_e4m3", "rdq_int8", "dot_bf16", "dot_int8",
+         "rd_mosaic", "rd_batched")
 
 
 def main(argv=None) -> int:
@@ -95,11 +99,27 @@ def run(a, m: int) -> int:
   q = rng.integers(-127, 128, size=(a.n, a.k)).astype(np.float32)
   s = (rng.random(a.n, dtype=np.float32) + 0.5) / 127.0
   x = jnp.asarray(x32, a.x_dtype)
-  nk.FAST_INT8_F16 = not a.generic_convert
+  from pallas_kernels.matmul import weight_only
+  weight_only.FAST_INT8_F16 = not a.generic_convert
   ref = np.asarray(x, np.float32) @ (q * s[:, None]).T
 
   if a.case.startswith("rd_"):
     f, args, ref = grouped_case(a)
+  elif a.case.startswith("kn_"):
+    from pallas_kernels.matmul import weight_only as kn
+    wd = jnp.int8 if a.case == "kn_int8" else jnp.float8_e4m3fn
+    w, scales = jnp.asarray(q.T, wd), jnp.asarray(s)
+    ref = np.asarray(x, np.float32) @ (np.asarray(w, np.float32) * s[None, :])
+    if a.config:
+      bn, st, sk = (int(v) for v in a.config.split(","))
+      config = MosaicMatmulConfig(block_m=64, block_n=bn, num_stages=st, split_k=sk)
+    else:
+      config = kn.decode_config(m, a.k, a.n, jax.devices()[0].core_count)
+    print(f"{a.case}: M={m} K={a.k} N={a.n} {config}", file=sys.stderr)
+    f = jax.jit(lambda x, w, s: kn.weight_only_matmul(x, w, s, config=config))
+    args = (x, w, scales)
+  elif a.case == "rdq_int8":
+    f, args, ref = quantized_grouped_case(a, x)
   elif a.case.startswith("nk_"):
     if a.case == "nk_int4":
       q = np.clip(np.round(q / 16), -8, 7)
@@ -144,7 +164,7 @@ def run(a, m: int) -> int:
   if a.time:
     from wavetune_jax.tuning import profiler
     (t,) = profiler.Profiler(iterations=a.iterations).measure_many([f], args)
-    bits = 4 if args[1].dtype == jnp.int4 else 8 * args[1].dtype.itemsize
+    bits = 4 if args[1].dtype == jnp.int4 else 8 * args[1].dtype.itemsize  # w is args[1]
     wbytes = args[1].size * bits // 8
     print(f"{a.case:9s} M={m:3d} K={a.k:6d} N={a.n:6d} {t.status:4s} "
           f"{t.median_us or float('nan'):8.1f} us  {wbytes / (t.median_us or 1) / 1e6:6.2f} TB/s {t.error[:200]}",
@@ -187,6 +207,29 @@ def grouped_case(a):
     print(f"{a.case}: G={g} r={r} K={k} N={n} {config}", file=sys.stderr)
     f = jax.jit(lambda x, w, s: rd.ragged_dot(x, w, s, config=config))
   return f, (x, w, sizes), ref
+
+
+def quantized_grouped_case(a, x):
+  """``rdq_int8``: the weight-only grouped GEMM, int8 ``[G, K, N]`` experts,
+  ``x``'s rows spread evenly over ``--groups`` experts, the rule's config."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.ragged_dot import weight_only as rq
+
+  g, (m, k), n = a.groups, x.shape, a.n
+  rng = np.random.default_rng(1)
+  q = rng.integers(-127, 128, size=(g, k, n)).astype(np.float32)
+  s = ((rng.random((g, n), dtype=np.float32) + 0.5) / 127.0)
+  sizes = np.full(g, m // g)
+  sizes[: m % g] += 1
+  xs = np.asarray(x, np.float32)
+  ends = np.cumsum(sizes)
+  ref = np.concatenate([xs[e - z:e] @ (q[i] * s[i][None, :]) for i, (z, e) in enumerate(zip(sizes, ends))])
+  n_sms = jax.devices()[0].core_count
+  config = rq.decode_config(m, g, n, k, n_sms) or rq.prefill_config(m, g, n, k, n_sms)
+  print(f"{a.case}: M={m} G={g} K={k} N={n} {config}", file=sys.stderr)
+  f = jax.jit(lambda x, w, s, z: rq.weight_only_ragged_dot(x, w, s, z, config=config))
+  return f, (x, jnp.asarray(q, jnp.int8), jnp.asarray(s), jnp.asarray(sizes, jnp.int32)), ref
 
 
 def sass_summary(path: str) -> int:

@@ -310,9 +310,11 @@ def test_moe_decoder_with_w8a8_experts():
                                              grid_minor=2)),
     (16, 8, 4096, 1024, "int8", C(block_m=64, block_n=256, num_stages=3, split_k=4)),
     (777, 16, 512, 512, "float8_e4m3fn", C(block_m=64, block_n=256, num_stages=3,
-                                           grid_minor=0))])
+                                           grid_minor=0)),
+    (40, 8, 1024, 512, "int8:float16", C(block_m=64, block_n=256, num_stages=4))])
 def test_mosaic_weight_only_kernel_lowers_for_cuda(m, g, k, n, wd, config):
-  args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), wd),
+  wd, _, xd = wd.partition(":")  # float16 x: int8 weights convert through int8_to_f16
+  args = (jax.ShapeDtypeStruct((m, k), xd or jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), wd),
           jax.ShapeDtypeStruct((g, n), jnp.float32), jax.ShapeDtypeStruct((g,), jnp.int32))
   out = jnp.float32 if config.split_k > 1 else None
   f = lambda *a: weight_only.weight_only_ragged_dot(  # noqa: E731

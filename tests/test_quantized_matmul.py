@@ -118,7 +118,8 @@ def test_decode_config_fills_one_wave_with_four_steps_a_split():
 
 @pytest.mark.parametrize("w_dtype,dtype", [("int8", jnp.bfloat16),
                                            ("float8_e4m3fn", jnp.bfloat16),
-                                           ("float8_e4m3fn", jnp.float16)])
+                                           ("float8_e4m3fn", jnp.float16),
+                                           ("int8", jnp.float16)])  # int8_to_f16
 @pytest.mark.parametrize("m,split_k", [(1, 1), (16, 4), (64, 2)])
 def test_mosaic_kernel_lowers_for_cuda(w_dtype, dtype, m, split_k):
   c = MosaicMatmulConfig(block_m=64, block_n=256, num_stages=4, split_k=split_k)
@@ -1086,9 +1087,9 @@ def _prmt(a: np.ndarray, b: int, selector: int) -> np.ndarray:
 
 
 def test_int8_to_float16_pairs_are_exact_for_every_pair():
-  # The kernel's three-instruction conversion (weight_only_nk._int8_to_f16),
+  # The kernel's three-instruction conversion (weight_only.int8_to_f16),
   # modelled with its constants on all 65,536 int8 pairs.
-  from pallas_kernels.matmul import weight_only_nk as nk
+  from pallas_kernels.matmul import weight_only as nk
   pairs = np.arange(1 << 16, dtype=np.uint32)  # byte 0, byte 1: two int8 values
   s0 = _prmt(pairs, *nk.F16_PRMT)
   s1 = s0 ^ nk.F16_SIGN_FLIP
@@ -1099,34 +1100,44 @@ def test_int8_to_float16_pairs_are_exact_for_every_pair():
   np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
 
 
-def test_float16_pairs_numbers_in_the_docs_match_the_recorded_run():
-  # docs/results.md's table of int8 weights under float16 x (H200).
+def _kernel_case_times(name: str) -> tuple[dict, list]:
+  """``{(case, M, K, N): us}`` and the relative errors of a recorded run of
+  ``benchmarks/kernel_case.py`` lines, each case closed by a ``-- case`` line."""
   import pathlib
   import re
-  text = (pathlib.Path(__file__).parent.parent / "data/probes/weight_only_nk_f16_h200.txt").read_text()
-  assert text.startswith("NVIDIA H200")
+  text = (pathlib.Path(__file__).parent.parent / "data/probes" / name).read_text()
+  assert text.startswith("NVIDIA H200") and not re.search(r"WRONG|FAIL", text)
   times, rows = {}, []
   for line in text.splitlines():
-    m = re.match(r"(dot_bf16|nk_int8|nk_e4m3)\s+M=\s*(\d+) K=\s*(\d+) N=\s*(\d+) ok\s+([\d.]+) us", line)
+    m = re.match(r"(\w+)\s+M=\s*(\d+) K=\s*(\d+) N=\s*(\d+) ok\s+([\d.]+) us", line)
     if m:
-      rows.append((m[1], int(m[2]), int(m[3]), int(m[4]), float(m[5])))
+      rows.append((int(m[2]), int(m[3]), int(m[4]), float(m[5])))
     elif line.startswith("-- "):
-      case = line[3:].rsplit(" N=", 1)[0]
-      for r in rows:
-        times[(case, r[1], r[2], r[3])] = r[4]
+      case = re.split(r" (?:--n |--groups |N=)", line[3:])[0]
+      times.update({(case, *r[:3]): r[3] for r in rows})
       rows = []
-  assert len(times) == 72 and not re.search(r"WRONG|FAIL", text)
-  errors = [float(e) for e in re.findall(r"relative error ([\d.e+-]+)", text)]
-  assert len(errors) == 72 and max(errors) <= 3.2e-3
+  return times, [float(e) for e in re.findall(r"relative error ([\d.e+-]+)", text)]
+
+
+def _ratios(times, num: str, den: str) -> tuple[float, float]:
+  keys = [k[1:] for k in times if k[0] == den]
+  r = [times[(num, *k)] / times[(den, *k)] for k in keys]
+  return round(min(r), 2), round(max(r), 2)
+
+
+def test_float16_pairs_numbers_in_the_docs_match_the_recorded_run():
+  # docs/results.md's tables of int8 weights under float16 x (H200).
+  times, errors = _kernel_case_times("weight_only_nk_f16_h200.txt")
+  assert len(times) == 72 and len(errors) == 72 and max(errors) <= 3.2e-3
   fast, generic = "nk_int8 --x-dtype float16", "nk_int8 --x-dtype float16 --generic-convert"
-  keys = [k[1:] for k in times if k[0] == fast]
-  up = [times[(generic, *k)] / times[(fast, *k)] for k in keys]
-  assert round(min(up), 2) == 1.37 and round(max(up), 2) == 1.66
-  over_bf16 = [times[("nk_int8", *k)] / times[(fast, *k)] for k in keys]
-  assert round(min(over_bf16), 2) == 1.00 and round(max(over_bf16), 2) == 1.12
-  before = [times[("nk_int8", *k)] / times[(generic, *k)] for k in keys]
-  assert round(min(before), 2) == 0.64 and round(max(before), 2) == 0.79
-  e4m3 = [times[("nk_e4m3", *k)] / times[("nk_e4m3 --x-dtype float16", *k)] for k in keys]
-  assert round(min(e4m3), 2) == 1.00 and round(max(e4m3), 2) == 1.13
-  dot = [times[("dot_bf16", *k)] / times[(fast, *k)] for k in keys]
-  assert round(min(dot), 2) == 0.88 and round(max(dot), 2) == 1.74
+  assert _ratios(times, generic, fast) == (1.37, 1.66)
+  assert _ratios(times, "nk_int8", fast) == (1.00, 1.12)
+  assert _ratios(times, "nk_int8", generic) == (0.64, 0.79)
+  assert _ratios(times, "nk_e4m3", "nk_e4m3 --x-dtype float16") == (1.00, 1.13)
+  assert _ratios(times, "dot_bf16", fast) == (0.88, 1.74)
+  times, errors = _kernel_case_times("weight_only_kn_grouped_f16_h200.txt")
+  assert len(times) == 36 and len(errors) == 36 and max(errors) <= 2.9e-3
+  for kind, want in (("kn", (1.32, 1.39)), ("rdq", (1.27, 1.30))):
+    sub = {k: v for k, v in times.items() if k[0].startswith(kind)}
+    assert _ratios(sub, f"{kind}_int8 --x-dtype float16 --generic-convert",
+                   f"{kind}_int8 --x-dtype float16") == want

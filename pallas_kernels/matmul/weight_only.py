@@ -40,8 +40,8 @@ from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfi
                                           work_tile)
 from pallas_kernels._launch import require_compute_capability
 
-__all__ = ["WEIGHT_DTYPES", "check_dtypes", "check_shapes", "decode_config", "smem_bytes",
-           "weight_only_matmul"]
+__all__ = ["FAST_INT8_F16", "WEIGHT_DTYPES", "check_dtypes", "check_shapes", "decode_config",
+           "int8_to_f16", "smem_bytes", "weight_only_matmul"]
 
 #: 8-bit weight dtypes.
 WEIGHT_DTYPES = ("int8", "float8_e4m3fn")
@@ -51,6 +51,16 @@ _BARRIER_BYTES = 1024
 #: Columns of an fp32 epilogue store (one 128-byte swizzle row).
 EPI_N = 32
 _MEMORY_REGISTERS = 40
+#: int8 weights with float16 ``x``: convert each pair of values with one
+#: PRMT, one LOP3 and one packed f16 subtraction (:func:`int8_to_f16`)
+#: instead of Mosaic's per-value conversion.
+FAST_INT8_F16 = True
+#: The constants of that conversion: PRMT's second operand (the exponent
+#: byte of 1024.0 in float16) and selector (byte 0, 0x64, byte 1, 0x64),
+#: the sign bits flipped, and 1152.0 twice in float16.
+F16_PRMT = (0x64, 0x4140)
+F16_SIGN_FLIP = 0x00800080
+F16_BIAS = 0x64806480
 
 
 def smem_bytes(*, block_m: int, block_n: int, num_stages: int, itemsize: int) -> int:
@@ -209,7 +219,10 @@ def dequantized_mma(step, steps: int, acc_ref, x_block, w_block, deq_bufs) -> No
   wv = w_block[...]
   if wv.dtype != jnp.int8 and dtype != jnp.float16:
     wv = wv.astype(jnp.float16)  # e4m3 -> bfloat16 has no single cvt on sm_90
-  deq_bufs[buf] = wv.astype(dtype)
+  if FAST_INT8_F16 and wv.dtype == jnp.int8 and dtype == jnp.float16:
+    deq_bufs[buf] = int8_to_f16(wv)
+  else:
+    deq_bufs[buf] = wv.astype(dtype)
   plgpu.commit_smem()
   plgpu.wgmma(acc_ref, x_block, deq_bufs.at[buf])
   # The last step's: its buffer is free for the next.
@@ -284,3 +297,47 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
 
   return launch(kernel, (x, w), out_shape=(m, n), split_k=sk, out_dtype=out_dtype,
                 work_tiles=tiles_m * tiles_n * sk, num_sms=num_sms)
+
+
+def int8_to_f16(a):
+  """int8 -> float16 in registers, two values at a time: the pair's bytes go
+  under an exponent byte 0x64 (PRMT; 1024 + their unsigned value), the sign
+  bits flip (LOP3: 1024 + 128 + v) and one packed subtraction of 1152 leaves
+  ``v``, exact. Mosaic's own conversion takes one I2F a value. ``a`` in
+  wgmma's 16-bit register layout (what a tiled load gives), int8."""
+  import numpy as np
+  import jax.experimental.pallas.mosaic_gpu as plgpu
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, vector
+  from jax.experimental.mosaic import gpu as mgpu
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                     return_type=plgpu.ShapeDtypeStruct(a.shape, jnp.float16,
+                                                        layout=plgpu.Layout.WGMMA))
+  def convert(ctx, arr):
+    del ctx
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    f16 = ir.F16Type.get()
+    out = np.empty_like(arr.registers)
+    for idx, reg in np.ndenumerate(arr.registers):
+      (n,) = ir.VectorType(reg.type).shape
+      if n % 2:  # wgmma's 16-bit layout holds pairs: never odd
+        raise NotImplementedError(f"int8 -> float16 pairs on a register of {n} values")
+      pairs = vector.bitcast(ir.VectorType.get((n // 2,), i16), reg)
+      words = []
+      for j in range(n // 2):
+        pair = arith.extui(i32, vector.extract(pairs, [], [j]))
+        words.append(llvm.inline_asm(
+            i32, [pair],
+            f"""{{
+            .reg .b32 s<3>;
+            prmt.b32 s0, $1, {F16_PRMT[0]:#x}, {F16_PRMT[1]:#x};
+            xor.b32 s1, s0, {F16_SIGN_FLIP:#010x};
+            mov.b32 s2, {F16_BIAS:#010x};
+            sub.f16x2 $0, s1, s2;
+            }}""", "=r,r"))
+      vec = vector.from_elements(ir.VectorType.get((n // 2,), i32), words)
+      out[idx] = vector.bitcast(ir.VectorType.get((n,), f16), vec)
+    return mgpu.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=None)
+
+  return convert(a)

@@ -16,7 +16,7 @@ The operands are swapped: each consumer warpgroup computes a tile of
 operand can live in registers, so a consumer loads its rows of the 8-bit
 ``w`` block from shared memory into registers, converts them there and hands
 them to wgmma directly (int8 under float16 ``x`` two values at a time:
-:func:`_int8_to_f16`): the dequantized weight never goes back through
+:func:`~pallas_kernels.matmul.weight_only.int8_to_f16`): the dequantized weight never goes back through
 shared memory, which is what bounds the ``[K, N]`` kernel
 (:mod:`pallas_kernels.matmul.weight_only`: each 8-bit block is written to
 shared memory again in 16 bits and read by wgmma). ``x``'s block is wgmma's
@@ -53,7 +53,8 @@ from jax import lax
 from pallas_kernels.matmul.mosaic import (BLOCK_K, M_MULTIPLE, MosaicMatmulConfig, empty_split,
                                           launch, store_tile)
 from pallas_kernels._launch import SMEM_LIMIT, require_compute_capability
-from pallas_kernels.matmul.weight_only import check_dtypes
+from pallas_kernels.matmul import weight_only as _dense
+from pallas_kernels.matmul.weight_only import check_dtypes, int8_to_f16
 
 __all__ = ["ANY_SPLIT_GPUS", "MAX_M", "BLOCK_N", "INT4_GROUPS", "WIDE_STEP", "check_shapes", "decode_config", "row_tile",
            "smem_bytes", "step_k", "weight_only_matmul_nk"]
@@ -100,16 +101,6 @@ INT4_GROUPS = (64, 128)
 #: K of one pipeline step on an int4 weight: a 128-byte row of 4-bit values,
 #: so a step moves as many weight bytes as an 8-bit step of 128.
 INT4_STEP_K = 256
-#: int8 weights with float16 ``x``: convert each pair of values with one
-#: PRMT, one LOP3 and one packed f16 subtraction (:func:`_int8_to_f16`)
-#: instead of Mosaic's per-value conversion.
-FAST_INT8_F16 = True
-#: The constants of that conversion: PRMT's second operand (the exponent
-#: byte of 1024.0 in float16) and selector (byte 0, 0x64, byte 1, 0x64),
-#: the sign bits flipped, and 1152.0 twice in float16.
-F16_PRMT = (0x64, 0x4140)
-F16_SIGN_FLIP = 0x00800080
-F16_BIAS = 0x64806480
 
 
 def step_k(w_dtype) -> int:
@@ -347,7 +338,7 @@ def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int
                   plgpu.SwizzleTransform(w_swizzle))
   out_transforms = _transforms(rows * 4, 4)
   convert_f16 = w.dtype == jnp.float8_e4m3fn and dtype != jnp.float16
-  fast_i8 = FAST_INT8_F16 and w.dtype == jnp.int8 and dtype == jnp.float16
+  fast_i8 = _dense.FAST_INT8_F16 and w.dtype == jnp.int8 and dtype == jnp.float16
 
   in_specs = [plgpu.BlockSpec((rows, step), lambda kk: (0, kk), transforms=x_transforms,
                               memory_space=plgpu.SMEM)]
@@ -410,7 +401,7 @@ def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int
             if convert_f16:
               a = a.astype(jnp.float16)  # e4m3 -> bfloat16 has no single cvt on sm_90
             if fast_i8:
-              a = _int8_to_f16(a)
+              a = int8_to_f16(a)
             else:
               a = a.astype(dtype)
             if int4:
@@ -436,45 +427,3 @@ def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int
   return launch(kernel, arrays, out_shape=(n, rows), split_k=sk, out_dtype=jnp.float32,
                 work_tiles=tiles * sk, num_sms=num_sms)
 
-
-def _int8_to_f16(a):
-  """int8 -> float16 in registers, two values at a time: the pair's bytes go
-  under an exponent byte 0x64 (PRMT; 1024 + their unsigned value), the sign
-  bits flip (LOP3: 1024 + 128 + v) and one packed subtraction of 1152 leaves
-  ``v``, exact. Mosaic's own conversion takes one I2F a value."""
-  import numpy as np
-  import jax.experimental.pallas.mosaic_gpu as plgpu
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import arith, llvm, vector
-  from jax.experimental.mosaic import gpu as mgpu
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                     return_type=plgpu.ShapeDtypeStruct(a.shape, jnp.float16,
-                                                        layout=plgpu.Layout.WGMMA))
-  def convert(ctx, arr):
-    del ctx
-    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-    f16 = ir.F16Type.get()
-    out = np.empty_like(arr.registers)
-    for idx, reg in np.ndenumerate(arr.registers):
-      (n,) = ir.VectorType(reg.type).shape
-      if n % 2:  # wgmma's 16-bit layout holds pairs: never odd
-        raise NotImplementedError(f"int8 -> float16 pairs on a register of {n} values")
-      pairs = vector.bitcast(ir.VectorType.get((n // 2,), i16), reg)
-      words = []
-      for j in range(n // 2):
-        pair = arith.extui(i32, vector.extract(pairs, [], [j]))
-        words.append(llvm.inline_asm(
-            i32, [pair],
-            f"""{{
-            .reg .b32 s<3>;
-            prmt.b32 s0, $1, {F16_PRMT[0]:#x}, {F16_PRMT[1]:#x};
-            xor.b32 s1, s0, {F16_SIGN_FLIP:#010x};
-            mov.b32 s2, {F16_BIAS:#010x};
-            sub.f16x2 $0, s1, s2;
-            }}""", "=r,r"))
-      vec = vector.from_elements(ir.VectorType.get((n // 2,), i32), words)
-      out[idx] = vector.bitcast(ir.VectorType.get((n,), f16), vec)
-    return mgpu.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=None)
-
-  return convert(a)
