@@ -1075,23 +1075,12 @@ def test_any_split_int4_and_kn_numbers_in_the_docs(name, layout, summary, over_x
     assert "**0.795-0.979x XLA's dot on 5 of the 8\n  weights**" in docs
 
 
-def _prmt(a: np.ndarray, b: int, selector: int) -> np.ndarray:
-  """PTX ``prmt.b32`` (default mode): byte i of the result is byte
-  ``selector``'s nibble i of the eight bytes ``{b, a}`` (a's bytes 0-3)."""
-  pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [np.full_like(a, (b >> (8 * i)) & 0xFF)
-                                                      for i in range(4)]
-  out = np.zeros_like(a)
-  for i in range(4):
-    out |= pool[(selector >> (4 * i)) & 0x7] << (8 * i)
-  return out
-
-
 def test_int8_to_float16_pairs_are_exact_for_every_pair():
   # The kernel's three-instruction conversion (weight_only.int8_to_f16),
   # modelled with its constants on all 65,536 int8 pairs.
   from pallas_kernels.matmul import weight_only as nk
   pairs = np.arange(1 << 16, dtype=np.uint32)  # byte 0, byte 1: two int8 values
-  s0 = _prmt(pairs, *nk.F16_PRMT)
+  s0 = _prmt_pair(pairs, np.full_like(pairs, nk.F16_PRMT[0]), nk.F16_PRMT[1])
   s1 = s0 ^ nk.F16_SIGN_FLIP
   halves = np.stack([s1 & 0xFFFF, s1 >> 16], -1).astype(np.uint16).view(np.float16)
   bias = np.array([nk.F16_BIAS & 0xFFFF, nk.F16_BIAS >> 16], np.uint16).view(np.float16)
@@ -1125,6 +1114,31 @@ def _ratios(times, num: str, den: str) -> tuple[float, float]:
   return round(min(r), 2), round(max(r), 2)
 
 
+def test_int4_to_float16_pairs_are_exact_for_every_pair():
+  # The int4 branch of weight_only.int8_to_f16 on all 256 nibble pairs:
+  # PRMT of the word and the word >> 4, LOP3 (s & 0x000F000F) ^ bias, minus bias.
+  from pallas_kernels.matmul import weight_only as nk
+  words = np.arange(256, dtype=np.uint32)  # two int4 values, element 0 in the low nibble
+  s0 = _prmt_pair(words, words >> 4, 0xF4F0)
+  s1 = (s0 & 0x000F000F) ^ nk.F16_INT4_BIAS
+  halves = np.stack([s1 & 0xFFFF, s1 >> 16], -1).astype(np.uint16).view(np.float16)
+  bias = np.array([nk.F16_INT4_BIAS & 0xFFFF, nk.F16_INT4_BIAS >> 16], np.uint16).view(np.float16)
+  got = halves.astype(np.float32) - bias.astype(np.float32)
+  nibbles = np.stack([words & 0xF, words >> 4], -1).astype(np.int32)
+  np.testing.assert_array_equal(got, np.where(nibbles > 7, nibbles - 16, nibbles))
+
+
+def _prmt_pair(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
+  """PTX ``prmt.b32 d, a, b, selector`` (default mode): byte i of ``d`` is
+  byte ``selector``'s nibble i of ``{b, a}`` (a's bytes 0-3, b's 4-7); the
+  sign-replicating bit is ignored (the kernels mask the bytes it picks)."""
+  pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+  out = np.zeros_like(a)
+  for i in range(4):
+    out |= pool[(selector >> (4 * i)) & 0x7] << (8 * i)
+  return out
+
+
 def test_float16_pairs_numbers_in_the_docs_match_the_recorded_run():
   # docs/results.md's tables of int8 weights under float16 x (H200).
   times, errors = _kernel_case_times("weight_only_nk_f16_h200.txt")
@@ -1137,6 +1151,15 @@ def test_float16_pairs_numbers_in_the_docs_match_the_recorded_run():
   assert _ratios(times, "dot_bf16", fast) == (0.88, 1.74)
   times, errors = _kernel_case_times("weight_only_kn_grouped_f16_h200.txt")
   assert len(times) == 36 and len(errors) == 36 and max(errors) <= 2.9e-3
+  first, errors = _kernel_case_times("weight_only_nk_int4_f16_first_h200.txt")
+  now, errors_now = _kernel_case_times("weight_only_nk_int4_f16_h200.txt")
+  assert len(first) == 27 and len(now) == 9 and max(errors + errors_now) <= 5.6e-3
+  both = {**first, **{("int4 pairs", *k[1:]): v for k, v in now.items()}}
+  generic = "nk_int4 --x-dtype float16 --generic-convert"
+  assert _ratios(both, generic, "int4 pairs") == (1.34, 1.60)
+  assert _ratios(both, generic, "nk_int4 --x-dtype float16") == (1.06, 1.17)
+  assert _ratios(both, "nk_int4", "nk_int4 --x-dtype float16") == (0.73, 0.84)
+  assert _ratios(both, "nk_int4", "int4 pairs") == (0.99, 1.02)
   for kind, want in (("kn", (1.32, 1.39)), ("rdq", (1.27, 1.30))):
     sub = {k: v for k, v in times.items() if k[0].startswith(kind)}
     assert _ratios(sub, f"{kind}_int8 --x-dtype float16 --generic-convert",

@@ -61,6 +61,9 @@ FAST_INT8_F16 = True
 F16_PRMT = (0x64, 0x4140)
 F16_SIGN_FLIP = 0x00800080
 F16_BIAS = 0x64806480
+#: int4: the LOP3's exponent and sign flip, and the subtraction: 1032.0
+#: (1024 + 8) twice in float16.
+F16_INT4_BIAS = 0x64086408
 
 
 def smem_bytes(*, block_m: int, block_n: int, num_stages: int, itemsize: int) -> int:
@@ -300,42 +303,66 @@ def _kernel_call(x, w, *, config: MosaicMatmulConfig, num_sms: int):
 
 
 def int8_to_f16(a):
-  """int8 -> float16 in registers, two values at a time: the pair's bytes go
-  under an exponent byte 0x64 (PRMT; 1024 + their unsigned value), the sign
-  bits flip (LOP3: 1024 + 128 + v) and one packed subtraction of 1152 leaves
-  ``v``, exact. Mosaic's own conversion takes one I2F a value. ``a`` in
-  wgmma's 16-bit register layout (what a tiled load gives), int8."""
+  """int8 (or int4) -> float16 in registers, two values at a time. int8: the
+  pair's bytes go under an exponent byte 0x64 (PRMT; 1024 + their unsigned
+  value), the sign bits flip (XOR: 1024 + 128 + v) and one packed
+  subtraction of 1152 leaves ``v``, exact. int4: the pair's nibbles go to
+  the low bits of each half (PRMT of the byte and the byte shifted right by
+  4), one LOP3 masks them, sets the exponent and flips their sign bits
+  (1024 + 8 + v), and a packed subtraction of 1032 leaves ``v`` (Mosaic's
+  int4 -> bfloat16, with float16's exponent). Mosaic's own conversions to
+  float16 take one I2F a value (int4 first widened to int8). ``a`` in
+  wgmma's 16-bit register layout (what a tiled load gives)."""
   import numpy as np
   import jax.experimental.pallas.mosaic_gpu as plgpu
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, llvm, vector
   from jax.experimental.mosaic import gpu as mgpu
 
+  int4 = a.dtype == jnp.int4
+
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                      return_type=plgpu.ShapeDtypeStruct(a.shape, jnp.float16,
                                                         layout=plgpu.Layout.WGMMA))
   def convert(ctx, arr):
     del ctx
-    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    i32 = ir.IntegerType.get_signless(32)
     f16 = ir.F16Type.get()
     out = np.empty_like(arr.registers)
     for idx, reg in np.ndenumerate(arr.registers):
       (n,) = ir.VectorType(reg.type).shape
-      if n % 2:  # wgmma's 16-bit layout holds pairs: never odd
-        raise NotImplementedError(f"int8 -> float16 pairs on a register of {n} values")
-      pairs = vector.bitcast(ir.VectorType.get((n // 2,), i16), reg)
+      if n % 2 or (int4 and n > 8):  # wgmma's 16-bit layout holds pairs
+        raise NotImplementedError(f"int -> float16 pairs on a register of {n} values")
       words = []
-      for j in range(n // 2):
-        pair = arith.extui(i32, vector.extract(pairs, [], [j]))
-        words.append(llvm.inline_asm(
-            i32, [pair],
-            f"""{{
-            .reg .b32 s<3>;
-            prmt.b32 s0, $1, {F16_PRMT[0]:#x}, {F16_PRMT[1]:#x};
-            xor.b32 s1, s0, {F16_SIGN_FLIP:#010x};
-            mov.b32 s2, {F16_BIAS:#010x};
-            sub.f16x2 $0, s1, s2;
-            }}""", "=r,r"))
+      if int4:
+        packed = ir.IntegerType.get_signless(4 * n)
+        word = arith.extui(i32, vector.extract(
+            vector.bitcast(ir.VectorType.get((1,), packed), reg), [], [0]))
+        high = arith.shrui(word, arith.constant(i32, 4))
+        for j in range(n // 2):
+          words.append(llvm.inline_asm(
+              i32, [word, high],
+              f"""{{
+              .reg .b32 s<3>;
+              prmt.b32 s0, $1, $2, {0xF0F0 | (j + 4) << 8 | j:#x};
+              lop3.b32 s1, s0, 0x000F000F, {F16_INT4_BIAS:#010x}, (0xf0 & 0xcc) ^ 0xaa;
+              mov.b32 s2, {F16_INT4_BIAS:#010x};
+              sub.f16x2 $0, s1, s2;
+              }}""", "=r,r,r"))
+      else:
+        i16 = ir.IntegerType.get_signless(16)
+        pairs = vector.bitcast(ir.VectorType.get((n // 2,), i16), reg)
+        for j in range(n // 2):
+          pair = arith.extui(i32, vector.extract(pairs, [], [j]))
+          words.append(llvm.inline_asm(
+              i32, [pair],
+              f"""{{
+              .reg .b32 s<3>;
+              prmt.b32 s0, $1, {F16_PRMT[0]:#x}, {F16_PRMT[1]:#x};
+              xor.b32 s1, s0, {F16_SIGN_FLIP:#010x};
+              mov.b32 s2, {F16_BIAS:#010x};
+              sub.f16x2 $0, s1, s2;
+              }}""", "=r,r"))
       vec = vector.from_elements(ir.VectorType.get((n // 2,), i32), words)
       out[idx] = vector.bitcast(ir.VectorType.get((n,), f16), vec)
     return mgpu.FragmentedArray(_registers=out, _layout=arr.layout, _is_signed=None)

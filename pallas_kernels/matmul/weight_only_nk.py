@@ -338,7 +338,7 @@ def _kernel_call(x, w, group_scales, *, config: MosaicMatmulConfig, num_sms: int
                   plgpu.SwizzleTransform(w_swizzle))
   out_transforms = _transforms(rows * 4, 4)
   convert_f16 = w.dtype == jnp.float8_e4m3fn and dtype != jnp.float16
-  fast_i8 = _dense.FAST_INT8_F16 and w.dtype == jnp.int8 and dtype == jnp.float16
+  fast_i8 = _dense.FAST_INT8_F16 and w.dtype in (jnp.int8, jnp.int4) and dtype == jnp.float16
 
   in_specs = [plgpu.BlockSpec((rows, step), lambda kk: (0, kk), transforms=x_transforms,
                               memory_space=plgpu.SMEM)]
