@@ -1119,28 +1119,45 @@ def test_int4_to_float16_pairs_are_exact_for_every_pair():
   # PRMT of the word and the word >> 4, LOP3 (s & 0x000F000F) ^ bias, minus bias.
   from pallas_kernels.matmul import weight_only as nk
   words = np.arange(256, dtype=np.uint32)  # two int4 values, element 0 in the low nibble
-  s0 = _prmt_pair(words, words >> 4, 0xF4F0)
-  s1 = (s0 & 0x000F000F) ^ nk.F16_INT4_BIAS
-  halves = np.stack([s1 & 0xFFFF, s1 >> 16], -1).astype(np.uint16).view(np.float16)
+  # Four pairs in a 32-bit word (the kernels' registers hold one: n = 2).
+  rng = np.random.default_rng(0)
+  words = np.concatenate([np.arange(256, dtype=np.uint32),
+                          rng.integers(0, 1 << 32, 4096, dtype=np.uint64).astype(np.uint32)])
   bias = np.array([nk.F16_INT4_BIAS & 0xFFFF, nk.F16_INT4_BIAS >> 16], np.uint16).view(np.float16)
-  got = halves.astype(np.float32) - bias.astype(np.float32)
-  nibbles = np.stack([words & 0xF, words >> 4], -1).astype(np.int32)
-  np.testing.assert_array_equal(got, np.where(nibbles > 7, nibbles - 16, nibbles))
+  for j in range(4):
+    s0 = _prmt_pair(words, words >> 4, nk.F16_INT4_PRMT + 0x101 * j)
+    s1 = (s0 & 0x000F000F) ^ nk.F16_INT4_BIAS
+    halves = np.stack([s1 & 0xFFFF, s1 >> 16], -1).astype(np.uint16).view(np.float16)
+    got = halves.astype(np.float32) - bias.astype(np.float32)
+    nibbles = np.stack([(words >> 8 * j) & 0xF, (words >> 8 * j + 4) & 0xF], -1).astype(np.int32)
+    np.testing.assert_array_equal(got, np.where(nibbles > 7, nibbles - 16, nibbles))
 
 
 def _prmt_pair(a: np.ndarray, b: np.ndarray, selector: int) -> np.ndarray:
   """PTX ``prmt.b32 d, a, b, selector`` (default mode): byte i of ``d`` is
-  byte ``selector``'s nibble i of ``{b, a}`` (a's bytes 0-3, b's 4-7); the
-  sign-replicating bit is ignored (the kernels mask the bytes it picks)."""
+  byte ``selector``'s nibble i (its low 3 bits) of ``{b, a}`` (a's bytes
+  0-3, b's 4-7), or that byte's sign bit replicated where the nibble's bit 3
+  is set."""
   pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
   out = np.zeros_like(a)
   for i in range(4):
-    out |= pool[(selector >> (4 * i)) & 0x7] << (8 * i)
+    nibble = (selector >> (4 * i)) & 0xF
+    byte = pool[nibble & 0x7]
+    if nibble & 0x8:  # replicate the byte's sign bit
+      byte = np.where(byte & 0x80, 0xFF, 0).astype(a.dtype)
+    out |= byte << (8 * i)
   return out
 
 
 def test_float16_pairs_numbers_in_the_docs_match_the_recorded_run():
   # docs/results.md's tables of int8 weights under float16 x (H200).
+  import pathlib
+  doc = (pathlib.Path(__file__).parent.parent / "docs/results.md").read_text()
+  for cell in ("**1.51-1.66x**", "**1.37-1.50x**", "**1.43-1.50x**", "**1.38-1.62x**",
+               "**1.33-1.39x**", "**1.32-1.39x**", "**1.27-1.30x**", "**1.36-1.60x**",
+               "**1.35-1.60x**", "**1.34-1.47x**", "(0.64-0.79x of its", "1.00-1.12x faster",
+               "0.88-1.74x", "1.06-1.17x", "0.73-0.84x the bfloat16", "(0.99-1.02x)"):
+    assert cell in doc, cell
   times, errors = _kernel_case_times("weight_only_nk_f16_h200.txt")
   assert len(times) == 72 and len(errors) == 72 and max(errors) <= 3.2e-3
   fast, generic = "nk_int8 --x-dtype float16", "nk_int8 --x-dtype float16 --generic-convert"
@@ -1164,3 +1181,18 @@ def test_float16_pairs_numbers_in_the_docs_match_the_recorded_run():
     sub = {k: v for k, v in times.items() if k[0].startswith(kind)}
     assert _ratios(sub, f"{kind}_int8 --x-dtype float16 --generic-convert",
                    f"{kind}_int8 --x-dtype float16") == want
+
+
+@pytest.mark.parametrize("args,match", [
+    (["rd_mosaic", "--x-dtype", "float16"], "is for the nk_"),
+    (["nk_e4m3", "--x-dtype", "float16", "--generic-convert"], "--generic-convert needs"),
+    (["nk_int8", "--generic-convert"], "--generic-convert needs"),
+    (["kn_int8", "--m", "65"], "at most 64 rows"),
+    (["rdq_int8", "--config", "1,2,3,4"], "rule's config"),
+    (["nk_int8", "--m", "1", "16"], "one --m unless --time")])
+def test_kernel_case_bad_arguments_are_one_line_errors(args, match, capsys):
+  kc = _benchmark("kernel_case")
+  with pytest.raises(SystemExit):
+    kc.main(args)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert match in err[-1]

@@ -53,7 +53,8 @@ EPI_N = 32
 _MEMORY_REGISTERS = 40
 #: int8 weights with float16 ``x``: convert each pair of values with one
 #: PRMT, one LOP3 and one packed f16 subtraction (:func:`int8_to_f16`)
-#: instead of Mosaic's per-value conversion.
+#: instead of Mosaic's per-value conversion. Read when a kernel is traced
+#: (set it before the first call; jit caches what it traced).
 FAST_INT8_F16 = True
 #: The constants of that conversion: PRMT's second operand (the exponent
 #: byte of 1024.0 in float16) and selector (byte 0, 0x64, byte 1, 0x64),
@@ -61,8 +62,11 @@ FAST_INT8_F16 = True
 F16_PRMT = (0x64, 0x4140)
 F16_SIGN_FLIP = 0x00800080
 F16_BIAS = 0x64806480
-#: int4: the LOP3's exponent and sign flip, and the subtraction: 1032.0
-#: (1024 + 8) twice in float16.
+#: int4: PRMT's selector for the first pair of a word (byte j of the word and
+#: of the word shifted right by 4 for pair j: ``+ 0x101 * j``; the other two
+#: bytes are masked), the LOP3's exponent and sign flip, and the
+#: subtraction: 1032.0 (1024 + 8) twice in float16.
+F16_INT4_PRMT = 0xF4F0
 F16_INT4_BIAS = 0x64086408
 
 
@@ -336,15 +340,16 @@ def int8_to_f16(a):
       words = []
       if int4:
         packed = ir.IntegerType.get_signless(4 * n)
-        word = arith.extui(i32, vector.extract(
-            vector.bitcast(ir.VectorType.get((1,), packed), reg), [], [0]))
+        word = vector.extract(vector.bitcast(ir.VectorType.get((1,), packed), reg), [], [0])
+        if 4 * n < 32:
+          word = arith.extui(i32, word)
         high = arith.shrui(word, arith.constant(i32, 4))
         for j in range(n // 2):
           words.append(llvm.inline_asm(
               i32, [word, high],
               f"""{{
               .reg .b32 s<3>;
-              prmt.b32 s0, $1, $2, {0xF0F0 | (j + 4) << 8 | j:#x};
+              prmt.b32 s0, $1, $2, {F16_INT4_PRMT + 0x101 * j:#x};
               lop3.b32 s1, s0, 0x000F000F, {F16_INT4_BIAS:#010x}, (0xf0 & 0xcc) ^ 0xaa;
               mov.b32 s2, {F16_INT4_BIAS:#010x};
               sub.f16x2 $0, s1, s2;
