@@ -1196,3 +1196,44 @@ def test_kernel_case_bad_arguments_are_one_line_errors(args, match, capsys):
     kc.main(args)
   err = capsys.readouterr().err.strip().splitlines()
   assert match in err[-1]
+
+
+def test_bench_model_in_float16_with_int8_weights(tmp_path, capsys):
+  # wavetune bench model --dtype float16: the model, its caches and the
+  # unquantized baseline (--vs-bf16) in float16, checked against XLA.
+  import json
+
+  from wavetune_jax.cli.main import main
+  out = tmp_path / "bench.json"
+  assert main(["bench", "model", "--model", "small", "--layers", "1", "--prompt", "8",
+               "--decode-batch", "2", "--cache", "16", "--ops", "xla,tables", "--weights",
+               "int8", "--weight-layout", "nk", "--quantize-lm-head", "--dtype", "float16",
+               "--vs-bf16", "--json", str(out)]) == 0
+  assert ", float16, int8 weights (LM head too)" in capsys.readouterr().out
+  got = json.loads(out.read_text())
+  assert got["dtype"] == "float16" and len(got["rows"]) == 6
+  assert all(r["rel_diff_vs_xla"] < 5e-2 for r in got["rows"])
+
+
+def test_float16_decoder_numbers_in_the_docs_match_the_recorded_runs():
+  # docs/results.md's float16 Llama-3-8B table (H200): Mosaic's cast before,
+  # the pairs now, in fresh processes.
+  import json
+  import pathlib
+  root = pathlib.Path(__file__).parent.parent / "data/e2e"
+  runs = {side: json.loads((root / f"llama3_8b_f16_int8_nk_head_pairs_{side}_0_h200.json")
+                           .read_text()) for side in ("before", "now")}
+  us = {(side, r["setting"], r["kind"], r["batch"]): r["us"]
+        for side, run in runs.items() for r in run["rows"]}
+  assert all(run["dtype"] == "float16" and run["device"] == "NVIDIA H200"
+             and run["quantized_lm_head"] and run["weight_layout"] == "nk"
+             for run in runs.values())
+  b1 = ("decode", 1)
+  assert round(us[("now", "xla-bf16", *b1)] / us[("now", "tables", *b1)], 3) == 1.504
+  assert round(us[("before", "tables", *b1)] / us[("now", "tables", *b1)], 3) == 1.348
+  assert round(us[("before", "xla", *b1)] / us[("before", "tables", *b1)], 3) == 0.968
+  assert round(us[("now", "xla", *b1)] / us[("now", "tables", *b1)], 3) == 1.306
+  b16 = ("decode", 16)
+  assert round(us[("now", "xla-bf16", *b16)] / us[("now", "tables", *b16)], 3) == 1.037
+  p = ("prefill", 1)
+  assert round(us[("before", "tables", *p)] / us[("now", "tables", *p)], 3) == 1.071

@@ -84,10 +84,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                  "[N, K] weights with a scale per 128 values of K (xla: the weight "
                  "dequantized, then XLA's GEMM); under int8 / fp8 / int4 expert weights "
                  "stay bf16 unless --quantize-experts (int8 / fp8)")
+  m.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                 help="the model's activations, 16-bit weights and KV cache (default: "
+                 "bfloat16; --weights bf16 then means the model's float16 weights)")
   m.add_argument("--vs-bf16", action="store_true",
                  help="with --weights other than bf16, also run XLA + cuDNN on the model's "
                  "bf16 weights (setting xla-bf16: the same random weights before "
-                 "quantization) and report every setting against it too")
+                 "quantization, float16 under --dtype float16) and report every setting "
+                 "against it too")
   m.add_argument("--quantize-lm-head", action="store_true",
                  help="with --weights int8 / fp8 / int4 / w8a8, the LM head's weight too "
                  "(weight-only, in the format's weight dtype; by default it stays bf16)")
@@ -211,13 +215,14 @@ def _bench_model(a) -> int:
     prof = Profiler(iterations=a.iterations)
   layout = f"paged KV cache (pages of {page_size})" if page_size else "contiguous KV cache"
   attn = _attention_summary(cfg)
-  wts = "" if a.weights == "bf16" else f", {a.weights} weights"
+  wts = "" if a.dtype == "bfloat16" else f", {a.dtype}"
+  wts += "" if a.weights == "bf16" else f", {a.weights} weights"
   wts += " (LM head too)" if a.quantize_lm_head else ""
   wts += " (experts too)" if a.quantize_experts else ""
   wts += ", dense weights [N, K]" if a.weight_layout == "nk" or a.weights == "int4" else ""
   print(f"{jax.devices()[0].device_kind}: {cfg.name}, {cfg.layers} layers{attn}{wts}, "
         f"{layout}, settings {','.join(settings)}", flush=True)
-  raw = M.init(jax.random.PRNGKey(0), cfg)
+  raw = M.init(jax.random.PRNGKey(0), cfg, dtype=a.dtype)
   params = M.quantize_params(raw, cfg, a.weights, lm_head=a.quantize_lm_head,
                              experts=a.quantize_experts, layout=a.weight_layout)
   raw = raw if a.vs_bf16 else None  # (the bf16 weights held only where they run)
@@ -237,7 +242,7 @@ def _bench_model(a) -> int:
       cache_rows = -(-(length + 1) // a.cache_multiple) * a.cache_multiple
       shape = ((batch * (length // page_size + 1), page_size) if page_size
                else (batch, cache_rows)) + (cfg.kv_heads, cfg.head_dim)
-      kc, vc = M.random_kv_caches(cfg, shape)
+      kc, vc = M.random_kv_caches(cfg, shape, dtype=a.dtype)
       tables = ((M.random_block_tables(jax.random.PRNGKey(4), batch, length // page_size + 1),)
                 if page_size else ())
       extra = (kc, vc, *tables, _filled(a.cache_fill, cfg, batch, length),
@@ -303,7 +308,8 @@ def _bench_model(a) -> int:
           json.dump({"device": jax.devices()[0].device_kind, "model": cfg.name,
                      "layers": cfg.layers, "window": cfg.window,
                      "global_every": cfg.global_every, "soft_cap": cfg.soft_cap,
-                     "sinks": cfg.sinks, "weights": a.weights, "vs_bf16": a.vs_bf16,
+                     "sinks": cfg.sinks, "dtype": a.dtype, "weights": a.weights,
+                     "vs_bf16": a.vs_bf16,
                      "quantized_lm_head": a.quantize_lm_head,
                      "quantized_experts": a.quantize_experts,
                      "weight_layout": (None if a.weights == "bf16" else a.weight_layout

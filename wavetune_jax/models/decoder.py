@@ -210,12 +210,19 @@ def make_ops(name: str) -> Ops:
              wt.quantized_ragged_dot)
 
 
+def _cpu_float16(q) -> bool:
+  """float16 on a CPU: ``jax.nn.dot_product_attention``'s XLA implementation
+  asks for the F16_F16_F32 dot algorithm, which XLA's CPU backend refuses
+  (JAX 0.10), so the xla setting writes the same attention out there."""
+  return q.dtype == jnp.float16 and jax.default_backend() == "cpu"
+
+
 def _xla_attention(q, k, v, **options):
   """The xla setting's prefill attention: ``jax.nn.dot_product_attention``
   (cuDNN where it runs the shape, with its sliding window); soft-capping or
   sinks, which it has no argument for: XLA's attention written out with a
   float32 softmax (``wt.XlaAttentionConfig``)."""
-  if "logit_soft_cap" in options or "sinks" in options:
+  if "logit_soft_cap" in options or "sinks" in options or _cpu_float16(q):
     import wavetune_jax as wt
     return wt.attention(q, k, v, causal=True, config=wt.XlaAttentionConfig(), **options)
   return jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -229,7 +236,7 @@ def _xla_decode_attention(q, k, v, lengths, block_tables=None, **options):
   window, soft-capping or sinks: XLA's attention with the window's mask (the
   queries sit at each sequence's length, where ``jax.nn``'s window does not
   put them) and a float32 softmax (``wt.XlaDecodeConfig``)."""
-  if options:
+  if options or _cpu_float16(q):
     import wavetune_jax as wt
     return wt.decode_attention(q, k, v, kv_lengths=lengths, block_tables=block_tables,
                                config=wt.XlaDecodeConfig(), **options)
@@ -474,14 +481,13 @@ def prefill(params, tokens, *, cfg: ModelConfig, ops: Ops, max_len: int):
   return logits, [jnp.pad(k, pad) for k in ks], [jnp.pad(v, pad) for v in vs]
 
 
-def random_kv_caches(cfg: ModelConfig, shape: tuple) -> tuple[list, list]:
-  """Keys and values of every layer, random bfloat16 of ``shape``, in arrays
+def random_kv_caches(cfg: ModelConfig, shape: tuple, dtype=jnp.bfloat16) -> tuple[list, list]:
+  """Keys and values of every layer, random ``dtype`` of ``shape``, in arrays
   of their own (as a serving cache holds them: one array passed as both
   would let a kernel read the values from L2); the same draws on every
   call (``wavetune bench model``'s caches)."""
-  keys = [jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16)
-          for i in range(cfg.layers)]
-  values = [jax.random.normal(jax.random.PRNGKey(1000 + i), shape, jnp.bfloat16)
+  keys = [jax.random.normal(jax.random.PRNGKey(i), shape, dtype) for i in range(cfg.layers)]
+  values = [jax.random.normal(jax.random.PRNGKey(1000 + i), shape, dtype)
             for i in range(cfg.layers)]
   return keys, values
 
