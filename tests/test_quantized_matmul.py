@@ -1237,3 +1237,13 @@ def test_float16_decoder_numbers_in_the_docs_match_the_recorded_runs():
   assert round(us[("now", "xla-bf16", *b16)] / us[("now", "tables", *b16)], 3) == 1.037
   p = ("prefill", 1)
   assert round(us[("before", "tables", *p)] / us[("now", "tables", *p)], 3) == 1.071
+  moe = {side: json.loads((root / f"mixtral_8x7b_f16_int8_experts_pairs_{side}_0_h200.json")
+                          .read_text()) for side in ("before", "now")}
+  us = {(side, r["setting"], r["kind"], r["batch"]): r["us"]
+        for side, run in moe.items() for r in run["rows"]}
+  assert all(run["dtype"] == "float16" and run["quantized_experts"] for run in moe.values())
+  assert round(us[("before", "tables", *p)] / us[("now", "tables", *p)], 3) == 1.274
+  assert round(us[("before", "tables", *b1)] / us[("now", "tables", *b1)], 3) == 1.258
+  assert round(us[("before", "tables", *b16)] / us[("now", "tables", *b16)], 3) == 0.998
+  assert [round(us[("now", "xla", *k)] / us[("now", "tables", *k)], 2) for k in (p, b1)] == [
+      2.56, 2.55]
