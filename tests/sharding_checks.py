@@ -201,6 +201,45 @@ def explicit_mesh_runs_xlas_op():
 
 
 @check
+def explicit_mesh_ragged_dot():
+  # JAX's ragged dot has no rule for explicit axes (lax.ragged_dot raises
+  # there): the op runs it on rows, K and sizes gathered, the weights' expert
+  # and N axes kept (the output keeps N's), with a warning that says so.
+  ref = jax.lax.ragged_dot(LHS, RHS, GS)
+  mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  with warnings.catch_warnings(record=True) as rec, jax.set_mesh(mesh):
+    warnings.simplefilter("always")
+    for xs, ws in ((P("a"), P()), (P(None, "b"), P(None, "b")), (P(), P(None, None, "b")),
+                   (P(("a", "b")), P("a", None, "b"))):
+      x, w = (jax.device_put(a, NamedSharding(mesh, s)) for a, s in ((LHS, xs), (RHS, ws)))
+      out = jax.jit(wt.ragged_dot)(x, w, jax.device_put(GS, NamedSharding(mesh, P("a"))))
+      close(out, ref, 1e-5)
+      n_axis = ws[2] if len(ws) > 2 else None
+      assert tuple(jax.typeof(out).sharding.spec) + (None,) * 2 == (None, n_axis, None, None), \
+          jax.typeof(out).sharding.spec
+  said = [str(r.message) for r in rec if "explicit axes" in str(r.message)]
+  assert said and all("gathered" in m for m in said), said
+  # Placed on the mesh, the mesh not set.
+  x = jax.device_put(LHS, NamedSharding(mesh, P("a")))
+  close(jax.jit(wt.ragged_dot)(x, RHS, GS), ref, 1e-5)
+  # The quantized grouped GEMM: both weight layouts, N kept where it is N.
+  w8 = jnp.round(RHS * 40).astype(jnp.int8)
+  sc = jnp.full((4, 96), 0.025, jnp.float32)
+  for layout, w in (("kn", w8), ("nk", jnp.swapaxes(w8, 1, 2))):
+    q_ref = wt.quantized_ragged_dot(LHS.astype(jnp.bfloat16), w, sc, GS, w_layout=layout)
+    for xs, ws, n_axis in ((P("a"), P(None, None, "b"), "b" if layout == "kn" else None),
+                           (P(None, "b"), P("a", "b"), None if layout == "kn" else "b")):
+      with jax.set_mesh(mesh):
+        args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in (
+            (LHS.astype(jnp.bfloat16), xs), (w, ws), (sc, P(None, "b")), (GS, P("a")))]
+        out = jax.jit(lambda a, b, c, d: wt.quantized_ragged_dot(a, b, c, d, w_layout=layout))(
+            *args)
+      close(out, q_ref, 1e-6)
+      assert tuple(jax.typeof(out).sharding.spec) + (None,) == (None, n_axis, None), \
+          (layout, jax.typeof(out).sharding.spec)
+
+
+@check
 def explicit_types_without_the_mesh_set():
   # Arrays placed on a mesh of explicit axes, the mesh not set: their types
   # carry the sharding all the same, so the op runs XLA's (a kernel's

@@ -34,6 +34,20 @@ def test_reference_matches_jax_nn():
   assert rel_error(ref, nn) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_xla_backend_runs_one_element_shapes_on_a_cpu(dtype):
+  """Pinned to XLA's attention, a call whose batch, lengths and heads are
+  all 1 runs (XLA's CPU dot refuses 16-bit operands with a float32 result
+  there; the backend computes in float32 on a CPU)."""
+  q = jax.random.normal(jax.random.key(0), (1, 1, 1, 64), dtype)
+  out = wt.attention(q, q, q, config={"backend": "xla"})
+  dec = wt.decode_attention(q, q, q, config={"backend": "xla"})
+  assert out.dtype == dec.dtype == dtype
+  # One key: the output is its value.
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(q, np.float32))
+  np.testing.assert_array_equal(np.asarray(dec, np.float32), np.asarray(q, np.float32))
+
+
 @pytest.mark.parametrize("q_len,kv_len,bq,bk", [
     (1, 1, 16, 16), (7, 7, 16, 32), (100, 100, 32, 16), (1000, 1000, 128, 64),
     (40, 100, 16, 32), (100, 40, 32, 16), (256, 256, 64, 64), (300, 300, 128, 32)])

@@ -33,6 +33,7 @@ def results():
                                   "sharded_jit_multi_head_attention",
                                   "explicit_mesh_runs_xlas_op",
                                   "explicit_types_without_the_mesh_set",
+                                  "explicit_mesh_ragged_dot",
                                   "autotune_keeps_a_dot_with_out_sharding",
                                   "autotune_custom_functions_keep_their_types",
                                   "sharded_jit_ragged_dot", "sharded_jit_quantized_ragged_dot",

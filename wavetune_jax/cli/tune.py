@@ -165,6 +165,7 @@ def _select(args) -> int:
     if name in fields and name != "dtype":  # (--set dtype=... names any dtype)
       raise CliError(f"--set {name}={value}: {name} is given twice")
     fields[name] = _set_value(name, value)
+    _check_set_type(spec, name, value, fields[name])
   try:
     problem = spec.problem_from_dict(fields)
   except (TypeError, ValueError) as e:
@@ -427,6 +428,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                   help="how many configs to draw (default: 4)")
   pl.add_argument("--out", required=True, type=output_file, help="PNG path")
   pl.set_defaults(func=_plot)
+
+
+def _check_set_type(spec, name: str, given: str, value) -> None:
+  """A ``--set`` value of the wrong kind for its field is named at once (not
+  behind the fields still missing)."""
+  import dataclasses
+  kinds = {f.name: f.type for f in dataclasses.fields(spec.problem_cls)}
+  want = kinds.get(name)
+  want = getattr(want, "__name__", want)
+  ok = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)}.get(want)
+  if ok is not None and not ok(value):
+    kind = {"int": "an integer", "bool": "true or false", "float": "a number"}[want]
+    raise CliError(f"--set {name}={given}: {name} takes {kind}")
 
 
 def _set_value(name: str, value: str):

@@ -315,6 +315,9 @@ class Family(abc.ABC):
   refine_all_platforms: ClassVar[bool] = False
   #: What :meth:`baseline` runs, for tables and reports.
   baseline_name: ClassVar[str] = "XLA"
+  #: Said after "running XLA's op" in the warning under a mesh with explicit
+  #: axes, where that op runs differently there.
+  explicit_mesh_note: ClassVar[str] = ""
   #: Files recorded before configs named their backend: a config dict without
   #: ``"backend"`` is this backend's, and an int ``backend`` is looked up here.
   legacy_backends: ClassVar[dict] = {}

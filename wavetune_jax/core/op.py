@@ -174,8 +174,8 @@ def _under_explicit_mesh(family: Family, config, hw):
   if key not in _warned_explicit:
     _warned_explicit.add(key)
     warnings.warn(f"wavetune_jax.{family.name} under a mesh with explicit axes: running XLA's "
-                  f"op (the kernels take unsharded arrays; inside jax.shard_map they run "
-                  f"per shard)", stacklevel=4)
+                  f"op{family.explicit_mesh_note} (the kernels take unsharded arrays; inside "
+                  f"jax.shard_map they run per shard)", stacklevel=4)
   return xla[0].config_cls()
 
 

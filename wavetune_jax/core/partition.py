@@ -87,6 +87,44 @@ def explicit_mesh(arrays=()) -> bool:
           or any(_explicitly_sharded(a, explicit) for a in arrays))
 
 
+def _explicit_mesh_of(arrays):
+  """The mesh set, or else the mesh the arrays are placed on."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if getattr(mesh, "axis_names", ()):
+    return mesh
+  return next(m for m in (getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+                          for a in arrays if a is not None)
+              if getattr(m, "axis_names", ()))
+
+
+def replicated(a):
+  """``a`` on every device where it is sharded over explicit axes (group
+  sizes before a running sum, which JAX refuses on a sharded array there);
+  ``a`` itself elsewhere."""
+  if not explicit_mesh((a,)):
+    return a
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  return jax.sharding.reshard(a, NamedSharding(_explicit_mesh_of((a,)), P()))
+
+
+def gathered_for_ragged_dot(gathered, rhs, *, n_dim: int):
+  """Under a mesh with explicit axes, the operands JAX's ragged dot runs on,
+  and its output's sharding: ``lax.ragged_dot`` has no sharding rule there
+  (it asks for ``out_sharding``, and given one it still refuses the rows or
+  K sharded), so the arrays of ``gathered`` (the rows, the group sizes, row
+  scales) are gathered on every device, the weights ``rhs [G, ., .]`` keep
+  their expert axis and N's (dimension ``n_dim``) and lose K's, and the
+  output ``[M, N]`` keeps N's."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = _explicit_mesh_of((*gathered, rhs))
+  spec = tuple(getattr(jax.typeof(rhs).sharding, "spec", None) or ()) + (None,) * 3
+  keep = [spec[0], None, None]
+  keep[n_dim] = spec[n_dim]
+  put = lambda a, *axes: jax.sharding.reshard(a, NamedSharding(mesh, P(*axes)))  # noqa: E731
+  return (tuple(None if a is None else put(a) for a in gathered), put(rhs, *keep),
+          NamedSharding(mesh, P(None, spec[n_dim])))
+
+
 def _explicitly_sharded(a, explicit) -> bool:
   try:
     sharding = jax.typeof(a).sharding

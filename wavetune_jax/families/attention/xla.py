@@ -86,10 +86,12 @@ class XlaAttention(LibraryAttention):
 
 def xla_attention(q, k, v, **kw):
   """``jax.nn.dot_product_attention(..., implementation="xla")``; on a CPU
-  (the process's default backend) float16 computes in float32: XLA's CPU
-  dot rejects float16 operands with a float32 result, which JAX's attention
-  asks for under a jit (a CPU computes float16 products in float32 anyway)."""
-  if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+  (the process's default backend) float16 and bfloat16 compute in float32:
+  XLA's CPU dot rejects float16 operands with a float32 result, which JAX's
+  attention asks for under a jit, and bfloat16 ones too where a dot
+  degenerates to one element (batch, lengths and heads all 1); a CPU
+  computes 16-bit products in float32 anyway."""
+  if q.dtype in (jnp.float16, jnp.bfloat16) and jax.default_backend() == "cpu":
     f32 = lambda a: a.astype(jnp.float32)
     return jax.nn.dot_product_attention(f32(q), f32(k), f32(v), implementation="xla",
                                         **kw).astype(q.dtype)

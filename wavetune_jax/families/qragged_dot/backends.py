@@ -19,6 +19,7 @@ from pallas_kernels.matmul.mosaic import k_steps as bf16_k_steps
 from pallas_kernels.ragged_dot import fp8 as kernel
 from pallas_kernels.ragged_dot import weight_only as wo_kernel
 from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig
+from wavetune_jax.core import partition
 from wavetune_jax.core.family import Backend, OneConfigBackend
 from wavetune_jax.core.hardware import Hardware
 from wavetune_jax.families.qragged_dot.problem import QRaggedDotProblem
@@ -60,7 +61,7 @@ def _scaled(acc, scales, group_sizes, x_scales, out_dtype):
 
 
 def xla_qragged_dot(x, w, scales, group_sizes, out_dtype, *, x_scales=None,
-                    w_layout: str = "kn"):
+                    w_layout: str = "kn", out_sharding=None):
   """What a JAX user writes: XLA's ragged dot with fp32 accumulation, then the
   scales of each row's expert. Weight-only: the weights converted to the
   activations' dtype (exact for 8-bit values). W8A8: ``lax.ragged_dot_general``
@@ -69,7 +70,7 @@ def xla_qragged_dot(x, w, scales, group_sizes, out_dtype, *, x_scales=None,
   if x_scales is None:
     w = w.astype(x.dtype)
   acc = lax.ragged_dot_general(x, w, group_sizes, _dims(w_layout),
-                               preferred_element_type=jnp.float32)
+                               preferred_element_type=jnp.float32, out_sharding=out_sharding)
   return _scaled(acc, scales, group_sizes, x_scales, out_dtype)
 
 
@@ -180,6 +181,14 @@ class XlaQRaggedDot(OneConfigBackend):
 
   def run(self, p: QRaggedDotProblem, config, x, w, scales, group_sizes, x_scales=None, *,
           interpret: bool = False):
+    if partition.explicit_mesh((x, w, scales, group_sizes, x_scales)):
+      # (ops.ragged_dot's XLA backend: JAX's ragged dot has no rule there.)
+      (x, group_sizes, x_scales), w, out = partition.gathered_for_ragged_dot(
+          (x, group_sizes, x_scales), w, n_dim=2 if p.w_layout == "kn" else 1)
+      scales = jax.sharding.reshard(scales, jax.sharding.NamedSharding(
+          out.mesh, jax.sharding.PartitionSpec(None, out.spec[1])))
+      return xla_qragged_dot(x, w, scales, group_sizes, jnp.dtype(p.out_dtype),
+                             x_scales=x_scales, w_layout=p.w_layout, out_sharding=out)
     return xla_qragged_dot(x, w, scales, group_sizes, jnp.dtype(p.out_dtype),
                            x_scales=x_scales, w_layout=p.w_layout)
 

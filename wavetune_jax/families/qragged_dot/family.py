@@ -12,6 +12,7 @@ import numpy as np
 from pallas_kernels._integers import shape_and_dtype
 from pallas_kernels.ragged_dot.worklist import clip_sizes
 from wavetune_jax.core.family import Call, Family
+from wavetune_jax.core import partition
 from wavetune_jax.core.partition import PartitionRule
 from wavetune_jax.families.matmul.family import operand
 from wavetune_jax.families.qmatmul.family import check_activation_scales
@@ -49,6 +50,8 @@ class QRaggedDotFamily(Family):
   problem_cls = QRaggedDotProblem
   size_field = "m"
   baseline_name = "XLA"
+  explicit_mesh_note = (" with the rows, K and the group sizes gathered on every device "
+                        "(JAX's ragged dot has no rule for them sharded there)")
   heuristic_margin = 1.0
   guard_rule = {"weight_radius": math.inf, "size_radius": 1.0, "win": 0.97}
   # Tables for the H100 and H200 only (GPU tunes, no sweep): no warning where
@@ -112,7 +115,8 @@ class QRaggedDotFamily(Family):
       return jnp.zeros((m, n), out)
     problem = QRaggedDotProblem(m=m, g=g, k=k, n=n, dtype=x.dtype.name, w_dtype=w.dtype.name,
                                 out_dtype=out.name, w_layout=w_layout)
-    arrays = (x, w, scales.astype(jnp.float32), clip_sizes(group_sizes, m))
+    arrays = (x, w, scales.astype(jnp.float32),
+              clip_sizes(partition.replicated(group_sizes), m))
     if fp8:
       return Call(problem, arrays + (x_scales.astype(jnp.float32),), {},
                   ("scales", "group_sizes", "x_scales"))

@@ -106,6 +106,8 @@ class RaggedDotFamily(Family):
   # measured entries (exact answers) still apply.
   heuristic_margin = 1.5
   baseline_name = "XLA"
+  explicit_mesh_note = (" with the rows, K and the group sizes gathered on every device "
+                        "(JAX's ragged dot has no rule for them sharded there)")
   # The guard's rule: held-out replays of both GPUs' sweeps (5 splits;
   # benchmarks/guard_radius.py, docs/design.md "The guard").
   guard_rule = {"weight_radius": math.inf, "size_radius": 1.0, "win": 0.97}

@@ -11,6 +11,7 @@ import numpy as np
 
 from pallas_kernels._integers import INT32_MAX
 from pallas_kernels.ragged_dot.worklist import clip_sizes
+from wavetune_jax.core import partition
 from wavetune_jax.core.family import OneConfigBackend
 from wavetune_jax.core.versions import cudnn_below
 from wavetune_jax.core.hardware import Hardware
@@ -63,10 +64,14 @@ class XlaRaggedDot(OneConfigBackend):
     # saturated at M first. The cuDNN is the tracing process's: a program
     # exported or compiled ahead of time for a machine with a newer cuDNN
     # takes the first path (ops.ragged_dot's docstring).
+    kw = {}
+    if partition.explicit_mesh((lhs, rhs, group_sizes)):
+      (lhs, group_sizes), rhs, kw["out_sharding"] = partition.gathered_for_ragged_dot(
+          (lhs, group_sizes), rhs, n_dim=2)
     if interpret or p.g * p.m > INT32_MAX or not cudnn_below(CUDNN_GROUPED_GEMM):
       group_sizes = clip_sizes(group_sizes, p.m)
     out = jax.lax.ragged_dot(lhs, rhs, group_sizes,
-                             preferred_element_type=jnp.dtype(p.out_dtype))
+                             preferred_element_type=jnp.dtype(p.out_dtype), **kw)
     if not interpret:
       return out  # a GPU's ragged dot writes zeros past the groups itself
     # On the CPU, rows past sum(group_sizes) are made exactly zero: its dense
@@ -75,3 +80,4 @@ class XlaRaggedDot(OneConfigBackend):
     # whole output.)
     rows = jnp.arange(p.m, dtype=group_sizes.dtype)[:, None]
     return jnp.where(rows < jnp.sum(group_sizes), out, jnp.zeros((), out.dtype))
+
