@@ -37,6 +37,9 @@ problem:
   faster of cuDNN and XLA, with ``key_value_seq_lengths``),
   ``lax.ragged_dot``.
 
+``--dtype float16`` runs every problem with float16 operands and outputs
+(the W8A8 ones stay e4m3; the labels end in " float16").
+
 Each is checked against the float32 reference first. The summary gives
 ``base / wt`` per family (geomean, minimum, problems below 0.95x).
 ``--dry-run`` prints the problems and the configs the selector picks for
@@ -44,7 +47,7 @@ Each is checked against the float32 reference first. The summary gives
 
     python3 benchmarks/unseen_models.py [--set v1|v2|v3|v4] [--policy NAME] [--lengths full]
         [--families matmul,attention,decode,ragged_dot,qmatmul,qragged_dot] [--models NAMES]
-        [--quick] [--only TEXT] [--json out.json]
+        [--quick] [--dtype float16] [--only TEXT] [--json out.json]
     python3 benchmarks/unseen_models.py --dry-run --device-key nvidia_h100_80gb_hbm3
     python3 benchmarks/unseen_models.py --report out.json [more.json ...]
 """
@@ -52,6 +55,7 @@ Each is checked against the float32 reference first. The summary gives
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -241,10 +245,24 @@ def gemm_weights(c: dict) -> dict:
           "down": (c["ffn"], h)}
 
 
-def problems(families, quick: bool, models=None,
-             model_set: str = "v1") -> list[tuple[str, str, object]]:
+def problems(families, quick: bool, models=None, model_set: str = "v1",
+             dtype: str = "bfloat16") -> list[tuple[str, str, object]]:
   """``(family, label, problem)`` for every problem of the selected families
-  (and models, if given) of one set of ``SETS``."""
+  (and models, if given) of one set of ``SETS``; with ``dtype`` float16 the
+  16-bit operands are float16 (the W8A8 problems stay e4m3) and each label
+  ends in " float16"."""
+  out = _problems(families, quick, models, model_set)
+  if dtype == "bfloat16":
+    return out
+  def cast(p):
+    if p.dtype == "float8_e4m3fn":
+      return p
+    outs = {"out_dtype": dtype} if getattr(p, "out_dtype", None) == p.dtype else {}
+    return dataclasses.replace(p, dtype=dtype, **outs)
+  return [(f, f"{label} {dtype}", cast(p)) for f, label, p in out]
+
+
+def _problems(families, quick: bool, models, model_set: str):
   ms = SETS[model_set]
   pick = (lambda v: v[::2]) if quick else (lambda v: v)
   out = []
@@ -362,6 +380,9 @@ def main(argv=None) -> int:
                   help=f"comma-separated, of {','.join(ALL_FAMILIES)} (default: "
                        f"{','.join(FAMILIES)})")
   ap.add_argument("--quick", action="store_true", help="every other size")
+  ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"),
+                  help="the 16-bit operands (default bfloat16; float16 labels end in "
+                       "\" float16\", so a file may hold both)")
   ap.add_argument("--lengths", default="spread", choices=("spread", "full"),
                   help="decode: the sequences' valid lengths, spread over the cache "
                        "(default, as the sweeps) or every sequence at the full cache")
@@ -410,7 +431,7 @@ def main(argv=None) -> int:
   bad = sorted(set(models) - set(ms.names))
   if bad:
     ap.error(f"--models: unknown {bad} in --set {a.set}; choose from {','.join(ms.names)}")
-  plan = problems(fams, a.quick, models, a.set)
+  plan = problems(fams, a.quick, models, a.set, a.dtype)
   if a.only is not None:
     plan = [row for row in plan if a.only in row[1]]
     if not plan:
@@ -602,8 +623,8 @@ def report(paths, families, models: str) -> int:
     print(f"unseen_models: --models: unknown {bad}", file=sys.stderr)
     return 2
   hw = wt.device_key(next(iter(kinds))) if kinds else None
-  plan = {(f, label): p for k in SETS
-          for f, label, p in problems(ALL_FAMILIES, False, None, k)}
+  plan = {(f, label): p for k in SETS for dt in ("bfloat16", "float16")
+          for f, label, p in problems(ALL_FAMILIES, False, None, k, dt)}
   keep, older = [], []
   with wt.policy(pol):
     for key, rs in found.items():

@@ -66,9 +66,13 @@ def test_evidence_near_and_far():
   lost = win + [(MatmulProblem(m=700, n=4096, k=4096), {"triton": 12.0, "xla": 10.0})]
   ok, why = guard.Evidence(MATMUL, H100, lost, rule=rule).allows(p, TRITON)
   assert not ok and "0.83x" in why
-  # Another dtype is another shape class.
-  f16 = dataclasses.replace(p, dtype="float16")
-  assert not ev.allows(f16, TRITON)[0]
+  # float16 is judged on bfloat16 rows (one 16-bit class: the sweeps are
+  # bfloat16); another dtype is another shape class.
+  f16 = dataclasses.replace(p, dtype="float16", out_dtype="float16")
+  assert ev.allows(f16, TRITON) == (True, "")
+  assert not guard.Evidence(MATMUL, H100, lost, rule=rule).allows(f16, TRITON)[0]
+  f32 = dataclasses.replace(p, dtype="float32", out_dtype="float32")
+  assert not ev.allows(f32, TRITON)[0]
 
 
 def test_stale_evidence_needs_a_larger_win(monkeypatch):

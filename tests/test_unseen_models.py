@@ -743,3 +743,88 @@ def test_the_long_cache_split_moves_three_unseen_decode_picks(monkeypatch):
                    "v4 mistral_small_24b b=72 cache=14000", "v4 yi_1_5_9b b=72 cache=14000"]
   assert [sources[k] for k in moved] == ["guard", "guard", "heuristic", "heuristic",
                                          "heuristic", "guard"]
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_float16_calls_select_as_bfloat16_ones_do(key, capsys):
+  """The guard judges a float16 call on the tables' bfloat16 measurements
+  (one 16-bit class): on every v3 problem the tables answer float16 as
+  they answer bfloat16 (before, the guard found no float16 evidence and
+  kept XLA's dense ragged dot on 15 of the 16 grouped GEMMs)."""
+  mod = _mod()
+  argv = ["--set", "v3", "--quick", "--device-key", key, "--policy", "tables",
+          "--families", "matmul,attention,decode,ragged_dot,qmatmul,qragged_dot"]
+  bf16, last = _dry_run(mod, capsys, argv)
+  f16, last16 = _dry_run(mod, capsys, argv + ["--dtype", "float16"])
+  assert last == last16 and len(bf16) == len(f16)
+  strip = lambda line: line.replace(" float16", " ").split()  # noqa: E731
+  assert [strip(l) for l in f16] == [l.split() for l in bf16]
+  plan = mod.problems(("ragged_dot", "qmatmul"), True, None, "v3", "float16")
+  assert {p.dtype for _, _, p in plan} == {"float16", "float8_e4m3fn"}
+  assert all(p.out_dtype == "float16" for _, _, p in plan if p.dtype == "float16")
+  assert all(label.endswith(" float16") for _, label, _ in plan)
+  # The grouped GEMMs (ragged_dot, not the quantized ones) on the Mosaic kernel.
+  mosaic = sum("mosaic(" in l for l in f16 if l.startswith("ragged_dot "))
+  assert mosaic == {"nvidia_h200": 15, "nvidia_h100_80gb_hbm3": 9}[key], mosaic
+  spec = wt.RAGGED_DOT
+  p = wt.RaggedDotProblem(m=26400, g=128, k=4096, n=3072)
+  assert spec.evidence_features(p) == spec.evidence_features(
+      wt.RaggedDotProblem(m=26400, g=128, k=4096, n=3072, dtype="float16"))
+
+
+def test_report_of_the_float16_runs_on_the_tables(capsys):
+  """docs/results.md ("Float16 models (H200)"): float16 calls of the v3
+  models on the tables, after the guard took bfloat16 evidence for them."""
+  probes = ROOT / "data" / "probes"
+  grouped = probes / "unseen_v3_f16_ragged_dot_tables_h200.json"
+  more = probes / "unseen_v3_f16_more_tables_h200.json"
+  assert _mod().main(["--report", str(grouped), str(more)]) == 0
+  out = capsys.readouterr().out
+  for line in ("ragged_dot: wt vs base 6.779x geomean, min 0.965x, 1 of 16 below 0.97x",
+               "decode: wt vs the faster of cuDNN and XLA 1.052x geomean, min 1.008x, 0 of 2"):
+    assert line in out, line
+  assert _mod().main(["--report", str(more), "--families", "qmatmul,qragged_dot"]) == 0
+  out = capsys.readouterr().out
+  for line in ("qmatmul: wt vs base 3.153x geomean, min 0.990x, 0 of 12 below 0.97x",
+               "qragged_dot: wt vs base 5.027x geomean, min 0.985x, 0 of 6 below 0.97x"):
+    assert line in out, line
+  rows = [r for f in (grouped, more) for r in json.loads(f.read_text())["rows"]]
+  assert all(r["label"].endswith(" float16") for r in rows) and len(rows) == 36
+  # Float16 outputs too (no bfloat16 anywhere in the problems).
+  assert all("float16" in r["problem"] and "bfloat16" not in r["problem"] for r in rows)
+  # The grouped GEMMs XLA's op ran before (the guard's answer), by speed-up.
+  speed = sorted(r["us"]["base"] / r["us"]["wt"] for r in rows if r["family"] == "ragged_dot"
+                 and r["config"]["backend"] == "mosaic")
+  assert len(speed) == 15 and (round(speed[0], 3), round(speed[-1], 1)) == (0.965, 85.5)
+
+
+def test_float16_decoders_on_the_tables_and_refinement():
+  """docs/results.md ("Float16 models (H200)"): each cell of the table is
+  XLA's step over the setting's, from the recorded runs."""
+  want = {"llama3_8b": {"tables": (1.000, 1.000, 0.999, 1.000), "auto": (1.048, 1.089, 1.002, 1.000)},
+          "mixtral_8x7b": {"tables": (1.026, 4.854, 2.739, 1.000),
+                           "auto": (1.333, 4.841, 2.775, 0.999)},
+          "qwen2_5_1_5b": {"tables": (1.001, 1.000, 1.001, 0.999),
+                           "auto": (1.079, 1.038, 1.174, 1.020)}}
+  want["llama3_8b"]["tables after"] = (1.003, 1.004, 1.001, 0.985)
+  want["mixtral_8x7b"]["tables after"] = (1.363, 4.694, 2.771, 1.003)
+  for model, settings in want.items():
+    run = json.loads((ROOT / "data" / "e2e" / f"{model}_f16_tables_auto_h200.json").read_text())
+    if "tables after" in settings:
+      after = json.loads((ROOT / "data" / "e2e" / f"{model}_f16_tables_guard16_h200.json")
+                         .read_text())
+      run["rows"] += [dict(r, setting="tables after") for r in after["rows"]
+                      if r["setting"] == "tables"]
+      # XLA's own step of that process is the base of its tables rows.
+      for r in after["rows"]:
+        if r["setting"] == "xla":
+          run["rows"].append(dict(r, setting="xla after"))
+    assert run["dtype"] == "float16" and run["device"] == "NVIDIA H200"
+    us = {(r["setting"], r["kind"], r["length"], r["batch"]): r["us"] for r in run["rows"]}
+    assert max(r["rel_diff_vs_xla"] for r in run["rows"]) <= 1.1e-3
+    points = sorted({k[1:] for k in us}, key=lambda k: (k[0] != "prefill", k[1], k[2]))
+    assert len(points) == 4
+    for setting, cells in settings.items():
+      base = "xla after" if setting == "tables after" else "xla"
+      got = tuple(round(us[(base, *k)] / us[(setting, *k)], 3) for k in points)
+      assert got == cells, (model, setting, got)

@@ -699,6 +699,11 @@ class Family(abc.ABC):
   #: is not an int): a kernel's speed against the platform op does not carry
   #: over between them (attention's head_dim).
   evidence_categorical: ClassVar[tuple[str, ...]] = ()
+  #: Values of the dtype fields the guard counts as one class: float16 calls
+  #: are judged on bfloat16 measurements (the sweeps are bfloat16; Hopper's
+  #: wgmma, cuBLAS and cuDNN run the two 16-bit formats at one rate, and the
+  #: kernels move the same bytes: docs/design.md, "The guard").
+  evidence_dtype_class: ClassVar[dict] = {"float16": "bfloat16"}
 
   def evidence_features(self, problem) -> tuple[tuple, tuple[float, ...], float]:
     """``(shape class, log2 weight fields, log2 size)``: the guard calls
@@ -712,6 +717,8 @@ class Family(abc.ABC):
       v = d[k]
       if k == self.size_field:
         continue
+      if k in ("dtype", "out_dtype"):
+        v = self.evidence_dtype_class.get(v, v)
       if isinstance(v, bool) or not isinstance(v, int) or k in self.evidence_categorical:
         cat.append((k, v))
       else:
