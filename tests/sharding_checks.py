@@ -222,21 +222,36 @@ def explicit_mesh_ragged_dot():
   # Placed on the mesh, the mesh not set.
   x = jax.device_put(LHS, NamedSharding(mesh, P("a")))
   close(jax.jit(wt.ragged_dot)(x, RHS, GS), ref, 1e-5)
-  # The quantized grouped GEMM: both weight layouts, N kept where it is N.
-  w8 = jnp.round(RHS * 40).astype(jnp.int8)
-  sc = jnp.full((4, 96), 0.025, jnp.float32)
-  for layout, w in (("kn", w8), ("nk", jnp.swapaxes(w8, 1, 2))):
-    q_ref = wt.quantized_ragged_dot(LHS.astype(jnp.bfloat16), w, sc, GS, w_layout=layout)
-    for xs, ws, n_axis in ((P("a"), P(None, None, "b"), "b" if layout == "kn" else None),
-                           (P(None, "b"), P("a", "b"), None if layout == "kn" else "b")):
-      with jax.set_mesh(mesh):
-        args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in (
-            (LHS.astype(jnp.bfloat16), xs), (w, ws), (sc, P(None, "b")), (GS, P("a")))]
-        out = jax.jit(lambda a, b, c, d: wt.quantized_ragged_dot(a, b, c, d, w_layout=layout))(
-            *args)
-      close(out, q_ref, 1e-6)
-      assert tuple(jax.typeof(out).sharding.spec) + (None,) == (None, n_axis, None), \
-          (layout, jax.typeof(out).sharding.spec)
+  with warnings.catch_warnings(record=True) as rec:
+    warnings.simplefilter("always")
+    # The quantized grouped GEMM: both weight layouts, N kept where it is N.
+    w8 = jnp.round(RHS * 40).astype(jnp.int8)
+    sc = jnp.full((4, 96), 0.025, jnp.float32)
+    for layout, w in (("kn", w8), ("nk", jnp.swapaxes(w8, 1, 2))):
+      q_ref = wt.quantized_ragged_dot(LHS.astype(jnp.bfloat16), w, sc, GS, w_layout=layout)
+      for xs, ws, n_axis in ((P("a"), P(None, None, "b"), "b" if layout == "kn" else None),
+                             (P(None, "b"), P("a", "b"), None if layout == "kn" else "b")):
+        with jax.set_mesh(mesh):
+          args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in (
+              (LHS.astype(jnp.bfloat16), xs), (w, ws), (sc, P(None, "b")), (GS, P("a")))]
+          out = jax.jit(lambda a, b, c, d: wt.quantized_ragged_dot(a, b, c, d, w_layout=layout))(
+              *args)
+        close(out, q_ref, 1e-6)
+        assert tuple(jax.typeof(out).sharding.spec) + (None,) == (None, n_axis, None), \
+            (layout, jax.typeof(out).sharding.spec)
+    # NumPy int64 sizes past int32 under the mesh: clipped as elsewhere (not
+    # wrapped by JAX's narrowing first); the scales alone placed on the mesh,
+    # the mesh not set, name it.
+    big = np.array([10, 2**32 + 4, 0, 30], np.int64)
+    x16 = LHS.astype(jnp.bfloat16)
+    want = wt.quantized_ragged_dot(x16, w8, sc, big)
+    with jax.set_mesh(mesh):
+      close(jax.jit(lambda a: wt.quantized_ragged_dot(a, w8, sc, big))(x16), want, 1e-6)
+    placed = jax.device_put(sc, NamedSharding(mesh, P(None, "b")))
+    close(jax.jit(lambda c: wt.quantized_ragged_dot(x16, w8, c, GS))(placed),
+          wt.quantized_ragged_dot(x16, w8, sc, GS), 1e-6)
+  said = [str(r.message) for r in rec if "qragged_dot under a mesh" in str(r.message)]
+  assert said and "gathered" in said[0], said
 
 
 @check

@@ -92,31 +92,36 @@ def _explicit_mesh_of(arrays):
   mesh = jax.sharding.get_abstract_mesh()
   if getattr(mesh, "axis_names", ()):
     return mesh
-  return next(m for m in (getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
-                          for a in arrays if a is not None)
-              if getattr(m, "axis_names", ()))
+  found = next((m for m in (getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+                            for a in arrays if a is not None)
+                if getattr(m, "axis_names", ())), None)
+  if found is None:
+    raise ValueError("an operand is sharded over explicit axes, but neither the mesh set "
+                     "(jax.set_mesh) nor the operands name it")
+  return found
 
 
 def replicated(a):
   """``a`` on every device where it is sharded over explicit axes (group
   sizes before a running sum, which JAX refuses on a sharded array there);
   ``a`` itself elsewhere."""
-  if not explicit_mesh((a,)):
-    return a
+  if not isinstance(a, jax.Array) or not explicit_mesh((a,)):
+    return a   # (NumPy and lists: clipped by the caller before JAX narrows them)
   from jax.sharding import NamedSharding, PartitionSpec as P
   return jax.sharding.reshard(a, NamedSharding(_explicit_mesh_of((a,)), P()))
 
 
-def gathered_for_ragged_dot(gathered, rhs, *, n_dim: int):
+def gathered_for_ragged_dot(gathered, rhs, *, n_dim: int, others=()):
   """Under a mesh with explicit axes, the operands JAX's ragged dot runs on,
   and its output's sharding: ``lax.ragged_dot`` has no sharding rule there
   (it asks for ``out_sharding``, and given one it still refuses the rows or
   K sharded), so the arrays of ``gathered`` (the rows, the group sizes, row
   scales) are gathered on every device, the weights ``rhs [G, ., .]`` keep
   their expert axis and N's (dimension ``n_dim``) and lose K's, and the
-  output ``[M, N]`` keeps N's."""
+  output ``[M, N]`` keeps N's. ``others``: more operands that may name the
+  mesh (placed on it, the mesh not set)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
-  mesh = _explicit_mesh_of((*gathered, rhs))
+  mesh = _explicit_mesh_of((*gathered, rhs, *others))
   spec = tuple(getattr(jax.typeof(rhs).sharding, "spec", None) or ()) + (None,) * 3
   keep = [spec[0], None, None]
   keep[n_dim] = spec[n_dim]

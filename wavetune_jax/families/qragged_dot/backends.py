@@ -184,7 +184,8 @@ class XlaQRaggedDot(OneConfigBackend):
     if partition.explicit_mesh((x, w, scales, group_sizes, x_scales)):
       # (ops.ragged_dot's XLA backend: JAX's ragged dot has no rule there.)
       (x, group_sizes, x_scales), w, out = partition.gathered_for_ragged_dot(
-          (x, group_sizes, x_scales), w, n_dim=2 if p.w_layout == "kn" else 1)
+          (x, group_sizes, x_scales), w, n_dim=2 if p.w_layout == "kn" else 1,
+          others=(scales,))
       scales = jax.sharding.reshard(scales, jax.sharding.NamedSharding(
           out.mesh, jax.sharding.PartitionSpec(None, out.spec[1])))
       return xla_qragged_dot(x, w, scales, group_sizes, jnp.dtype(p.out_dtype),
