@@ -19,7 +19,7 @@ from wavetune_jax.families.qmatmul.family import check_activation_scales
 from wavetune_jax.families.qragged_dot.problem import (DTYPES, W_LAYOUTS, WEIGHT_DTYPES,
                                                        QRaggedDotProblem)
 from wavetune_jax.families.ragged_dot import routing
-from wavetune_jax.families.ragged_dot.family import expert_weights, fold_batch
+from wavetune_jax.families.ragged_dot.family import RaggedDotFamily, expert_weights, fold_batch
 
 __all__ = ["QRaggedDotFamily", "WEIGHT_ONLY_BUSY", "WEIGHT_ONLY_BUSY_TRUSTED_GPUS",
            "WEIGHT_ONLY_DENSE_ROWS"]
@@ -50,8 +50,7 @@ class QRaggedDotFamily(Family):
   problem_cls = QRaggedDotProblem
   size_field = "m"
   baseline_name = "XLA"
-  explicit_mesh_note = (" with the rows, K and the group sizes gathered on every device "
-                        "(JAX's ragged dot has no rule for them sharded there)")
+  explicit_mesh_note = RaggedDotFamily.explicit_mesh_note   # (the same XLA op there)
   heuristic_margin = 1.0
   guard_rule = {"weight_radius": math.inf, "size_radius": 1.0, "win": 0.97}
   # Tables for the H100 and H200 only (GPU tunes, no sweep): no warning where
@@ -173,7 +172,6 @@ class QRaggedDotFamily(Family):
     from pallas_kernels.ragged_dot.mosaic import MosaicRaggedDotConfig
     from wavetune_jax.core import versions as versions_lib
     from wavetune_jax.families.qragged_dot.backends import XlaQRaggedDotConfig
-    from wavetune_jax.families.ragged_dot.family import RaggedDotFamily
     if not (isinstance(config, MosaicRaggedDotConfig)
             and isinstance(platform, XlaQRaggedDotConfig)):
       return False
